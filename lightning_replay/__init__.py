@@ -1,0 +1,23 @@
+"""lightning_replay: state-aware activation recomputation for PyTorch and PyTorch Lightning.
+
+Example:
+    >>> import torch, lightning_replay as lr
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    >>> engine = lr.install(model, segments=["0"])
+    >>> model(torch.randn(2, 4)).sum().backward()
+    >>> sorted(engine.contracts)
+    ['0']
+"""
+from lightning_replay.contract import SCHEMA_VERSION, ReplayContract, StateEntry
+from lightning_replay.engine import ReplayEngine, install
+from lightning_replay.errors import (ContractSchemaError, ContractViolation, RecordsError,
+                                     ReplayConfigError, ReplayError, SegmentError)
+from lightning_replay.records import Record, RecordStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ContractSchemaError", "ContractViolation", "Record", "RecordStore", "RecordsError",
+    "ReplayConfigError", "ReplayContract", "ReplayEngine", "ReplayError", "SCHEMA_VERSION",
+    "SegmentError", "StateEntry", "install",
+]

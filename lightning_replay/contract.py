@@ -1,0 +1,157 @@
+"""The versioned replay contract: what a segment's replay must see as its forward saw it.
+
+A contract is made by the probe (see :mod:`lightning_replay.discovery`) and names every piece of
+state by a stable name (``"encoder.blocks.0.bn.running_mean"``, ``"queue"``, ``"external[0]"``).
+It is plain data: ``to_dict()`` is JSON-safe and ``from_dict()`` refuses other schema versions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from lightning_replay.errors import ContractSchemaError
+
+SCHEMA_VERSION = 1
+
+STATE_KINDS = ("parameter", "buffer", "attribute", "external")
+STATE_PRESERVATION = ("none", "whole", "regions")
+OPTIONS = ("retain", "recompute", "whole", "regions")
+"""Segment options. ``retain``: keep activations; ``recompute``: replay, nothing to preserve;
+``whole``: snapshot each changing state tensor at forward; ``regions``: keep only the regions
+overwritten in the window (falls back to ``whole`` for state whose writes can't be localized)."""
+
+
+@dataclasses.dataclass
+class StateEntry:
+    """One piece of tensor state a segment reads or writes.
+
+    Attributes:
+        name: stable qualified name (first of its aliases in module order).
+        kind: ``parameter``, ``buffer``, ``attribute`` (plain tensor attribute) or ``external``.
+        aliases: other names of the same storage (tensors shared between modules).
+        changes_in_window: the probe saw its bytes change between the segment's forward and its
+            replay, so replay needs it preserved.
+        written_by_segment: the segment itself writes it (replay must not leak that write).
+        unannotated_write: written without a schema write annotation or version bump (eager CPU
+            batch norm); only byte comparison sees it, so it is always preserved whole.
+        regions_ok: every change in the window was an annotated write whose region was logged.
+        region_bytes: bytes the region log held for it in the probe window.
+        preservation: ``none``, ``whole`` or ``regions`` under the contract's option.
+    """
+
+    name: str
+    kind: str
+    shape: list[int]
+    dtype: str
+    device: str
+    nbytes: int
+    aliases: list[str] = dataclasses.field(default_factory=list)
+    changes_in_window: bool = False
+    written_by_segment: bool = False
+    unannotated_write: bool = False
+    regions_ok: bool = False
+    region_bytes: int = 0
+    preservation: str = "none"
+
+
+@dataclasses.dataclass
+class ReplayContract:
+    """What replay of one segment must restore, at one version.
+
+    Example:
+        >>> c = ReplayContract(segment="blocks.0", version=1)
+        >>> ReplayContract.from_dict(c.to_dict()) == c
+        True
+    """
+
+    segment: str
+    version: int = 1
+    option: str = "recompute"
+    state: list[StateEntry] = dataclasses.field(default_factory=list)
+    generators: list[str] = dataclasses.field(default_factory=list)
+    uses_global_rng: bool = False
+    python_attrs: list[str] = dataclasses.field(default_factory=list)
+    input_aliases: list[str] = dataclasses.field(default_factory=list)
+    activation_bytes: int = 0
+    probed_at_step: int = 0
+    schema: int = SCHEMA_VERSION
+
+    # ---- derived views ----
+    @property
+    def changing(self) -> list[StateEntry]:
+        """State that must be preserved for replay to be exact."""
+        return [s for s in self.state if s.changes_in_window]
+
+    @property
+    def stateless(self) -> bool:
+        return not self.changing and not self.generators
+
+    def available_options(self) -> list[str]:
+        """Options that honour this contract."""
+        if self.stateless:
+            return ["retain", "recompute"]
+        opts = ["retain", "whole"]
+        if any(s.regions_ok and not s.unannotated_write for s in self.changing):
+            opts.append("regions")
+        return opts
+
+    def preserved_bytes(self, option: str | None = None) -> int:
+        """Bytes this contract holds from forward to replay under ``option`` (probe estimate)."""
+        option = option or self.option
+        if option in ("retain", "recompute"):
+            return 0
+        total = 0
+        for s in self.changing:
+            if option == "regions" and s.regions_ok and not s.unannotated_write:
+                total += min(s.region_bytes, s.nbytes)
+            else:
+                total += s.nbytes
+        return total
+
+    def apply_option(self, option: str) -> None:
+        """Set ``option`` and each state entry's preservation accordingly."""
+        if option not in OPTIONS:
+            raise ValueError(f"option must be one of {OPTIONS}, got {option!r}")
+        self.option = option
+        for s in self.state:
+            if not s.changes_in_window or option in ("retain", "recompute"):
+                s.preservation = "none"
+            elif option == "regions" and s.regions_ok and not s.unannotated_write:
+                s.preservation = "regions"
+            else:
+                s.preservation = "whole"
+
+    # ---- serialization ----
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ReplayContract":
+        """Rebuild a contract; raises :class:`ContractSchemaError` on another schema version."""
+        if not isinstance(data, dict):
+            raise ContractSchemaError(
+                f"a replay contract must be a dict from ReplayContract.to_dict(), got "
+                f"{type(data).__name__}")
+        schema = data.get("schema")
+        if schema != SCHEMA_VERSION:
+            raise ContractSchemaError(
+                f"replay contract for segment {data.get('segment')!r} has schema {schema!r}; this "
+                f"lightning_replay reads schema {SCHEMA_VERSION}. Re-probe the model (a fresh "
+                "install makes new contracts) instead of loading contracts from another version.")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = {"segment"} - set(data)
+        unknown = set(data) - fields
+        if missing or unknown:
+            raise ContractSchemaError(
+                f"replay contract dict is malformed: missing {sorted(missing)}, unknown "
+                f"{sorted(unknown)}")
+        kwargs = dict(data)
+        try:
+            kwargs["state"] = [StateEntry(**s) for s in data.get("state", [])]
+        except TypeError as exc:
+            raise ContractSchemaError(f"replay contract state entry is malformed: {exc}") from exc
+        return cls(**kwargs)

@@ -1,0 +1,137 @@
+"""The probe: watch one segment forward and its window, and say what replay must restore.
+
+During the segment's probe forward (which runs retained, so it is always exact) a dispatch mode
+sees every aten op. A tensor argument whose storage was not produced inside the segment is
+state; its bytes are copied at first touch (before the op runs). Arguments the schema marks as
+written are writes, and from that moment the window's region log is armed for that storage.
+``generator=`` arguments name private generators; seeded ops without one use the global RNG.
+
+When the segment's backward starts (its replay time, had it been replayed), every touched
+storage is compared byte for byte with its first-touch copy: that finds what changed in the
+window, including writes that bump no version counter and carry no schema annotation (eager
+CPU batch norm). Undoing the logged regions on the live bytes tells whether ``regions`` alone
+explains each change.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_replay.preservation import RegionLog, redo, undo, write_args
+from lightning_replay.state import StorageKey, storage_bytes, storage_key
+
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+@dataclasses.dataclass
+class Touch:
+    """One storage the segment touched that it did not produce."""
+
+    key: StorageKey
+    tensor: torch.Tensor  # the first tensor seen on this storage (for external state)
+    snapshot: torch.Tensor  # storage bytes at first touch
+    mark: int  # region-log position at first touch
+    read: bool = False
+    annotated_write: bool = False
+    changed_in_segment: bool = False
+    is_input: bool = False
+
+
+class DiscoveryMode(TorchDispatchMode):
+    """Records reads, writes and generators of one segment invocation."""
+
+    def __init__(self, log: RegionLog, input_keys: set[StorageKey]) -> None:
+        super().__init__()
+        self.log = log
+        self.input_keys = input_keys
+        self.produced: set[StorageKey] = set()
+        self.touched: dict[StorageKey, Touch] = {}
+        self.generators: dict[int, torch.Generator] = {}
+        self.uses_global_rng = False
+
+    def _touch(self, t: torch.Tensor) -> Touch | None:
+        key = storage_key(t)
+        if key is None or key in self.produced:
+            return None
+        touch = self.touched.get(key)
+        if touch is None:
+            with torch.no_grad():
+                snap = storage_bytes(t).clone()
+            touch = Touch(key, t.detach(), snap, self.log.arm(key),
+                          is_input=key in self.input_keys)
+            self.touched[key] = touch
+        return touch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = {name for _, name in write_args(func)}
+        for i, a in enumerate(func._schema.arguments):
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            if a.name == "generator" and v is not None:
+                self.generators[id(v)] = v
+            for t in _tensors(v):
+                touch = self._touch(t)
+                if touch is not None:
+                    if a.name in written:
+                        touch.annotated_write = True
+                    else:
+                        touch.read = True
+        if _SEEDED in func.tags and kwargs.get("generator") is None and \
+                not any(isinstance(a, torch.Generator) for a in args):
+            self.uses_global_rng = True
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key = storage_key(t)
+                if key is not None and key not in self.touched:
+                    self.produced.add(key)
+        return out
+
+    def finish_segment(self) -> None:
+        """Called when the segment's forward returns: which state did it change itself?"""
+        with torch.no_grad():
+            for touch in self.touched.values():
+                touch.changed_in_segment = not torch.equal(storage_bytes(touch.tensor),
+                                                           touch.snapshot)
+
+
+def _tensors(v: Any) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [x for x in v if isinstance(x, torch.Tensor)]
+    return []
+
+
+@dataclasses.dataclass
+class Observation:
+    """What the window did to one touched storage, seen at the segment's backward."""
+
+    touch: Touch
+    changed: bool
+    regions_ok: bool
+    region_bytes: int
+
+
+def observe_window(mode: DiscoveryMode, log: RegionLog) -> list[Observation]:
+    """Compare every touched storage with its first-touch bytes, then release the log arms."""
+    out = []
+    with torch.no_grad():
+        for key, touch in mode.touched.items():
+            live = storage_bytes(touch.tensor)
+            changed = not torch.equal(live, touch.snapshot)
+            entries = log.since(key, touch.mark)
+            regions_ok = False
+            if changed and entries:
+                undo(entries)
+                regions_ok = torch.equal(live, touch.snapshot)
+                redo(entries)
+            out.append(Observation(touch, changed, regions_ok,
+                                   sum(e.nbytes for e in entries)))
+            log.release(key)
+            touch.snapshot = touch.snapshot.new_empty(0)  # the probe's copies go now
+    return out

@@ -1,0 +1,863 @@
+"""The replay engine: installs segments on a model and replays them exactly.
+
+Life of a segment:
+
+1. **probe** — its first training-mode forward with grad enabled runs retained (always exact)
+   under :class:`~lightning_replay.discovery.DiscoveryMode`; when its backward starts, the
+   window's effect on every touched storage is known and a :class:`ReplayContract` is made.
+2. **steady** — the forward runs under non-reentrant ``torch.utils.checkpoint``: activations are
+   dropped, the entry state the contract names is preserved (whole copies or region undo logs),
+   and at replay :class:`_ReplayContext` swaps that state in, runs, and swaps it back.
+3. **violation** — replay finds state changed that the contract did not cover: raise
+   :class:`ContractViolation`, or record it, bump the contract version and probe again.
+"""
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import dataclasses
+import functools
+import warnings
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_replay.contract import OPTIONS, ReplayContract, StateEntry
+from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
+from lightning_replay.errors import ContractViolation, ReplayConfigError, ReplayError
+from lightning_replay.preservation import CaptureMode, RegionLog, redo, undo
+from lightning_replay.records import RecordStore
+from lightning_replay.segments import SegmentSpec, resolve_segments
+from lightning_replay.state import (PLAIN_TYPES, StateIndex, StateRef, capture_attrs, digest,
+                                    find_generator_name, restore_attrs, unique_generators, storage_bytes,
+                                    storage_key, swap_, swap_attrs, tensor_leaves)
+
+PRESERVATIONS = ("auto", "whole", "regions", "retain")
+ON_VIOLATION = ("raise", "record")
+
+# module -> its runtime. Weak, so a deepcopy or unpickled copy of a module is a plain module.
+_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, SegmentRuntime]" = weakref.WeakKeyDictionary()
+_REPLAY_CLASSES: dict[type, type] = {}
+
+
+def _replay_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward goes through the segment runtime.
+
+    It keeps the name of ``cls`` (reprs and state_dict keys don't change) and pickles and
+    deep-copies as ``cls``, so copies of an installed model are plain models.
+    """
+    if cls in _REPLAY_CLASSES:
+        return _REPLAY_CLASSES[cls]
+
+    def forward(self, *args, **kwargs):
+        rt = _RUNTIMES.get(self)
+        if rt is None:
+            return cls.forward(self, *args, **kwargs)
+        return rt(args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        rv = cls.__reduce_ex__(self, protocol)
+        if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and rv[1][0] is new:
+            rv = (rv[0], (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
+        return rv
+
+    new = type(cls.__name__, (cls,), {"forward": forward, "__reduce_ex__": __reduce_ex__,
+                                      "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__,
+                                      "_lightning_replay_base": cls})
+    _REPLAY_CLASSES[cls] = new
+    return new
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+@dataclasses.dataclass
+class _Bound:
+    """A contract state entry bound to the live model."""
+
+    entry: StateEntry
+    get: Callable[[], torch.Tensor | None]
+
+
+class _Invocation:
+    """Everything one segment call needs at its replay."""
+
+    __slots__ = ("rt", "contract", "step", "checked", "tensors", "versions", "whole", "regions",
+                 "gens", "attrs", "digests", "preserved_bytes", "replays", "done", "_token",
+                 "__weakref__")
+
+    def __init__(self, rt: "SegmentRuntime", check_bytes: bool) -> None:
+        eng = rt.engine
+        c = rt.contract
+        self.rt = rt
+        self.contract = c
+        self.step = eng.step
+        self.checked = check_bytes
+        self.tensors: list[tuple[StateEntry, torch.Tensor]] = []
+        self.versions: list[int] = []
+        self.whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.regions: list[tuple[Any, int]] = []
+        self.preserved_bytes = 0
+        self.replays = 0
+        self.done = False
+        log = eng.log
+        capturing = eng._capturing
+        with torch.no_grad():
+            for b in rt.bound:
+                t = b.get()
+                if t is None:
+                    continue
+                self.tensors.append((b.entry, t))
+                self.versions.append(t._version)
+                p = b.entry.preservation
+                if p == "regions" and capturing:
+                    key = storage_key(t)
+                    self.regions.append((key, log.arm(key)))
+                elif p in ("whole", "regions"):
+                    snap = storage_bytes(t).clone()
+                    self.whole.append((t, snap))
+                    self.preserved_bytes += snap.numel()
+        self._token = {"done": False}
+        if self.regions:
+            # Dropped without replay (graph freed, backward never called): disarm anyway.
+            weakref.finalize(self, _release_keys, log, [k for k, _ in self.regions], self._token)
+        self.gens = [(g, g.get_state()) for _, g in rt.generators]
+        self.attrs = capture_attrs(rt.modules)
+        self.digests = ([digest(t) for _, t in self.tensors] if check_bytes else None)
+        eng._held_bytes += self.preserved_bytes
+
+    def release(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._token["done"] = True
+        eng = self.rt.engine
+        eng._held_bytes -= self.preserved_bytes
+        for key, _ in self.regions:
+            eng.log.release(key)
+        self.whole = []
+
+
+def _release_keys(log: RegionLog, keys: list, token: dict) -> None:
+    if not token["done"]:
+        token["done"] = True
+        for key in keys:
+            log.release(key)
+
+
+class _ReplayContext:
+    """Around a replay: check, swap entry state in, sandbox the replay's writes, swap back."""
+
+    def __init__(self, inv: _Invocation) -> None:
+        self.inv = inv
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        inv = self.inv
+        rt = inv.rt
+        eng = rt.engine
+        if inv.done:
+            raise ReplayError(
+                f"segment {rt.name!r} is being replayed a second time for the step {inv.step} "
+                "(backward with retain_graph=True?). Its preserved state is gone after the first "
+                "replay. Use preservation='retain' for segments whose graph is reused.")
+        self._check_versions()
+        stack = contextlib.ExitStack()
+        self._stack = stack
+        touched = [t for _, t in inv.tensors]
+        versions = [t._version for t in touched]
+        stack.callback(_reset_versions, touched, versions)
+        stack.callback(inv.release)
+        with torch.no_grad():
+            for t, snap in inv.whole:
+                swap_(storage_bytes(t), snap)
+            stack.callback(_swap_all, inv.whole)
+            region_entries = [eng.log.since(key, mark) for key, mark in inv.regions]
+            rt.last_preserved_bytes = inv.preserved_bytes + sum(
+                e.nbytes for entries in region_entries for e in entries)
+            for entries in reversed(region_entries):
+                undo(entries)
+            stack.callback(_redo_all, region_entries)
+        for g, state in inv.gens:
+            live = g.get_state()
+            g.set_state(state)
+            stack.callback(g.set_state, live)
+        live_attrs = swap_attrs(inv.attrs)
+        stack.callback(restore_attrs, live_attrs)
+        if inv.digests is not None:
+            rt._check_state_digests(inv)
+        sandbox_keys = rt.sandbox_keys
+        if sandbox_keys:
+            # The replay's own writes to region-preserved state are logged and undone after it.
+            log = RegionLog()
+            for key in sandbox_keys:
+                log.arm(key)
+            mode = CaptureMode(log)
+            stack.callback(lambda: [undo(e) for e in list(log.logs.values())])
+            stack.enter_context(mode)
+        rt.replays += 1
+        eng._replays_this_step += 1
+
+    def __exit__(self, *exc) -> bool:
+        if self._stack is not None:
+            self._stack.close()
+        return False
+
+    def _check_versions(self) -> None:
+        inv = self.inv
+        rt = inv.rt
+        for (entry, t), v0, in zip(inv.tensors, inv.versions):
+            if entry.preservation == "whole":
+                continue
+            expected = v0
+            if entry.preservation == "regions":
+                key = storage_key(t)
+                mark = next((m for k, m in inv.regions if k == key), None)
+                if mark is None:  # not captured this window: treated like constant state
+                    pass
+                else:
+                    expected = v0 + len(rt.engine.log.since(key, mark))
+            if t._version != expected:
+                what = ("was written outside the logged window" if entry.preservation == "regions"
+                        else "was modified in place between the segment's forward and its replay")
+                rt._violation(entry.name, f"{what} (version {v0} at forward, {t._version} at "
+                                          f"replay, expected {expected})", inv)
+
+
+def _swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for t, snap in pairs:
+            swap_(storage_bytes(t), snap)
+
+
+def _redo_all(region_entries: list) -> None:
+    for entries in region_entries:
+        redo(entries)
+
+
+def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
+    # The replay's own in-place ops bumped versions of live state that is byte-for-byte back
+    # as it was; resetting keeps autograd's saved-tensor checks and our own checks truthful.
+    if tensors:
+        torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+
+
+class _Probe:
+    """One probed invocation, waiting for its backward."""
+
+    def __init__(self, mode: DiscoveryMode, attrs: list, activation_bytes: int, step: int):
+        self.mode = mode
+        self.attrs = attrs
+        self.activation_bytes = activation_bytes
+        self.step = step
+        self.observations: list[Observation] | None = None
+        self.changed_attrs: list[str] = []
+
+
+class SegmentRuntime:
+    """Per-segment state: its contract, mode and counters. Called in place of its forward."""
+
+    def __init__(self, engine: "ReplayEngine", name: str, module: nn.Module,
+                 preservation: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.module = module
+        self.orig_class = type(module)
+        self.orig_forward = functools.partial(self.orig_class.forward, module)
+        self.modules = list(module.modules())
+        self.module_names = {id(m): (f"{name}.{n}" if n else name)
+                             for n, m in module.named_modules()}
+        self.preservation = preservation
+        self.contract: ReplayContract | None = None
+        self.status = "probe"  # probe | probing | active | retain
+        self.version = 0
+        self.bound: list[_Bound] = []
+        self.generators: list[tuple[str, torch.Generator]] = []
+        self.sandbox_keys: list = []
+        self.alias_keys: set = set()
+        self.probes: list[_Probe] = []
+        self.forwards = 0
+        self.replays = 0
+        self.violations = 0
+        self.checks = 0
+        self.divergences = 0
+        self.last_preserved_bytes = 0
+        self.order = -1
+        self.planned_option: str | None = None
+
+    # ---------------------------------------------------------------- dispatch
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        eng = self.engine
+        if not (self.module.training and torch.is_grad_enabled()) or eng._suspended:
+            return self.orig_forward(*args, **kwargs)
+        self.forwards += 1
+        if self.order < 0:
+            self.order = eng._next_order()
+        with eng._implicit_window():
+            if self.status in ("probe", "probing"):
+                return self._probe_call(args, kwargs)
+            option = self.contract.option if self.contract else "retain"
+            if option == "retain" or self.status == "retain":
+                return self.orig_forward(*args, **kwargs)
+            if eng._check_grad:
+                return self._checked_call(args, kwargs)
+            return self._replay_call(args, kwargs)
+
+    # ---------------------------------------------------------------- probe
+    def _probe_call(self, args: tuple, kwargs: dict) -> Any:
+        eng = self.engine
+        self.status = "probing"
+        input_keys = {k for k in map(storage_key, tensor_leaves((args, kwargs))) if k}
+        mode = DiscoveryMode(eng.log, input_keys)
+        attrs = capture_attrs(self.modules)
+        saved: dict = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = storage_key(t)
+            if key is not None:
+                saved[key] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            out = self.orig_forward(*args, **kwargs)
+        mode.finish_segment()
+        act = sum(n for k, n in saved.items() if k not in mode.touched and k not in input_keys)
+        probe = _Probe(mode, attrs, act, eng.step)
+        self.probes.append(probe)
+        eng._pending_probes.add(self)
+        grads = [t for t in tensor_leaves(out) if t.requires_grad]
+        if grads:
+            torch.autograd.graph.register_multi_grad_hook(
+                grads, lambda _g, p=probe: self._observe(p), mode="any")
+        return out
+
+    def _observe(self, probe: _Probe) -> None:
+        if probe.observations is not None:
+            return
+        probe.observations = observe_window(probe.mode, self.engine.log)
+        probe.changed_attrs = [
+            f"{self.module_names.get(id(m), self.name)}.{k}"
+            for (d, vals), m in zip(probe.attrs, self.modules)
+            for k, v in vals.items() if d.get(k, v) is not v and d.get(k, v) != v]
+        if all(p.observations is not None for p in self.probes):
+            self._make_contract()
+
+    def finish_stale_probes(self) -> None:
+        """A probe whose backward never came (no grad output, or graph dropped)."""
+        for p in self.probes:
+            self._observe(p)
+
+    def _make_contract(self) -> None:
+        eng = self.engine
+        probes, self.probes = self.probes, []
+        eng._pending_probes.discard(self)
+        index = StateIndex(eng.model)
+        merged: dict[Any, StateEntry] = {}
+        bound: dict[Any, _Bound] = {}
+        aliases: list[str] = []
+        gens: dict[int, torch.Generator] = {}
+        uses_rng = False
+        act = 0
+        changed_attrs: set[str] = set()
+        for p in probes:
+            act = max(act, p.activation_bytes)
+            uses_rng |= p.mode.uses_global_rng
+            gens.update(p.mode.generators)
+            changed_attrs.update(p.changed_attrs)
+            for ob in p.observations or []:
+                t = ob.touch
+                refs = index.lookup(t.key)
+                if not refs and t.is_input and not ob.changed:
+                    continue  # a plain activation passed in: not state
+                entry = merged.get(t.key)
+                if entry is None:
+                    entry, b = self._entry_for(t, refs, eng)
+                    merged[t.key] = entry
+                    bound[t.key] = b
+                if ob.changed:
+                    entry.regions_ok = ob.regions_ok if not entry.changes_in_window \
+                        else entry.regions_ok and ob.regions_ok
+                    entry.changes_in_window = True
+                wrote = t.annotated_write or t.changed_in_segment
+                entry.written_by_segment |= wrote
+                entry.unannotated_write |= t.changed_in_segment and not t.annotated_write
+                entry.region_bytes = max(entry.region_bytes, ob.region_bytes)
+                if t.is_input and ob.changed and entry.name not in aliases:
+                    aliases.append(entry.name)
+        gen_names = []
+        self.generators = []
+        for g in unique_generators(list(gens.values())):
+            gname = find_generator_name(eng.model, g) or f"generator[{len(eng._external)}]"
+            if gname.startswith("generator["):
+                eng._external.append(g)
+            gen_names.append(gname)
+            self.generators.append((gname, g))
+        self.version += 1
+        c = ReplayContract(segment=self.name, version=self.version,
+                           state=sorted(merged.values(), key=lambda e: e.name),
+                           generators=gen_names, uses_global_rng=uses_rng,
+                           python_attrs=sorted(changed_attrs), input_aliases=aliases,
+                           activation_bytes=act, probed_at_step=probes[0].step if probes else 0)
+        order = {id(e): i for i, e in enumerate(c.state)}
+        self.bound = sorted(bound.values(), key=lambda b: order[id(b.entry)])
+        c.apply_option(self._choose_option(c))
+        self.contract = c
+        self._derive()
+        self.status = "retain" if c.option == "retain" else "active"
+        eng._contracts_changed()
+        eng.records.append(step=eng.step, segment=self.name, contract_version=c.version,
+                           check="contract", outcome="match", detail=_contract_detail(c))
+
+    def _entry_for(self, touch, refs: list[StateRef], eng: "ReplayEngine"):
+        t = touch.tensor
+        nbytes = t.untyped_storage().nbytes()
+        if refs:
+            ref = refs[0]
+            live = ref.get()
+            shape = list(live.shape) if live is not None else list(t.shape)
+            entry = StateEntry(ref.name, ref.kind, shape, str(t.dtype).replace("torch.", ""),
+                               str(t.device), nbytes, aliases=[r.name for r in refs[1:]])
+            return entry, _Bound(entry, ref.get)
+        name = f"external[{len(eng._external)}]"
+        eng._external.append(t)
+        entry = StateEntry(name, "external", list(t.shape), str(t.dtype).replace("torch.", ""),
+                           str(t.device), nbytes)
+        return entry, _Bound(entry, lambda t=t: t)
+
+    def _choose_option(self, c: ReplayContract) -> str:
+        if self.planned_option is not None and self.planned_option in c.available_options():
+            return self.planned_option
+        p = self.preservation
+        if p == "retain":
+            return "retain"
+        if c.stateless:
+            return "recompute"
+        if p in ("whole", "regions"):
+            return p
+        # auto: the cheapest correct option by memory; whole wins ties (no capture work).
+        opts = [o for o in c.available_options() if o != "retain"]
+        return min(opts, key=lambda o: (c.preserved_bytes(o), o != "whole"))
+
+    def _derive(self) -> None:
+        """Cached lookups the per-step path uses."""
+        c = self.contract
+        self.sandbox_keys = []
+        self.alias_keys = set()
+        for b in self.bound:
+            t = b.get()
+            key = storage_key(t) if t is not None else None
+            if key is None:
+                continue
+            if b.entry.preservation == "regions" and b.entry.written_by_segment:
+                self.sandbox_keys.append(key)
+        self.last_preserved_bytes = c.preserved_bytes() if c else 0
+
+    def set_option(self, option: str) -> None:
+        """Apply a planned option to the current contract (and to future re-probes)."""
+        self.planned_option = option
+        if self.contract is not None:
+            self.contract.apply_option(option if option in self.contract.available_options()
+                                       else self._choose_option(self.contract))
+            self._derive()
+            self.status = "retain" if self.contract.option == "retain" else "active"
+            self.engine._contracts_changed()
+
+    # ---------------------------------------------------------------- steady state
+    def _prepare(self, args: tuple, kwargs: dict, check_bytes: bool):
+        eng = self.engine
+        inv = _Invocation(self, check_bytes)
+        changing = eng._changing_keys
+        if changing:
+            # An input that aliases state written later in the window is passed as a private
+            # copy: checkpoint version-checks its inputs, and replay must see forward's bytes.
+            args = tuple(a.clone() if isinstance(a, torch.Tensor) and storage_key(a) in changing
+                         else a for a in args)
+            kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) and storage_key(v) in changing
+                          else v) for k, v in kwargs.items()}
+        return inv, args, kwargs
+
+    def _replay_call(self, args: tuple, kwargs: dict) -> Any:
+        inv, args, kwargs = self._prepare(args, kwargs, self.engine._check_bytes)
+        fn = self.orig_forward if not kwargs else functools.partial(self.orig_forward, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False,
+                          preserve_rng_state=self.contract.uses_global_rng,
+                          context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv)))
+
+    def _checked_call(self, args: tuple, kwargs: dict) -> Any:
+        """Derivative check: keep the reference graph and replay beside it at backward."""
+        eng = self.engine
+        inv, args, kwargs = self._prepare(args, kwargs, eng._check_bytes)
+        rng = torch.get_rng_state() if self.contract.uses_global_rng else None
+        out = self.orig_forward(*args, **kwargs)
+        outs = [t for t in tensor_leaves(out) if t.requires_grad]
+        if not outs:
+            inv.release()
+            return out
+        out_digests = [digest(t) for t in tensor_leaves(out)] if eng._check_bytes else None
+
+        def hook(grads, inv=inv, args=args, kwargs=kwargs, outs=outs):
+            self._compare_grads(inv, args, kwargs, outs, grads, rng, out_digests)
+
+        torch.autograd.graph.register_multi_grad_hook(outs, hook, mode="all")
+        return out
+
+    def _compare_grads(self, inv, args, kwargs, outs, grads, rng, out_digests) -> None:
+        eng = self.engine
+        grads = [torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads)]
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        in_req = [a for a in tensor_leaves((args, kwargs)) if a.requires_grad]
+        with torch.enable_grad():
+            ref = torch.autograd.grad(outs, in_req + params, grads, retain_graph=True,
+                                      allow_unused=True)
+            detached = {id(a): a.detach().requires_grad_(a.requires_grad)
+                        for a in tensor_leaves((args, kwargs))}
+            from torch.utils._pytree import tree_map
+            args2, kwargs2 = tree_map(lambda x: detached.get(id(x), x)
+                                      if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            in2 = [detached[id(a)] for a in in_req]
+            with _ReplayContext(inv), torch.random.fork_rng(enabled=rng is not None):
+                if rng is not None:
+                    torch.set_rng_state(rng)
+                out2 = self.orig_forward(*args2, **kwargs2)
+            outs2 = [t for t in tensor_leaves(out2) if t.requires_grad]
+            rep = torch.autograd.grad(outs2, in2 + params, grads, allow_unused=True)
+        names = [f"input[{i}]" for i in range(len(in_req))] + \
+            [f"{self.name}.{n}" for n, p in self.module.named_parameters() if p.requires_grad]
+        bad = []
+        for n, a, b in zip(names, ref, rep):
+            if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+                diff = "missing" if a is None or b is None else \
+                    f"max abs diff {float((a.double() - b.double()).abs().max()):.3g}"
+                bad.append(f"{n}: {diff}")
+        self.checks += 1
+        c = self.contract
+        if bad:
+            self.divergences += 1
+        eng.records.append(step=inv.step, segment=self.name, contract_version=c.version,
+                           check="grad", outcome="divergence" if bad else "match",
+                           detail={"compared": len(names), "differ": bad[:16]})
+        if out_digests is not None:
+            d2 = [digest(t) for t in tensor_leaves(out2)]
+            same = d2 == out_digests
+            if not same:
+                self.divergences += 1
+            eng.records.append(step=inv.step, segment=self.name, contract_version=c.version,
+                               check="bytes", outcome="match" if same else "divergence",
+                               detail={"what": "replayed outputs", "outputs": len(d2)})
+
+    def _check_state_digests(self, inv: _Invocation) -> None:
+        eng = self.engine
+        now = [digest(t) for _, t in inv.tensors]
+        bad = [e.name for (e, _), a, b in zip(inv.tensors, inv.digests, now) if a != b]
+        self.checks += 1
+        if bad:
+            self.divergences += 1
+        eng.records.append(step=inv.step, segment=self.name,
+                           contract_version=self.contract.version, check="bytes",
+                           outcome="divergence" if bad else "match",
+                           detail={"what": "contract state at replay", "compared": len(now),
+                                   "differ": bad[:16]})
+
+    def _violation(self, state: str, detail: str, inv: _Invocation) -> None:
+        eng = self.engine
+        c = self.contract
+        self.violations += 1
+        eng.records.append(step=inv.step, segment=self.name, contract_version=c.version,
+                           check="version", outcome="rejection",
+                           detail={"state": state, "seen": detail,
+                                   "action": eng.on_violation})
+        if eng.on_violation == "raise":
+            inv.release()
+            raise ContractViolation(self.name, state, detail, c.version)
+        warnings.warn(str(ContractViolation(self.name, state, detail, c.version)) +
+                      " Recorded; this replay used the live value, and the segment runs "
+                      "retained until it is probed again.", RuntimeWarning, stacklevel=2)
+        # Probe again next time; the re-probe makes the next contract version.
+        self.status = "probe"
+        eng._contracts_changed()
+
+    # ---------------------------------------------------------------- reporting
+    def summary(self) -> dict[str, Any]:
+        c = self.contract
+        return {
+            "mode": (c.option if c is not None and self.status in ("active", "retain")
+                     else self.status),
+            "status": self.status,
+            "forwards": self.forwards,
+            "replays": self.replays,
+            "contract_version": c.version if c else 0,
+            "violations": self.violations,
+            "checks": self.checks,
+            "divergences": self.divergences,
+            "activation_bytes": c.activation_bytes if c else 0,
+            "preserved_bytes": self.last_preserved_bytes,
+            "changing_state": [s.name for s in c.changing] if c else [],
+            "options": c.available_options() if c else [],
+        }
+
+
+def _contract_detail(c: ReplayContract) -> dict[str, Any]:
+    return {"option": c.option,
+            "changing": {s.name: s.preservation for s in c.changing},
+            "generators": c.generators, "global_rng": c.uses_global_rng,
+            "python_attrs": c.python_attrs, "input_aliases": c.input_aliases,
+            "activation_bytes": c.activation_bytes,
+            "preserved_bytes": c.preserved_bytes()}
+
+
+class ReplayEngine:
+    """State-aware replay for the segments of one model. Made by :func:`install`."""
+
+    def __init__(self, model: nn.Module, segments: Mapping[str, nn.Module],
+                 preservation: str | Mapping[str, str], on_violation: str,
+                 records: RecordStore, window: str) -> None:
+        self.model = model
+        self.on_violation = on_violation
+        self.records = records
+        self.log = RegionLog()
+        self.step = 0
+        self._external: list[Any] = []
+        self._pending_probes: set[SegmentRuntime] = set()
+        self._held_bytes = 0
+        self._replays_this_step = 0
+        self._window_depth = 0
+        self._capture: CaptureMode | None = None
+        self._capturing = False
+        self._needs_capture = True
+        self._changing_keys: set = set()
+        self._check_grad = False
+        self._check_bytes = False
+        self._check_next: tuple[bool, bool] | None = None
+        self._suspended = False
+        self._order = 0
+        self._hooks: list = []
+        self.runtimes: dict[str, SegmentRuntime] = {}
+        for name, mod in segments.items():
+            p = preservation.get(name, "auto") if isinstance(preservation, Mapping) \
+                else preservation
+            rt = SegmentRuntime(self, name, mod, p)
+            self.runtimes[name] = rt
+        for name, rt in self.runtimes.items():
+            _RUNTIMES[rt.module] = rt
+            rt.module.__class__ = _replay_class(rt.orig_class)
+        if window == "root":
+            self._hooks.append(model.register_forward_pre_hook(
+                lambda m, a: self.begin_window()))
+            self._hooks.append(model.register_forward_hook(
+                lambda m, a, o: self.end_forward(), always_call=True))
+        self.installed = True
+
+    # ---------------------------------------------------------------- public
+    @property
+    def contracts(self) -> dict[str, ReplayContract]:
+        """Current contract of each probed segment."""
+        return {n: rt.contract for n, rt in self.runtimes.items() if rt.contract is not None}
+
+    @property
+    def segments(self) -> list[str]:
+        """Segment names in forward execution order (module order until first run)."""
+        return sorted(self.runtimes, key=lambda n: (self.runtimes[n].order < 0,
+                                                    self.runtimes[n].order))
+
+    @property
+    def preserved_bytes(self) -> int:
+        """Bytes held right now for pending replays (whole copies plus region logs)."""
+        return self._held_bytes + self.log.nbytes
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per segment: mode, replays, contract version, violations, bytes."""
+        return {n: self.runtimes[n].summary() for n in self.segments}
+
+    def request_check(self, grad: bool = True, bytes: bool = True) -> None:
+        """Check every replay of the next window (derivative and/or byte-level)."""
+        self._check_next = (bool(grad), bool(bytes))
+
+    def set_options(self, choices: Mapping[str, str]) -> None:
+        """Apply a plan: one option per segment (``retain``/``recompute``/``whole``/``regions``)."""
+        for name, opt in choices.items():
+            if name not in self.runtimes:
+                raise ReplayConfigError(f"plan names segment {name!r}, which is not installed; "
+                                        f"installed: {sorted(self.runtimes)}")
+            if opt not in OPTIONS:
+                raise ReplayConfigError(f"plan gives segment {name!r} option {opt!r}; "
+                                        f"options are {OPTIONS}")
+            self.runtimes[name].set_option(opt)
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[None]:
+        """Mark a window's forward part by hand (the Lightning strategy wraps training_step)."""
+        self.begin_window()
+        try:
+            yield
+        finally:
+            self.end_forward()
+
+    def begin_window(self) -> None:
+        self._window_depth += 1
+        if self._window_depth > 1:
+            return
+        for rt in list(self._pending_probes):
+            rt.finish_stale_probes()
+        self.step += 1
+        self._replays_this_step = 0
+        chk, self._check_next = self._check_next, None
+        self._check_grad, self._check_bytes = chk if chk else (False, False)
+        if self._needs_capture:
+            self._capture = CaptureMode(self.log)
+            self._capture.__enter__()
+            self._capturing = True
+
+    def end_forward(self) -> None:
+        if self._window_depth == 0:
+            return
+        self._window_depth -= 1
+        if self._window_depth > 0:
+            return
+        if self._capture is not None:
+            self._capture.__exit__(None, None, None)
+            self._capture = None
+        self._capturing = False
+
+    def uninstall(self) -> None:
+        """Put the model back exactly as it was before :func:`install`."""
+        if not self.installed:
+            return
+        while self._window_depth:
+            self.end_forward()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for rt in self.runtimes.values():
+            if _RUNTIMES.get(rt.module) is rt:
+                del _RUNTIMES[rt.module]
+            rt.module.__class__ = rt.orig_class
+        self.log.clear()
+        self.installed = False
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Run segments as plain modules (no probe, no replay) inside this block."""
+        prev, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = prev
+
+    # ---------------------------------------------------------------- internal
+    def _next_order(self) -> int:
+        self._order += 1
+        return self._order
+
+    @contextlib.contextmanager
+    def _implicit_window(self) -> Iterator[None]:
+        # A segment called outside any window (e.g. a user calling model.block(x) directly)
+        # still gets a window of its own call, so probe and region logging stay consistent.
+        if self._window_depth:
+            yield
+            return
+        self.begin_window()
+        try:
+            yield
+        finally:
+            self.end_forward()
+
+    def _contracts_changed(self) -> None:
+        self._needs_capture = bool(self._pending_probes) or any(
+            rt.status == "probe" or (rt.contract is not None and any(
+                s.preservation == "regions" for s in rt.contract.state))
+            for rt in self.runtimes.values())
+        keys = set()
+        for rt in self.runtimes.values():
+            for b in rt.bound:
+                if b.entry.changes_in_window:
+                    t = b.get()
+                    k = storage_key(t) if t is not None else None
+                    if k is not None:
+                        keys.add(k)
+        self._changing_keys = keys
+
+
+def _normalize_preservation(preservation: Any, names: Iterable[str]) -> str | dict[str, str]:
+    names = list(names)
+    if isinstance(preservation, str):
+        if preservation not in PRESERVATIONS:
+            raise ReplayConfigError(
+                f"preservation={preservation!r} is not known; use one of {PRESERVATIONS} or a "
+                "dict from segment name to one of them")
+        return preservation
+    if isinstance(preservation, Mapping):
+        out = {}
+        for k, v in preservation.items():
+            if k not in names:
+                raise ReplayConfigError(
+                    f"preservation names segment {k!r}, which is not among the installed "
+                    f"segments {names}")
+            if v not in PRESERVATIONS:
+                raise ReplayConfigError(
+                    f"preservation[{k!r}]={v!r} is not known; use one of {PRESERVATIONS}")
+            out[k] = v
+        return out
+    raise ReplayConfigError(f"preservation must be a string or a dict, got "
+                            f"{type(preservation).__name__} {preservation!r}")
+
+
+def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
+            preservation: str | Mapping[str, str] = "auto", on_violation: str = "raise",
+            records: RecordStore | str | None = None, window: str = "root") -> ReplayEngine:
+    """Make the given submodules of ``model`` replay exactly under activation recomputation.
+
+    Args:
+        model: the root module; the window is its forward plus backward.
+        segments: submodule names, glob patterns, module classes, or a callable
+            ``(name, module) -> bool`` (see :func:`~lightning_replay.segments.resolve_segments`).
+        preservation: ``"auto"`` (cheapest correct option by memory), ``"whole"``, ``"regions"``,
+            ``"retain"``, or a dict from segment name to one of these.
+        on_violation: ``"raise"`` raises :class:`ContractViolation`; ``"record"`` warns, records,
+            and re-probes the segment.
+        records: ``None`` (in memory), a SQLite path, or a :class:`RecordStore`.
+        window: ``"root"`` (the window starts with each forward of ``model``) or ``"manual"``
+            (the caller wraps each step in :meth:`ReplayEngine.window`).
+
+    Returns:
+        The :class:`ReplayEngine`; ``engine.uninstall()`` restores the model.
+
+    Example:
+        >>> import torch, lightning_replay as lr
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
+        ...                             torch.nn.Linear(4, 1))
+        >>> engine = lr.install(model, segments=["0", "1"])
+        >>> for _ in range(2):
+        ...     model(torch.randn(8, 4)).sum().backward()
+        >>> engine.summary()["1"]["replays"]
+        1
+        >>> engine.uninstall()
+    """
+    if not isinstance(model, nn.Module):
+        raise ReplayConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for mod in model.modules():
+        if mod in _RUNTIMES:
+            raise ReplayConfigError(
+                f"model already has lightning_replay installed (segment "
+                f"{_RUNTIMES[mod].name!r}); call engine.uninstall() before installing again")
+    if on_violation not in ON_VIOLATION:
+        raise ReplayConfigError(f"on_violation={on_violation!r} is not known; use one of "
+                                f"{ON_VIOLATION}")
+    if window not in ("root", "manual"):
+        raise ReplayConfigError(f"window={window!r} is not known; use 'root' or 'manual'")
+    resolved = resolve_segments(model, segments)
+    pres = _normalize_preservation(preservation, resolved)
+    if records is None or isinstance(records, (str, bytes)) or hasattr(records, "__fspath__"):
+        store = RecordStore(records, rank=_rank())
+    elif isinstance(records, RecordStore):
+        store = records
+    else:
+        raise ReplayConfigError(f"records must be None, a path or a RecordStore, got "
+                                f"{type(records).__name__}")
+    return ReplayEngine(model, resolved, pres, on_violation, store, window)

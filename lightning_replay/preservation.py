@@ -1,0 +1,170 @@
+"""Preserving state between a segment's forward and its replay, and swapping it in and out.
+
+Two ways to keep what the forward saw:
+
+* ``whole``: a copy of the state's storage taken at the segment's forward.
+* ``regions``: an undo log. While the window runs, a dispatch mode sees every write to an armed
+  storage and saves the old bytes of exactly the region written (a slice view, or the rows of an
+  ``index_copy_`` / ``index_put_`` / ``scatter_``) before the write happens.
+
+Swapping is in place and self-inverse: undoing the log in reverse order exchanges old and new
+bytes, replaying the same swaps in forward order puts the live bytes back, and the log is intact
+again afterwards. Every write here goes through ``.data`` or a raw byte view, so no version
+counter moves.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_replay.state import StorageKey, storage_key
+
+_aten = torch.ops.aten
+_WRITE_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def write_args(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments an aten op writes, per its schema (cached)."""
+    cached = _WRITE_ARGS.get(func)
+    if cached is None:
+        cached = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write)
+        _WRITE_ARGS[func] = cached
+    return cached
+
+
+def arg_value(func: Any, args: tuple, kwargs: dict, pos: int, name: str) -> Any:
+    if pos < len(args):
+        return args[pos]
+    if name in kwargs:
+        return kwargs[name]
+    default = func._schema.arguments[pos].default_value
+    return default
+
+
+_INDEX_OPS = {_aten.index_copy_.default, _aten.index_add_.default, _aten.index_fill_.int_Scalar,
+              _aten.index_fill_.int_Tensor}
+_SCATTER_OPS = {_aten.scatter_.src, _aten.scatter_.value, _aten.scatter_.reduce,
+                _aten.scatter_.value_reduce, _aten.scatter_add_.default,
+                _aten.scatter_reduce_.two}
+
+
+class RegionEntry:
+    """Old bytes of one written region, restorable by :meth:`swap`."""
+
+    __slots__ = ("target", "kind", "dim", "index", "saved", "nbytes")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict, target: torch.Tensor) -> None:
+        self.target = target.detach()
+        self.dim = None
+        self.index: Any = None
+        with torch.no_grad():
+            if func in _INDEX_OPS or func in _SCATTER_OPS:
+                self.kind = "index" if func in _INDEX_OPS else "scatter"
+                self.dim = int(args[1])
+                self.index = args[2].detach()
+                if self.kind == "index":
+                    self.saved = self.target.index_select(self.dim, self.index)
+                else:
+                    self.saved = self.target.gather(self.dim, self.index)
+            elif func is _aten.index_put_.default or func is _aten._index_put_impl_.default:
+                self.kind = "index_put"
+                self.index = [None if i is None else i.detach() for i in args[1]]
+                self.saved = _aten.index.Tensor(self.target, self.index)
+            else:
+                self.kind = "view"
+                self.saved = self.target.clone()
+        self.nbytes = self.saved.numel() * self.saved.element_size()
+
+    def swap(self) -> None:
+        """Exchange the region's current bytes with the saved ones."""
+        with torch.no_grad():
+            raw = self.target.data
+            if self.kind == "view":
+                cur = raw.clone()
+                raw.copy_(self.saved)
+            elif self.kind == "index":
+                cur = raw.index_select(self.dim, self.index)
+                raw.index_copy_(self.dim, self.index, self.saved)
+            elif self.kind == "scatter":
+                cur = raw.gather(self.dim, self.index)
+                raw.scatter_(self.dim, self.index, self.saved)
+            else:
+                cur = _aten.index.Tensor(raw, self.index)
+                _aten.index_put_.default(raw, self.index, self.saved, False)
+            self.saved = cur
+
+
+class RegionLog:
+    """Per-storage undo logs of the writes seen while storages are armed.
+
+    A storage is armed once per pending reader (an invocation that will replay and needs it);
+    its log is dropped when the last reader releases it, so the log never outlives its use.
+    """
+
+    def __init__(self) -> None:
+        self.logs: dict[StorageKey, list[RegionEntry]] = {}
+        self.armed: dict[StorageKey, int] = {}
+        self.nbytes = 0
+
+    def arm(self, key: StorageKey) -> int:
+        """Start (or keep) logging writes to ``key``; returns the position to undo back to."""
+        self.armed[key] = self.armed.get(key, 0) + 1
+        return len(self.logs.setdefault(key, []))
+
+    def release(self, key: StorageKey) -> None:
+        n = self.armed.get(key, 0) - 1
+        if n > 0:
+            self.armed[key] = n
+            return
+        self.armed.pop(key, None)
+        for e in self.logs.pop(key, ()):
+            self.nbytes -= e.nbytes
+
+    def record(self, key: StorageKey, entry: RegionEntry) -> None:
+        self.logs[key].append(entry)
+        self.nbytes += entry.nbytes
+
+    def since(self, key: StorageKey, mark: int) -> list[RegionEntry]:
+        return self.logs.get(key, [])[mark:]
+
+    def clear(self) -> None:
+        self.logs.clear()
+        self.armed.clear()
+        self.nbytes = 0
+
+
+class CaptureMode(TorchDispatchMode):
+    """Logs the old bytes of every write to an armed storage, before the write runs."""
+
+    def __init__(self, log: RegionLog, on_write: Callable[[StorageKey], None] | None = None):
+        super().__init__()
+        self.log = log
+        self.on_write = on_write
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        armed = self.log.armed
+        if armed:
+            for pos, name in write_args(func):
+                t = arg_value(func, args, kwargs, pos, name)
+                if isinstance(t, torch.Tensor):
+                    key = storage_key(t)
+                    if key in armed:
+                        self.log.record(key, RegionEntry(func, args, kwargs, t))
+                        if self.on_write is not None:
+                            self.on_write(key)
+        return func(*args, **kwargs)
+
+
+def undo(entries: list[RegionEntry]) -> None:
+    """Undo logged writes (newest first); calling :func:`redo` on the same list reverts it."""
+    for e in reversed(entries):
+        e.swap()
+
+
+def redo(entries: list[RegionEntry]) -> None:
+    for e in entries:
+        e.swap()

@@ -1,0 +1,112 @@
+"""Resolving segment specifications (names, glob patterns, module classes, callables)."""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from typing import Callable, Iterable, Union
+
+from torch import nn
+
+from lightning_replay.errors import SegmentError
+
+SegmentSpec = Union[str, type, Callable[[str, nn.Module], bool]]
+
+
+def resolve_segments(model: nn.Module,
+                     segments: SegmentSpec | Iterable[SegmentSpec]) -> dict[str, nn.Module]:
+    """Map segment specs to ``{qualified name: module}`` in the model's module order.
+
+    Args:
+        model: the root module.
+        segments: a qualified submodule name (``"encoder.blocks.0"``), a glob pattern
+            (``"encoder.blocks.*"``), an ``nn.Module`` subclass (every instance below the root),
+            a callable ``(name, module) -> bool``, or a list of these.
+
+    Raises:
+        SegmentError: unknown names, patterns that match nothing, non-module targets, the root
+            itself, nested segments, or an empty selection.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> list(resolve_segments(m, nn.Linear))
+        ['0', '2']
+    """
+    if not isinstance(model, nn.Module):
+        raise SegmentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if segments is None or isinstance(segments, (str, type)) or callable(segments) \
+            and not isinstance(segments, (list, tuple, set)):
+        specs = [segments]
+    else:
+        specs = list(segments)
+    if not specs or specs == [None]:
+        raise SegmentError("segments is empty: pass submodule names such as "
+                           "['encoder.blocks.0'], a glob such as 'encoder.blocks.*', or a module "
+                           "class")
+    named = dict(model.named_modules())
+    chosen: dict[str, nn.Module] = {}
+    for spec in specs:
+        for name in _match(model, named, spec):
+            chosen[name] = named[name]
+    if not chosen:
+        raise SegmentError(f"segments={segments!r} selects no submodule of "
+                           f"{type(model).__name__}")
+    order = {n: i for i, n in enumerate(named)}
+    names = sorted(chosen, key=order.__getitem__)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if b.startswith(a + "."):
+                raise SegmentError(
+                    f"segments {a!r} and {b!r} are nested: {b!r} lies inside {a!r}. Choose one "
+                    "level: either the outer block or its inner modules.")
+    return {n: chosen[n] for n in names}
+
+
+def _match(model: nn.Module, named: dict[str, nn.Module], spec: SegmentSpec) -> list[str]:
+    if isinstance(spec, str):
+        if spec in ("", "."):
+            raise SegmentError("segment '' is the root module: the root's forward defines the "
+                               "window and cannot itself be replayed. Name its submodules.")
+        if spec in named:
+            return [spec]
+        if any(c in spec for c in "*?["):
+            hits = [n for n in named if n and fnmatch.fnmatchcase(n, spec)]
+            if not hits:
+                raise SegmentError(f"segment pattern {spec!r} matches no submodule. "
+                                   f"Submodules include: {_some(named)}")
+            return hits
+        target = _lookup_attr(model, spec)
+        if target is not None:
+            raise SegmentError(f"segment {spec!r} is a {type(target).__name__}, not a module. "
+                               "Segments must be nn.Module instances (name the module that "
+                               "holds it).")
+        close = difflib.get_close_matches(spec, [n for n in named if n], n=3)
+        hint = f" Did you mean {close}?" if close else f" Submodules include: {_some(named)}"
+        raise SegmentError(f"segment {spec!r} is not a submodule of "
+                           f"{type(model).__name__}.{hint}")
+    if isinstance(spec, type):
+        if not issubclass(spec, nn.Module):
+            raise SegmentError(f"segment class {spec.__name__} is not an nn.Module subclass")
+        hits = [n for n, m in named.items() if n and isinstance(m, spec)]
+        # Instances nested in other instances of the class: keep the outermost.
+        hits = [n for n in hits if not any(n.startswith(h + ".") for h in hits if h != n)]
+        if not hits:
+            raise SegmentError(f"no submodule of {type(model).__name__} is a {spec.__name__}")
+        return hits
+    if callable(spec):
+        return [n for n, m in named.items() if n and spec(n, m)]
+    raise SegmentError(f"segment spec {spec!r} ({type(spec).__name__}) is not a name, glob "
+                       "pattern, module class or callable")
+
+
+def _lookup_attr(model: nn.Module, dotted: str):
+    obj = model
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _some(named: dict[str, nn.Module], k: int = 8) -> str:
+    names = [n for n in named if n]
+    return ", ".join(repr(n) for n in names[:k]) + (" ..." if len(names) > k else "")

@@ -1,0 +1,214 @@
+"""Naming and handling tensor state at the storage level.
+
+State is identified by storage, not by tensor object: a view, a shared tensor and an aliased
+input all reach the same bytes. Names come from the model (parameters, buffers, plain tensor
+attributes, in ``named_modules`` order); storage nobody in the model names is ``external[i]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+PLAIN_TYPES = (bool, int, float, complex, str, bytes, type(None), tuple, frozenset)
+_SWAP_CHUNK = 1 << 22  # bytes swapped per step: keeps the swap's extra memory at 4 MiB
+
+StorageKey = tuple[str, int]
+
+
+def storage_key(t: torch.Tensor) -> StorageKey | None:
+    """Identity of a tensor's storage, or None for tensors without plain storage."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
+        return None
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    ptr = st.data_ptr()
+    if ptr == 0 or st.nbytes() == 0:
+        return None
+    return (str(t.device), ptr)
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage of ``t`` (writes go straight to its bytes).
+
+    Its version counter is its own, so writing through it bumps no version of ``t``.
+    """
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+
+
+def swap_(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the contents of two same-shaped flat uint8 tensors in bounded extra memory."""
+    n = a.numel()
+    tmp = torch.empty(min(n, _SWAP_CHUNK), dtype=a.dtype, device=a.device)
+    with torch.no_grad():
+        for start in range(0, n, _SWAP_CHUNK):
+            end = min(start + _SWAP_CHUNK, n)
+            t = tmp[: end - start]
+            t.copy_(a[start:end])
+            a[start:end].copy_(b[start:end])
+            b[start:end].copy_(t)
+
+
+def digest(t: torch.Tensor) -> int:
+    """Order-sensitive 64-bit checksum of a tensor's bytes, computed on its device.
+
+    Two sums of the bytes as int64 words, one weighted by position: cheap on any device,
+    changes with any single flipped bit, and with any swap of unequal words.
+    """
+    with torch.no_grad():
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        pad = (-b.numel()) % 8
+        if pad:
+            b = torch.cat([b, b.new_zeros(pad)])
+        w = b.view(torch.int64)
+        if w.numel() == 0:
+            return 0
+        pos = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64)
+        h1 = int(w.sum())
+        h2 = int((w * (pos * 2 + 1)).sum())
+        h3 = int((w ^ (w >> 17)).sum())
+    return (h1 * 0x9E3779B97F4A7C15 ^ h2 * 0xC2B2AE3D27D4EB4F ^ h3) & ((1 << 64) - 1)
+
+
+@dataclasses.dataclass
+class StateRef:
+    """How to find one named tensor of the model again (it may be replaced by ``.to()``)."""
+
+    name: str
+    kind: str
+    module: nn.Module
+    attr: str
+
+    def get(self) -> torch.Tensor | None:
+        d = self.module.__dict__
+        if self.kind == "parameter":
+            return d["_parameters"].get(self.attr)
+        if self.kind == "buffer":
+            return d["_buffers"].get(self.attr)
+        v = d.get(self.attr)
+        return v if isinstance(v, torch.Tensor) else None
+
+
+def iter_named_state(model: nn.Module) -> Iterator[StateRef]:
+    """Every tensor the model names: parameters, buffers and plain tensor attributes."""
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        for k, p in mod._parameters.items():
+            if p is not None:
+                yield StateRef(prefix + k, "parameter", mod, k)
+        for k, b in mod._buffers.items():
+            if b is not None:
+                yield StateRef(prefix + k, "buffer", mod, k)
+        for k, v in mod.__dict__.items():
+            if isinstance(v, torch.Tensor) and not k.startswith("__"):
+                yield StateRef(prefix + k, "attribute", mod, k)
+
+
+class StateIndex:
+    """Maps storages to the model's names for them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.by_storage: dict[StorageKey, list[StateRef]] = {}
+        for ref in iter_named_state(model):
+            t = ref.get()
+            key = storage_key(t) if t is not None else None
+            if key is None:
+                continue
+            refs = self.by_storage.setdefault(key, [])
+            if all(r.name != ref.name for r in refs):
+                refs.append(ref)
+
+    def lookup(self, key: StorageKey) -> list[StateRef]:
+        return self.by_storage.get(key, [])
+
+
+def same_generator(a: torch.Generator, b: torch.Generator) -> bool:
+    """Whether two generator objects drive the same generator.
+
+    The dispatcher hands modes a fresh Python wrapper per op, so identity can't be compared:
+    reseed one and see whether the other moves (then put the state back).
+    """
+    if a is b:
+        return True
+    if a.device != b.device:
+        return False
+    sa, sb = a.get_state(), b.get_state()
+    if not torch.equal(sa, sb):
+        return False
+    try:
+        for seed in (0x5EED, 0xC0FFEE):
+            a.manual_seed(seed)
+            if not torch.equal(b.get_state(), sb):
+                return True
+        return False
+    finally:
+        a.set_state(sa)
+
+
+def find_generator_name(model: nn.Module, gen: torch.Generator) -> str | None:
+    """The attribute name under which the model holds ``gen``, if any."""
+    for mname, mod in model.named_modules():
+        for k, v in mod.__dict__.items():
+            if isinstance(v, torch.Generator) and same_generator(v, gen):
+                return f"{mname}.{k}" if mname else k
+    return None
+
+
+def unique_generators(gens: list[torch.Generator]) -> list[torch.Generator]:
+    out: list[torch.Generator] = []
+    for g in gens:
+        if not any(same_generator(g, o) for o in out):
+            out.append(g)
+    return out
+
+
+def capture_attrs(modules: list[nn.Module]) -> list[tuple[dict, dict]]:
+    """Plain Python attributes (immutable values) of each module, as (module dict, copy)."""
+    return [(m.__dict__, {k: v for k, v in m.__dict__.items() if type(v) in PLAIN_TYPES})
+            for m in modules]
+
+
+def swap_attrs(saved: list[tuple[dict, dict]]) -> list[tuple[dict, dict]]:
+    """Put saved attribute values in place; return what was there, to swap back later."""
+    out = []
+    for d, values in saved:
+        live = {}
+        for k, v in values.items():
+            live[k] = d.get(k, _MISSING)
+            d[k] = v
+        for k in [k for k, v in d.items() if type(v) in PLAIN_TYPES and k not in values]:
+            live[k] = d.pop(k)
+        out.append((d, live))
+    return out
+
+
+def restore_attrs(live: list[tuple[dict, dict]]) -> None:
+    for d, values in live:
+        for k, v in values.items():
+            if v is _MISSING:
+                d.pop(k, None)
+            else:
+                d[k] = v
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside a nested structure of tuples, lists and dicts."""
+    from torch.utils._pytree import tree_leaves
+    return [x for x in tree_leaves(obj) if isinstance(x, torch.Tensor)]
+
+
+def module_call_name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", repr(fn))
