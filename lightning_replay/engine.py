@@ -43,6 +43,11 @@ _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, SegmentRuntime]" = weakref.Weak
 _REPLAY_CLASSES: dict[type, type] = {}
 
 
+def _new_plain(cls: type, *args: Any) -> Any:
+    """Unpickle/deep-copy target: a plain instance of the original class."""
+    return cls.__new__(cls, *args)
+
+
 def _replay_class(cls: type) -> type:
     """A subclass of ``cls`` whose forward goes through the segment runtime.
 
@@ -61,7 +66,7 @@ def _replay_class(cls: type) -> type:
     def __reduce_ex__(self, protocol):
         rv = cls.__reduce_ex__(self, protocol)
         if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and rv[1][0] is new:
-            rv = (rv[0], (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
+            rv = (_new_plain, (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
         return rv
 
     new = type(cls.__name__, (cls,), {"forward": forward, "__reduce_ex__": __reduce_ex__,
@@ -502,7 +507,14 @@ class SegmentRuntime:
             return out
         out_digests = [digest(t) for t in tensor_leaves(out)] if eng._check_bytes else None
 
+        fired = []
+
         def hook(grads, inv=inv, args=args, kwargs=kwargs, outs=outs):
+            # The reference autograd.grad below starts at these outputs and would fire the
+            # hook again: compare once.
+            if fired:
+                return
+            fired.append(True)
             self._compare_grads(inv, args, kwargs, outs, grads, rng, out_digests)
 
         torch.autograd.graph.register_multi_grad_hook(outs, hook, mode="all")

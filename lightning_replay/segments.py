@@ -19,7 +19,7 @@ def resolve_segments(model: nn.Module,
     Args:
         model: the root module.
         segments: a qualified submodule name (``"encoder.blocks.0"``), a glob pattern
-            (``"encoder.blocks.*"``), an ``nn.Module`` subclass (every instance below the root),
+            (``"encoder.blocks.*"``: ``*`` stays within one name part, ``**`` spans parts), an ``nn.Module`` subclass (every instance below the root),
             a callable ``(name, module) -> bool``, or a list of these.
 
     Raises:
@@ -69,7 +69,7 @@ def _match(model: nn.Module, named: dict[str, nn.Module], spec: SegmentSpec) -> 
         if spec in named:
             return [spec]
         if any(c in spec for c in "*?["):
-            hits = [n for n in named if n and fnmatch.fnmatchcase(n, spec)]
+            hits = [n for n in named if n and _glob(n.split("."), spec.split("."))]
             if not hits:
                 raise SegmentError(f"segment pattern {spec!r} matches no submodule. "
                                    f"Submodules include: {_some(named)}")
@@ -96,6 +96,16 @@ def _match(model: nn.Module, named: dict[str, nn.Module], spec: SegmentSpec) -> 
         return [n for n, m in named.items() if n and spec(n, m)]
     raise SegmentError(f"segment spec {spec!r} ({type(spec).__name__}) is not a name, glob "
                        "pattern, module class or callable")
+
+
+def _glob(parts: list[str], pattern: list[str]) -> bool:
+    """Dotted-name glob: ``*`` matches within one name part, ``**`` any number of parts."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_glob(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and \
+        _glob(parts[1:], pattern[1:])
 
 
 def _lookup_attr(model: nn.Module, dotted: str):

@@ -1,0 +1,284 @@
+"""The framework-free API: outputs, kwargs, autocast, violations, checks, records, uninstall."""
+from __future__ import annotations
+
+import copy
+import pickle
+import sqlite3
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_replay as lr
+from lightning_replay.hazards import HAZARDS, MLPBlock
+from support import assert_same_state, clone_model, grads_equal, snapshot_state, train_steps
+
+
+class StructBlock(nn.Module):
+    """Tuple/dict/non-tensor outputs and keyword arguments."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x, scale=1.0, *, mask=None):
+        self.seen.add_(1)
+        h = torch.tanh(self.fc(x)) * scale
+        if mask is not None:
+            h = h * mask
+        return {"h": h, "aux": (h.sum(), "tag", 3)}
+
+
+class StructModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = StructBlock()
+        self.b = MLPBlock()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        mask = (x > -1).float()  # does not require grad
+        out = self.a(x, 0.5, mask=mask)
+        assert out["aux"][1] == "tag" and out["aux"][2] == 3
+        return self.head(self.b(out["h"])) + out["aux"][0]
+
+
+def test_struct_outputs_kwargs_and_non_grad_inputs():
+    make = lambda s: torch.randn(8, 16, generator=torch.Generator().manual_seed(s))
+    ref = StructModel()
+    model = copy.deepcopy(ref)
+    g_ref, _ = train_steps(ref, make, 4)
+    engine = lr.install(model, ["a", "b"])
+    g_rep, _ = train_steps(model, make, 4)
+    assert grads_equal(g_ref, g_rep) == []
+    assert engine.summary()["a"]["replays"] == 3
+    assert_same_state(snapshot_state(ref), snapshot_state(model))
+
+
+def test_input_without_grad():
+    h = HAZARDS["batch_norm"]()
+    ref, model = clone_model(h.model), clone_model(h.model)
+    lr.install(model, ["blocks.0"])
+    for m in (ref, model):
+        for p in m.blocks[0].parameters():
+            p.requires_grad_(False)
+    g_ref, _ = train_steps(ref, h.make_input, 4)
+    g_rep, _ = train_steps(model, h.make_input, 4)
+    assert grads_equal(g_ref, g_rep) == []
+    assert_same_state(snapshot_state(ref), snapshot_state(model))
+
+
+@pytest.mark.parametrize("hazard", ["combined", "queue", "batch_norm"])
+def test_cpu_bf16_autocast(hazard):
+    h = HAZARDS[hazard]()
+    ref, model = clone_model(h.model), clone_model(h.model)
+    engine = lr.install(model, h.segments)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g_ref, _ = train_steps(ref, h.make_input, 4)
+        g_rep, _ = train_steps(model, h.make_input, 4)
+    assert grads_equal(g_ref, g_rep) == []
+    assert all(s["replays"] == 3 for s in engine.summary().values())
+    assert_same_state(snapshot_state(ref), snapshot_state(model))
+
+
+def test_eval_and_no_grad_run_plain():
+    h = HAZARDS["batch_norm"]()
+    engine = lr.install(h.model, h.segments)
+    h.model.eval()
+    h.model(h.make_input(0)).sum().backward()
+    h.model.train()
+    with torch.no_grad():
+        h.model(h.make_input(0))
+    s = engine.summary()["blocks.0"]
+    assert s["forwards"] == 0 and s["mode"] == "probe"
+
+
+def test_state_dict_keys_uninstall_copy_and_pickle():
+    h = HAZARDS["combined"]()
+    keys = list(h.model.state_dict())
+    classes = [type(m) for m in h.model.modules()]
+    engine = lr.install(h.model, h.segments)
+    assert list(h.model.state_dict()) == keys
+    assert repr(h.model.blocks[0]).startswith("BNBlock(")
+    train_steps(h.model, h.make_input, 2)
+    copied = copy.deepcopy(h.model)
+    assert [type(m) for m in copied.modules()] == classes  # copies are plain models
+    pickle.loads(pickle.dumps(h.model.blocks[5]))
+    with pytest.raises(lr.ReplayConfigError, match="already has lightning_replay installed"):
+        lr.install(h.model, h.segments)
+    engine.uninstall()
+    assert [type(m) for m in h.model.modules()] == classes
+    assert list(h.model.state_dict()) == keys
+    lr.install(h.model, h.segments).uninstall()  # installing again after uninstall works
+
+
+class ExternalReader(nn.Module):
+    def __init__(self, table):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        object.__setattr__(self, "_table", table)  # state the model does not own
+
+    def forward(self, x):
+        return x + self.fc(x) @ self._table.clone()
+
+
+def _external_model():
+    table = torch.eye(16)
+    m = nn.Sequential(ExternalReader(table), nn.Linear(16, 1))
+    return m, table
+
+
+def test_violation_raises_with_names():
+    m, table = _external_model()
+    lr.install(m, ["0"], on_violation="raise")
+    x = torch.randn(4, 16)
+    m(x).sum().backward()  # probe: table constant
+    m(x).sum().backward()
+    out = m(x)
+    table.add_(1.0)  # changed between the forward and the replay
+    with pytest.raises(lr.ContractViolation) as err:
+        out.sum().backward()
+    assert err.value.segment == "0" and err.value.state == "0._table"
+    assert "version" in str(err.value) and "on_violation='record'" in str(err.value)
+
+
+def test_violation_record_reprobes_and_extends_contract(tmp_path):
+    db = tmp_path / "records.sqlite"
+    m, table = _external_model()
+    ref, ref_table = copy.deepcopy((m, table))
+    engine = lr.install(m, ["0"], on_violation="record", records=str(db))
+    # No optimizer step: step 2's recorded, unverified gradient must not carry into later steps.
+    mismatched = []
+    for step in range(7):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        grads = []
+        for model, tab in ((ref, ref_table), (m, table)):
+            model.zero_grad()
+            out = model(x)
+            if step >= 2:
+                tab.add_(0.5)  # from step 2 on, the table changes inside every window
+            if model is m and step == 2:
+                with pytest.warns(RuntimeWarning, match="0._table"):
+                    out.sum().backward()
+            else:
+                out.sum().backward()
+            grads.append(model[0].fc.weight.grad.clone())
+        if not torch.equal(*grads):
+            mismatched.append(step)
+    # step 2 replayed with the live table (recorded as a rejection); step 3 re-probes
+    # (retained, exact), and from step 4 the table is preserved whole.
+    assert mismatched == [2]
+    c = engine.contracts["0"]
+    assert c.version == 2 and c.changing[0].name == "0._table"
+    rows = sqlite3.connect(db).execute(
+        'SELECT step, segment, contract_version, "check", outcome FROM records ORDER BY seq'
+    ).fetchall()
+    assert rows == [(1, "0", 1, "contract", "match"), (3, "0", 1, "version", "rejection"),
+                    (4, "0", 2, "contract", "match")] or \
+        [r[3:] for r in rows] == [("contract", "match"), ("version", "rejection"),
+                                  ("contract", "match")]
+
+
+def test_checks_match_on_exact_replay():
+    h = HAZARDS["combined"]()
+    engine = lr.install(h.model, h.segments)
+    ref = clone_model(h.model)
+    train_steps(h.model, h.make_input, 2)
+    engine.request_check(grad=True, bytes=True)
+    train_steps(h.model, h.make_input, 1)
+    recs = engine.records.read()
+    checks = [r for r in recs if r.check in ("grad", "bytes")]
+    assert checks and all(r.outcome == "match" for r in checks), [r.detail for r in checks
+                                                                   if r.outcome != "match"]
+    assert {r.check for r in checks} == {"grad", "bytes"}
+    del ref
+
+
+def test_checks_catch_state_the_contract_cannot_restore():
+    m, table = _external_model()
+    engine = lr.install(m, ["0"])
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        m(x).sum().backward()
+    w_before = m[0].fc.weight.detach().clone()
+    engine.request_check()
+    out = m(x)
+    table.data.add_(1.0)  # no version bump: only the checks can see it
+    m[0].fc.weight.grad = None
+    out.sum().backward()
+    outcomes = {(r.check, r.outcome) for r in engine.records.read()}
+    assert ("bytes", "divergence") in outcomes and ("grad", "divergence") in outcomes
+    # training used the reference gradient: it equals a plain model's on the same state
+    plain = nn.Sequential(ExternalReader(table - 1.0), nn.Linear(16, 1))
+    plain.load_state_dict(m.state_dict())
+    assert torch.equal(w_before, plain[0].fc.weight)
+    plain(x).sum().backward()
+    assert torch.equal(m[0].fc.weight.grad, plain[0].fc.weight.grad)
+    assert engine.summary()["0"]["divergences"] >= 2
+
+
+def test_records_sqlite_schema_and_append(tmp_path):
+    path = tmp_path / "r.sqlite"
+    s1 = lr.RecordStore(path, run_id="a")
+    s1.append(step=1, segment="s", contract_version=1, check="contract", outcome="match",
+              detail="x")
+    s1.close()
+    s2 = lr.RecordStore(path, run_id="b")
+    s2.append(step=2, segment="s", contract_version=1, check="grad", outcome="divergence",
+              detail={"k": 1})
+    assert [r.run_id for r in s2.read()] == ["a", "b"]
+    cols = [c[1] for c in sqlite3.connect(path).execute("PRAGMA table_info(records)")]
+    assert cols[1:] == ["run_id", "step", "rank", "segment", "contract_version", "check",
+                        "outcome", "detail", "created_at"]
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_records_bad_path_is_a_clear_error(tmp_path):
+    bad = tmp_path / "not-a-db.sqlite"
+    bad.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(lr.RecordsError, match="cannot be used as a records database"):
+        lr.RecordStore(bad)
+
+
+def test_contract_schema_mismatch():
+    c = lr.ReplayContract(segment="s")
+    d = c.to_dict()
+    d["schema"] = 99
+    with pytest.raises(lr.ContractSchemaError, match="schema 99"):
+        lr.ReplayContract.from_dict(d)
+
+
+@pytest.mark.parametrize("segments,match", [
+    (["nope"], "not a submodule"),
+    ([], "empty"),
+    (["blocks.0", "blocks.0.fc"], "nested"),
+    ([""], "root module"),
+    (["head.weight"], "not a module"),
+    ("blocks.9*", "matches no submodule"),
+])
+def test_bad_segments(segments, match):
+    h = HAZARDS["batch_norm"]()
+    with pytest.raises(lr.SegmentError, match=match):
+        lr.install(h.model, segments)
+
+
+def test_bad_preservation_and_on_violation():
+    h = HAZARDS["batch_norm"]()
+    with pytest.raises(lr.ReplayConfigError, match="preservation='fast'"):
+        lr.install(h.model, h.segments, preservation="fast")
+    with pytest.raises(lr.ReplayConfigError, match="on_violation='ignore'"):
+        lr.install(h.model, h.segments, on_violation="ignore")
+    with pytest.raises(lr.ReplayConfigError, match="blocks.7"):
+        lr.install(h.model, h.segments, preservation={"blocks.7": "whole"})
+
+
+def test_segments_by_class_and_glob():
+    from lightning_replay.hazards import BNBlock
+    h = HAZARDS["batch_norm"]()
+    e = lr.install(h.model, BNBlock)
+    assert e.segments == ["blocks.0", "blocks.1"]
+    e.uninstall()
+    e = lr.install(h.model, "blocks.*")
+    assert e.segments == ["blocks.0", "blocks.1"]
