@@ -85,7 +85,8 @@ class ReplayContract:
 
     @property
     def stateless(self) -> bool:
-        return not self.changing and not self.generators
+        """Nothing to preserve (generator states and Python attributes cost nothing to keep)."""
+        return not self.changing
 
     def available_options(self) -> list[str]:
         """Options that honour this contract."""

@@ -6,6 +6,7 @@ import torch
 
 import lightning_replay as lr
 from lightning_replay.hazards import HAZARDS
+from lightning_replay.verify import diff_state
 from support import (assert_same_state, clone_model, grads_equal, snapshot_state,
                      torch_checkpoint, train_steps)
 
@@ -49,14 +50,8 @@ def test_torch_checkpoint_diverges_or_raises(hazard):
         return  # raised: that is one of the two failure modes we claim
     diverged = grads_equal(g_ref, g_naive)
     ref_state, naive_state = snapshot_state(ref), snapshot_state(naive)
-    state_diff = [k for k in ref_state if not _eq(ref_state[k], naive_state.get(k))]
+    state_diff = diff_state(ref_state, naive_state)
     assert diverged or state_diff, f"{hazard}: torch.utils.checkpoint was exact"
-
-
-def _eq(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    return a == b
 
 
 def test_recomputation_really_happens():
