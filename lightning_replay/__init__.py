@@ -8,6 +8,7 @@ Example:
     >>> sorted(engine.contracts)
     ['0']
 """
+from lightning_replay.budget import format_bytes, parse_budget
 from lightning_replay.contract import SCHEMA_VERSION, ReplayContract, StateEntry
 from lightning_replay.engine import ReplayEngine, install
 from lightning_replay.errors import (ContractSchemaError, ContractViolation, RecordsError,
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ContractSchemaError", "ContractViolation", "Record", "RecordStore", "RecordsError",
     "ReplayConfigError", "ReplayContract", "ReplayEngine", "ReplayError", "SCHEMA_VERSION",
-    "SegmentError", "StateEntry", "install",
+    "SegmentError", "StateEntry", "format_bytes", "install", "parse_budget",
 ]

@@ -17,6 +17,7 @@ import contextlib
 import copyreg
 import dataclasses
 import functools
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -25,7 +26,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_replay import planner as _planner
+from lightning_replay.accounting import MemoryAccountant
+from lightning_replay.budget import format_bytes, parse_budget
 from lightning_replay.contract import OPTIONS, ReplayContract, StateEntry
+from lightning_replay.costs import CostMeter, dispatch_overhead
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.errors import ContractViolation, ReplayConfigError, ReplayError
 from lightning_replay.preservation import CaptureMode, RegionLog, redo, undo
@@ -94,16 +99,20 @@ class _Bound:
 class _Invocation:
     """Everything one segment call needs at its replay."""
 
-    __slots__ = ("rt", "contract", "step", "checked", "tensors", "versions", "whole", "regions",
-                 "gens", "attrs", "digests", "preserved_bytes", "replays", "done", "_token",
-                 "__weakref__")
+    __slots__ = ("rt", "contract", "option", "step", "checked", "tensors", "versions", "whole",
+                 "regions", "gens", "attrs", "digests", "preserved_bytes", "replays", "done",
+                 "_token", "held", "t_prep", "capture", "__weakref__")
 
     def __init__(self, rt: "SegmentRuntime", check_bytes: bool) -> None:
         eng = rt.engine
         c = rt.contract
         self.rt = rt
         self.contract = c
+        self.option = c.option
         self.step = eng.step
+        self.held: list = []  # accountant keys this invocation holds until its replay
+        self.t_prep = 0.0
+        self.capture = None
         self.checked = check_bytes
         self.tensors: list[tuple[StateEntry, torch.Tensor]] = []
         self.versions: list[int] = []
@@ -129,6 +138,10 @@ class _Invocation:
                     snap = storage_bytes(t).clone()
                     self.whole.append((t, snap))
                     self.preserved_bytes += snap.numel()
+                    if eng.accountant is not None:
+                        key = ("snapshot", id(snap))
+                        eng.accountant.hold(key, snap.numel(), rt.name)
+                        self.held.append(key)
         self._token = {"done": False}
         if self.regions:
             # Dropped without replay (graph freed, backward never called): disarm anyway.
@@ -148,6 +161,11 @@ class _Invocation:
         for key, _ in self.regions:
             eng.log.release(key)
         self.whole = []
+        acct = eng.accountant
+        if acct is not None:
+            for key in self.held:
+                acct.drop(key)
+        self.held = []
 
 
 def _release_keys(log: RegionLog, keys: list, token: dict) -> None:
@@ -173,6 +191,7 @@ class _ReplayContext:
                 f"segment {rt.name!r} is being replayed a second time for the step {inv.step} "
                 "(backward with retain_graph=True?). Its preserved state is gone after the first "
                 "replay. Use preservation='retain' for segments whose graph is reused.")
+        self._t0 = time.perf_counter()
         self._check_versions()
         stack = contextlib.ExitStack()
         self._stack = stack
@@ -209,10 +228,16 @@ class _ReplayContext:
             stack.enter_context(mode)
         rt.replays += 1
         eng._replays_this_step += 1
+        if eng.accountant is not None:
+            eng._replay_started(rt.contract.activation_bytes)
 
     def __exit__(self, *exc) -> bool:
+        inv = self.inv
+        rt = inv.rt
         if self._stack is not None:
             self._stack.close()
+        if self._stack is not None and rt.engine.measure_costs:
+            rt.engine._record_replay_time(inv, time.perf_counter() - self._t0)
         return False
 
     def _check_versions(self) -> None:
@@ -296,6 +321,8 @@ class SegmentRuntime:
         self.last_preserved_bytes = 0
         self.order = -1
         self.planned_option: str | None = None
+        self.input_bytes = 0
+        self.input_saved_bytes = 0
 
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -305,7 +332,7 @@ class SegmentRuntime:
         self.forwards += 1
         if self.order < 0:
             self.order = eng._next_order()
-        with eng._implicit_window():
+        with eng._implicit_window(), eng._tagged(self.name):
             if self.status in ("probe", "probing"):
                 return self._probe_call(args, kwargs)
             option = self.contract.option if self.contract else "retain"
@@ -334,6 +361,8 @@ class SegmentRuntime:
             out = self.orig_forward(*args, **kwargs)
         mode.finish_segment()
         act = sum(n for k, n in saved.items() if k not in mode.touched and k not in input_keys)
+        self.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
+        self.input_bytes = _unique_bytes(tensor_leaves((args, kwargs)))
         probe = _Probe(mode, attrs, act, eng.step)
         self.probes.append(probe)
         eng._pending_probes.add(self)
@@ -477,6 +506,7 @@ class SegmentRuntime:
     # ---------------------------------------------------------------- steady state
     def _prepare(self, args: tuple, kwargs: dict, check_bytes: bool):
         eng = self.engine
+        t0 = time.perf_counter()
         inv = _Invocation(self, check_bytes)
         changing = eng._changing_keys
         if changing:
@@ -486,6 +516,17 @@ class SegmentRuntime:
                          else a for a in args)
             kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) and storage_key(v) in changing
                           else v) for k, v in kwargs.items()}
+        acct = eng.accountant
+        if acct is not None or eng.measure_costs:
+            leaves = tensor_leaves((args, kwargs))
+            if eng.measure_costs:
+                eng.meter.input_bytes[self.name] = _unique_bytes(leaves)
+            if acct is not None:
+                for t in leaves:
+                    key = acct.hold_tensor(t, self.name)
+                    if key is not None:
+                        inv.held.append(key)
+        inv.t_prep = time.perf_counter() - t0
         return inv, args, kwargs
 
     def _replay_call(self, args: tuple, kwargs: dict) -> Any:
@@ -615,6 +656,15 @@ class SegmentRuntime:
         }
 
 
+def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+    seen = {}
+    for t in tensors:
+        key = storage_key(t)
+        if key is not None:
+            seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def _contract_detail(c: ReplayContract) -> dict[str, Any]:
     return {"option": c.option,
             "changing": {s.name: s.preservation for s in c.changing},
@@ -629,12 +679,31 @@ class ReplayEngine:
 
     def __init__(self, model: nn.Module, segments: Mapping[str, nn.Module],
                  preservation: str | Mapping[str, str], on_violation: str,
-                 records: RecordStore, window: str) -> None:
+                 records: RecordStore, window: str, budget: int | None = None,
+                 planner: str = "joint", track_memory: bool = False, base_memory: int = 0,
+                 calibration_steps: int = 2) -> None:
         self.model = model
         self.on_violation = on_violation
         self.records = records
         self.log = RegionLog()
         self.step = 0
+        self.budget = budget
+        self.planner = planner
+        self.extra_base_memory = base_memory
+        self.calibration_steps = calibration_steps
+        self.plan: _planner.Plan | None = None
+        self.plan_version = 0
+        self.plan_transform: Callable[[_planner.Plan], _planner.Plan] | None = None
+        self.meter = CostMeter()
+        self.measure_costs = budget is not None
+        self.accountant: MemoryAccountant | None = None
+        self._acct_hooks: Any = None
+        self._calibration: list[str] = []
+        self._last_peak = 0
+        self._base_saved = 0
+        self._last_capture: tuple[int, dict, int] = (0, {}, 0)
+        if track_memory or budget is not None:
+            self.track_memory(True)
         self._external: list[Any] = []
         self._pending_probes: set[SegmentRuntime] = set()
         self._held_bytes = 0
@@ -647,6 +716,9 @@ class ReplayEngine:
         self._check_grad = False
         self._check_bytes = False
         self._check_next: tuple[bool, bool] | None = None
+        self._replays_last_step = 0
+        self._preserved_last_step = 0
+        self._last_step = 0
         self._suspended = False
         self._order = 0
         self._hooks: list = []
@@ -683,6 +755,115 @@ class ReplayEngine:
         """Bytes held right now for pending replays (whole copies plus region logs)."""
         return self._held_bytes + self.log.nbytes
 
+    @property
+    def costs(self) -> list[_planner.SegmentCost] | None:
+        """Measured costs per segment and option (None before any segment is probed)."""
+        costs = self.meter.costs(self)
+        return costs or None
+
+    @property
+    def base_memory(self) -> int:
+        """Bytes outside the segments: parameters, buffers and their gradients, tensors saved
+        for backward outside segments (measured), plus ``base_memory`` given to install."""
+        return self._static_bytes() + self._base_saved
+
+    def _static_bytes(self) -> int:
+        """Parameters, buffers, gradients and the caller's extra base: held all step."""
+        static: dict = {}
+        grads: dict = {}
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            key = storage_key(t)
+            if key is not None:
+                static[key] = t.untyped_storage().nbytes()
+                if t.requires_grad:
+                    grads[key] = static[key]
+        return sum(static.values()) + sum(grads.values()) + self.extra_base_memory
+
+    def track_memory(self, enabled: bool = True) -> None:
+        """Turn exact byte accounting on (every step pays a saved-tensor hook) or off."""
+        if enabled and self.accountant is None:
+            self.accountant = MemoryAccountant()
+            self.accountant.extra = lambda: self.log.nbytes
+        elif not enabled:
+            self.accountant = None
+
+    def step_stats(self) -> dict[str, Any]:
+        """The last finished window: accounted peak bytes (base included), replays, preserved
+        bytes, plan version. ``peak_bytes`` is None when memory tracking is off."""
+        return {"step": self._last_step,
+                "peak_bytes": (self._static_bytes() + self._last_peak
+                               if self.accountant is not None else None),
+                "replays": self._replays_last_step,
+                "preserved_bytes": self._preserved_last_step,
+                "plan_version": self.plan_version}
+
+    def replan(self, budget: int | str | None = None, method: str | None = None
+               ) -> _planner.Plan:
+        """Plan again from the measured costs (optionally with a new budget or method).
+
+        Raises:
+            InfeasibleBudget: the budget is below what the method can reach; the error says
+                the smallest feasible budget.
+            ReplayConfigError: no costs measured yet (no segment probed).
+        """
+        if budget is not None:
+            self.budget = _check_budget(budget)
+        if method is not None:
+            self.planner = _check_planner(method)
+        costs = self.costs
+        if not costs:
+            raise ReplayConfigError("replan() needs measured costs: run at least one training "
+                                    "step so every segment is probed")
+        base = self.base_memory
+        budget_bytes = self.budget
+        if budget_bytes is None:  # the lowest-memory correct plan
+            budget_bytes = _planner.min_feasible_budget(costs, base, self.planner)
+        p = _planner.plan(costs, budget=budget_bytes, base_memory=base, method=self.planner)
+        if self.plan_transform is not None:
+            p = self.plan_transform(p)
+        self._apply_plan(p)
+        return p
+
+    def _apply_plan(self, p: _planner.Plan) -> None:
+        self.set_options(p.choices)
+        self.plan = p
+        self.plan_version += 1
+        self.records.append(step=self.step, segment="*", contract_version=self.plan_version,
+                            check="plan", outcome="match",
+                            detail={"plan_version": self.plan_version, **p.to_dict()})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Resumable engine state: step, plan, contract versions, counters, record run id."""
+        return {"step": self.step, "plan_version": self.plan_version,
+                "plan": self.plan.to_dict() if self.plan else None,
+                "budget": self.budget, "planner": self.planner,
+                "run_id": self.records.run_id,
+                "segments": {n: {"version": rt.version, "forwards": rt.forwards,
+                                 "replays": rt.replays, "violations": rt.violations,
+                                 "checks": rt.checks, "divergences": rt.divergences,
+                                 "planned_option": rt.planned_option}
+                             for n, rt in self.runtimes.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: contracts are re-probed on the next step and get
+        the next version; the plan is re-applied once they exist."""
+        self.step = int(state["step"])
+        self.plan_version = int(state["plan_version"])
+        self.budget = state.get("budget", self.budget)
+        self.planner = state.get("planner", self.planner)
+        self.plan = _planner.Plan.from_dict(state["plan"]) if state.get("plan") else None
+        for n, d in state.get("segments", {}).items():
+            rt = self.runtimes.get(n)
+            if rt is None:
+                continue
+            rt.version = int(d["version"])
+            rt.forwards, rt.replays = int(d["forwards"]), int(d["replays"])
+            rt.violations, rt.checks = int(d["violations"]), int(d["checks"])
+            rt.divergences = int(d["divergences"])
+            rt.planned_option = d.get("planned_option")
+        if self.plan is not None:
+            self.measure_costs = False
+
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per segment: mode, replays, contract version, violations, bytes."""
         return {n: self.runtimes[n].summary() for n in self.segments}
@@ -717,10 +898,22 @@ class ReplayEngine:
             return
         for rt in list(self._pending_probes):
             rt.finish_stale_probes()
+        self._replays_last_step = self._replays_this_step
+        self._last_step = self.step
+        self._preserved_last_step = sum(rt.last_preserved_bytes for rt in self.runtimes.values())
+        self._maybe_plan()
         self.step += 1
         self._replays_this_step = 0
         chk, self._check_next = self._check_next, None
         self._check_grad, self._check_bytes = chk if chk else (False, False)
+        acct = self.accountant
+        if acct is not None:
+            self._last_peak = acct.peak
+            acct.static = {storage_key(t) for t in
+                           list(self.model.parameters()) + list(self.model.buffers())}
+            acct.reset_peak()
+            self._acct_hooks = acct.saved_tensors_hooks()
+            self._acct_hooks.__enter__()
         if self._needs_capture:
             self._capture = CaptureMode(self.log)
             self._capture.__enter__()
@@ -734,8 +927,16 @@ class ReplayEngine:
             return
         if self._capture is not None:
             self._capture.__exit__(None, None, None)
+            n_regions = sum(1 for rt in self.runtimes.values() if rt.contract is not None
+                            and rt.contract.option == "regions")
+            self._last_capture = (self._capture.ops, self._capture.entry_time, n_regions)
             self._capture = None
         self._capturing = False
+        if self._acct_hooks is not None:
+            self._acct_hooks.__exit__(None, None, None)
+            self._acct_hooks = None
+            if self.measure_costs:
+                self._base_saved = max(self._base_saved, self.accountant.by_tag.get("base", 0))
 
     def uninstall(self) -> None:
         """Put the model back exactly as it was before :func:`install`."""
@@ -763,6 +964,64 @@ class ReplayEngine:
             self._suspended = prev
 
     # ---------------------------------------------------------------- internal
+    def _maybe_plan(self) -> None:
+        """Between windows: calibrate each option for a few steps, then plan."""
+        if not self.measure_costs or self._pending_probes or any(
+                rt.contract is None or rt.status == "probe" for rt in self.runtimes.values()):
+            return
+        if self.plan is None and not self._calibration:
+            phases = ["replay"]
+            if any("regions" in rt.contract.available_options()
+                   for rt in self.runtimes.values()):
+                phases.append("regions")
+            self._calibration = [ph for ph in phases for _ in range(self.calibration_steps)]
+            self._calibration.append("plan")
+        if not self._calibration:
+            return
+        phase = self._calibration.pop(0)
+        if phase == "plan":
+            self.replan()
+            return
+        for rt in self.runtimes.values():
+            opts = rt.contract.available_options()
+            if phase == "replay":
+                rt.set_option("recompute" if "recompute" in opts else "whole")
+            elif "regions" in opts:
+                rt.set_option("regions")
+        for rt in self.runtimes.values():
+            rt.planned_option = None  # calibration is not a plan
+
+    def _record_replay_time(self, inv: _Invocation, seconds: float) -> None:
+        total = inv.t_prep + seconds
+        if inv.option == "regions":
+            ops, entry_time, n = self._last_capture
+            total += ops * dispatch_overhead() / max(n, 1)
+            total += sum(entry_time.get(k, 0.0) for k, _ in inv.regions)
+            self.meter.region_bytes[inv.rt.name] = max(
+                self.meter.region_bytes.get(inv.rt.name, 0) if inv.step > 0 else 0,
+                inv.rt.last_preserved_bytes - inv.preserved_bytes)
+        self.meter.add_time(inv.rt.name, inv.option, total)
+
+    def _replay_started(self, activation_bytes: int) -> None:
+        acct = self.accountant
+        if acct.replay_bytes == 0:
+            # the re-materialized activations are gone when this backward ends
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: acct.set_replay(0))
+        acct.set_replay(activation_bytes)
+
+    @contextlib.contextmanager
+    def _tagged(self, name: str) -> Iterator[None]:
+        acct = self.accountant
+        if acct is None:
+            yield
+            return
+        prev, acct.tag = acct.tag, name
+        try:
+            yield
+        finally:
+            acct.tag = prev
+
     def _next_order(self) -> int:
         self._order += 1
         return self._order
@@ -820,9 +1079,26 @@ def _normalize_preservation(preservation: Any, names: Iterable[str]) -> str | di
                             f"{type(preservation).__name__} {preservation!r}")
 
 
+def _check_budget(budget: Any) -> int:
+    try:
+        return parse_budget(budget)
+    except ValueError as exc:
+        raise ReplayConfigError(str(exc)) from None
+
+
+def _check_planner(planner: Any) -> str:
+    if planner not in _planner.METHODS:
+        raise ReplayConfigError(f"planner={planner!r} is not known; use one of "
+                                f"{list(_planner.METHODS)}")
+    return planner
+
+
 def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
             preservation: str | Mapping[str, str] = "auto", on_violation: str = "raise",
-            records: RecordStore | str | None = None, window: str = "root") -> ReplayEngine:
+            records: RecordStore | str | None = None, window: str = "root",
+            budget: int | str | None = None, planner: str = "joint",
+            track_memory: bool = False, base_memory: int = 0,
+            calibration_steps: int = 2) -> ReplayEngine:
     """Make the given submodules of ``model`` replay exactly under activation recomputation.
 
     Args:
@@ -836,6 +1112,16 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
         records: ``None`` (in memory), a SQLite path, or a :class:`RecordStore`.
         window: ``"root"`` (the window starts with each forward of ``model``) or ``"manual"``
             (the caller wraps each step in :meth:`ReplayEngine.window`).
+        budget: peak-memory budget (bytes, ``"2GiB"``, or a fraction of CUDA memory). With a
+            budget, the steps after the probe calibrate each option (``calibration_steps``
+            each), then ``planner`` chooses one option per segment from the measured costs;
+            ``engine.plan`` is the plan and ``engine.replan()`` makes a new one.
+        planner: ``"joint"`` (optimal), ``"eager_whole"``, ``"fixed_regions"``,
+            ``"retain_all"`` or ``"whole_all"``.
+        track_memory: count saved-tensor and snapshot bytes exactly every step (on whenever a
+            budget is set); ``engine.step_stats()["peak_bytes"]`` reports the peak.
+        base_memory: bytes outside the engine's view (optimizer state) added to the base.
+        calibration_steps: steps per option measured before planning.
 
     Returns:
         The :class:`ReplayEngine`; ``engine.uninstall()`` restores the model.
@@ -865,6 +1151,13 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
         raise ReplayConfigError(f"window={window!r} is not known; use 'root' or 'manual'")
     resolved = resolve_segments(model, segments)
     pres = _normalize_preservation(preservation, resolved)
+    budget_bytes = None if budget is None else _check_budget(budget)
+    _check_planner(planner)
+    if isinstance(base_memory, bool) or not isinstance(base_memory, int) or base_memory < 0:
+        raise ReplayConfigError(f"base_memory={base_memory!r} must be a non-negative int (bytes)")
+    if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) or \
+            calibration_steps < 1:
+        raise ReplayConfigError(f"calibration_steps={calibration_steps!r} must be an int >= 1")
     if records is None or isinstance(records, (str, bytes)) or hasattr(records, "__fspath__"):
         store = RecordStore(records, rank=_rank())
     elif isinstance(records, RecordStore):
@@ -872,4 +1165,6 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
     else:
         raise ReplayConfigError(f"records must be None, a path or a RecordStore, got "
                                 f"{type(records).__name__}")
-    return ReplayEngine(model, resolved, pres, on_violation, store, window)
+    return ReplayEngine(model, resolved, pres, on_violation, store, window, budget=budget_bytes,
+                        planner=planner, track_memory=track_memory, base_memory=base_memory,
+                        calibration_steps=calibration_steps)

@@ -14,6 +14,7 @@ counter moves.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -137,15 +138,22 @@ class RegionLog:
 
 
 class CaptureMode(TorchDispatchMode):
-    """Logs the old bytes of every write to an armed storage, before the write runs."""
+    """Logs the old bytes of every write to an armed storage, before the write runs.
+
+    It also counts the ops it saw and the seconds spent saving each storage's regions, so the
+    cost of ``regions`` is measured rather than assumed.
+    """
 
     def __init__(self, log: RegionLog, on_write: Callable[[StorageKey], None] | None = None):
         super().__init__()
         self.log = log
         self.on_write = on_write
+        self.ops = 0
+        self.entry_time: dict[StorageKey, float] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.ops += 1
         armed = self.log.armed
         if armed:
             for pos, name in write_args(func):
@@ -153,7 +161,10 @@ class CaptureMode(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     key = storage_key(t)
                     if key in armed:
+                        t0 = time.perf_counter()
                         self.log.record(key, RegionEntry(func, args, kwargs, t))
+                        self.entry_time[key] = self.entry_time.get(key, 0.0) + \
+                            time.perf_counter() - t0
                         if self.on_write is not None:
                             self.on_write(key)
         return func(*args, **kwargs)

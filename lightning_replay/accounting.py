@@ -1,0 +1,98 @@
+"""Exact byte accounting of what a step holds for backward, on any device.
+
+CPU has no allocator counter, so the engine counts the bytes the cost model talks about, each
+storage once: tensors autograd saves outside replayed segments (a saved-tensors hook whose
+packed handle gives its bytes back when autograd frees it), checkpoint inputs and preserved
+snapshots and region logs held by the engine, and, while a segment replays, the activations it
+re-materializes (its probe-measured ``A(s)``, until the next replay or the end of backward).
+Parameters and buffers are static and belong to the base.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import torch
+
+from lightning_replay.state import storage_key
+
+
+class MemoryAccountant:
+    """Live and peak bytes, counted per storage (a storage held twice counts once)."""
+
+    def __init__(self) -> None:
+        self.static: set = set()
+        self._live: dict[Hashable, list] = {}
+        self.by_tag: dict[str, int] = {}
+        self.tag = "base"  # who is running: "base" or a segment name
+        self.current = 0
+        self.peak = 0
+        self.replay_bytes = 0
+        self.extra: Any = None  # callable returning bytes held elsewhere (the region log)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current + self.replay_bytes + (self.extra() if self.extra else 0)
+
+    def hold(self, key: Hashable, nbytes: int, tag: str | None = None) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            tag = tag or self.tag
+            self._live[key] = [1, nbytes, tag]
+            self.current += nbytes
+            self.by_tag[tag] = self.by_tag.get(tag, 0) + nbytes
+            self.touch()
+        else:
+            entry[0] += 1
+
+    def drop(self, key: Hashable) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._live[key]
+            self.current -= entry[1]
+            self.by_tag[entry[2]] -= entry[1]
+
+    def hold_tensor(self, t: torch.Tensor, tag: str | None = None) -> Hashable | None:
+        key = storage_key(t)
+        if key is None or key in self.static:
+            return None
+        self.hold(key, t.untyped_storage().nbytes(), tag)
+        return key
+
+    def set_replay(self, nbytes: int) -> None:
+        """A segment replays: its re-materialized activations replace the previous ones."""
+        self.replay_bytes = nbytes
+        self.touch()
+
+    def touch(self) -> None:
+        now = self.current + self.replay_bytes + (self.extra() if self.extra else 0)
+        if now > self.peak:
+            self.peak = now
+
+    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Hooks that count every tensor autograd saves while they are active."""
+        acct = self
+
+        def pack(t: torch.Tensor) -> Any:
+            return _Held(t, acct)
+
+        def unpack(h: Any) -> torch.Tensor:
+            return h.t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+class _Held:
+    """A saved tensor's handle: holds its bytes in the accountant until autograd frees it."""
+
+    __slots__ = ("t", "acct", "key")
+
+    def __init__(self, t: torch.Tensor, acct: MemoryAccountant) -> None:
+        self.t = t
+        self.acct = acct
+        self.key = acct.hold_tensor(t)
+
+    def __del__(self) -> None:
+        if self.key is not None:
+            self.acct.drop(self.key)

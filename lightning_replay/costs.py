@@ -1,0 +1,99 @@
+"""Measured costs per segment and option: the planner's input.
+
+Memory (bytes held from a segment's forward to its backward) is exact: activations saved by a
+retained segment and the input bytes it saves, checkpoint inputs, and snapshot or region-log
+bytes. Time (extra seconds per step over ``retain``) is the median of what the engine timed on
+the segment's own replays under each option: capture at forward (snapshots, input copies, the
+region log's share of the capture mode), swap in, recompute, swap out.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict, deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_replay.planner import Option, SegmentCost
+
+if TYPE_CHECKING:
+    from lightning_replay.engine import ReplayEngine
+
+_KEEP = 16  # samples kept per segment and option
+
+
+class CostMeter:
+    """Timing and byte samples per segment and option."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, dict[str, deque]] = defaultdict(
+            lambda: defaultdict(lambda: deque(maxlen=_KEEP)))
+        self.input_bytes: dict[str, int] = {}
+        self.region_bytes: dict[str, int] = {}
+
+    def add_time(self, segment: str, option: str, seconds: float) -> None:
+        self.times[segment][option].append(seconds)
+
+    def has(self, segment: str, option: str) -> bool:
+        return bool(self.times.get(segment, {}).get(option))
+
+    def median(self, segment: str, option: str) -> float:
+        return float(statistics.median(self.times[segment][option]))
+
+    def costs(self, engine: "ReplayEngine") -> list[SegmentCost]:
+        """One :class:`SegmentCost` per probed segment, in forward order, with every option
+        that has been measured (``retain`` always is)."""
+        out = []
+        for name in engine.segments:
+            rt = engine.runtimes[name]
+            c = rt.contract
+            if c is None:
+                continue
+            inputs = self.input_bytes.get(name, rt.input_bytes)
+            opts = {"retain": Option(memory=c.activation_bytes + rt.input_saved_bytes, time=0.0)}
+            for o in c.available_options():
+                if o == "retain" or not self.has(name, o):
+                    continue
+                if o == "regions":
+                    held = self.region_bytes.get(name, 0) + sum(
+                        s.nbytes for s in c.changing
+                        if not (s.regions_ok and not s.unannotated_write))
+                else:
+                    held = c.preserved_bytes(o)
+                opts[o] = Option(memory=inputs + held, time=self.median(name, o))
+            out.append(SegmentCost(name=name, activation_bytes=c.activation_bytes, options=opts))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"times": {s: {o: list(v) for o, v in d.items()} for s, d in self.times.items()},
+                "input_bytes": dict(self.input_bytes), "region_bytes": dict(self.region_bytes)}
+
+
+class _Passthrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+_DISPATCH_OVERHEAD: float | None = None
+
+
+def dispatch_overhead() -> float:
+    """Seconds a Python dispatch mode adds to one aten op on this machine (measured once)."""
+    global _DISPATCH_OVERHEAD
+    if _DISPATCH_OVERHEAD is None:
+        x = torch.zeros(8)
+        n = 400
+
+        def loop():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                torch.add(x, 1.0)
+            return time.perf_counter() - t0
+        loop()
+        plain = min(loop() for _ in range(3))
+        with _Passthrough():
+            moded = min(loop() for _ in range(3))
+        _DISPATCH_OVERHEAD = max(moded - plain, 0.0) / n
+    return _DISPATCH_OVERHEAD

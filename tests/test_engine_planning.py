@@ -1,0 +1,126 @@
+"""Budgets: measured costs, the plan, and the measured peak of a step under it."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import lightning_replay as lr
+from lightning_replay.hazards import CombinedModel, QueueModel
+from lightning_replay.planner import InfeasibleBudget, Plan, costs_from_dict, costs_to_dict, \
+    min_feasible_budget
+from lightning_replay.verify import grad_diffs, train_steps
+
+STEPS_TO_PLAN = 1 + 2 * 2 + 1  # probe, two calibration phases of two steps, then the plan
+
+
+def _model():
+    torch.manual_seed(0)
+    return QueueModel(rows=2048, dim=32, write_rows=32)
+
+
+def _x(step):
+    return torch.randn(128, 32, generator=torch.Generator().manual_seed(step))
+
+
+def _measure(budget=None, planner="joint"):
+    m = _model()
+    e = lr.install(m, "blocks.*", budget=budget or 10**12, planner=planner)
+    train_steps(m, _x, STEPS_TO_PLAN)
+    return m, e
+
+
+@pytest.fixture(scope="module")
+def measured():
+    m, e = _measure()
+    return e.costs, e.base_memory
+
+
+def test_costs_measured_for_every_option(measured):
+    costs, base = measured
+    assert [c.name for c in costs] == ["blocks.0", "blocks.1"]
+    for c in costs:
+        assert set(c.options) == {"retain", "whole", "regions"}
+        assert c.options["retain"].time == 0.0
+        assert all(o.time > 0 for k, o in c.options.items() if k != "retain")
+        # a 2048-row queue with 32 rows written per step: regions hold far less than whole
+        assert c.options["regions"].memory < c.options["whole"].memory / 8
+        assert c.options["whole"].memory < c.options["retain"].memory
+    assert costs_from_dict(json.loads(json.dumps(costs_to_dict(costs)))) == costs
+
+
+@pytest.mark.parametrize("where", [0.0, 0.3, 0.7])
+def test_measured_peak_within_budget_and_prediction(measured, where):
+    costs, base = measured
+    lo = min_feasible_budget(costs, base, "joint")
+    hi = min_feasible_budget(costs, base, "retain_all")
+    budget = int(lo + where * (hi - lo))
+    m = _model()
+    ref = copy.deepcopy(m)
+    e = lr.install(m, "blocks.*", budget=budget)
+    g, _ = train_steps(m, _x, STEPS_TO_PLAN + 3)
+    g_ref, _ = train_steps(ref, _x, STEPS_TO_PLAN + 3)
+    assert grad_diffs(g_ref, g) == []  # calibration and planned steps stay exact
+    p = e.plan
+    assert isinstance(p, Plan) and e.plan_version == 1
+    assert p.peak_memory <= budget
+    peak = e.step_stats()["peak_bytes"]
+    assert peak <= budget, (peak, budget, p)
+    assert abs(peak - p.peak_memory) <= 0.10 * p.peak_memory, (peak, p.peak_memory, p.choices)
+
+
+def test_replan_and_infeasible_budget(measured):
+    m, e = _measure()
+    lo = min_feasible_budget(e.costs, e.base_memory, "joint")
+    with pytest.raises(InfeasibleBudget) as err:
+        e.replan(budget=lo - 1)
+    assert err.value.min_feasible == lo
+    p = e.replan(budget=lo)
+    assert e.plan_version == 2 and p.peak_memory <= lo
+    assert {s["mode"] for s in e.summary().values()} <= {"regions", "whole", "retain"}
+    assert [r.check for r in e.records.read()].count("plan") == 2
+
+
+def test_no_budget_means_no_plan_and_no_accounting():
+    m = _model()
+    e = lr.install(m, "blocks.*")
+    train_steps(m, _x, 3)
+    assert e.plan is None and e.step_stats()["peak_bytes"] is None
+
+
+def test_state_dict_roundtrip():
+    m, e = _measure()
+    sd = e.state_dict()
+    json.dumps(sd)
+    m2 = _model()
+    e2 = lr.install(m2, "blocks.*", budget=10**12)
+    e2.load_state_dict(sd)
+    assert e2.plan == e.plan and e2.plan_version == e.plan_version and e2.step == e.step
+    train_steps(m2, _x, 2)  # re-probe, then the loaded plan applies
+    assert e2.summary()["blocks.0"]["contract_version"] == 2
+    assert e2.summary()["blocks.0"]["mode"] == e.plan.choices["blocks.0"]
+
+
+@pytest.mark.parametrize("bad,match", [("lots", "budget"), (-5, "budget"), (0, "budget")])
+def test_bad_budget(bad, match):
+    with pytest.raises(lr.ReplayConfigError, match=match):
+        lr.install(_model(), "blocks.*", budget=bad)
+
+
+def test_bad_planner():
+    with pytest.raises(lr.ReplayConfigError, match="planner='fastest'"):
+        lr.install(_model(), "blocks.*", planner="fastest")
+
+
+def test_combined_hazards_plan_exact():
+    torch.manual_seed(0)
+    base = CombinedModel()
+    m, ref = copy.deepcopy(base), copy.deepcopy(base)
+    make = lambda s: torch.randn(8, 16, generator=torch.Generator().manual_seed(s))
+    e = lr.install(m, [f"blocks.{i}" for i in range(6)], budget=10**12)
+    g, _ = train_steps(m, make, 9)
+    g_ref, _ = train_steps(ref, make, 9)
+    assert grad_diffs(g_ref, g) == []
+    assert e.plan is not None
