@@ -41,6 +41,7 @@ from lightning_replay.state import (PLAIN_TYPES, StateIndex, StateRef, capture_a
                                     storage_key, swap_, swap_attrs, tensor_leaves)
 
 PRESERVATIONS = ("auto", "whole", "regions", "retain")
+_KEEP = object()
 ON_VIOLATION = ("raise", "record")
 
 # module -> its runtime. Weak, so a deepcopy or unpickled copy of a module is a plain module.
@@ -681,7 +682,7 @@ class ReplayEngine:
                  preservation: str | Mapping[str, str], on_violation: str,
                  records: RecordStore, window: str, budget: int | None = None,
                  planner: str = "joint", track_memory: bool = False, base_memory: int = 0,
-                 calibration_steps: int = 2) -> None:
+                 calibration_steps: int = 2, plan_min: bool = False) -> None:
         self.model = model
         self.on_violation = on_violation
         self.records = records
@@ -695,14 +696,14 @@ class ReplayEngine:
         self.plan_version = 0
         self.plan_transform: Callable[[_planner.Plan], _planner.Plan] | None = None
         self.meter = CostMeter()
-        self.measure_costs = budget is not None
+        self.measure_costs = budget is not None or plan_min
         self.accountant: MemoryAccountant | None = None
         self._acct_hooks: Any = None
         self._calibration: list[str] = []
         self._last_peak = 0
         self._base_saved = 0
         self._last_capture: tuple[int, dict, int] = (0, {}, 0)
-        if track_memory or budget is not None:
+        if track_memory or self.measure_costs:
             self.track_memory(True)
         self._external: list[Any] = []
         self._pending_probes: set[SegmentRuntime] = set()
@@ -797,17 +798,22 @@ class ReplayEngine:
                 "preserved_bytes": self._preserved_last_step,
                 "plan_version": self.plan_version}
 
-    def replan(self, budget: int | str | None = None, method: str | None = None
+    def replan(self, budget: int | str | None | object = _KEEP, method: str | None = None
                ) -> _planner.Plan:
         """Plan again from the measured costs (optionally with a new budget or method).
+
+        Args:
+            budget: new budget (bytes or a string such as ``"2GiB"``); ``"min"`` or ``None``
+                plans the lowest-memory correct plan; omitted keeps the current budget.
+            method: new planner method; omitted keeps the current one.
 
         Raises:
             InfeasibleBudget: the budget is below what the method can reach; the error says
                 the smallest feasible budget.
             ReplayConfigError: no costs measured yet (no segment probed).
         """
-        if budget is not None:
-            self.budget = _check_budget(budget)
+        if budget is not _KEEP:
+            self.budget = None if budget in (None, "min") else _check_budget(budget)
         if method is not None:
             self.planner = _check_planner(method)
         costs = self.costs
@@ -1112,10 +1118,12 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
         records: ``None`` (in memory), a SQLite path, or a :class:`RecordStore`.
         window: ``"root"`` (the window starts with each forward of ``model``) or ``"manual"``
             (the caller wraps each step in :meth:`ReplayEngine.window`).
-        budget: peak-memory budget (bytes, ``"2GiB"``, or a fraction of CUDA memory). With a
-            budget, the steps after the probe calibrate each option (``calibration_steps``
-            each), then ``planner`` chooses one option per segment from the measured costs;
-            ``engine.plan`` is the plan and ``engine.replan()`` makes a new one.
+        budget: peak-memory budget (bytes, ``"2GiB"``, or a fraction of CUDA memory), or
+            ``"min"`` for the lowest-memory correct plan. With a budget, the steps after the
+            probe calibrate each option (``calibration_steps`` each), then ``planner`` chooses
+            one option per segment from the measured costs; ``engine.plan`` is the plan and
+            ``engine.replan()`` makes a new one. ``None``: no planning (``preservation``
+            decides).
         planner: ``"joint"`` (optimal), ``"eager_whole"``, ``"fixed_regions"``,
             ``"retain_all"`` or ``"whole_all"``.
         track_memory: count saved-tensor and snapshot bytes exactly every step (on whenever a
@@ -1151,7 +1159,7 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
         raise ReplayConfigError(f"window={window!r} is not known; use 'root' or 'manual'")
     resolved = resolve_segments(model, segments)
     pres = _normalize_preservation(preservation, resolved)
-    budget_bytes = None if budget is None else _check_budget(budget)
+    budget_bytes = None if budget in (None, "min") else _check_budget(budget)
     _check_planner(planner)
     if isinstance(base_memory, bool) or not isinstance(base_memory, int) or base_memory < 0:
         raise ReplayConfigError(f"base_memory={base_memory!r} must be a non-negative int (bytes)")
@@ -1167,4 +1175,4 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
                                 f"{type(records).__name__}")
     return ReplayEngine(model, resolved, pres, on_violation, store, window, budget=budget_bytes,
                         planner=planner, track_memory=track_memory, base_memory=base_memory,
-                        calibration_steps=calibration_steps)
+                        calibration_steps=calibration_steps, plan_min=budget == "min")
