@@ -177,11 +177,18 @@ def _release_keys(log: RegionLog, keys: list, token: dict) -> None:
 
 
 class _ReplayContext:
-    """Around a replay: check, swap entry state in, sandbox the replay's writes, swap back."""
+    """Around a replay: check, swap entry state in, sandbox the replay's writes, swap back.
+
+    ``__exit__`` undoes exactly the steps ``__enter__`` completed, also when the replay stops
+    early (checkpoint's early stop raises through here) or fails.
+    """
+
+    __slots__ = ("inv", "_t0", "_versions", "_regions", "_gens", "_attrs", "_sandbox",
+                 "_stage")
 
     def __init__(self, inv: _Invocation) -> None:
         self.inv = inv
-        self._stack: contextlib.ExitStack | None = None
+        self._stage = 0
 
     def __enter__(self) -> None:
         inv = self.inv
@@ -194,39 +201,38 @@ class _ReplayContext:
                 "replay. Use preservation='retain' for segments whose graph is reused.")
         self._t0 = time.perf_counter()
         self._check_versions()
-        stack = contextlib.ExitStack()
-        self._stack = stack
-        touched = [t for _, t in inv.tensors]
-        versions = [t._version for t in touched]
-        stack.callback(_reset_versions, touched, versions)
-        stack.callback(inv.release)
+        self._versions = [t._version for _, t in inv.tensors]
+        self._stage = 1
         with torch.no_grad():
             for t, snap in inv.whole:
                 swap_(storage_bytes(t), snap)
-            stack.callback(_swap_all, inv.whole)
-            region_entries = [eng.log.since(key, mark) for key, mark in inv.regions]
-            rt.last_preserved_bytes = inv.preserved_bytes + sum(
-                e.nbytes for entries in region_entries for e in entries)
-            for entries in reversed(region_entries):
+            regions = [eng.log.since(key, mark) for key, mark in inv.regions]
+            if regions:
+                rt.last_preserved_bytes = inv.preserved_bytes + sum(
+                    e.nbytes for entries in regions for e in entries)
+            for entries in reversed(regions):
                 undo(entries)
-            stack.callback(_redo_all, region_entries)
+            self._regions = regions
+        self._stage = 2
+        gens = []
         for g, state in inv.gens:
-            live = g.get_state()
+            gens.append((g, g.get_state()))
             g.set_state(state)
-            stack.callback(g.set_state, live)
-        live_attrs = swap_attrs(inv.attrs)
-        stack.callback(restore_attrs, live_attrs)
+        self._gens = gens
+        self._attrs = swap_attrs(inv.attrs)
+        self._stage = 3
         if inv.digests is not None:
             rt._check_state_digests(inv)
-        sandbox_keys = rt.sandbox_keys
-        if sandbox_keys:
+        self._sandbox = None
+        if rt.sandbox_keys:
             # The replay's own writes to region-preserved state are logged and undone after it.
             log = RegionLog()
-            for key in sandbox_keys:
+            for key in rt.sandbox_keys:
                 log.arm(key)
             mode = CaptureMode(log)
-            stack.callback(lambda: [undo(e) for e in list(log.logs.values())])
-            stack.enter_context(mode)
+            mode.__enter__()
+            self._sandbox = mode
+        self._stage = 4
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
@@ -234,29 +240,45 @@ class _ReplayContext:
 
     def __exit__(self, *exc) -> bool:
         inv = self.inv
-        rt = inv.rt
-        if self._stack is not None:
-            self._stack.close()
-        if self._stack is not None and rt.engine.measure_costs:
-            rt.engine._record_replay_time(inv, time.perf_counter() - self._t0)
+        stage = self._stage
+        self._stage = 0
+        if stage >= 4 and self._sandbox is not None:
+            self._sandbox.__exit__(None, None, None)
+            for entries in self._sandbox.log.logs.values():
+                undo(entries)
+        if stage >= 3:
+            restore_attrs(self._attrs)
+            for g, live in self._gens:
+                g.set_state(live)
+        if stage >= 2:
+            with torch.no_grad():
+                for entries in self._regions:
+                    redo(entries)
+                _swap_all(inv.whole)
+        if stage >= 1:
+            _reset_versions([t for _, t in inv.tensors], self._versions)
+            inv.release()
+            eng = inv.rt.engine
+            if eng.measure_costs and stage >= 4:
+                eng._record_replay_time(inv, time.perf_counter() - self._t0)
         return False
 
     def _check_versions(self) -> None:
         inv = self.inv
         rt = inv.rt
+        marks = dict(inv.regions)
         for (entry, t), v0, in zip(inv.tensors, inv.versions):
-            if entry.preservation == "whole":
+            p = entry.preservation
+            if p == "whole":
                 continue
             expected = v0
-            if entry.preservation == "regions":
+            if p == "regions":
                 key = storage_key(t)
-                mark = next((m for k, m in inv.regions if k == key), None)
-                if mark is None:  # not captured this window: treated like constant state
-                    pass
-                else:
-                    expected = v0 + len(rt.engine.log.since(key, mark))
+                if key not in marks:
+                    continue  # no capture in that window: it was snapshotted whole
+                expected = v0 + len(rt.engine.log.since(key, marks[key]))
             if t._version != expected:
-                what = ("was written outside the logged window" if entry.preservation == "regions"
+                what = ("was written outside the logged window" if p == "regions"
                         else "was modified in place between the segment's forward and its replay")
                 rt._violation(entry.name, f"{what} (version {v0} at forward, {t._version} at "
                                           f"replay, expected {expected})", inv)
@@ -266,11 +288,6 @@ def _swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for t, snap in pairs:
             swap_(storage_bytes(t), snap)
-
-
-def _redo_all(region_entries: list) -> None:
-    for entries in region_entries:
-        redo(entries)
 
 
 def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
@@ -333,6 +350,9 @@ class SegmentRuntime:
         self.forwards += 1
         if self.order < 0:
             self.order = eng._next_order()
+        if eng._window_depth and eng.accountant is None and self.status == "active" and \
+                not eng._check_grad:
+            return self._replay_call(args, kwargs)  # the steady-state fast path
         with eng._implicit_window(), eng._tagged(self.name):
             if self.status in ("probe", "probing"):
                 return self._probe_call(args, kwargs)
