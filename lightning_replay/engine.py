@@ -199,6 +199,8 @@ class _ReplayContext:
                 f"segment {rt.name!r} is being replayed a second time for the step {inv.step} "
                 "(backward with retain_graph=True?). Its preserved state is gone after the first "
                 "replay. Use preservation='retain' for segments whose graph is reused.")
+        if eng._sync:
+            torch.cuda.synchronize()
         self._t0 = time.perf_counter()
         self._check_versions()
         self._versions = [t._version for _, t in inv.tensors]
@@ -259,7 +261,9 @@ class _ReplayContext:
             _reset_versions([t for _, t in inv.tensors], self._versions)
             inv.release()
             eng = inv.rt.engine
-            if eng.measure_costs and stage >= 4:
+            if eng.measure_costs and stage >= 4 and (eng._sync or not eng._cuda):
+                if eng._sync:
+                    torch.cuda.synchronize()
                 eng._record_replay_time(inv, time.perf_counter() - self._t0)
         return False
 
@@ -527,6 +531,8 @@ class SegmentRuntime:
     # ---------------------------------------------------------------- steady state
     def _prepare(self, args: tuple, kwargs: dict, check_bytes: bool):
         eng = self.engine
+        if eng._sync:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         inv = _Invocation(self, check_bytes)
         changing = eng._changing_keys
@@ -547,6 +553,8 @@ class SegmentRuntime:
                     key = acct.hold_tensor(t, self.name)
                     if key is not None:
                         inv.held.append(key)
+        if eng._sync:
+            torch.cuda.synchronize()
         inv.t_prep = time.perf_counter() - t0
         return inv, args, kwargs
 
@@ -677,6 +685,11 @@ class SegmentRuntime:
         }
 
 
+def _first_param_is_cuda(model: nn.Module) -> bool:
+    p = next(model.parameters(), None)
+    return p is not None and p.is_cuda
+
+
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     seen = {}
     for t in tensors:
@@ -723,6 +736,10 @@ class ReplayEngine:
         self._last_peak = 0
         self._base_saved = 0
         self._last_capture: tuple[int, dict, int] = (0, {}, 0)
+        # On CUDA, times are only taken while calibrating (synchronized), and peaks come from
+        # the allocator.
+        self._cuda = _first_param_is_cuda(model)
+        self._sync = False
         if track_memory or self.measure_costs:
             self.track_memory(True)
         self._external: list[Any] = []
@@ -740,6 +757,7 @@ class ReplayEngine:
         self._replays_last_step = 0
         self._preserved_last_step = 0
         self._last_step = 0
+        self._last_cuda_peak = 0
         self._suspended = False
         self._order = 0
         self._hooks: list = []
@@ -812,7 +830,8 @@ class ReplayEngine:
         """The last finished window: accounted peak bytes (base included), replays, preserved
         bytes, plan version. ``peak_bytes`` is None when memory tracking is off."""
         return {"step": self._last_step,
-                "peak_bytes": (self._static_bytes() + self._last_peak
+                "peak_bytes": (self._last_cuda_peak if self._cuda else
+                               self._static_bytes() + self._last_peak
                                if self.accountant is not None else None),
                 "replays": self._replays_last_step,
                 "preserved_bytes": self._preserved_last_step,
@@ -932,7 +951,13 @@ class ReplayEngine:
         self._replays_this_step = 0
         chk, self._check_next = self._check_next, None
         self._check_grad, self._check_bytes = chk if chk else (False, False)
+        self._cuda = _first_param_is_cuda(self.model)
+        self._sync = self._cuda and bool(self._calibration)
         acct = self.accountant
+        if acct is not None and self._cuda:
+            dev = next(p.device for p in self.model.parameters() if p.is_cuda)
+            self._last_cuda_peak = torch.cuda.max_memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
         if acct is not None:
             self._last_peak = acct.peak
             acct.static = {storage_key(t) for t in
