@@ -404,7 +404,8 @@ class SegmentRuntime:
         probe.changed_attrs = [
             f"{self.module_names.get(id(m), self.name)}.{k}"
             for (d, vals), m in zip(probe.attrs, self.modules)
-            for k, v in vals.items() if d.get(k, v) is not v and d.get(k, v) != v]
+            for k, v in vals.items()
+            if type(v) in PLAIN_TYPES and d.get(k, v) is not v and d.get(k, v) != v]
         if all(p.observations is not None for p in self.probes):
             self._make_contract()
 

@@ -168,22 +168,29 @@ def unique_generators(gens: list[torch.Generator]) -> list[torch.Generator]:
 
 
 def capture_attrs(modules: list[nn.Module]) -> list[tuple[dict, dict]]:
-    """Plain Python attributes (immutable values) of each module, as (module dict, copy)."""
-    return [(m.__dict__, {k: v for k, v in m.__dict__.items() if type(v) in PLAIN_TYPES})
-            for m in modules]
+    """Each module's attribute dict, copied (a C-level copy: cheap enough for every step).
+
+    Only plain immutable values (:data:`PLAIN_TYPES`) are ever restored from it.
+    """
+    return [(m.__dict__, m.__dict__.copy()) for m in modules]
 
 
 def swap_attrs(saved: list[tuple[dict, dict]]) -> list[tuple[dict, dict]]:
-    """Put saved attribute values in place; return what was there, to swap back later."""
+    """Put the saved plain values in place; return what was there, to swap back later."""
     out = []
     for d, values in saved:
         live = {}
         for k, v in values.items():
-            live[k] = d.get(k, _MISSING)
-            d[k] = v
-        for k in [k for k, v in d.items() if type(v) in PLAIN_TYPES and k not in values]:
-            live[k] = d.pop(k)
-        out.append((d, live))
+            cur = d.get(k, _MISSING)
+            if cur is not v and type(v) in PLAIN_TYPES:
+                live[k] = cur
+                d[k] = v
+        if len(d) != len(values) or live:
+            for k in d.keys() - values.keys():
+                if type(d[k]) in PLAIN_TYPES:
+                    live[k] = d.pop(k)
+        if live:
+            out.append((d, live))
     return out
 
 
