@@ -22,3 +22,16 @@ __all__ = [
     "ReplayConfigError", "ReplayContract", "ReplayEngine", "ReplayError", "SCHEMA_VERSION",
     "SegmentError", "StateEntry", "format_bytes", "install", "parse_budget",
 ]
+
+# Lightning shells: importing them registers Trainer(strategy="replay") and its launcher variants
+# (Lightning resolves strategy names before any entry point could). The core above never imports
+# Lightning; without Lightning installed the framework-free API still works.
+try:
+    import lightning.pytorch as _lightning_pytorch  # noqa: F401
+except ImportError:  # pragma: no cover - lightning is a dependency
+    pass
+else:
+    from lightning_replay.callbacks import ReplayCallback
+    from lightning_replay.strategies import ReplayStrategy
+
+    __all__ += ["ReplayCallback", "ReplayStrategy"]

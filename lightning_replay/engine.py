@@ -734,6 +734,7 @@ class ReplayEngine:
         self.accountant: MemoryAccountant | None = None
         self._acct_hooks: Any = None
         self._calibration: list[str] = []
+        self._warmup = False
         self._last_peak = 0
         self._base_saved = 0
         self._last_capture: tuple[int, dict, int] = (0, {}, 0)
@@ -1026,14 +1027,19 @@ class ReplayEngine:
             if any("regions" in rt.contract.available_options()
                    for rt in self.runtimes.values()):
                 phases.append("regions")
-            self._calibration = [ph for ph in phases for _ in range(self.calibration_steps)]
+            # each phase starts with a warm-up step whose timings are not kept
+            self._calibration = [ph for ph in phases
+                                 for ph in [ph + ":warmup"] + [ph] * self.calibration_steps]
             self._calibration.append("plan")
+        self._warmup = False
         if not self._calibration:
             return
         phase = self._calibration.pop(0)
         if phase == "plan":
             self.replan()
             return
+        phase, _, warm = phase.partition(":")
+        self._warmup = bool(warm)
         for rt in self.runtimes.values():
             opts = rt.contract.available_options()
             if phase == "replay":
@@ -1044,6 +1050,8 @@ class ReplayEngine:
             rt.planned_option = None  # calibration is not a plan
 
     def _record_replay_time(self, inv: _Invocation, seconds: float) -> None:
+        if self._warmup and inv.step == self.step:
+            return
         total = inv.t_prep + seconds
         if inv.option == "regions":
             ops, entry_time, n = self._last_capture

@@ -13,7 +13,7 @@ from lightning_replay.planner import InfeasibleBudget, Plan, costs_from_dict, co
     min_feasible_budget
 from lightning_replay.verify import grad_diffs, train_steps
 
-STEPS_TO_PLAN = 1 + 2 * 2 + 1  # probe, two calibration phases of two steps, then the plan
+STEPS_TO_PLAN = 1 + 2 * 3 + 1  # probe, two calibration phases (warm-up + 2 steps), the plan
 
 
 def _model():
