@@ -1,0 +1,134 @@
+"""The bad-input catalogue: each raises a fitting error type that names the argument, the bad
+value and what to do — never an AttributeError/KeyError from deep inside, never a hang."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_replay as lr
+from lightning_replay.hazards import HAZARDS
+from lightning_replay.planner import InfeasibleBudget, Option, SegmentCost, plan
+
+
+def _model():
+    return HAZARDS["batch_norm"]().model
+
+
+def _costs():
+    return [SegmentCost(f"b{i}", 100, {"retain": Option(100, 0.0), "whole": Option(40, 1.0)})
+            for i in range(2)]
+
+
+CASES = [
+    # (id, callable, error type, fragments the message must contain)
+    ("unknown segment", lambda: lr.install(_model(), ["blocks.7"]), lr.SegmentError,
+     ["'blocks.7'", "Did you mean"]),
+    ("empty segments", lambda: lr.install(_model(), []), lr.SegmentError, ["empty"]),
+    ("nested segments", lambda: lr.install(_model(), ["blocks.0", "blocks.0.bn"]),
+     lr.SegmentError, ["nested", "'blocks.0.bn'"]),
+    ("root segment", lambda: lr.install(_model(), [""]), lr.SegmentError, ["root"]),
+    ("segment not a module", lambda: lr.install(_model(), ["head.weight"]), lr.SegmentError,
+     ["'head.weight'", "Parameter", "not a module"]),
+    ("glob matches nothing", lambda: lr.install(_model(), "encoder.*"), lr.SegmentError,
+     ["'encoder.*'", "matches no submodule"]),
+    ("class matches nothing", lambda: lr.install(_model(), torch.nn.LSTM), lr.SegmentError,
+     ["LSTM"]),
+    ("segment spec of wrong type", lambda: lr.install(_model(), [3.5]), lr.SegmentError,
+     ["3.5"]),
+    ("model not a module", lambda: lr.install("resnet", ["a"]), lr.ReplayConfigError,
+     ["model must be a torch.nn.Module"]),
+    ("unknown preservation", lambda: lr.install(_model(), "blocks.*", preservation="fast"),
+     lr.ReplayConfigError, ["preservation='fast'", "auto"]),
+    ("preservation for unknown segment",
+     lambda: lr.install(_model(), "blocks.*", preservation={"blocks.9": "whole"}),
+     lr.ReplayConfigError, ["'blocks.9'"]),
+    ("unknown on_violation", lambda: lr.install(_model(), "blocks.*", on_violation="ignore"),
+     lr.ReplayConfigError, ["on_violation='ignore'", "raise"]),
+    ("unknown planner", lambda: lr.install(_model(), "blocks.*", budget="1GiB",
+                                           planner="greedy"),
+     lr.ReplayConfigError, ["planner='greedy'", "joint"]),
+    ("malformed budget", lambda: lr.install(_model(), "blocks.*", budget="lots"),
+     lr.ReplayConfigError, ["'lots'", "budget"]),
+    ("zero budget", lambda: lr.install(_model(), "blocks.*", budget=0),
+     lr.ReplayConfigError, ["budget", "0"]),
+    ("negative budget", lambda: lr.install(_model(), "blocks.*", budget=-5),
+     lr.ReplayConfigError, ["budget", "-5"]),
+    ("device fraction on CPU", lambda: lr.install(_model(), "blocks.*", budget=0.8),
+     lr.ReplayConfigError, ["0.8", "CUDA"]),
+    ("negative base_memory", lambda: lr.install(_model(), "blocks.*", base_memory=-1),
+     lr.ReplayConfigError, ["base_memory=-1"]),
+    ("zero calibration steps", lambda: lr.install(_model(), "blocks.*", calibration_steps=0),
+     lr.ReplayConfigError, ["calibration_steps=0"]),
+    ("records not a path", lambda: lr.install(_model(), "blocks.*", records=42),
+     lr.ReplayConfigError, ["records", "int"]),
+    ("parse_budget unit", lambda: lr.parse_budget("12 parsecs"), ValueError,
+     ["'12 parsecs'", "budget"]),
+    ("parse_budget bool", lambda: lr.parse_budget(True), (ValueError, TypeError), ["True"]),
+    ("plan below minimum", lambda: plan(_costs(), budget=100), InfeasibleBudget,
+     ["140", "joint"]),
+    ("plan unknown method", lambda: plan(_costs(), budget=1000, method="magic"), ValueError,
+     ["'magic'"]),
+    ("plan negative memory", lambda: SegmentCost("b", 1, {"retain": Option(-1, 0.0)}),
+     ValueError, ["-1"]),
+    ("contract wrong schema", lambda: lr.ReplayContract.from_dict({"segment": "s",
+                                                                   "schema": 0}),
+     lr.ContractSchemaError, ["schema 0", "Re-probe"]),
+    ("contract not a dict", lambda: lr.ReplayContract.from_dict(["s"]), lr.ContractSchemaError,
+     ["list"]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(case):
+    _, fn, err, fragments = case
+    with pytest.raises(err) as info:
+        fn()
+    msg = str(info.value)
+    for f in fragments:
+        assert f in msg, f"{f!r} not in {msg!r}"
+    assert not isinstance(info.value, (AttributeError, KeyError))
+
+
+def test_install_twice(tmp_path):
+    m = _model()
+    lr.install(m, "blocks.*")
+    with pytest.raises(lr.ReplayConfigError, match="already has lightning_replay installed"):
+        lr.install(m, "blocks.0")
+
+
+def test_corrupted_records_file(tmp_path):
+    bad = tmp_path / "records.sqlite"
+    bad.write_bytes(b"\x00garbage" * 512)
+    with pytest.raises(lr.RecordsError, match="records.sqlite"):
+        lr.install(_model(), "blocks.*", records=str(bad))
+
+
+def test_unwritable_records_path(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    target = ro / "sub" / "records.sqlite"
+    try:
+        import os
+        if os.geteuid() == 0:  # root writes anywhere: use a path under a file instead
+            f = tmp_path / "afile"
+            f.write_text("x")
+            target = f / "records.sqlite"
+        with pytest.raises(lr.RecordsError, match="writable path"):
+            lr.install(_model(), "blocks.*", records=str(target))
+    finally:
+        ro.chmod(0o700)
+
+
+def test_replan_before_any_step():
+    e = lr.install(_model(), "blocks.*")
+    with pytest.raises(lr.ReplayConfigError, match="run at least one training step"):
+        e.replan(budget="1GiB")
+
+
+def test_set_options_unknown():
+    e = lr.install(_model(), "blocks.*")
+    with pytest.raises(lr.ReplayConfigError, match="'blocks.5'"):
+        e.set_options({"blocks.5": "whole"})
+    with pytest.raises(lr.ReplayConfigError, match="'fastest'"):
+        e.set_options({"blocks.0": "fastest"})
