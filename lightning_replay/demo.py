@@ -1,92 +1,80 @@
-"""The hazard demo: what torch.utils.checkpoint does to each hazard, and what lightning_replay does.
+"""``make demo``: the dense-queue study, all seven methods, two seeds, small sizes, on CPU.
 
-Run with ``python -m lightning_replay.demo`` (or ``make demo``). For every model in
-:data:`lightning_replay.hazards.HAZARDS` it trains three copies for a few SGD steps — without
-recomputation (the reference), with plain ``torch.utils.checkpoint`` on the same segments, and
-with :func:`lightning_replay.install` — and compares gradients and final state bit for bit.
+A MoCo-style contrastive run (CIFAR-sized ResNet, momentum key encoder, a dense queue enqueued
+every step, InfoNCE, then a linear probe) trained seven ways on the same segments: without
+recomputation, with ``torch.utils.checkpoint``, with torch's selective activation
+checkpointing, and with lightning_replay (``whole``, ``regions``, and the ``eager_whole`` and
+``joint`` planners under a budget from measured costs). It prints the result table and where
+the report, the records and the offline wandb runs are. The state-aware methods must give
+byte-identical test top-1 and encoder weights within each seed; the exit status is 1 if not.
+
+Data: the real CIFAR-100 if ``--data-dir`` holds it, else a synthetic CIFAR-100 written there
+in CIFAR-100's own format (nothing is downloaded). The hazard table of earlier versions is
+``python -m lightning_replay.hazard_demo``.
 """
 from __future__ import annotations
 
 import argparse
-import copy
+import os
 import sys
+import time
 
-import torch
-
-import lightning_replay as lr
-from lightning_replay.hazards import HAZARDS
-from lightning_replay.verify import (diff_state, grad_diffs, max_relative_error, snapshot_state,
-                                     torch_checkpoint, train_steps)
-
-
-def run_hazard(name: str, steps: int = 5, preservation: str = "auto") -> dict:
-    """Compare reference, torch.utils.checkpoint and lightning_replay on one hazard."""
-    h = HAZARDS[name]()
-    ref = copy.deepcopy(h.model)
-    g_ref, _ = train_steps(ref, h.make_input, steps)
-    ref_state = snapshot_state(ref)
-
-    naive = torch_checkpoint(copy.deepcopy(h.model), h.segments)
-    try:
-        g_naive, _ = train_steps(naive, h.make_input, steps)
-        wrong = grad_diffs(g_ref, g_naive)
-        state = diff_state(ref_state, snapshot_state(naive))
-        if not wrong and not state:
-            naive_says = "exact"
-        else:
-            n_total = sum(len(g) for g in g_ref)
-            parts = []
-            if wrong:
-                parts.append(f"{100 * len(wrong) / n_total:.0f}% grads wrong "
-                             f"(max rel err {max_relative_error(g_ref, g_naive):.2g})")
-            if state:
-                parts.append(f"state differs: {', '.join(state[:2])}"
-                             + (" ..." if len(state) > 2 else ""))
-            naive_says = "; ".join(parts)
-    except RuntimeError as exc:
-        naive_says = "raises: " + str(exc).split("\n")[0][:60]
-
-    model = copy.deepcopy(h.model)
-    engine = lr.install(model, h.segments, preservation=preservation)
-    g_rep, _ = train_steps(model, h.make_input, steps)
-    exact = not grad_diffs(g_ref, g_rep) and not diff_state(ref_state, snapshot_state(model))
-    summary = engine.summary()
-    engine.uninstall()
-    options = sorted({s["mode"] for s in summary.values()})
-    preserved = sum(s["preserved_bytes"] for s in summary.values())
-    return {"hazard": name, "description": h.description, "torch_checkpoint": naive_says,
-            "replay_exact": exact, "options": options, "preserved_bytes": preserved,
-            "replays": sum(s["replays"] for s in summary.values())}
-
-
-def format_table(rows: list[dict]) -> str:
-    head = ("hazard", "torch.utils.checkpoint", "lightning_replay")
-    body = [(r["hazard"], r["torch_checkpoint"],
-             f"{'exact' if r['replay_exact'] else 'NOT EXACT'} ({'/'.join(r['options'])}, "
-             f"{r['preserved_bytes']} B preserved, {r['replays']} replays)") for r in rows]
-    widths = [max(len(x[i]) for x in [head, *body]) for i in range(3)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(head), sep, *map(line, body)])
+from lightning_replay.apps.study import (DEMO_CONFIG, METHODS, format_markdown,
+                                         load_study_config, run_study)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lightning_replay.demo", description=__doc__)
-    ap.add_argument("--steps", type=int, default=5, help="SGD steps per model (default 5)")
-    ap.add_argument("--preservation", default="auto", choices=["auto", "whole", "regions"])
-    ap.add_argument("--hazard", action="append", choices=sorted(HAZARDS),
-                    help="only these hazards (repeatable); default: all")
+    ap = argparse.ArgumentParser(prog="python -m lightning_replay.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--output-dir", default=None,
+                    help="where results, report, records and wandb runs go "
+                         "(default: runs/dense_queue_study)")
+    ap.add_argument("--data-dir", default=None,
+                    help="torchvision root holding cifar-100-python/ (default: runs/data; a "
+                         "synthetic copy is written there if it holds none)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: 0 1)")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=None,
+                    help="methods (default: all seven)")
+    ap.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], default=None,
+                    help="wandb mode of the runs (default: $WANDB_MODE, else offline)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    torch.manual_seed(0)
-    rows = [run_hazard(n, args.steps, args.preservation) for n in (args.hazard or HAZARDS)]
-    print(f"{args.steps} SGD steps per model, CPU, torch {torch.__version__}; "
-          f"preservation={args.preservation!r}\n")
-    print(format_table(rows))
-    bad = [r["hazard"] for r in rows if not r["replay_exact"]]
-    if bad:
-        print(f"\nNOT EXACT: {bad}")
+
+    cfg = load_study_config(DEMO_CONFIG)
+    study = cfg["study"]
+    if args.output_dir:
+        study["output_dir"] = args.output_dir
+    if args.data_dir:
+        cfg["data"]["init_args"]["data_dir"] = args.data_dir
+    if args.seeds:
+        study["seeds"] = args.seeds
+    if args.methods:
+        study["methods"] = args.methods
+    if args.wandb_mode:
+        study["wandb_mode"] = args.wandb_mode
+    os.environ.setdefault("WANDB_SILENT", "true")
+    t0 = time.perf_counter()
+    print(f"dense-queue study: {len(study['methods'])} methods x {len(study['seeds'])} seeds, "
+          f"CPU, small sizes; outputs in {study['output_dir']}", flush=True)
+    result = run_study(cfg, progress=not args.no_progress)
+    print()
+    print(f"data: {result.data}")
+    print(format_markdown(result))
+    p = result.paths
+    print(f"results:  {p['results_md']}  (also .csv, .json)")
+    if "report" in p:
+        print(f"report:   {p['report']}")
+    print(f"records:  {p['records']}  (query: lightning-replay records {result.output_dir})")
+    wandb_dirs = sorted({os.path.dirname(r['wandb_dir']) for r in result.rows
+                         if r.get("wandb_dir")})
+    if wandb_dirs:
+        print(f"wandb:    {', '.join(wandb_dirs)}  (offline runs: `wandb sync <run dir>`)")
+    else:
+        print("wandb:    disabled")
+    print(f"time:     {time.perf_counter() - t0:.0f} s")
+    if not result.identical:
+        print("\nFAILED: the state-aware methods are not byte-identical within a seed.")
         return 1
-    print("\nlightning_replay: every hazard bit-identical to training without recomputation.")
     return 0
 
 

@@ -571,6 +571,7 @@ class SegmentRuntime:
         eng = self.engine
         inv, args, kwargs = self._prepare(args, kwargs, eng._check_bytes)
         rng = torch.get_rng_state() if self.contract.uses_global_rng else None
+        autocast = _autocast_state()
         out = self.orig_forward(*args, **kwargs)
         outs = [t for t in tensor_leaves(out) if t.requires_grad]
         if not outs:
@@ -586,12 +587,13 @@ class SegmentRuntime:
             if fired:
                 return
             fired.append(True)
-            self._compare_grads(inv, args, kwargs, outs, grads, rng, out_digests)
+            self._compare_grads(inv, args, kwargs, outs, grads, rng, out_digests, autocast)
 
         torch.autograd.graph.register_multi_grad_hook(outs, hook, mode="all")
         return out
 
-    def _compare_grads(self, inv, args, kwargs, outs, grads, rng, out_digests) -> None:
+    def _compare_grads(self, inv, args, kwargs, outs, grads, rng, out_digests,
+                       autocast=()) -> None:
         eng = self.engine
         grads = [torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads)]
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -605,7 +607,12 @@ class SegmentRuntime:
             args2, kwargs2 = tree_map(lambda x: detached.get(id(x), x)
                                       if isinstance(x, torch.Tensor) else x, (args, kwargs))
             in2 = [detached[id(a)] for a in in_req]
-            with _ReplayContext(inv), torch.random.fork_rng(enabled=rng is not None):
+            # The hook runs in backward, outside the forward's autocast: re-enter it, as
+            # checkpoint does for its own recomputation.
+            with _ReplayContext(inv), torch.random.fork_rng(enabled=rng is not None), \
+                    contextlib.ExitStack() as ac:
+                for dev, enabled, dtype in autocast:
+                    ac.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
                 if rng is not None:
                     torch.set_rng_state(rng)
                 out2 = self.orig_forward(*args2, **kwargs2)
@@ -684,6 +691,15 @@ class SegmentRuntime:
             "changing_state": [s.name for s in c.changing] if c else [],
             "options": c.available_options() if c else [],
         }
+
+
+def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    """Autocast settings of the current forward, per device type that has autocast."""
+    out = []
+    for dev in ("cpu", "cuda"):
+        if torch.amp.is_autocast_available(dev):
+            out.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+    return out
 
 
 def _first_param_is_cuda(model: nn.Module) -> bool:

@@ -1,0 +1,338 @@
+"""The HTML report of a study or of one training run, with matplotlib plots.
+
+``write_report(RUN_DIR)`` reads what the runs left behind — ``results.json`` of a study, each
+run's ``telemetry.jsonl`` (see :mod:`lightning_replay.apps.telemetry`) and the SQLite records —
+and writes ``RUN_DIR/report.html`` with PNG plots under ``RUN_DIR/plots/``:
+
+* memory per step: each run's peak live tensor bytes, and under ``strategy="replay"`` the
+  engine's accounted peak against the budget and the plan's prediction;
+* step time per step, and the median per run;
+* the plan per segment over time (probe, calibration, then the planned option);
+* record outcomes (match / rejection / divergence) per run, and per check kind.
+
+``RUN_DIR`` is a study's ``output_dir`` or a ``fit`` run's ``default_root_dir`` (the records
+are then ``replay/records.sqlite``).
+
+Example:
+    >>> import tempfile, json, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> rows = [{"step": i, "step_time_ms": 10.0, "peak_bytes": 1000 + i} for i in range(1, 4)]
+    >>> _ = (d / "telemetry.jsonl").write_text("\\n".join(json.dumps(r) for r in rows))
+    >>> path = write_report(d)
+    >>> path.name, sorted(p.name for p in (d / "plots").iterdir())[:1]
+    ('report.html', ['memory.png'])
+"""
+from __future__ import annotations
+
+import html
+import json
+import os
+import sqlite3
+from collections import Counter
+from pathlib import Path
+from typing import Any, Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from lightning_replay.budget import format_bytes  # noqa: E402
+from lightning_replay.records import OUTCOMES  # noqa: E402
+from lightning_replay.apps.telemetry import read_telemetry  # noqa: E402
+
+__all__ = ["write_report", "load_runs", "ReportError"]
+
+_OPTION_COLOURS = {"probe": "#bbbbbb", "probing": "#bbbbbb", "retain": "#4c72b0",
+                   "recompute": "#55a868", "whole": "#dd8452", "regions": "#c44e52"}
+_OUTCOME_COLOURS = {"match": "#55a868", "rejection": "#dd8452", "divergence": "#c44e52"}
+
+
+class ReportError(FileNotFoundError):
+    """The directory holds nothing a report can be made from."""
+
+
+def _records(db: Path, run_id: str | None = None) -> list[dict[str, Any]]:
+    if not db.exists():
+        return []
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        q = 'SELECT run_id, step, segment, "check", outcome FROM records'
+        rows = conn.execute(q + (" WHERE run_id = ?" if run_id else "") + " ORDER BY seq",
+                            (run_id,) if run_id else ()).fetchall()
+    finally:
+        conn.close()
+    return [dict(zip(("run_id", "step", "segment", "check", "outcome"), r)) for r in rows]
+
+
+def load_runs(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = None
+              ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The runs a report shows: ``[{"label", "method", "seed", "telemetry", "records"}]``,
+    plus the study result (``None`` for a single run)."""
+    root = Path(run_dir)
+    if result is None and (root / "results.json").exists():
+        result = json.loads((root / "results.json").read_text())
+    runs = []
+    if result is not None:
+        db = root / "records.sqlite"
+        for row in result["rows"]:
+            rdir = Path(row["run_dir"])
+            if not rdir.is_absolute() and not rdir.exists():
+                rdir = root / "runs" / rdir.name
+            runs.append({"label": f"{row['method']} s{row['seed']}", "method": row["method"],
+                         "seed": row["seed"], "telemetry": read_telemetry(rdir),
+                         "records": _records(db, row["run_id"]) if row.get("run_id") else None,
+                         "budget": row.get("budget_bytes")})
+        return runs, dict(result)
+    tel = read_telemetry(root)
+    if not tel:
+        raise ReportError(f"{root} holds neither a study (results.json) nor a run's "
+                          "telemetry.jsonl; pass a study's output_dir or a fit run's "
+                          "default_root_dir trained with the StepTelemetry callback")
+    db = root / "replay" / "records.sqlite"
+    budget = next((r.get("budget") for r in tel if r.get("budget")), None)
+    runs.append({"label": root.name, "method": root.name, "seed": None, "telemetry": tel,
+                 "records": _records(db) if db.exists() else None, "budget": budget})
+    return runs, None
+
+
+# ------------------------------------------------------------------------------ plots
+def _save(fig: Any, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def _first_seed(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    seeds = [r["seed"] for r in runs if r.get("seed") is not None]
+    if not seeds:
+        return runs, ""
+    return [r for r in runs if r["seed"] == seeds[0]], f" (seed {seeds[0]})"
+
+
+def _line_and_marks(ax: Any, tel: list[dict[str, Any]], key: str, label: str, **kw: Any) -> Any:
+    """Unchecked steps as a line; checked steps (reference graph and replay side by side) as
+    crosses in the same colour."""
+    pts = [(t["step"], t[key] / 2**20) for t in tel if t.get(key) and not t.get("checked")]
+    marks = [(t["step"], t[key] / 2**20) for t in tel if t.get(key) and t.get("checked")]
+    if not pts and not marks:
+        return None
+    line, = ax.plot(*zip(*(pts or marks)), label=label, lw=1, **kw)
+    if marks:
+        ax.plot(*zip(*marks), "x", color=line.get_color(), ms=4)
+    return line
+
+
+def _plot_memory(runs: list[dict[str, Any]], path: Path) -> str:
+    runs, which = _first_seed(runs)
+    replay = [r for r in runs if any(t.get("accounted_peak_bytes") for t in r["telemetry"])]
+    ncols = 2 if replay else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(7 * ncols, 4.4), squeeze=False)
+    ax = axes[0][0]
+    for r in runs:
+        _line_and_marks(ax, r["telemetry"], "peak_bytes", r["label"], marker=".", ms=3)
+    ax.set(title=f"peak live tensor memory per step{which}", xlabel="step", ylabel="MiB")
+    ax.legend(fontsize=7, ncol=2)
+    if replay:
+        ax = axes[0][1]
+        budgets = {r["budget"] for r in replay if r.get("budget")}
+        for r in replay:
+            line = _line_and_marks(ax, r["telemetry"], "accounted_peak_bytes", r["label"],
+                                   alpha=1.0 if r.get("budget") else 0.5)
+            pred = [(t["step"], t["predicted_peak_bytes"] / 2**20) for t in r["telemetry"]
+                    if t.get("predicted_peak_bytes")]
+            if pred and line is not None and r.get("budget"):
+                ax.plot(*zip(*pred), ls=":", color=line.get_color(), lw=1.2)
+        for b in sorted(budgets):
+            ax.axhline(b / 2**20, color="black", ls="--", lw=1)
+            ax.annotate(f"budget {format_bytes(b)}", (0.01, b / 2**20), fontsize=7,
+                        xycoords=("axes fraction", "data"), va="bottom")
+        ax.set(title=f"replay runs{which}: the engine's accounted peak, the plan's prediction "
+                     "(dotted), the budget (dashed); x: checked steps",
+               xlabel="step", ylabel="MiB")
+        ax.title.set_fontsize(8)
+        ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def _plot_time(runs: list[dict[str, Any]], path: Path) -> str:
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+    meds = []
+    shown, which = _first_seed(runs)
+    for r in runs:
+        pts = [(t["step"], t["step_time_ms"]) for t in r["telemetry"]
+               if not t.get("memory_tracked")]
+        if not pts:
+            continue
+        if r in shown:
+            a.plot(*zip(*pts), label=r["label"], lw=0.8)
+        vals = sorted(p[1] for p in pts)
+        meds.append((r["label"], vals[len(vals) // 2]))
+    a.set(title=f"step time{which} (steps with memory tracking left out)", xlabel="step",
+          ylabel="ms", yscale="log")
+    a.legend(fontsize=7, ncol=2)
+    if meds:
+        b.barh([m[0] for m in meds], [m[1] for m in meds], color="#4c72b0")
+        b.invert_yaxis()
+        b.tick_params(axis="y", labelsize=7)
+    b.set(title="median step time (every step of the run)", xlabel="ms")
+    return _save(fig, path)
+
+
+def _plot_plans(runs: list[dict[str, Any]], path: Path) -> str | None:
+    runs, which = _first_seed(runs)
+    planned = [r for r in runs if any(t.get("plan") for t in r["telemetry"])]
+    if not planned:
+        return None
+    nsegs = [len(next(t["plan"] for t in r["telemetry"] if t.get("plan"))) for r in planned]
+    fig, axes = plt.subplots(len(planned), 1, figsize=(12, 0.8 + sum(0.6 + 0.3 * n for n in nsegs)),
+                             squeeze=False)
+    options = list(_OPTION_COLOURS)
+    for ax, r in zip(axes[:, 0], planned):
+        # the probe epochs run the frozen encoder without replay: the contrastive steps only
+        tel = [t for t in r["telemetry"] if t.get("plan") and t.get("phase", "encoder") ==
+               "encoder"] or [t for t in r["telemetry"] if t.get("plan")]
+        segs = list(tel[0]["plan"])
+        for t in tel:
+            for i, s in enumerate(segs):
+                opt = t["plan"].get(s, "probe")
+                ax.broken_barh([(t["step"] - 0.5, 1)], (i - 0.4, 0.8),
+                               facecolors=_OPTION_COLOURS.get(opt, "#000000"))
+        versions = [(t["step"], t.get("plan_version")) for t in tel]
+        for (s0, v0), (s1, v1) in zip(versions, versions[1:]):
+            if v1 != v0:
+                ax.axvline(s1 - 0.5, color="black", lw=0.8, ls="--")
+        ax.set_yticks(range(len(segs)), [s.replace("encoder_q.backbone.", "") for s in segs],
+                      fontsize=7)
+        ax.set_title(f"{r['label']}: option per segment (dashed: new plan version)", fontsize=9)
+        ax.set_xlim(tel[0]["step"] - 0.5, tel[-1]["step"] + 0.5)
+    axes[-1][0].set_xlabel("step")
+    fig.legend(handles=[Patch(color=_OPTION_COLOURS[o], label=o) for o in options
+                        if o != "probing"], loc="upper right", fontsize=7, ncol=5)
+    return _save(fig, path)
+
+
+def _plot_records(runs: list[dict[str, Any]], path: Path) -> str | None:
+    with_records = [r for r in runs if r.get("records") is not None]
+    if not with_records:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.2))
+    labels = [r["label"] for r in with_records]
+    bottom = [0] * len(labels)
+    for o in OUTCOMES:
+        vals = [sum(1 for x in r["records"] if x["outcome"] == o) for r in with_records]
+        a.bar(labels, vals, bottom=bottom, label=o, color=_OUTCOME_COLOURS[o])
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    a.set(title="records by outcome", ylabel="records")
+    a.tick_params(axis="x", labelrotation=45, labelsize=7)
+    a.legend(fontsize=7)
+    kinds = Counter((x["check"], x["outcome"]) for r in with_records for x in r["records"])
+    checks = sorted({k for k, _ in kinds})
+    bottom = [0] * len(checks)
+    for o in OUTCOMES:
+        vals = [kinds.get((c, o), 0) for c in checks]
+        b.bar(checks, vals, bottom=bottom, label=o, color=_OUTCOME_COLOURS[o])
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    b.set(title="records by check (all runs)", ylabel="records")
+    b.legend(fontsize=7)
+    return _save(fig, path)
+
+
+# ------------------------------------------------------------------------------ html
+def _table(rows: list[dict[str, Any]]) -> str:
+    cols = [("method", "method"), ("seed", "seed"), ("test top-1", "top1"),
+            ("encoder digest", "encoder_digest"), ("peak memory", "peak_bytes"),
+            ("median step", "median_step_ms"), ("replays", "replays"),
+            ("records m/r/d", "records"), ("vs reference", "vs_reference")]
+    out = ["<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c, _ in cols) + "</tr>"]
+    for r in rows:
+        cells = []
+        for _, k in cols:
+            v = r.get(k)
+            if k == "top1":
+                v = repr(v)
+            elif k == "encoder_digest":
+                v = f"<code>{html.escape(str(v)[:16])}</code>"
+                cells.append(f"<td>{v}</td>")
+                continue
+            elif k == "peak_bytes":
+                v = format_bytes(v) if v is not None else "n/a"
+            elif k == "median_step_ms":
+                v = f"{v:.1f} ms" if v is not None else "n/a"
+            elif k == "records":
+                v = "n/a" if v is None else " / ".join(str(v.get(o, 0)) for o in OUTCOMES)
+            elif k == "vs_reference" and r.get("reference") == r.get("method"):
+                v = "reference"
+            cells.append(f"<td>{html.escape('' if v is None else str(v))}</td>")
+        cls = "aware" if r.get("kind") == "state-aware" else "unaware"
+        out.append(f'<tr class="{cls}">' + "".join(cells) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+_CSS = """body{font-family:sans-serif;max-width:1200px;margin:2em auto;color:#222}
+table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px}
+tr.unaware{background:#fff3f0}tr.aware{background:#f3fff3}img{max-width:100%;margin:1em 0}
+code{font-size:12px}.ok{color:#1a7f37;font-weight:bold}.bad{color:#c00;font-weight:bold}"""
+
+
+def write_report(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = None) -> Path:
+    """Write ``report.html`` and ``plots/*.png`` into ``run_dir``; return the HTML's path.
+
+    Raises:
+        ReportError: ``run_dir`` holds no study results and no run telemetry.
+    """
+    root = Path(run_dir)
+    runs, study = load_runs(root, result)
+    plots = root / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    images = [("Memory per step", _plot_memory(runs, plots / "memory.png")),
+              ("Step time", _plot_time(runs, plots / "step_time.png")),
+              ("Plan per segment over time", _plot_plans(runs, plots / "plans.png")),
+              ("Record outcomes", _plot_records(runs, plots / "records.png"))]
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>lightning_replay "
+             f"report: {html.escape(root.name)}</title><style>{_CSS}</style></head><body>",
+             f"<h1>lightning_replay report: {html.escape(root.name)}</h1>"]
+    if study is not None:
+        ok = study.get("identical")
+        parts.append(f"<p>Data: {html.escape(str(study.get('data', '')))}. "
+                     f"Wall time {study.get('wall_s', 0):.0f} s.</p>")
+        parts.append(f"<p class='{'ok' if ok else 'bad'}'>State-aware methods byte-identical "
+                     f"within every seed: {'yes' if ok else 'NO'}</p>")
+        parts.append(_table(study["rows"]))
+        parts.append("<ul>")
+        for seed, s in study["seeds"].items():
+            verdict = ("byte-identical test top-1 and encoder weights"
+                       if s["state_aware_identical"] else
+                       f"NOT identical: {', '.join(s['not_identical'])}")
+            parts.append(f"<li>seed {html.escape(str(seed))}: {', '.join(s['state_aware'])}: "
+                         f"{verdict}</li>")
+            for m, how in s["state_unaware"].items():
+                parts.append(f"<li>seed {html.escape(str(seed))}: {html.escape(m)}: "
+                             f"{html.escape(str(how))}</li>")
+        b = study.get("budget") or {}
+        if b.get("bytes"):
+            mf = b["min_feasible"]
+            parts.append(f"<li>budget of eager_whole and joint: {format_bytes(b['bytes'])} "
+                         f"(minimum feasible: joint {format_bytes(mf['joint'])}, eager_whole "
+                         f"{format_bytes(mf['eager_whole'])}, retain all "
+                         f"{format_bytes(mf['retain_all'])})</li>")
+        parts.append("</ul>")
+    else:
+        tel = runs[0]["telemetry"]
+        peaks = [t["peak_bytes"] for t in tel if t.get("peak_bytes") is not None]
+        times = sorted(t["step_time_ms"] for t in tel)
+        parts.append(f"<p>{len(tel)} steps; peak memory "
+                     f"{format_bytes(max(peaks)) if peaks else 'n/a'}; median step time "
+                     f"{times[len(times) // 2]:.1f} ms.</p>")
+    for title, name in images:
+        if name is None:
+            continue
+        parts.append(f"<h2>{html.escape(title)}</h2><img src='plots/{name}' "
+                     f"alt='{html.escape(title)}'>")
+    parts.append("</body></html>")
+    out = root / "report.html"
+    out.write_text("\n".join(parts), encoding="utf-8")
+    return out

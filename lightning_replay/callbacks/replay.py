@@ -1,0 +1,470 @@
+"""ReplayCallback: telemetry, re-planning, sampled checks and records for ``strategy="replay"``.
+
+Every training step it measures peak memory (the CUDA allocator, or the engine's exact byte
+accounting on CPU), step time, replays and preserved bytes; reads the records the step wrote;
+re-plans when memory, contracts or input shapes call for it (every rank agrees); requests a
+derivative and byte-level check every ``check_every_n_steps`` windows; and logs
+``replay/peak_memory_bytes``, ``replay/step_time_ms``, ``replay/replays``,
+``replay/preserved_bytes``, ``replay/matches``, ``replay/rejections``, ``replay/divergences``
+and ``replay/plan_version`` through ``pl_module.log`` (so CSV, TensorBoard and wandb all see
+them). With a ``WandbLogger`` it also defines metric summaries and logs the records and the plan
+as tables.
+
+Example:
+    >>> import lightning as L, lightning_replay
+    >>> from lightning_replay import ReplayCallback
+    >>> trainer = L.Trainer(strategy="replay", callbacks=[ReplayCallback(check_every_n_steps=10)],
+    ...                     accelerator="cpu", devices=1, max_steps=1, logger=False,
+    ...                     enable_checkpointing=False, enable_progress_bar=False)
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_replay import planner as _planner
+from lightning_replay.errors import ReplayConfigError
+from lightning_replay.loggers.wandb import WandbReplayWriter, plan_rows, wandb_runs
+from lightning_replay.records import Record
+from lightning_replay.strategies.replay import ReplayStrategy
+
+CHECKS = ("grad", "bytes")
+REPLAN_ON = ("memory", "violations", "shapes")
+
+_SUM_KEYS = ("replays", "matches", "rejections", "divergences")
+_MAX_KEYS = ("peak_memory_bytes", "step_time_ms", "preserved_bytes", "plan_version")
+# Records that are bookkeeping, not checks: contract versions and plans.
+_EVENTS = ("contract", "plan")
+_STATE_VERSION = 1
+
+
+class ReplayCallback(Callback):
+    """Telemetry, re-planning, checks and records for :class:`ReplayStrategy`.
+
+    Args:
+        check_every_n_steps: request a derivative and byte-level check on every n-th training
+            step (window); ``None`` turns checks off.
+        checks: which checks: ``"grad"`` (replayed gradients against the retained graph's, bit
+            for bit) and/or ``"bytes"`` (digests of contract state and replayed outputs).
+        replan_on: what re-plans: ``"memory"`` (measured peak above the budget, or far below
+            what the plan predicted), ``"violations"`` (a rejection: once the segment's new
+            contract version is in force),
+            ``"shapes"`` (input shapes changed and stayed changed).
+        records_path: the SQLite records file; default
+            ``<trainer.default_root_dir>/replay/records.sqlite``. Rows are appended across
+            resumes under one run id.
+        log_records: log the records (and the plan) as wandb tables when a ``WandbLogger`` is
+            attached.
+        memory_headroom: the fraction of the budget that may go unused (or that the measured
+            peak may differ from the prediction by) before ``"memory"`` re-plans.
+        replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
+        shape_patience: steps the new input shapes must persist before ``"shapes"`` re-plans
+            (a short last batch does not re-plan).
+
+    Raises:
+        ReplayConfigError: on a bad argument (the message names it and what is allowed), or at
+            setup when the trainer's strategy is not a :class:`ReplayStrategy`.
+
+    Metrics go through ``pl_module.log`` on the steps Lightning hands to its loggers
+    (``log_every_n_steps``, read from the trainer's logger connector: a Lightning internal,
+    hence the ``lightning<2.7`` pin), on the last step, and whenever a rejection, a divergence
+    or a new plan appears; :attr:`last_metrics` has every step's values.
+
+    Example:
+        >>> cb = ReplayCallback(check_every_n_steps=25, checks=("grad",), replan_on=("memory",))
+        >>> cb.checks, cb.replan_on
+        (('grad',), ('memory',))
+    """
+
+    def __init__(
+        self,
+        check_every_n_steps: int | None = 50,
+        checks: Sequence[str] | str = CHECKS,
+        replan_on: Sequence[str] | str = REPLAN_ON,
+        records_path: str | os.PathLike | None = None,
+        log_records: bool = True,
+        memory_headroom: float = 0.25,
+        replan_cooldown_steps: int = 10,
+        shape_patience: int = 2,
+    ) -> None:
+        self.check_every_n_steps = _check_positive_or_none("check_every_n_steps",
+                                                           check_every_n_steps)
+        self.checks = _check_choices("checks", checks, CHECKS, allow_empty=False)
+        self.replan_on = _check_choices("replan_on", replan_on, REPLAN_ON, allow_empty=True)
+        self.records_path = None if records_path is None else _check_records_path(records_path)
+        if not isinstance(log_records, bool):
+            raise ReplayConfigError(f"ReplayCallback(log_records={log_records!r}) must be a bool")
+        self.log_records = log_records
+        if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, (int, float)) \
+                or not 0 < memory_headroom < 1:
+            raise ReplayConfigError(f"ReplayCallback(memory_headroom={memory_headroom!r}) must "
+                                    "be a fraction strictly between 0 and 1")
+        self.memory_headroom = float(memory_headroom)
+        self.replan_cooldown_steps = _check_positive_or_none(
+            "replan_cooldown_steps", replan_cooldown_steps, allow_none=False)
+        self.shape_patience = _check_positive_or_none("shape_patience", shape_patience,
+                                                      allow_none=False)
+        self.counters: dict[str, int] = dict.fromkeys(("matches", "rejections", "divergences"), 0)
+        self.record_seq = 0
+        self.replans = 0
+        self.last_metrics: dict[str, float] = {}
+        self._strategy: ReplayStrategy | None = None
+        self._loaded: dict[str, Any] | None = None
+        self._t0 = 0.0
+        self._replays_total = 0
+        self._batch_shapes: tuple | None = None
+        self._plan_shapes: tuple | None = None
+        self._shape_streak = 0
+        self._last_replan_step = -10**9
+        self._memory_settled = False
+        self._violation_pending = False
+        self._logged_events: dict[str, float] = {}
+        self._writers: list[WandbReplayWriter] = []
+        self._logged_plan_version = -1
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy, ReplayStrategy):
+            raise ReplayConfigError(
+                f"ReplayCallback needs Trainer(strategy='replay') (a ReplayStrategy); this "
+                f"trainer uses {type(strategy).__name__}. Add `import lightning_replay` and "
+                "pass strategy='replay'.")
+        path = self.records_path or os.path.join(trainer.default_root_dir, "replay",
+                                                 "records.sqlite")
+        _check_records_path(path)
+        strategy.configure_records(path, default=self.records_path is None)
+        self._strategy = strategy
+        if self._loaded is not None:
+            self._apply_loaded()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._require_strategy()
+        engine = strategy.engine
+        store = engine.records
+        # Counters count this rank's checks in this run; with a records file they are
+        # recounted from it, so a resume continues from what is really there.
+        if store.path is not None or self._loaded is None:
+            rows = store.read(run_id=store.run_id)
+            self.counters = _count(r for r in rows if r.rank == store.rank)
+            self.record_seq = max((r.seq for r in rows), default=0)
+        else:
+            self.record_seq = 0  # a fresh in-memory store starts again at 1
+        self._loaded = None
+        self._replays_total = sum(s["replays"] for s in engine.summary().values())
+        self._writers = []
+        if trainer.is_global_zero and self.log_records:
+            self._writers = [WandbReplayWriter(run) for run in wandb_runs(trainer.loggers)]
+            for w in self._writers:
+                w.define_metrics()
+
+    # ------------------------------------------------------------------ every step
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        engine = self._require_strategy().engine
+        if self.check_every_n_steps and (engine.step + 1) % self.check_every_n_steps == 0:
+            engine.request_check(grad="grad" in self.checks, bytes="bytes" in self.checks)
+        shapes = _shapes(batch)
+        self._shape_streak = self._shape_streak + 1 if shapes == self._batch_shapes else 1
+        self._batch_shapes = shapes
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy = self._require_strategy()
+        engine = strategy.engine
+        peak = _window_peak(engine, strategy.root_device)
+        step_ms = (time.perf_counter() - self._t0) * 1000.0
+        summary = engine.summary()
+        replays_total = sum(s["replays"] for s in summary.values())
+        replays, self._replays_total = replays_total - self._replays_total, replays_total
+
+        store = engine.records
+        new = store.read(run_id=store.run_id, since_seq=self.record_seq)
+        if new:
+            self.record_seq = max(r.seq for r in new)
+        mine = [r for r in new if r.rank == store.rank]
+        for k, v in _count(mine).items():
+            self.counters[k] += v
+
+        wants = self._replan_reasons(engine, mine, peak)
+        local = {"replays": replays, **self.counters,
+                 "peak_memory_bytes": peak, "step_time_ms": step_ms,
+                 "preserved_bytes": sum(s["preserved_bytes"] for s in summary.values()),
+                 "plan_version": engine.plan_version}
+        totals, votes = _reduce(strategy, local, [r in wants for r in REPLAN_ON])
+        reasons = [r for r, v in zip(REPLAN_ON, votes) if v]
+        if reasons:
+            self._replan(trainer, strategy, reasons)
+            totals["plan_version"] = engine.plan_version
+        self.last_metrics = totals
+        # self.log costs about a millisecond per metric: log on the steps Lightning passes to
+        # the loggers (log_every_n_steps; it would drop the others), on the last step, and
+        # whenever a rejection, a divergence or a new plan appears.
+        events = {k: totals[k] for k in ("rejections", "divergences", "plan_version")}
+        if trainer._logger_connector.should_update_logs or events != self._logged_events \
+                or _is_last_step(trainer, batch_idx):
+            self._logged_events = events
+            for name, value in totals.items():
+                # float64: byte counts stay exact (float32 rounds above 16 MiB).
+                pl_module.log(f"replay/{name}", torch.tensor(float(value), dtype=torch.float64),
+                              on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+
+        if self._writers:
+            self._log_wandb(trainer, engine, new)
+
+    def _replan_reasons(self, engine: Any, mine: list[Record], peak: int) -> set[str]:
+        reasons: set[str] = set()
+        if "violations" in self.replan_on and any(
+                r.outcome == "rejection" and r.check not in _EVENTS for r in mine):
+            # The rejected segment is probed again; plan once its new contract is in force.
+            self._violation_pending = True
+        if engine.plan is None or not _costs_ready(engine) or any(
+                s["status"] in ("probe", "probing") for s in engine.summary().values()):
+            return reasons
+        if self._violation_pending:
+            reasons.add("violations")
+        cooled = engine.step - self._last_replan_step >= self.replan_cooldown_steps
+        budget = engine.budget
+        if "memory" in self.replan_on and budget and cooled and not self._memory_settled:
+            predicted = engine.plan.peak_memory
+            if peak > budget or abs(peak - predicted) > self.memory_headroom * budget:
+                reasons.add("memory")
+        if "shapes" in self.replan_on and cooled and self._plan_shapes is not None and \
+                self._batch_shapes != self._plan_shapes and \
+                self._shape_streak >= self.shape_patience:
+            reasons.add("shapes")
+        if self._plan_shapes is None:
+            self._plan_shapes = self._batch_shapes
+        return reasons
+
+    def _replan(self, trainer: pl.Trainer, strategy: ReplayStrategy, reasons: list[str]) -> None:
+        engine = strategy.engine
+        before = dict(engine.plan.choices) if engine.plan is not None else None
+        try:
+            plan = strategy.replan()
+        except _planner.InfeasibleBudget as exc:
+            engine.records.append(step=engine.step, segment="*",
+                                  contract_version=engine.plan_version, check="plan",
+                                  outcome="rejection",
+                                  detail={"reasons": reasons, "error": str(exc)})
+            rank_zero_warn(f"ReplayCallback: re-plan ({', '.join(reasons)}) failed, keeping "
+                           f"plan v{engine.plan_version}: {exc}")
+            self._memory_settled = True
+            return
+        self.replans += 1
+        self._violation_pending = False
+        self._last_replan_step = engine.step
+        self._plan_shapes = self._batch_shapes
+        # Costs that give the same plan again will keep giving it: stop asking until
+        # something else changes the plan.
+        self._memory_settled = plan is not None and before == plan.choices and \
+            reasons == ["memory"]
+        if plan is not None:
+            rank_zero_info(f"ReplayCallback: re-planned ({', '.join(reasons)}) at step "
+                           f"{engine.step}: plan v{engine.plan_version} {plan.choices}")
+
+    def _log_wandb(self, trainer: pl.Trainer, engine: Any, new: list[Record]) -> None:
+        step = trainer.global_step
+        plan_changed = engine.plan is not None and engine.plan_version != self._logged_plan_version
+        for w in self._writers:
+            w.add_records(new)
+            if plan_changed or (trainer.global_step % max(trainer.log_every_n_steps, 1) == 0):
+                w.flush_records(step)
+            if plan_changed:
+                w.log_plan(plan_rows(engine.plan_version, engine.plan.choices, engine.summary()),
+                           step)
+        if plan_changed:
+            self._logged_plan_version = engine.plan_version
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = self._require_strategy().engine
+        if self._writers:
+            new = engine.records.read(run_id=engine.records.run_id, since_seq=self.record_seq)
+            if new:
+                self.record_seq = max(r.seq for r in new)
+            for w in self._writers:
+                w.add_records(new)
+                w.flush_records(trainer.global_step)
+
+    # ------------------------------------------------------------------ resumable state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        strategy = self._strategy
+        engine_state = strategy.engine_state_dict() if strategy is not None else None
+        return {"version": _STATE_VERSION,
+                "run_id": strategy.run_id if strategy is not None else None,
+                "record_seq": self.record_seq,
+                "counters": dict(self.counters),
+                "replans": self.replans,
+                "plan_version": engine_state["plan_version"] if engine_state else 0,
+                "engine": engine_state}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ReplayConfigError(
+                f"ReplayCallback state has version {state_dict.get('version')!r}; this "
+                f"lightning_replay reads version {_STATE_VERSION}. Resume without the "
+                "callback's state (it re-probes and re-plans) or with a matching version.")
+        self._loaded = dict(state_dict)
+        self.record_seq = int(state_dict["record_seq"])
+        self.counters = {k: int(state_dict["counters"].get(k, 0)) for k in self.counters}
+        self.replans = int(state_dict.get("replans", 0))
+        if self._strategy is not None:
+            self._apply_loaded()
+
+    def _apply_loaded(self) -> None:
+        state = self._loaded
+        strategy = self._strategy
+        if state.get("run_id"):
+            strategy.run_id = state["run_id"]
+        if state.get("engine"):
+            strategy.load_engine_state_dict(state["engine"])
+
+    def _require_strategy(self) -> ReplayStrategy:
+        if self._strategy is None or self._strategy.engine is None:
+            raise ReplayConfigError("ReplayCallback is not set up: it runs inside "
+                                    "trainer.fit() with strategy='replay'")
+        return self._strategy
+
+
+# ---------------------------------------------------------------------- helpers
+def _count(records: Iterable[Record]) -> dict[str, int]:
+    out = {"matches": 0, "rejections": 0, "divergences": 0}
+    for r in records:
+        if r.check in _EVENTS and r.outcome == "match":
+            continue
+        out[{"match": "matches", "rejection": "rejections",
+             "divergence": "divergences"}[r.outcome]] += 1
+    return out
+
+
+def _is_last_step(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether the fit loop stops after this batch (max_steps, max_epochs or should_stop)."""
+    if trainer.should_stop:
+        return True
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and \
+            trainer.global_step >= trainer.max_steps:
+        return True
+    max_epochs = trainer.max_epochs
+    return (max_epochs is not None and max_epochs >= 0
+            and trainer.current_epoch + 1 >= max_epochs
+            and batch_idx + 1 >= trainer.num_training_batches)
+
+
+def _window_peak(engine: Any, device: torch.device) -> int:
+    """Peak bytes of the window that just ended (forward, backward, optimizer step).
+
+    ``engine.step_stats()`` describes the window before it (its numbers roll over when the next
+    window begins), so the current one is read where the engine keeps it.
+    """
+    if device.type == "cuda":
+        # The engine resets the allocator's peak as each window begins.
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    acct = engine.accountant
+    if acct is None:
+        return 0
+    return int(engine._static_bytes() + acct.peak)
+
+
+def _costs_ready(engine: Any) -> bool:
+    """Every segment that can be replayed has a measured replay option to plan with."""
+    costs = engine.costs
+    if not costs:
+        return False
+    contracts = engine.contracts
+    for c in costs:
+        contract = contracts.get(c.name)
+        replayable = contract is not None and any(o != "retain"
+                                                  for o in contract.available_options())
+        if replayable and not any(o != "retain" for o in c.options):
+            return False
+    return True
+
+
+def _reduce(strategy: ReplayStrategy, local: Mapping[str, float],
+            votes: list[bool]) -> tuple[dict[str, float], list[bool]]:
+    """Sum counts and votes, max sizes and times, across ranks (two all-reduces)."""
+    if strategy.world_size <= 1 or not torch.distributed.is_initialized():
+        return dict(local), votes
+    device = strategy.root_device
+    sums = torch.tensor([float(local[k]) for k in _SUM_KEYS] + [float(v) for v in votes],
+                        dtype=torch.float64, device=device)
+    maxes = torch.tensor([float(local[k]) for k in _MAX_KEYS], dtype=torch.float64,
+                         device=device)
+    torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
+    torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX)
+    out = dict(zip(_SUM_KEYS, sums.tolist()))
+    out.update(zip(_MAX_KEYS, maxes.tolist()))
+    return out, [v > 0 for v in sums.tolist()[len(_SUM_KEYS):]]
+
+
+def _shapes(batch: Any) -> tuple:
+    from torch.utils._pytree import tree_leaves
+    return tuple((tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch)
+                 if isinstance(t, torch.Tensor))
+
+
+def _check_positive_or_none(name: str, value: Any, allow_none: bool = True) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        allowed = "a positive int or None (no checks)" if allow_none else "a positive int"
+        raise ReplayConfigError(f"ReplayCallback({name}={value!r}) must be {allowed}")
+    return value
+
+
+def _check_choices(name: str, value: Any, allowed: tuple[str, ...],
+                   allow_empty: bool) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise ReplayConfigError(f"ReplayCallback({name}={value!r}) must be a sequence of "
+                                f"{list(allowed)}") from None
+    unknown = [v for v in items if v not in allowed]
+    if unknown:
+        raise ReplayConfigError(f"ReplayCallback({name}=...) has unknown entries {unknown}; "
+                                f"allowed: {list(allowed)}")
+    if not items and not allow_empty:
+        raise ReplayConfigError(f"ReplayCallback({name}=()) is empty; pass at least one of "
+                                f"{list(allowed)}, or check_every_n_steps=None for no checks")
+    return tuple(dict.fromkeys(items))
+
+
+def _check_records_path(path: Any) -> str:
+    """A records path that can be created and written, without creating anything."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ReplayConfigError(f"ReplayCallback(records_path={path!r}) must be a path")
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        raise ReplayConfigError(f"records path {path!r} is a directory; name a file such as "
+                                f"{os.path.join(path, 'records.sqlite')!r}")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ReplayConfigError(f"records path {path!r} exists but is not writable")
+        return path
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ReplayConfigError(f"records path {path!r} cannot be created: {parent!r} is not a "
+                                "writable directory. Pass records_path= to a writable place.")
+    return path

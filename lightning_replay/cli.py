@@ -1,0 +1,363 @@
+"""``lightning-replay``: train, evaluate, compare, report and query from the command line.
+
+Commands:
+
+* ``fit`` / ``validate`` / ``test`` — LightningCLI (``--config configs/dense_queue_cpu.yaml``,
+  any ``--trainer.*``, ``--model.*``, ``--data.*`` override; the model and data default to the
+  dense-queue application, and ``class_path`` selects others such as the sparse-write workload).
+* ``study`` — the seven-method comparison a config's ``study:`` section describes.
+* ``report RUN_DIR`` — an HTML report with plots of a study or a ``fit`` run.
+* ``records RUN_DIR`` — query the execution records (SQLite) of a study or a ``fit`` run.
+
+Examples::
+
+    lightning-replay fit --config configs/dense_queue_cpu.yaml --trainer.max_epochs=2
+    lightning-replay study --config configs/dense_queue_cpu.yaml --study.seeds='[0]'
+    lightning-replay report runs/dense_queue_study
+    lightning-replay records runs/dense_queue_study --outcome divergence --format json
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import sqlite3
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+_LIGHTNING_COMMANDS = ("fit", "validate", "test")
+_DENSE_QUEUE = "lightning_replay.apps.dense_queue.DenseQueueModule"
+_DENSE_QUEUE_DATA = "lightning_replay.apps.dense_queue.DenseQueueDataModule"
+
+
+def _cli_class():
+    """The LightningCLI subclass (imported lazily: ``--help`` of the light commands is fast)."""
+    from jsonargparse import lazy_instance
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    import lightning_replay  # noqa: F401  registers strategy="replay"
+    from lightning_replay.apps.dense_queue import DenseQueueDataModule, DenseQueueModule
+    from lightning_replay.apps.study import StudySettings
+    from lightning_replay.strategies.replay import STRATEGY_NAMES
+
+    class ReplayCLI(LightningCLI):
+        """LightningCLI with the dense-queue defaults and the ``study`` section."""
+
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            parser.set_defaults({"model": lazy_instance(DenseQueueModule),
+                                 "data": lazy_instance(DenseQueueDataModule)})
+            parser.add_class_arguments(StudySettings, "study")
+
+        def before_fit(self) -> None:
+            # Create the records database before the launcher starts the other processes:
+            # ranks that open a new SQLite file at the same moment race on its WAL switch
+            # ("database is locked").
+            if os.environ.get("LOCAL_RANK") is not None:
+                return
+            from lightning_replay.callbacks.replay import ReplayCallback
+            from lightning_replay.records import RecordStore
+
+            for cb in self.trainer.callbacks:
+                if isinstance(cb, ReplayCallback):
+                    path = cb.records_path or os.path.join(self.trainer.default_root_dir,
+                                                           "replay", "records.sqlite")
+                    RecordStore(path).close()
+
+        def before_instantiate_classes(self) -> None:
+            if self.subcommand not in ("validate", "test", "predict"):
+                return
+            # Evaluation has no backward, so nothing to replay: run it on a plain strategy.
+            # (ReplayStrategy with one process also fails outside fit today: DDP's setup
+            # broadcasts module states over a process group it never made.)
+            trainer = self.config[self.subcommand].trainer
+            strategy = trainer.strategy
+            name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
+            if name in STRATEGY_NAMES or str(name).endswith("ReplayStrategy"):
+                trainer.strategy = "auto"
+                rank_zero_info(f"lightning-replay {self.subcommand}: strategy 'replay' is for "
+                               "training; evaluating with strategy='auto'")
+
+    return ReplayCLI
+
+
+_LIGHTNING_HELP = """Train (fit), validate or test through LightningCLI. The model and data
+default to the dense-queue application (DenseQueueModule, DenseQueueDataModule); a config's
+class_path selects others (configs/sparse_write.yaml). Their arguments:
+  lightning-replay fit --model.help DenseQueueModule
+  lightning-replay fit --data.help DenseQueueDataModule
+  lightning-replay fit --trainer.strategy.help ReplayStrategy
+Example:
+  lightning-replay fit --config configs/dense_queue_cpu.yaml --trainer.max_epochs=2"""
+
+
+def _raw_formatter() -> type:
+    """jsonargparse's help formatter, keeping the description's line breaks."""
+    from jsonargparse import DefaultHelpFormatter
+
+    class RawDescription(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    return RawDescription
+
+
+def run_lightning(argv: Sequence[str]) -> int:
+    """``fit``/``validate``/``test`` through LightningCLI."""
+    import lightning as L
+
+    cli_cls = _cli_class()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+        cli_cls(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
+                subclass_mode_data=True, args=list(argv),
+                save_config_kwargs={"overwrite": True},
+                parser_kwargs={"prog": "lightning-replay", "description": _LIGHTNING_HELP,
+                               "formatter_class": _raw_formatter(),
+                               **{c: {"description": _LIGHTNING_HELP,
+                                      "formatter_class": _raw_formatter()}
+                                  for c in _LIGHTNING_COMMANDS}})
+    return 0
+
+
+def parse_study_args(argv: Sequence[str]) -> dict[str, Any]:
+    """A study config from ``--config`` files and dotted overrides, as a plain dict."""
+    import lightning as L
+    import yaml
+
+    cli_cls = _cli_class()
+
+    class StudyArgs(cli_cls):  # parse only: the study instantiates one trainer per run
+        def instantiate_classes(self) -> None:
+            pass
+
+        def _set_seed(self) -> None:
+            pass
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+        cli = StudyArgs(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
+                        subclass_mode_data=True, args=list(argv), run=False,
+                        parser_kwargs={"prog": "lightning-replay study",
+                                       "description": _STUDY_HELP,
+                                       "formatter_class": _raw_formatter()})
+    cfg = yaml.safe_load(cli.parser.dump(cli.config, skip_check=True))
+    return {k: cfg[k] for k in ("seed_everything", "trainer", "model", "data", "study")
+            if k in cfg}
+
+
+_STUDY_HELP = """Run the seven-method comparison (none, torch_checkpoint, torch_sac, whole,
+regions, eager_whole, joint) described by a config: the trainer/model/data sections as for
+`fit`, and the study section (--study.methods, --study.seeds, --study.budget_fraction,
+--study.output_dir, ...). Writes results.md/.csv/.json, report.html, records.sqlite and wandb
+runs under study.output_dir. Example:
+  lightning-replay study --config configs/dense_queue_cpu.yaml --study.seeds='[0, 1, 2]'"""
+
+
+def run_study_command(argv: Sequence[str]) -> int:
+    from lightning_replay.apps.study import format_markdown, run_study
+
+    cfg = parse_study_args(argv)
+    result = run_study(cfg, progress=True)
+    print(format_markdown(result))
+    for key, path in result.paths.items():
+        print(f"{key:>12}: {path}")
+    return 0 if result.identical else 1
+
+
+# ------------------------------------------------------------------------------ records
+def _records_db(run_dir: str) -> Path:
+    p = Path(run_dir)
+    for cand in (p, p / "records.sqlite", p / "replay" / "records.sqlite"):
+        if cand.is_file():
+            return cand
+    raise FileNotFoundError(f"no records database at {run_dir!r}: expected a .sqlite file, a "
+                            "study directory with records.sqlite, or a fit run directory with "
+                            "replay/records.sqlite")
+
+
+def query_records(db: Path, run_id: str | None = None, outcome: str | None = None,
+                  segment: str | None = None, check: str | None = None,
+                  step_from: int | None = None, step_to: int | None = None,
+                  limit: int | None = 50) -> list[dict[str, Any]]:
+    """Rows of a records database, filtered, in append order (newest last)."""
+    where, params = [], []
+    for col, val in (("run_id", run_id), ("outcome", outcome), ("segment", segment),
+                     ('"check"', check)):
+        if val is not None:
+            where.append(f"{col} = ?")
+            params.append(val)
+    if step_from is not None:
+        where.append("step >= ?")
+        params.append(step_from)
+    if step_to is not None:
+        where.append("step <= ?")
+        params.append(step_to)
+    sql = ('SELECT seq, run_id, step, rank, segment, contract_version, "check", outcome, '
+           "detail, created_at FROM records")
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY seq DESC"
+    if limit:
+        sql += f" LIMIT {int(limit)}"
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+    cols = ("seq", "run_id", "step", "rank", "segment", "contract_version", "check", "outcome",
+            "detail", "created_at")
+    return [dict(zip(cols, r)) for r in reversed(rows)]
+
+
+def summarize_records(db: Path) -> list[dict[str, Any]]:
+    """Counts per run, check and outcome."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = conn.execute('SELECT run_id, "check", outcome, COUNT(*), MIN(step), MAX(step) '
+                            'FROM records GROUP BY run_id, "check", outcome '
+                            'ORDER BY MIN(seq)').fetchall()
+    finally:
+        conn.close()
+    return [dict(zip(("run_id", "check", "outcome", "count", "first_step", "last_step"), r))
+            for r in rows]
+
+
+def _run_labels(run_dir: str) -> dict[str, str]:
+    """run id -> "method seed k" for a study directory."""
+    path = Path(run_dir) / "results.json"
+    if not path.is_file():
+        return {}
+    rows = json.loads(path.read_text()).get("rows", [])
+    return {r["run_id"]: f"{r['method']} seed {r['seed']}" for r in rows if r.get("run_id")}
+
+
+def _print_rows(rows: list[dict[str, Any]], fmt: str, width: int = 60) -> None:
+    if fmt == "json":
+        print(json.dumps(rows, indent=1))
+        return
+    if not rows:
+        print("(no records)")
+        return
+    cols = list(rows[0])
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+        print(buf.getvalue(), end="")
+        return
+    cells = [[str(r[c]) if c != "detail" or len(str(r[c])) <= width else
+              str(r[c])[:width - 3] + "..." for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for x in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(x, widths)))
+
+
+def run_records(args: argparse.Namespace) -> int:
+    db = _records_db(args.run_dir)
+    labels = _run_labels(args.run_dir)
+    if args.summary:
+        rows = summarize_records(db)
+        if labels:
+            for r in rows:
+                r["run"] = labels.get(r["run_id"], "")
+    else:
+        run_id = args.run_id
+        if run_id is not None and run_id not in labels:
+            match = [rid for rid, lab in labels.items() if lab == run_id.replace("-seed", " seed ")]
+            run_id = match[0] if match else run_id
+        rows = query_records(db, run_id, args.outcome, args.segment, args.check,
+                             args.step_from, args.step_to, args.limit)
+        if args.format != "table" and labels:
+            for r in rows:
+                r["run"] = labels.get(r["run_id"])
+        else:
+            for r in rows:
+                r.pop("created_at")
+    _print_rows(rows, args.format, args.detail_width)
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from lightning_replay.apps.report import write_report
+
+    path = write_report(args.run_dir)
+    print(f"report: {path}")
+    return 0
+
+
+# ------------------------------------------------------------------------------ main
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lightning-replay", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    for name, what in (("fit", "train (LightningCLI; `lightning-replay fit --help`)"),
+                       ("validate", "validate (LightningCLI)"), ("test", "test (LightningCLI)")):
+        sub.add_parser(name, help=what, add_help=False)
+    sub.add_parser("study", help="the seven-method comparison from a config "
+                                 "(`lightning-replay study --help`)", add_help=False)
+    rp = sub.add_parser("report", help="write RUN_DIR/report.html with plots",
+                        description="Write an HTML report with PNG plots (memory per step "
+                                    "against the budget, step time, plan per segment over "
+                                    "time, record outcomes) for a study's output_dir or a fit "
+                                    "run's default_root_dir.")
+    rp.add_argument("run_dir", metavar="RUN_DIR", help="study output_dir or fit run directory")
+    qp = sub.add_parser("records", help="query execution records",
+                        description="Query the execution records (one row per check or contract "
+                                    "event; outcome match, rejection or divergence) of a study "
+                                    "(RUN_DIR/records.sqlite), a fit run "
+                                    "(RUN_DIR/replay/records.sqlite) or a .sqlite file.",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="examples:\n  lightning-replay records runs/dense_queue_study "
+                               "--summary\n  lightning-replay records runs/dense_queue_study "
+                               "--run joint-seed0 --check grad --limit 5")
+    qp.add_argument("run_dir", metavar="RUN_DIR", help="study dir, fit run dir or .sqlite file")
+    qp.add_argument("--run", "--run-id", dest="run_id", default=None,
+                    help="a run id, or in a study a run name such as joint-seed0")
+    qp.add_argument("--outcome", choices=["match", "rejection", "divergence"], default=None)
+    qp.add_argument("--segment", default=None, help="segment name (\"*\" for plan events)")
+    qp.add_argument("--check", default=None,
+                    help="record kind: contract, plan, grad, bytes, version")
+    qp.add_argument("--step-from", type=int, default=None, help="first step (inclusive)")
+    qp.add_argument("--step-to", type=int, default=None, help="last step (inclusive)")
+    qp.add_argument("--limit", type=int, default=50,
+                    help="the newest N matching records (default 50; 0: all)")
+    qp.add_argument("--summary", action="store_true",
+                    help="counts per run, check and outcome instead of rows")
+    qp.add_argument("--format", choices=["table", "csv", "json"], default="table")
+    qp.add_argument("--detail-width", type=int, default=60,
+                    help="table format: truncate the detail column to this width")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lightning-replay`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _LIGHTNING_COMMANDS:
+        return run_lightning(argv)
+    if argv and argv[0] == "study":
+        return run_study_command(argv[1:])
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        ap.print_help()
+        return 2
+    try:
+        if args.command == "report":
+            return run_report(args)
+        return run_records(args)
+    except FileNotFoundError as exc:
+        print(f"lightning-replay {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `lightning-replay records ... | head`
+        sys.stdout = open(os.devnull, "w")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,530 @@
+"""``Trainer(strategy="replay")``: state-aware activation recomputation under Lightning.
+
+:class:`ReplayStrategy` is a :class:`~lightning.pytorch.strategies.DDPStrategy` that installs the
+replay engine on the LightningModule in ``_setup_model`` (after ``configure_model``, precision
+conversion and ``model_to_device``, before DDP wrapping and optimizer creation) and makes each
+``training_step`` plus its backward one engine window. With one process it trains without a
+process group or DDP wrapper, so it matches a plain ``Trainer(devices=1)`` bit for bit; with N
+processes it is DDP underneath and every rank runs rank 0's plan.
+
+``import lightning_replay`` registers the names:
+
+* ``"replay"``: the ``popen`` launcher (scripts; ``devices=1`` starts no child process),
+* ``"replay_spawn"``, ``"replay_fork"``, ``"replay_notebook"`` (``fork``): the other launchers.
+
+It leans on Lightning internals, hence the ``lightning>=2.4,<2.7`` pin: ``_setup_model``,
+``_configure_launcher``, ``_register_ddp_hooks``, ``_precision_plugin``, ``_start_method`` and
+the trainer's ``_accelerator_connector.use_distributed_sampler``.
+
+Example:
+    >>> import lightning as L, lightning_replay
+    >>> trainer = L.Trainer(strategy="replay", accelerator="cpu", devices=1, max_steps=1,
+    ...                     logger=False, enable_checkpointing=False,
+    ...                     enable_progress_bar=False, enable_model_summary=False)
+    >>> type(trainer.strategy).__name__
+    'ReplayStrategy'
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision, FSDPPrecision, XLAPrecision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_replay import planner as _planner
+from lightning_replay.budget import format_bytes, parse_budget
+from lightning_replay.engine import ON_VIOLATION, PRESERVATIONS, ReplayEngine, install
+from lightning_replay.errors import ReplayConfigError, SegmentError
+from lightning_replay.records import RecordStore
+from lightning_replay.segments import SegmentSpec, resolve_segments
+
+#: Registered strategy names and their launcher (``start_method``).
+STRATEGY_NAMES: dict[str, str] = {
+    "replay": "popen",
+    "replay_spawn": "spawn",
+    "replay_fork": "fork",
+    "replay_notebook": "fork",
+}
+
+#: Fraction of CUDA memory used as the budget when ``budget=None``.
+DEFAULT_CUDA_FRACTION = 0.9
+
+_INCOMPATIBLE_PRECISION = (FSDPPrecision, DeepSpeedPrecision, XLAPrecision)
+
+
+class ReplayStrategy(DDPStrategy):
+    """DDP with state-aware replay of the LightningModule's segments.
+
+    Args:
+        segments: what to replay: qualified names, dotted globs (``"blocks.*"``), module
+            classes, a callable ``(name, module) -> bool``, or a list of these. ``None``: the
+            LightningModule's ``configure_replay_segments()`` if it defines one, else the
+            parameterized children of its largest ``ModuleList``/``Sequential``.
+        budget: peak-memory budget: bytes, ``"2GiB"``, or a fraction of the CUDA device
+            (``0.8``). ``None``: 90 % of the device on CUDA; on CPU the lowest-memory correct
+            plan.
+        planner: ``"joint"`` (optimal), ``"eager_whole"``, ``"fixed_regions"``,
+            ``"retain_all"`` or ``"whole_all"``.
+        preservation: ``"auto"``, ``"whole"``, ``"regions"``, ``"retain"`` or a dict per
+            segment; the options a segment's contract allows before any plan exists.
+        on_violation: ``"record"`` (warn, record a rejection, re-probe the segment) or
+            ``"raise"``.
+        records: where records go: ``None`` (memory, unless a :class:`ReplayCallback` names a
+            file), a SQLite path, or a :class:`~lightning_replay.RecordStore`.
+        calibration_steps: steps each option is timed before the first plan.
+        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes
+            (``start_method``, ``find_unused_parameters``, ``timeout``, ...).
+
+    Raises:
+        ReplayConfigError: on a bad argument (the message names it), or at ``Trainer``
+            construction when combined with an FSDP, DeepSpeed or XLA precision plugin or an
+            accelerator other than CPU or CUDA.
+
+    Example:
+        >>> strategy = ReplayStrategy(segments="blocks.*", budget="2GiB")
+        >>> strategy.budget
+        2147483648
+    """
+
+    strategy_name = "replay"
+
+    def __init__(
+        self,
+        segments: SegmentSpec | Iterable[SegmentSpec] | None = None,
+        budget: int | float | str | None = None,
+        planner: str = "joint",
+        preservation: str | Mapping[str, str] = "auto",
+        on_violation: str = "record",
+        records: RecordStore | str | os.PathLike | None = None,
+        calibration_steps: int = 2,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if planner not in _planner.METHODS:
+            raise ReplayConfigError(f"ReplayStrategy(planner={planner!r}) is not known; use one "
+                                    f"of {list(_planner.METHODS)}")
+        if isinstance(preservation, str) and preservation not in PRESERVATIONS:
+            raise ReplayConfigError(f"ReplayStrategy(preservation={preservation!r}) is not known;"
+                                    f" use one of {list(PRESERVATIONS)} or a dict per segment")
+        if not isinstance(preservation, (str, Mapping)):
+            raise ReplayConfigError(f"ReplayStrategy(preservation=...) must be a string or a dict,"
+                                    f" got {type(preservation).__name__}")
+        if on_violation not in ON_VIOLATION:
+            raise ReplayConfigError(f"ReplayStrategy(on_violation={on_violation!r}) is not known; "
+                                    f"use one of {list(ON_VIOLATION)}")
+        if not (records is None or isinstance(records, (str, RecordStore))
+                or hasattr(records, "__fspath__")):
+            raise ReplayConfigError(f"ReplayStrategy(records=...) must be None, a path or a "
+                                    f"RecordStore, got {type(records).__name__}")
+        if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) \
+                or calibration_steps < 1:
+            raise ReplayConfigError(f"ReplayStrategy(calibration_steps={calibration_steps!r}) "
+                                    "must be an int >= 1")
+        self.segments_spec = segments
+        self._budget_arg = budget
+        self.budget: int | None = _parse_budget_arg(budget)
+        self.planner = planner
+        self.preservation = preservation
+        self.on_violation = on_violation
+        self.calibration_steps = calibration_steps
+        self._records_arg = records
+        self._records_path: str | None = None
+        self.run_id: str | None = None
+        self.engine: ReplayEngine | None = None
+        self.segment_names: list[str] = []
+        self._pending_engine_state: dict[str, Any] | None = None
+        self._synced_plan_version = 0
+
+    # ------------------------------------------------------------------ records
+    def configure_records(self, path: str | os.PathLike | None, run_id: str | None = None, *,
+                          default: bool = False) -> None:
+        """Send records to ``path`` (SQLite) under ``run_id``; :class:`ReplayCallback` calls it
+        before the engine is installed.
+
+        Args:
+            path: the records file.
+            run_id: the run id to write under (a resumed run keeps its id).
+            default: ``path`` is only a default: records given to the strategy win.
+
+        Raises:
+            ReplayConfigError: ``records=`` given to the strategy names another place.
+        """
+        given = self._records_arg
+        if path is not None and given is not None:
+            if default:
+                path = None  # the strategy's own records win over a default
+            else:
+                given_path = given.path if isinstance(given, RecordStore) else os.fspath(given)
+                if given_path is None or \
+                        os.path.abspath(given_path) != os.path.abspath(os.fspath(path)):
+                    raise ReplayConfigError(
+                        f"records are configured twice: ReplayStrategy(records={given_path!r}) "
+                        f"and ReplayCallback(records_path={os.fspath(path)!r}). Pass the "
+                        "place to one of them.")
+        self._records_path = None if path is None else os.fspath(path)
+        if run_id is not None:
+            self.run_id = run_id
+
+    def _make_records(self) -> RecordStore:
+        given = self._records_arg
+        if isinstance(given, RecordStore):
+            if self.run_id is None:
+                self.run_id = given.run_id
+            return given
+        path = self._records_path or (None if given is None else os.fspath(given))
+        if self.run_id is None:
+            self.run_id = uuid.uuid4().hex[:12]
+        # Every rank writes under rank 0's run id, each with its own rank.
+        self.run_id = self.broadcast(self.run_id)
+        if path is None or self.world_size == 1:
+            return RecordStore(path, run_id=self.run_id, rank=self.global_rank)
+        # Ranks that create a new SQLite file at the same moment race on its switch to WAL
+        # ("database is locked"): each node's first process creates it, the others then open it.
+        store = None
+        if self.local_rank == 0:
+            store = RecordStore(path, run_id=self.run_id, rank=self.global_rank)
+        self.barrier("lightning_replay.records")
+        if store is None:
+            store = RecordStore(path, run_id=self.run_id, rank=self.global_rank)
+        return store
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Lightning calls this once accelerator, devices and precision are final: the earliest
+        # point at which a combination that cannot work is known.
+        self._check_composable()
+        super()._configure_launcher()
+
+    def _check_composable(self) -> None:
+        precision = self._precision_plugin
+        if isinstance(precision, _INCOMPATIBLE_PRECISION):
+            raise ReplayConfigError(
+                f"Trainer(strategy='replay') cannot use the {type(precision).__name__} plugin: "
+                "ReplayStrategy is DDP underneath and replays whole-parameter modules, while "
+                "that plugin belongs to a sharded or compiled strategy. Use FSDPStrategy's own "
+                "activation_checkpointing_policy, or drop the plugin (precision='bf16-mixed' "
+                "and '16-mixed' work).")
+        devices = self.parallel_devices or []
+        bad = sorted({d.type for d in devices} - {"cpu", "cuda"})
+        if bad:
+            raise ReplayConfigError(
+                f"Trainer(strategy='replay') runs on CPU or CUDA devices only, got "
+                f"{bad[0]!r} (accelerator {type(self.accelerator).__name__}). Use "
+                "accelerator='cpu' or 'cuda'.")
+
+    @override
+    def setup_environment(self) -> None:
+        if self._start_method == "fork" and torch.get_num_threads() > 1:
+            # A forked child inherits the parent's OpenMP thread pool without its threads: the
+            # first parallel CPU kernel (batch norm, a large elementwise op) then waits forever
+            # once the parent has run one. One intra-op thread per child cannot deadlock.
+            rank_zero_info(f"ReplayStrategy(start_method='fork'): each process uses 1 CPU "
+                           f"thread (was {torch.get_num_threads()}); a forked OpenMP pool "
+                           "deadlocks. Use start_method='spawn' or 'popen' to keep threads.")
+            torch.set_num_threads(1)
+        super().setup_environment()
+
+    @override
+    def setup_distributed(self) -> None:
+        if self.world_size > 1:
+            super().setup_distributed()
+            return
+        # One process: no process group, no DDP wrapper and no DistributedSampler (which would
+        # reshuffle the data), exactly like a plain Trainer(devices=1).
+        reset_seed()
+        self.set_world_ranks()
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None:
+            trainer._accelerator_connector.use_distributed_sampler = False
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.world_size > 1 or trainer.state.fn == TrainerFn.FITTING:
+            super().setup(trainer)
+            return
+        # One process, not fitting (validate/test/predict): nothing to replay, and no process
+        # group for DDP's module-state broadcast - set up like a single-device strategy.
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.setup_precision_plugin()
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        """Install the engine on the LightningModule, then wrap it in DDP (N > 1 processes)."""
+        self._install(model)
+        if self.world_size > 1:
+            return super()._setup_model(model)
+        return model
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            super()._register_ddp_hooks()
+
+    def _install(self, model: nn.Module) -> None:
+        if self.engine is not None and self.engine.installed:
+            self.engine.uninstall()
+        spec, origin = self._resolve_spec(model)
+        names = list(resolve_segments(model, spec))
+        self._check_segments(model, names)
+        budget = self._resolve_budget()
+        engine = install(model, spec, preservation=self.preservation,
+                         on_violation=self.on_violation, records=self._make_records(),
+                         window="manual", budget=budget, planner=self.planner,
+                         track_memory=True, calibration_steps=self.calibration_steps)
+        if self._pending_engine_state is not None:
+            engine.load_state_dict(self._pending_engine_state)
+            self._pending_engine_state = None
+            # What this run was given wins over what the checkpoint's run was given; the
+            # loaded plan stays until a re-plan (ReplayCallback's "memory" notices a misfit).
+            engine.planner = self.planner
+            if budget is not None:
+                engine.budget = budget
+        # Measure costs always: without a budget (CPU) the plan is the lowest-memory correct one
+        # from measured costs, and after a resume the loaded plan's options keep being timed so
+        # a later re-plan has costs to work from.
+        engine.measure_costs = True
+        self.engine = engine
+        self.segment_names = names
+        self._synced_plan_version = engine.plan_version
+        rank_zero_info(
+            f"ReplayStrategy: replaying {len(names)} segment(s) of {type(model).__name__} "
+            f"({origin}): {', '.join(names)}; budget "
+            f"{'lowest-memory plan' if budget is None else format_bytes(budget)}, planner "
+            f"{self.planner!r}")
+
+    def _resolve_spec(self, model: nn.Module) -> tuple[Any, str]:
+        if self.segments_spec is not None:
+            return self.segments_spec, "segments=" + repr(self.segments_spec)
+        hook = getattr(model, "configure_replay_segments", None)
+        if callable(hook):
+            spec = hook()
+            if spec is None:
+                raise SegmentError(f"{type(model).__name__}.configure_replay_segments() returned "
+                                   "None; return names, glob patterns, module classes or a "
+                                   "callable")
+            return spec, "configure_replay_segments()"
+        container, names = default_segments(model)
+        return names, f"children of the largest block list {container!r}"
+
+    def _check_segments(self, model: nn.Module, names: list[str]) -> None:
+        for name in names:
+            for sub_name, sub in model.get_submodule(name).named_modules():
+                if isinstance(sub, nn.SyncBatchNorm):
+                    where = f"{name}.{sub_name}" if sub_name else name
+                    raise ReplayConfigError(
+                        f"segment {name!r} holds a SyncBatchNorm ({where!r}): its replay would "
+                        "run collectives a second time on some ranks only. Use "
+                        "Trainer(sync_batchnorm=False), or leave that module out of segments=.")
+
+    def _resolve_budget(self) -> int | None:
+        if isinstance(self._budget_arg, float) and 0 < self._budget_arg <= 1:
+            return _fraction(self._budget_arg, self.root_device)
+        if self.budget is None and self.root_device.type == "cuda":
+            return _fraction(DEFAULT_CUDA_FRACTION, self.root_device)
+        return self.budget
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine is None or not engine.installed:
+            return super().training_step(*args, **kwargs)
+        # The engine may plan as the window begins (after calibration); agree on rank 0's
+        # plan before any segment runs, so every rank runs the same plan in this very window.
+        engine.begin_window()
+        try:
+            self._sync_plan()
+            return super().training_step(*args, **kwargs)
+        finally:
+            engine.end_forward()
+
+    @override
+    def teardown(self) -> None:
+        engine = self.engine
+        if engine is not None and engine.installed:
+            # A later fit() on this strategy continues from here (plan, versions, step).
+            self._pending_engine_state = engine.state_dict()
+            engine.uninstall()
+        super().teardown()
+
+    # ------------------------------------------------------------------ plans across ranks
+    def replan(self, budget: int | str | None = None) -> _planner.Plan | None:
+        """Plan again from the measured costs on every rank; every rank then runs rank 0's plan.
+
+        Call it on all ranks at the same point (as :class:`ReplayCallback` does).
+
+        Args:
+            budget: ``None`` keeps the engine's budget; bytes or ``"2GiB"`` set a new one;
+                ``"min"`` asks for the lowest-memory correct plan.
+
+        Returns:
+            The plan in force, or ``None`` while no segment has been probed.
+
+        Raises:
+            InfeasibleBudget: rank 0's planner cannot meet the budget (raised on every rank;
+                the plan in force is kept).
+        """
+        engine = self._require_engine()
+        error: BaseException | None = None
+        try:
+            if budget is None:
+                engine.replan()
+            else:
+                engine.replan(budget=budget)
+        except ReplayConfigError:
+            pass  # nothing measured yet: keep what there is
+        except _planner.InfeasibleBudget as exc:
+            error = exc
+        if self.world_size > 1:
+            error = self.broadcast(error)
+            self._sync_plan(force=True)
+        if error is not None:
+            raise error
+        return engine.plan
+
+    def _sync_plan(self, force: bool = False) -> None:
+        """Make every rank run rank 0's plan (one all-reduce per step, more only on change)."""
+        engine = self.engine
+        if engine is None or self.world_size <= 1 or not _distributed_is_initialized():
+            return
+        changed = engine.plan_version != self._synced_plan_version
+        if not self.reduce_boolean_decision(force or changed, all=False):
+            return
+        payload = ((engine.plan.to_dict() if engine.plan is not None else None,
+                    engine.plan_version) if self.global_rank == 0 else None)
+        plan_dict, version = self.broadcast(payload)
+        if plan_dict is not None and self.global_rank != 0:
+            plan = _planner.Plan.from_dict(plan_dict)
+            if engine.plan is None or engine.plan.choices != plan.choices:
+                engine.set_options(plan.choices)
+            engine.plan = plan
+            engine.plan_version = version
+            engine.records.append(step=engine.step, segment="*", contract_version=version,
+                                  check="plan", outcome="match",
+                                  detail={"plan_version": version, "adopted_from_rank": 0,
+                                          **plan.to_dict()})
+        self._synced_plan_version = engine.plan_version
+
+    # ------------------------------------------------------------------ resumable state
+    def engine_state_dict(self) -> dict[str, Any] | None:
+        """The engine's resumable state (``None`` before the engine is installed)."""
+        if self.engine is None:
+            return self._pending_engine_state
+        return self.engine.state_dict()
+
+    def load_engine_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`engine_state_dict`: applied now, or at install if not yet."""
+        state = dict(state)
+        if self.run_id is None and state.get("run_id"):
+            self.run_id = state["run_id"]
+        if self.engine is not None and self.engine.installed:
+            self.engine.load_state_dict(state)
+            self._synced_plan_version = self.engine.plan_version
+        else:
+            self._pending_engine_state = state
+
+    def _require_engine(self) -> ReplayEngine:
+        if self.engine is None or not self.engine.installed:
+            raise ReplayConfigError("ReplayStrategy has no installed engine: it is installed "
+                                    "when trainer.fit() sets up the model")
+        return self.engine
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register :data:`STRATEGY_NAMES` (not DDP's names) in ``strategy_registry``."""
+        register(strategy_registry)
+
+
+def default_segments(model: nn.Module) -> tuple[str, list[str]]:
+    """The parameterized children of ``model``'s largest ``ModuleList``/``Sequential``.
+
+    Largest means most children that hold parameters; ties go to more parameters, then to the
+    first in module order.
+
+    Returns:
+        (the container's qualified name, the children's qualified names).
+
+    Raises:
+        SegmentError: ``model`` holds no ``ModuleList``/``Sequential`` with a parameterized child.
+
+    Example:
+        >>> m = nn.Module()
+        >>> m.stem = nn.Linear(2, 2)
+        >>> m.blocks = nn.ModuleList([nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)])
+        >>> default_segments(m)
+        ('blocks', ['blocks.0', 'blocks.2'])
+    """
+    best: tuple[tuple[int, int, int], str, list[str]] | None = None
+    for index, (name, mod) in enumerate(model.named_modules()):
+        if not name or not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = [(f"{name}.{n}", sum(p.numel() for p in c.parameters()))
+                for n, c in mod.named_children()]
+        kids = [(n, k) for n, k in kids if k > 0]
+        if not kids:
+            continue
+        key = (len(kids), sum(k for _, k in kids), -index)
+        if best is None or key > best[0]:
+            best = (key, name, [n for n, _ in kids])
+    if best is None:
+        raise SegmentError(
+            f"{type(model).__name__} has no ModuleList or Sequential of parameterized blocks to "
+            "replay. Pass ReplayStrategy(segments=...) or define configure_replay_segments() "
+            "on the LightningModule, returning names, glob patterns or module classes.")
+    return best[1], best[2]
+
+
+def _parse_budget_arg(budget: Any) -> int | None:
+    if budget is None:
+        return None
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return None  # a fraction of the CUDA device, resolved at setup
+    try:
+        return parse_budget(budget)
+    except (TypeError, ValueError) as exc:
+        raise ReplayConfigError(f"ReplayStrategy(budget={budget!r}): {exc}") from None
+
+
+def _fraction(fraction: float, device: torch.device) -> int:
+    try:
+        return parse_budget(fraction, device)
+    except ValueError as exc:
+        raise ReplayConfigError(f"ReplayStrategy(budget={fraction!r}): {exc}") from None
+
+
+def register(registry: Any = StrategyRegistry) -> None:
+    """Register the strategy names once; a name held by another class is an error."""
+    for name in STRATEGY_NAMES:
+        if name in registry:
+            held = registry[name]["strategy"]
+            if getattr(held, "__qualname__", None) == ReplayStrategy.__qualname__ and \
+                    getattr(held, "__module__", None) == ReplayStrategy.__module__:
+                continue  # ours (possibly from a reloaded module): nothing to do
+            raise ReplayConfigError(
+                f"strategy name {name!r} is already registered by {held!r}; lightning_replay "
+                "cannot register ReplayStrategy under it. Remove the other registration or use "
+                "ReplayStrategy(...) directly.")
+        registry.register(name, ReplayStrategy,
+                          description=f"lightning_replay ReplayStrategy with start_method "
+                                      f"{STRATEGY_NAMES[name]!r}",
+                          start_method=STRATEGY_NAMES[name])

@@ -1,0 +1,162 @@
+"""The `lightning-replay` console script: fit from each CPU config, report, records, help."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from lightning_replay import cli
+from lightning_replay.apps.study import DEMO_CONFIG
+
+from .conftest import CONFIGS, REPO, TINY_DATA, guard_launcher_env
+
+TINY_FIT = ["--trainer.max_epochs=2", "--trainer.enable_progress_bar=false",
+            "--model.init_args.layers=[1, 1, 1, 1]", "--model.init_args.width=8",
+            "--model.init_args.proj_dim=16", "--model.init_args.queue_size=64",
+            "--model.init_args.encoder_epochs=1", "--data.init_args.batch_size=32",
+            "--data.init_args.eval_batch_size=200"] + \
+    [f"--data.init_args.{k}={v}" for k, v in TINY_DATA.items()]
+
+
+def _records(path):
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute('SELECT rank, "check", outcome FROM records').fetchall()
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def fit_dir(tmp_path_factory, tiny_data):
+    run = tmp_path_factory.mktemp("fit")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WANDB_MODE", "disabled")
+    guard_launcher_env(mp)
+    try:
+        assert cli.main(["fit", "--config", str(CONFIGS / "dense_queue_cpu.yaml"), *TINY_FIT,
+                         f"--data.init_args.data_dir={tiny_data}",
+                         f"--trainer.default_root_dir={run}"]) == 0
+    finally:
+        mp.undo()
+    return run
+
+
+def test_fit_dense_queue_cpu_config(fit_dir):
+    rows = [json.loads(x) for x in (fit_dir / "telemetry.jsonl").read_text().splitlines()]
+    assert len(rows) == 24 and rows[0]["plan"]  # 12 encoder + 12 probe steps, replay on
+    assert {r["phase"] for r in rows} == {"encoder", "probe"}
+    assert rows[0]["plan"]["criterion"] == "probe"
+    recs = _records(fit_dir / "replay" / "records.sqlite")
+    checks = {c for _, c, _ in recs}
+    assert {"contract", "plan", "grad", "bytes"} <= checks
+    assert all(o != "divergence" for _, _, o in recs)
+
+
+def test_report_of_a_fit_run_has_its_images(fit_dir, capsys):
+    assert cli.main(["report", str(fit_dir)]) == 0
+    assert "report.html" in capsys.readouterr().out
+    html = (fit_dir / "report.html").read_text()
+    images = re.findall(r"<img src='([^']+)'", html)
+    assert {os.path.basename(i) for i in images} == {"memory.png", "step_time.png",
+                                                     "plans.png", "records.png"}
+    for src in images:
+        data = (fit_dir / src).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_records_queries(fit_dir, capsys):
+    assert cli.main(["records", str(fit_dir), "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "contract" in out and "grad" in out and "match" in out
+    assert cli.main(["records", str(fit_dir), "--check", "grad", "--format", "json",
+                     "--limit", "2"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 2 and all(r["check"] == "grad" for r in rows)
+    assert rows[0]["seq"] < rows[1]["seq"]
+    assert cli.main(["records", str(fit_dir), "--outcome", "divergence"]) == 0
+    assert "(no records)" in capsys.readouterr().out
+    assert cli.main(["records", str(fit_dir / "nothing")]) == 2
+    assert "no records database" in capsys.readouterr().err
+
+
+def test_test_subcommand_runs_with_a_replay_config(tmp_path, tiny_data):
+    assert cli.main(["test", "--config", str(CONFIGS / "dense_queue_cpu.yaml"), *TINY_FIT,
+                     f"--data.init_args.data_dir={tiny_data}",
+                     f"--trainer.default_root_dir={tmp_path}"]) == 0
+    metrics = (next(tmp_path.glob("lightning_logs/version_*")) / "metrics.csv").read_text()
+    assert "test/top1" in metrics
+
+
+def test_fit_sparse_write_config(tmp_path):
+    assert cli.main(["fit", "--config", str(CONFIGS / "sparse_write.yaml"),
+                     "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
+                     "--model.init_args.blocks=2", "--model.init_args.dim=16",
+                     "--model.init_args.hidden=64", "--model.init_args.buffer_rows=256",
+                     "--model.init_args.write_rows=4", "--data.init_args.dim=16",
+                     "--data.init_args.train_size=512", "--data.init_args.val_size=64",
+                     "--data.init_args.batch_size=64",
+                     f"--trainer.default_root_dir={tmp_path}"]) == 0
+    rows = (tmp_path / "telemetry.jsonl").read_text().splitlines()
+    assert len(rows) == 8
+    recs = _records(tmp_path / "replay" / "records.sqlite")
+    assert ("plan" in {c for _, c, _ in recs})
+    assert all(o != "divergence" for _, _, o in recs)
+
+
+def test_fit_ddp_config_two_processes(tmp_path, tiny_data):
+    """devices=2 on CPU (gloo); the popen launcher re-runs the command line in the child, so
+    this runs as its own process."""
+    env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO))
+    for k in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "lightning_replay.cli", "fit", "--config",
+           str(CONFIGS / "dense_queue_ddp.yaml"), *TINY_FIT,
+           "--data.init_args.batch_size=16", f"--data.init_args.data_dir={tiny_data}",
+           f"--trainer.default_root_dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = _records(tmp_path / "replay" / "records.sqlite")
+    assert {r for r, _, _ in recs} == {0, 1}  # both ranks replayed and recorded
+    assert all(o != "divergence" for _, _, o in recs)
+    # 400 images, 2 ranks x 16 per step: 12 encoder + 12 probe steps
+    assert len((tmp_path / "telemetry.jsonl").read_text().splitlines()) == 24
+
+
+def test_help_is_useful(capsys):
+    assert cli.main([]) == 2
+    out = capsys.readouterr().out
+    for cmd in ("fit", "validate", "test", "study", "report", "records"):
+        assert cmd in out
+    for argv, expect in ((["fit", "--help"], "--model.help DenseQueueModule"),
+                         (["fit", "--model.help", "DenseQueueModule"], "--model.queue_size"),
+                         (["study", "--help"], "--study.budget_fraction"),
+                         (["records", "--help"], "--outcome"),
+                         (["report", "--help"], "RUN_DIR")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 0
+        assert expect in capsys.readouterr().out, argv
+
+
+def test_study_args_from_config_and_overrides(tmp_path):
+    cfg = cli.parse_study_args(["--config", str(CONFIGS / "dense_queue_cpu.yaml"),
+                                "--study.seeds=[3, 4]", "--model.init_args.width=8"])
+    assert cfg["study"]["seeds"] == [3, 4]
+    assert cfg["model"]["class_path"].endswith("DenseQueueModule")
+    assert cfg["model"]["init_args"]["width"] == 8
+    gpu = cli.parse_study_args(["--config", str(CONFIGS / "dense_queue_gpu_study.yaml")])
+    assert gpu["trainer"]["max_epochs"] == 125 and gpu["model"]["init_args"]["encoder_epochs"] \
+        == 100 and len(gpu["study"]["seeds"]) == 6 and gpu["data"]["init_args"]["source"] == \
+        "cifar100"
+
+
+def test_cpu_config_is_the_embedded_demo_default():
+    assert yaml.safe_load((CONFIGS / "dense_queue_cpu.yaml").read_text()) == \
+        yaml.safe_load(DEMO_CONFIG)

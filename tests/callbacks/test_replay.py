@@ -1,0 +1,305 @@
+"""ReplayCallback: telemetry through the trainer's loggers, checks, divergences, re-plans,
+records, and resume."""
+from __future__ import annotations
+
+import csv
+import os
+import sqlite3
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_replay import ReplayCallback, ReplayConfigError, ReplayStrategy
+from lightning_replay.planner import min_feasible_budget
+from lightning_replay.records import COLUMNS
+
+from strategies.lit_hazards import (DIM, HazardNet, OutsideStateNet, ViolationNet, differing,
+                                    loader, state, trainer)
+
+METRICS = ("replay/peak_memory_bytes", "replay/step_time_ms", "replay/replays",
+           "replay/preserved_bytes", "replay/matches", "replay/rejections",
+           "replay/divergences", "replay/plan_version")
+
+
+def _records(path, where: str = "1"):
+    with sqlite3.connect(path) as db:
+        db.row_factory = sqlite3.Row
+        return [dict(r) for r in db.execute(f"SELECT * FROM records WHERE {where} ORDER BY seq")]
+
+
+class _At(L.Callback):
+    """Runs ``fn(trainer)`` at the end of the given global steps (before ReplayCallback)."""
+
+    def __init__(self, steps, fn) -> None:
+        self.steps, self.fn = set(steps), fn
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step in self.steps:
+            self.fn(trainer)
+
+
+# ---------------------------------------------------------------------- arguments
+@pytest.mark.parametrize("kwargs, match", [
+    ({"check_every_n_steps": 0}, r"check_every_n_steps=0\) must be a positive int or None"),
+    ({"check_every_n_steps": -3}, "check_every_n_steps=-3"),
+    ({"check_every_n_steps": 2.5}, "check_every_n_steps=2.5"),
+    ({"check_every_n_steps": True}, "check_every_n_steps=True"),
+    ({"checks": ("grad", "hash")}, r"checks=...\) has unknown entries \['hash'\]; allowed"),
+    ({"checks": ()}, r"checks=\(\)\) is empty"),
+    ({"replan_on": ("memory", "weather")}, r"unknown entries \['weather'\]"),
+    ({"log_records": "yes"}, "log_records='yes'"),
+    ({"memory_headroom": 1.5}, "memory_headroom=1.5"),
+    ({"replan_cooldown_steps": 0}, "replan_cooldown_steps=0"),
+    ({"shape_patience": None}, "shape_patience=None"),
+])
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ReplayConfigError, match=match):
+        ReplayCallback(**kwargs)
+
+
+def test_unwritable_records_path_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ReplayConfigError, match="cannot be created"):
+        ReplayCallback(records_path=blocker / "replay" / "records.sqlite")
+    with pytest.raises(ReplayConfigError, match="is a directory"):
+        ReplayCallback(records_path=tmp_path)
+    cb = ReplayCallback(records_path=tmp_path / "new" / "dir" / "records.sqlite", checks="grad",
+                        replan_on=())
+    assert cb.checks == ("grad",) and cb.replan_on == ()
+    assert not (tmp_path / "new").exists()  # validating creates nothing
+
+
+def test_needs_the_replay_strategy(tmp_path):
+    t = trainer(tmp_path, callbacks=[ReplayCallback()], max_steps=1)
+    with pytest.raises(ReplayConfigError, match="needs Trainer\\(strategy='replay'\\)"):
+        t.fit(HazardNet(), loader(1))
+
+
+# ---------------------------------------------------------------------- telemetry and records
+def test_metrics_reach_the_trainer_loggers_and_records_the_default_file(tmp_path):
+    logger = CSVLogger(tmp_path, name="csv")
+    cb = ReplayCallback(check_every_n_steps=3)
+    t = trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=9,
+                callbacks=[cb], logger=logger, log_every_n_steps=1)
+    t.fit(HazardNet(), loader(16))
+
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    for name in METRICS:
+        assert any(r.get(name) not in (None, "") for r in rows), name
+    last = {k: float(v) for k, v in rows[-1].items() if k in METRICS and v}
+    engine = t.strategy.engine
+    assert last["replay/plan_version"] == engine.plan_version == 1
+    assert last["replay/step_time_ms"] > 0
+    assert last["replay/peak_memory_bytes"] > engine.base_memory  # the accounted peak
+    assert last["replay/divergences"] == last["replay/rejections"] == 0
+
+    path = tmp_path / "replay" / "records.sqlite"
+    rows = _records(path)
+    assert tuple(rows[0]) == COLUMNS
+    checked = sorted({r["step"] for r in rows if r["check"] in ("grad", "bytes")})
+    assert checked == [3, 6, 9]  # every third window
+    assert last["replay/matches"] == sum(r["check"] in ("grad", "bytes") for r in rows)
+    assert {r["rank"] for r in rows} == {0}
+    assert {r["run_id"] for r in rows} == {engine.records.run_id}
+    assert [r for r in rows if r["check"] == "plan"][0]["contract_version"] == 1
+
+
+def test_only_the_requested_checks_run(tmp_path):
+    t = trainer(tmp_path, strategy="replay", max_steps=4,
+                callbacks=[ReplayCallback(check_every_n_steps=2, checks=("grad",))])
+    t.fit(HazardNet(), loader())
+    checks = {r.check for r in t.strategy.engine.records.read()}
+    assert "grad" in checks and "bytes" not in checks
+
+
+# ---------------------------------------------------------------------- divergences
+def test_state_changed_outside_the_contract_is_caught_recorded_and_counted(tmp_path):
+    """``on_before_backward`` rescales a tensor outside the model through ``.data`` (no version
+    bump) after the segment's forward: its replay sees other state than its forward did. The
+    checks catch it, record divergences, count them - and train on the reference gradients,
+    so the weights still equal plain training's."""
+    ref = OutsideStateNet(bump_at=(3,))
+    trainer(tmp_path, max_steps=6).fit(ref, loader())
+
+    model = OutsideStateNet(bump_at=(3,))
+    cb = ReplayCallback(check_every_n_steps=1, records_path=tmp_path / "checked.sqlite")
+    t = trainer(tmp_path, strategy=ReplayStrategy(planner="fixed_regions"), max_steps=6,
+                callbacks=[cb])
+    t.fit(model, loader())
+
+    diverged = _records(tmp_path / "checked.sqlite", "outcome = 'divergence'")
+    assert {(r["step"], r["segment"]) for r in diverged} == {(4, "blocks.1")}
+    assert {r["check"] for r in diverged} == {"grad", "bytes"}
+    assert any("external[0]" in r["detail"] for r in diverged)  # names the state that moved
+    assert cb.last_metrics["divergences"] == len(diverged)
+    assert float(t.callback_metrics["replay/divergences"]) == len(diverged)
+    assert differing(state(ref), state(model)) == []
+
+    # Unchecked, the same hazard silently reaches the weights: that is what checks are for.
+    model = OutsideStateNet(bump_at=(3,))
+    cb = ReplayCallback(check_every_n_steps=None, records_path=tmp_path / "unchecked.sqlite")
+    trainer(tmp_path, strategy=ReplayStrategy(planner="fixed_regions"), max_steps=6,
+            callbacks=[cb]).fit(model, loader())
+    assert differing(state(ref), state(model)) != []
+    assert cb.last_metrics["divergences"] == 0
+
+
+# ---------------------------------------------------------------------- re-plans
+def test_a_lowered_budget_replans_and_the_measured_peak_holds_it(tmp_path):
+    budgets = {}
+
+    def lower(t):  # the budget a user would set to force recomputation
+        engine = t.strategy.engine
+        budgets["new"] = min_feasible_budget(engine.costs, engine.base_memory)
+        budgets["peak_before"] = int(cb.last_metrics["peak_memory_bytes"])
+        engine.budget = budgets["new"]
+
+    cb = ReplayCallback(check_every_n_steps=None, replan_on=("memory",),
+                        replan_cooldown_steps=1)
+    logged, engine_stats = {}, {}
+
+    def record(t):  # runs after ReplayCallback: its peak for this window, the engine's for the last
+        logged[t.strategy.engine.step] = int(cb.last_metrics["peak_memory_bytes"])
+        stats = t.strategy.engine.step_stats()
+        engine_stats[stats["step"]] = stats["peak_bytes"]
+
+    t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
+                max_steps=12, callbacks=[_At([7], lower), cb, _At(range(1, 13), record)])
+    t.fit(HazardNet(), loader(16))
+
+    engine = t.strategy.engine
+    assert engine.plan_version == 2 and cb.replans == 1
+    assert budgets["peak_before"] > budgets["new"]  # the all-retained plan no longer fits
+    assert engine.plan.budget == budgets["new"]
+    assert any(o != "retain" for o in engine.plan.choices.values())
+    after = [logged[s] for s in range(9, 13)]
+    assert max(after) <= budgets["new"], (after, budgets)
+    # the callback's per-window peak is the engine's own accounted peak for that window
+    assert all(logged[s] == engine_stats[s] for s in engine_stats if s in logged and s > 0)
+
+
+def test_an_infeasible_budget_is_recorded_and_the_plan_kept(tmp_path):
+    cb = ReplayCallback(check_every_n_steps=None, replan_on=("memory",))
+    t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
+                max_steps=8, callbacks=[_At([7], lambda t: setattr(t.strategy.engine,
+                                                                   "budget", 1024)), cb])
+    with pytest.warns(UserWarning, match="re-plan \\(memory\\) failed, keeping plan v1"):
+        t.fit(HazardNet(), loader(16))
+    engine = t.strategy.engine
+    assert engine.plan_version == 1
+    rejected = engine.records.read(outcome="rejection")
+    assert [r.check for r in rejected] == ["plan"] and "1024" in rejected[0].detail
+
+
+def test_a_violation_replans_once_the_new_contract_is_in_force(tmp_path):
+    cb = ReplayCallback(check_every_n_steps=None, replan_on=("violations",))
+    t = trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1, planner="fixed_regions"),
+                max_steps=12, callbacks=[cb])
+    with pytest.warns(RuntimeWarning, match="segment 'blocks.1'.*'shift'"):
+        t.fit(ViolationNet(bump_at=tuple(range(7, 12))), loader(16))  # from step 8 on
+    engine = t.strategy.engine
+    rejected = engine.records.read(outcome="rejection")
+    assert [(r.step, r.segment, r.check) for r in rejected] == [(8, "blocks.1", "version")]
+    contracts = [r for r in engine.records.read() if r.check == "contract"
+                 and r.segment == "blocks.1"]
+    assert [r.contract_version for r in contracts] == [1, 2]
+    assert '"shift"' in contracts[1].detail  # the new version preserves the moved buffer
+    plans = [r for r in engine.records.read() if r.check == "plan"]
+    assert [r.contract_version for r in plans] == [1, 2]  # plan versions
+    assert plans[1].step > contracts[1].step  # planned after the new contract, not before
+    assert cb.replans == 1 and engine.plan_version == 2
+    assert cb.last_metrics["rejections"] == 1
+
+
+def _varying(sizes):
+    x = torch.randn(sum(sizes), DIM, generator=torch.Generator().manual_seed(0))
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return DataLoader(TensorDataset(x),
+                      batch_sampler=[list(range(a, b)) for a, b in zip(bounds, bounds[1:])])
+
+
+@pytest.mark.parametrize("sizes, replans", [
+    ([8] * 7 + [4] * 3, 1),   # the shapes change for good: one re-plan
+    ([8] * 7 + [4] + [8] * 2, 0),  # one short batch: no re-plan
+])
+def test_changed_input_shapes_replan_once_they_persist(tmp_path, sizes, replans):
+    cb = ReplayCallback(check_every_n_steps=None, replan_on=("shapes",), replan_cooldown_steps=1)
+    t = trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=len(sizes),
+                callbacks=[cb])
+    t.fit(HazardNet(), _varying(sizes))
+    assert cb.replans == replans
+    assert t.strategy.engine.plan_version == 1 + replans
+
+
+# ---------------------------------------------------------------------- resume
+def test_resume_continues_plan_version_records_and_weights(tmp_path):
+    """An interrupted run resumed from its checkpoint ends with the weights of an uninterrupted
+    run; the plan version, the engine's step and the records continue (one run id, appended)."""
+    def fit(model, root, epochs, ckpt_path=None, callbacks=()):
+        cb = ReplayCallback(check_every_n_steps=3)
+        t = trainer(root, strategy=ReplayStrategy(calibration_steps=1), max_steps=-1,
+                    max_epochs=epochs, callbacks=[*callbacks, cb])
+        t.fit(model, loader(6), ckpt_path=ckpt_path)
+        return t, cb
+
+    L.seed_everything(7)
+    full = HazardNet()
+    fit(full, tmp_path / "full", 2)
+
+    L.seed_everything(7)
+    first = HazardNet()
+    t1, cb1 = fit(first, tmp_path / "run", 1)
+    ckpt = tmp_path / "run.ckpt"
+    t1.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]["ReplayCallback"]
+    assert saved["plan_version"] == 1 and saved["engine"]["step"] == 6
+    seq_at_ckpt = saved["record_seq"]
+    run_id = saved["run_id"]
+
+    L.seed_everything(99)
+    resumed = HazardNet(seed=5)
+    replan = _At([9], lambda t: t.strategy.replan())
+    t2, cb2 = fit(resumed, tmp_path / "run", 2, ckpt_path=ckpt, callbacks=[replan])
+
+    assert differing(state(full), state(resumed)) == []
+    engine = t2.strategy.engine
+    assert engine.step == 12
+    assert engine.plan_version == 2  # continued from 1, not restarted
+    rows = _records(tmp_path / "run" / "replay" / "records.sqlite")
+    assert {r["run_id"] for r in rows} == {run_id}
+    after = [r for r in rows if r["seq"] > seq_at_ckpt]
+    assert after and min(r["step"] for r in after) == 7  # steps continue after the checkpoint
+    assert [r["contract_version"] for r in after if r["check"] == "plan"] == [2]
+    assert {r["contract_version"] for r in after if r["check"] == "contract"} == {2}
+    assert cb2.counters["matches"] > cb1.counters["matches"]  # counts continue too
+    assert cb2.counters["matches"] == sum(r["check"] in ("grad", "bytes") for r in rows)
+
+
+def test_state_dict_round_trip_and_version_check():
+    cb = ReplayCallback()
+    state_dict = {"version": 1, "run_id": "abc", "record_seq": 41,
+                  "counters": {"matches": 3, "rejections": 1, "divergences": 2},
+                  "replans": 4, "plan_version": 5, "engine": None}
+    cb.load_state_dict(state_dict)
+    assert cb.record_seq == 41 and cb.replans == 4
+    assert cb.counters == {"matches": 3, "rejections": 1, "divergences": 2}
+    with pytest.raises(ReplayConfigError, match="state has version 7"):
+        cb.load_state_dict({**state_dict, "version": 7})
+
+
+def test_checks_under_mixed_precision_report_no_divergence(tmp_path):
+    ref = HazardNet()
+    L.seed_everything(7)
+    trainer(tmp_path, max_steps=4, precision="bf16-mixed").fit(ref, loader())
+    model = HazardNet()
+    L.seed_everything(7)
+    t = trainer(tmp_path, strategy="replay", max_steps=4, precision="bf16-mixed",
+                callbacks=[ReplayCallback(check_every_n_steps=2)])
+    t.fit(model, loader())
+    assert differing(state(ref), state(model)) == []  # holds today
+    assert t.strategy.engine.records.read(outcome="divergence") == []  # fails today

@@ -1,0 +1,325 @@
+"""Trainer(strategy="replay"): exactness against plain training, DDP, segments, composability."""
+from __future__ import annotations
+
+import logging
+import sqlite3
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision, FSDPPrecision
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+
+import lightning_replay
+from lightning_replay import (RecordStore, ReplayCallback, ReplayConfigError, ReplayStrategy,
+                              SegmentError)
+from lightning_replay.hazards import BNBlock, MLPBlock
+from lightning_replay.strategies import STRATEGY_NAMES, default_segments, register
+
+from .lit_hazards import (DIM, HazardNet, OneThreadInChild, SaveRankState, differing, loader,
+                          state, trainer)
+
+
+def _load(path):
+    return torch.load(path, weights_only=False)
+
+
+# ---------------------------------------------------------------------- registration
+def test_import_registers_every_launcher_name():
+    for name, start_method in STRATEGY_NAMES.items():
+        assert StrategyRegistry[name]["strategy"] is ReplayStrategy
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, ReplayStrategy)
+        assert strategy._start_method == start_method
+    assert set(STRATEGY_NAMES) >= {"replay", "replay_spawn", "replay_fork"}
+
+
+def test_registering_again_is_a_no_op_and_a_foreign_holder_is_an_error():
+    register()  # a second import (or reload) must not raise "already present"
+    assert StrategyRegistry["replay"]["strategy"] is ReplayStrategy
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+    registry = _StrategyRegistry()
+    registry.register("replay", L.pytorch.strategies.DDPStrategy)
+    with pytest.raises(ReplayConfigError, match="'replay' is already registered by"):
+        register(registry)
+
+
+# ---------------------------------------------------------------------- single device
+def test_single_device_matches_plain_trainer_bit_for_bit(tmp_path):
+    """Queue + batch norm + dropout + private generator: weights, buffers and generator state
+    after 8 steps equal a plain Trainer's, with every segment having really replayed."""
+    ref = HazardNet()
+    L.seed_everything(7)
+    trainer(tmp_path, max_steps=8).fit(ref, loader())
+
+    model = HazardNet()
+    keys_before = list(model.state_dict())
+    L.seed_everything(7)
+    t = trainer(tmp_path, strategy="replay", max_steps=8)
+    t.fit(model, loader())
+
+    assert differing(state(ref), state(model)) == []
+    assert torch.equal(ref.blocks[2].gen.get_state(), model.blocks[2].gen.get_state())
+    assert list(model.state_dict()) == keys_before  # state-dict keys never change
+    summary = t.strategy.engine.summary()
+    assert set(summary) == {"blocks.0", "blocks.1", "blocks.2", "blocks.3"}
+    assert all(s["replays"] >= 2 for s in summary.values()), summary
+    assert t.strategy.engine.plan is not None and t.strategy.engine.plan_version == 1
+    # Torn down: the model is plain again, and a new fit installs afresh.
+    assert type(model.blocks[0]) is BNBlock
+    trainer(tmp_path, strategy="replay", max_steps=1).fit(model, loader(1))
+
+
+class _Evaluated(HazardNet):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", (self(batch[0]) ** 2).mean())
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+
+def test_evaluation_after_fit_runs_on_one_process(tmp_path):
+    """validate/predict with strategy="replay" and one process: no process group is needed,
+    and the predictions equal a plain Trainer's on the same trained weights."""
+    model = _Evaluated()
+    L.seed_everything(7)
+    t = trainer(tmp_path, strategy="replay", max_steps=2)
+    t.fit(model, loader(2))
+    ref = _Evaluated()
+    L.seed_everything(7)
+    trainer(tmp_path, max_steps=2).fit(ref, loader(2))
+    # (before validate: the noise block's private generator advances in eval too)
+    assert torch.equal(torch.cat(trainer(tmp_path).predict(ref, loader(2))),
+                       torch.cat(t.predict(model, loader(2))))
+    assert "val_loss" in t.validate(model, loader(2))[0]
+
+
+# ---------------------------------------------------------------------- DDP
+def test_ddp_two_ranks_match_plain_ddp_and_run_one_plan(tmp_path):
+    big = torch.randn(10**7)
+    (big * 2).sum()  # the parent has used its OpenMP pool: fork must still not deadlock
+    plain_dir, replay_dir = tmp_path / "plain", tmp_path / "replay"
+    plain_dir.mkdir(), replay_dir.mkdir()
+    ref = HazardNet()
+    L.seed_everything(7)
+    trainer(tmp_path, strategy="ddp_fork", devices=2, max_steps=8,
+            callbacks=[OneThreadInChild(), SaveRankState(plain_dir)]).fit(ref, loader(16))
+
+    model = HazardNet()
+    L.seed_everything(7)
+    trainer(tmp_path, strategy="replay_fork", devices=2, max_steps=8,
+            callbacks=[ReplayCallback(check_every_n_steps=3), SaveRankState(replay_dir)]
+            ).fit(model, loader(16))
+
+    ranks = [_load(replay_dir / f"rank{r}.pt") for r in (0, 1)]
+    for r, got in enumerate(ranks):
+        want = _load(plain_dir / f"rank{r}.pt")
+        assert differing(want["state"], got["state"]) == [], f"rank {r}"
+        assert torch.equal(want["gen"], got["gen"])
+        assert all(s["replays"] >= 2 for s in got["summary"].values()), got["summary"]
+    # every rank ran rank 0's plan, under one plan version
+    assert ranks[0]["plan"] is not None
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["plan_version"] == ranks[1]["plan_version"] == 1
+    # the parent got rank 0's weights back through unchanged state-dict keys
+    assert differing(state(ref), state(model)) == []
+
+    with sqlite3.connect(tmp_path / "replay" / "records.sqlite") as db:
+        rows = db.execute('SELECT run_id, rank, "check", outcome FROM records').fetchall()
+    assert {r[0] for r in rows} == {rows[0][0]}  # one run id across ranks
+    assert {r[1] for r in rows} == {0, 1}
+    assert {(r[1], r[2]) for r in rows if r[3] == "match"} >= {
+        (0, "grad"), (1, "grad"), (0, "bytes"), (1, "bytes")}
+    assert not [r for r in rows if r[3] != "match"]
+    # logged metrics are reduced across ranks: counts summed, every rank logs the same
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    assert ranks[0]["metrics"]["replay/matches"] == sum(r[2] in ("grad", "bytes") for r in rows)
+    assert ranks[0]["metrics"]["replay/plan_version"] == 1
+
+
+def test_resume_under_spawn_matches_an_uninterrupted_run(tmp_path):
+    """ckpt_path resume with the spawn launcher: the checkpoint holds the plain keys, the
+    spawned ranks restore them into the engine-installed model, the parent gets rank 0's
+    weights back, and the result equals an uninterrupted run."""
+    L.seed_everything(7)
+    full = HazardNet()
+    trainer(tmp_path / "full", strategy="replay_fork", devices=2, max_steps=-1, max_epochs=2
+            ).fit(full, loader(8))
+
+    ckpt_dir = tmp_path / "ckpt"
+    L.seed_everything(7)
+    first = HazardNet()
+    trainer(tmp_path / "run", strategy="replay_fork", devices=2, max_steps=-1, max_epochs=1,
+            enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]).fit(first, loader(8))
+    ckpt = _load(ckpt_dir / "last.ckpt")
+    assert sorted(ckpt["state_dict"]) == sorted(HazardNet().state_dict())
+
+    # The same seed (DistributedSampler's shuffle depends on it) but other initial weights:
+    # what the resumed run trains must come from the checkpoint.
+    L.seed_everything(7)
+    resumed = HazardNet(seed=5)
+    assert differing(state(first), state(resumed))
+    # one CPU thread, like the forked runs: a bit-for-bit comparison needs equal thread counts
+    trainer(tmp_path / "run", strategy="replay_spawn", devices=2, max_steps=-1, max_epochs=2,
+            callbacks=[OneThreadInChild()]
+            ).fit(resumed, loader(8), ckpt_path=ckpt_dir / "last.ckpt")
+    assert differing(state(full), state(resumed)) == []
+
+
+# ---------------------------------------------------------------------- segments
+class _Container(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU())
+        self.blocks = nn.ModuleList([MLPBlock(DIM) for _ in range(3)])
+        self.head = nn.Linear(DIM, 1)
+
+
+def test_default_segments_are_the_largest_block_list():
+    assert default_segments(_Container()) == ("blocks", ["blocks.0", "blocks.1", "blocks.2"])
+    with pytest.raises(SegmentError, match="configure_replay_segments"):
+        default_segments(nn.Linear(2, 2))
+
+
+class _Net(L.LightningModule):
+    def __init__(self, hook=None) -> None:
+        super().__init__()
+        self.body = _Container()
+        self._hook = hook
+
+    def forward(self, x):
+        h = self.body.stem(x)
+        for b in self.body.blocks:
+            h = b(h)
+        return self.body.head(h)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _HookNet(_Net):
+    def configure_replay_segments(self):
+        return ["body.blocks.1", "body.stem"]
+
+
+def test_segment_choice_is_logged_and_hook_wins(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        t = trainer(tmp_path, strategy="replay", max_steps=1)
+        t.fit(_Net(), loader(1))
+    assert t.strategy.segment_names == ["body.blocks.0", "body.blocks.1", "body.blocks.2"]
+    assert "replaying 3 segment(s) of _Net (children of the largest block list 'body.blocks')" \
+        in caplog.text
+
+    t = trainer(tmp_path, strategy="replay", max_steps=1)
+    t.fit(_HookNet(), loader(1))
+    assert t.strategy.segment_names == ["body.stem", "body.blocks.1"]
+
+    t = trainer(tmp_path, strategy=ReplayStrategy(segments=MLPBlock), max_steps=1)
+    t.fit(_HookNet(), loader(1))  # an explicit argument wins over the hook
+    assert t.strategy.segment_names == ["body.blocks.0", "body.blocks.1", "body.blocks.2"]
+
+
+# ---------------------------------------------------------------------- what it refuses
+class _MetaAccelerator(Accelerator):
+    """An accelerator whose devices are neither CPU nor CUDA."""
+
+    def setup_device(self, device):
+        pass
+
+    def get_device_stats(self, device):
+        return {}
+
+    def teardown(self):
+        pass
+
+    @staticmethod
+    def parse_devices(devices):
+        return devices
+
+    @staticmethod
+    def get_parallel_devices(devices):
+        return [torch.device("meta")] * devices
+
+    @staticmethod
+    def auto_device_count():
+        return 1
+
+    @staticmethod
+    def is_available():
+        return True
+
+    @classmethod
+    def name(cls):
+        return "meta"
+
+
+@pytest.mark.parametrize("plugin", [FSDPPrecision("32-true"), DeepSpeedPrecision("32-true")],
+                         ids=["fsdp", "deepspeed"])
+def test_sharded_precision_plugins_are_refused_at_trainer_construction(plugin):
+    with pytest.raises(ReplayConfigError, match=f"cannot use the {type(plugin).__name__}"):
+        L.Trainer(strategy="replay", accelerator="cpu", devices=1, plugins=[plugin], logger=False)
+
+
+def test_accelerator_other_than_cpu_or_cuda_is_refused():
+    with pytest.raises(ReplayConfigError, match="CPU or CUDA devices only, got 'meta'"):
+        L.Trainer(strategy="replay", accelerator=_MetaAccelerator(), devices=1, logger=False)
+
+
+def test_sync_batchnorm_inside_a_segment_is_refused(tmp_path):
+    t = trainer(tmp_path, strategy="replay", max_steps=1, sync_batchnorm=True)
+    with pytest.raises(ReplayConfigError, match="holds a SyncBatchNorm"):
+        t.fit(HazardNet(), loader(1))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"planner": "greedy"}, r"planner='greedy'\) is not known; use one of \['joint'"),
+    ({"preservation": "copy"}, r"preservation='copy'\) is not known"),
+    ({"preservation": 3}, "must be a string or a dict"),
+    ({"on_violation": "ignore"}, r"on_violation='ignore'\) is not known"),
+    ({"budget": "lots"}, "budget='lots'"),
+    ({"budget": -5}, "budget=-5"),
+    ({"records": 42}, "records=...\\) must be None, a path or a RecordStore"),
+    ({"calibration_steps": 0}, "calibration_steps=0"),
+])
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ReplayConfigError, match=match):
+        ReplayStrategy(**kwargs)
+
+
+def test_records_configured_twice_is_an_error(tmp_path):
+    s = ReplayStrategy(records=tmp_path / "a.sqlite")
+    s.configure_records(tmp_path / "a.sqlite")  # the same file: fine
+    with pytest.raises(ReplayConfigError, match="records are configured twice"):
+        s.configure_records(tmp_path / "b.sqlite")
+    s.configure_records(tmp_path / "b.sqlite", default=True)  # a default yields
+    assert s._records_path is None
+
+
+def test_a_record_store_given_to_the_strategy_wins_over_the_callback_default(tmp_path):
+    store = RecordStore(None, run_id="mine")
+    t = trainer(tmp_path, strategy=ReplayStrategy(records=store), max_steps=2,
+                callbacks=[ReplayCallback(check_every_n_steps=2)])
+    t.fit(HazardNet(), loader(2))
+    assert t.strategy.engine.records is store and t.strategy.run_id == "mine"
+    assert {r.check for r in store.read()} >= {"contract", "grad"}
+    assert not (tmp_path / "replay").exists()
+
+
+def test_budget_forms():
+    assert ReplayStrategy(budget="1KiB").budget == 1024
+    assert ReplayStrategy(budget=4096).budget == 4096
+    assert ReplayStrategy(budget=0.5).budget is None  # a CUDA fraction, resolved at setup
+    assert lightning_replay.ReplayStrategy is ReplayStrategy
+
+
+def test_cuda_fraction_budget_on_cpu_is_a_clear_error(tmp_path):
+    t = trainer(tmp_path, strategy=ReplayStrategy(budget=0.5), max_steps=1)
+    with pytest.raises(ReplayConfigError, match="fraction of device memory, which needs a CUDA"):
+        t.fit(HazardNet(), loader(1))
