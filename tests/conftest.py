@@ -12,3 +12,13 @@ torch.set_num_threads(2)
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Lightning's launchers leave MASTER_PORT, LOCAL_RANK, NODE_RANK... in the test process;
+    a later Trainer would take them for an external launcher's."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
