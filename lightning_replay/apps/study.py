@@ -86,7 +86,7 @@ _DENSE_QUEUE_DATA = "lightning_replay.apps.dense_queue.DenseQueueDataModule"
 
 #: The embedded default: ``python -m lightning_replay.demo`` and ``configs/dense_queue_cpu.yaml``.
 #: Small sizes for 2 CPU cores: a ResNet with one block per stage at width 16 on a synthetic
-#: CIFAR-100 of 2,000 training and 1,000 test images, 3 contrastive and 2 probe epochs.
+#: CIFAR-100 of 1,000 training and 500 test images, 2 contrastive and 2 probe epochs.
 DEMO_CONFIG = """\
 # Dense-queue (MoCo-style) study, CPU demo size. `lightning-replay fit --config` trains one run
 # with strategy=replay; `lightning-replay study --config` runs the seven-method comparison.
@@ -94,7 +94,7 @@ seed_everything: 0
 trainer:
   accelerator: cpu
   devices: 1
-  max_epochs: 5            # model.encoder_epochs contrastive epochs, then 2 linear-probe epochs
+  max_epochs: 4            # model.encoder_epochs contrastive epochs, then 2 linear-probe epochs
   deterministic: true
   log_every_n_steps: 10
   enable_checkpointing: false
@@ -120,7 +120,7 @@ model:
     width: 16
     proj_dim: 64
     queue_size: 1024
-    encoder_epochs: 3
+    encoder_epochs: 2
     lr: 0.06
     probe_lr: 0.5
 data:
@@ -128,8 +128,8 @@ data:
   init_args:
     data_dir: runs/data      # synthetic CIFAR-100 is written here unless the real one is
     source: auto
-    synthetic_train_per_class: 20
-    synthetic_test_per_class: 10
+    synthetic_train_per_class: 10
+    synthetic_test_per_class: 5
     batch_size: 64
     eval_batch_size: 500
 study:
