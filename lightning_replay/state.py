@@ -7,7 +7,7 @@ attributes, in ``named_modules`` order); storage nobody in the model names is ``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -215,7 +215,3 @@ def tensor_leaves(obj: Any) -> list[torch.Tensor]:
     """Tensors inside a nested structure of tuples, lists and dicts."""
     from torch.utils._pytree import tree_leaves
     return [x for x in tree_leaves(obj) if isinstance(x, torch.Tensor)]
-
-
-def module_call_name(fn: Callable) -> str:
-    return getattr(fn, "__qualname__", repr(fn))
