@@ -579,17 +579,26 @@ class SegmentRuntime:
             return out
         out_digests = [digest(t) for t in tensor_leaves(out)] if eng._check_bytes else None
 
-        fired = []
+        # The hook must not hold the outputs it is registered on (a cycle through autograd's
+        # C++ graph that Python's GC cannot collect: every checked step would leak its graph).
+        # Its state lives in a dict it empties on first fire, and it removes itself.
+        state = {"inv": inv, "args": args, "kwargs": kwargs, "outs": outs}
+        handle = []
 
-        def hook(grads, inv=inv, args=args, kwargs=kwargs, outs=outs):
+        def hook(grads):
             # The reference autograd.grad below starts at these outputs and would fire the
             # hook again: compare once.
-            if fired:
+            if not state:
                 return
-            fired.append(True)
-            self._compare_grads(inv, args, kwargs, outs, grads, rng, out_digests, autocast)
+            st = dict(state)
+            state.clear()
+            if handle:
+                handle.pop().remove()
+            self._compare_grads(st["inv"], st["args"], st["kwargs"], st["outs"], grads, rng,
+                                out_digests, autocast)
 
-        torch.autograd.graph.register_multi_grad_hook(outs, hook, mode="all")
+        handle.append(torch.autograd.graph.register_multi_grad_hook(outs, hook, mode="all"))
+        del outs
         return out
 
     def _compare_grads(self, inv, args, kwargs, outs, grads, rng, out_digests,

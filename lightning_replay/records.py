@@ -95,7 +95,16 @@ class RecordStore:
             os.makedirs(parent, exist_ok=True)
             conn = sqlite3.connect(path, timeout=30.0, check_same_thread=False,
                                    isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
+            # Several ranks opening a new file at once: switching to WAL needs a moment alone
+            # and sqlite's busy timeout does not cover it, so retry briefly.
+            for attempt in range(100):
+                try:
+                    conn.execute("PRAGMA journal_mode=WAL")
+                    break
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) or attempt == 99:
+                        raise
+                    time.sleep(0.05)
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(_SCHEMA)
             cols = [row[1] for row in conn.execute("PRAGMA table_info(records)")]

@@ -282,3 +282,45 @@ def test_segments_by_class_and_glob():
     e.uninstall()
     e = lr.install(h.model, "blocks.*")
     assert e.segments == ["blocks.0", "blocks.1"]
+
+
+def test_checked_steps_do_not_leak_models():
+    import gc
+    import weakref
+    from lightning_replay.hazards import QueueModel
+    refs = []
+    for _ in range(2):
+        m = QueueModel()
+        e = lr.install(m, "blocks.*")
+        for s in range(3):
+            if s == 2:
+                e.request_check()
+            m(torch.randn(8, 16)).pow(2).mean().backward()
+        assert e.records.counts()["match"] > 0
+        e.uninstall()
+        refs.append(weakref.ref(m))
+        del m, e
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
+def test_records_opened_by_several_ranks_at_once(tmp_path):
+    import threading
+    path = tmp_path / "new.sqlite"
+    errors, stores = [], []
+
+    def open_one(rank):
+        try:
+            stores.append(lr.RecordStore(path, run_id="r", rank=rank))
+        except Exception as exc:  # pragma: no cover - the failure being tested for
+            errors.append(exc)
+    threads = [threading.Thread(target=open_one, args=(r,)) for r in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(stores) == 6
+    for s in stores:
+        s.append(step=1, segment="s", contract_version=1, check="contract", outcome="match",
+                 detail="")
+    assert sorted(r.rank for r in stores[0].read()) == list(range(6))

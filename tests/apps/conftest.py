@@ -29,19 +29,14 @@ LAUNCHER_ENV = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_
 
 def guard_launcher_env(mp: pytest.MonkeyPatch) -> None:
     """Make ``mp.undo()`` remove what Lightning's DDP launcher sets even for one process
-    (ReplayStrategy is a DDPStrategy), so no test hands it to the next."""
+    (ReplayStrategy is a DDPStrategy). For module-scoped fixtures: tests/conftest.py restores
+    the environment after each test, not after a module fixture."""
     import os
 
     for k in LAUNCHER_ENV:
         mp.setenv(k, "x")  # records the current value (or its absence) for undo
         if k in os.environ:
             mp.delenv(k)
-
-
-@pytest.fixture(autouse=True)
-def _no_launcher_env_left(monkeypatch):
-    guard_launcher_env(monkeypatch)
-    yield
 
 
 @pytest.fixture(scope="session")
