@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from lightning_replay import planner as _planner
@@ -567,74 +568,89 @@ class SegmentRuntime:
                           context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv)))
 
     def _checked_call(self, args: tuple, kwargs: dict) -> Any:
-        """Derivative check: keep the reference graph and replay beside it at backward."""
+        """Derivative check: run the segment with its graph, replay it beside it at backward.
+
+        The forward runs ordinarily on detached inputs (the *reference* graph) and its outputs
+        reach the model through :class:`_CheckedSegment`, whose backward takes the reference
+        gradients from that graph, replays the segment under its contract, compares, and hands
+        the reference gradients on: training always uses the reference, and a checked step costs
+        one replay forward and backward more than a plain one.
+        """
         eng = self.engine
         inv, args, kwargs = self._prepare(args, kwargs, eng._check_bytes)
         rng = torch.get_rng_state() if self.contract.uses_global_rng else None
         autocast = _autocast_state()
-        out = self.orig_forward(*args, **kwargs)
-        outs = [t for t in tensor_leaves(out) if t.requires_grad]
+        leaves = tensor_leaves((args, kwargs))
+        in_req = [a for a in leaves if a.requires_grad]
+        detached = {id(a): a.detach().requires_grad_() for a in in_req}
+        args2, kwargs2 = tree_map(lambda x: detached.get(id(x), x)
+                                  if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        out = self.orig_forward(*args2, **kwargs2)
+        outs: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for t in tensor_leaves(out):
+            if t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
+                outs.append(t)
+        params = [p for p in self.module.parameters() if p.requires_grad]
         if not outs:
             inv.release()
             return out
-        out_digests = [digest(t) for t in tensor_leaves(out)] if eng._check_bytes else None
+        box = _CheckBox(self, inv, args2, kwargs2, [detached[id(a)] for a in in_req], params,
+                        outs, rng, autocast,
+                        [digest(t) for t in tensor_leaves(out)] if eng._check_bytes else None)
+        bridged = _CheckedSegment.apply(box, *in_req, *params)
+        by_id = {id(o): b for o, b in zip(outs, bridged)}
+        return tree_map(lambda x: by_id.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
 
-        # The hook must not hold the outputs it is registered on (a cycle through autograd's
-        # C++ graph that Python's GC cannot collect: every checked step would leak its graph).
-        # Its state lives in a dict it empties on first fire, and it removes itself.
-        state = {"inv": inv, "args": args, "kwargs": kwargs, "outs": outs}
-        handle = []
-
-        def hook(grads):
-            # The reference autograd.grad below starts at these outputs and would fire the
-            # hook again: compare once.
-            if not state:
-                return
-            st = dict(state)
-            state.clear()
-            if handle:
-                handle.pop().remove()
-            self._compare_grads(st["inv"], st["args"], st["kwargs"], st["outs"], grads, rng,
-                                out_digests, autocast)
-
-        handle.append(torch.autograd.graph.register_multi_grad_hook(outs, hook, mode="all"))
-        del outs
-        return out
-
-    def _compare_grads(self, inv, args, kwargs, outs, grads, rng, out_digests,
-                       autocast=()) -> None:
+    def _compare_grads(self, box: "_CheckBox", grads: list[torch.Tensor]
+                       ) -> list[torch.Tensor | None]:
+        """Reference and replayed gradients of one checked call; returns the reference."""
         eng = self.engine
-        grads = [torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads)]
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        in_req = [a for a in tensor_leaves((args, kwargs)) if a.requires_grad]
+        inv = box.inv
+        grads = [torch.zeros_like(o) if g is None else g for o, g in zip(box.outs, grads)]
         with torch.enable_grad():
-            ref = torch.autograd.grad(outs, in_req + params, grads, retain_graph=True,
+            ref = torch.autograd.grad(box.outs, box.inputs + box.params, grads,
                                       allow_unused=True)
-            detached = {id(a): a.detach().requires_grad_(a.requires_grad)
-                        for a in tensor_leaves((args, kwargs))}
-            from torch.utils._pytree import tree_map
-            args2, kwargs2 = tree_map(lambda x: detached.get(id(x), x)
-                                      if isinstance(x, torch.Tensor) else x, (args, kwargs))
-            in2 = [detached[id(a)] for a in in_req]
-            # The hook runs in backward, outside the forward's autocast: re-enter it, as
-            # checkpoint does for its own recomputation.
-            with _ReplayContext(inv), torch.random.fork_rng(enabled=rng is not None), \
+            box.outs = []  # the reference graph is freed
+            in2 = [a.detach().requires_grad_() for a in box.inputs]
+            swap = {id(a): b for a, b in zip(box.inputs, in2)}
+            args2, kwargs2 = tree_map(lambda x: swap.get(id(x), x)
+                                      if isinstance(x, torch.Tensor) else x,
+                                      (box.args, box.kwargs))
+            # Backward runs outside the forward's autocast: re-enter it, as checkpoint does
+            # for its own recomputation.
+            with _ReplayContext(inv), torch.random.fork_rng(enabled=box.rng is not None), \
                     contextlib.ExitStack() as ac:
-                for dev, enabled, dtype in autocast:
+                for dev, enabled, dtype in box.autocast:
                     ac.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
-                if rng is not None:
-                    torch.set_rng_state(rng)
+                if box.rng is not None:
+                    torch.set_rng_state(box.rng)
                 out2 = self.orig_forward(*args2, **kwargs2)
-            outs2 = [t for t in tensor_leaves(out2) if t.requires_grad]
-            rep = torch.autograd.grad(outs2, in2 + params, grads, allow_unused=True)
-        names = [f"input[{i}]" for i in range(len(in_req))] + \
+            seen: set[int] = set()
+            outs2 = []
+            for t in tensor_leaves(out2):
+                if t.requires_grad and id(t) not in seen:
+                    seen.add(id(t))
+                    outs2.append(t)
+            if len(outs2) == len(grads) and all(a.shape == b.shape
+                                                for a, b in zip(outs2, grads)):
+                rep = torch.autograd.grad(outs2, in2 + box.params, grads, allow_unused=True)
+            else:
+                rep = None
+        names = [f"input[{i}]" for i in range(len(box.inputs))] + \
             [f"{self.name}.{n}" for n, p in self.module.named_parameters() if p.requires_grad]
         bad = []
-        for n, a, b in zip(names, ref, rep):
-            if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
-                diff = "missing" if a is None or b is None else \
-                    f"max abs diff {float((a.double() - b.double()).abs().max()):.3g}"
-                bad.append(f"{n}: {diff}")
+        if rep is None:
+            bad.append(f"outputs: the replay produced {len(outs2)} differentiable outputs "
+                       f"{[tuple(t.shape) for t in outs2]}, the forward "
+                       f"{[tuple(g.shape) for g in grads]}")
+        else:
+            for n, a, b in zip(names, ref, rep):
+                if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
+                    diff = "missing" if a is None or b is None else \
+                        f"max abs diff {float((a.double() - b.double()).abs().max()):.3g}"
+                    bad.append(f"{n}: {diff}")
         self.checks += 1
         c = self.contract
         if bad:
@@ -642,14 +658,15 @@ class SegmentRuntime:
         eng.records.append(step=inv.step, segment=self.name, contract_version=c.version,
                            check="grad", outcome="divergence" if bad else "match",
                            detail={"compared": len(names), "differ": bad[:16]})
-        if out_digests is not None:
+        if box.out_digests is not None:
             d2 = [digest(t) for t in tensor_leaves(out2)]
-            same = d2 == out_digests
+            same = d2 == box.out_digests
             if not same:
                 self.divergences += 1
             eng.records.append(step=inv.step, segment=self.name, contract_version=c.version,
                                check="bytes", outcome="match" if same else "divergence",
                                detail={"what": "replayed outputs", "outputs": len(d2)})
+        return list(ref)
 
     def _check_state_digests(self, inv: _Invocation) -> None:
         eng = self.engine
@@ -700,6 +717,44 @@ class SegmentRuntime:
             "changing_state": [s.name for s in c.changing] if c else [],
             "options": c.available_options() if c else [],
         }
+
+
+class _CheckBox:
+    """What the backward of one checked call needs; emptied when it has run."""
+
+    __slots__ = ("rt", "inv", "args", "kwargs", "inputs", "params", "outs", "rng", "autocast",
+                 "out_digests")
+
+    def __init__(self, rt, inv, args, kwargs, inputs, params, outs, rng, autocast,
+                 out_digests) -> None:
+        self.rt, self.inv, self.args, self.kwargs = rt, inv, args, kwargs
+        self.inputs, self.params, self.outs = inputs, params, outs
+        self.rng, self.autocast, self.out_digests = rng, autocast, out_digests
+
+
+class _CheckedSegment(torch.autograd.Function):
+    """Joins a checked call's reference graph to the model's graph.
+
+    Inputs: the segment's differentiable inputs and parameters (so that autograd, DDP's hooks
+    and gradient accumulation see them as usual); outputs: the reference outputs, detached.
+    """
+
+    @staticmethod
+    def forward(ctx, box: _CheckBox, *inputs_and_params: torch.Tensor):
+        ctx.box = box
+        return tuple(o.detach() for o in box.outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        box = ctx.box
+        ctx.box = None
+        if box is None or not box.outs:
+            raise ReplayError(
+                "a derivative-checked segment's backward ran a second time (backward with "
+                "retain_graph=True?). Checked steps free their reference graph after the first "
+                "backward; use preservation='retain' for segments whose graph is reused.")
+        ref = box.rt._compare_grads(box, list(grads))
+        return (None, *ref)
 
 
 def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:

@@ -324,3 +324,62 @@ def test_records_opened_by_several_ranks_at_once(tmp_path):
         s.append(step=1, segment="s", contract_version=1, check="contract", outcome="match",
                  detail="")
     assert sorted(r.rank for r in stores[0].read()) == list(range(6))
+
+
+class _Odd(nn.Module):
+    """Keyword inputs, an input that needs no grad, a nested output with a repeated tensor, an
+    integer output and an input passed straight through."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, *, scale, mask):
+        h = torch.tanh(self.fc(x)) * scale
+        return {"h": h, "pair": (h, x), "idx": (h > 0).sum(1), "masked": h * mask}
+
+
+class _OddNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.odd = _Odd()
+
+    def forward(self, x):
+        z = self.pre(x)
+        scale = torch.ones(8, requires_grad=False) * 0.5
+        out = self.odd(z, scale=scale, mask=(z > 0).float())
+        return out["h"] + out["pair"][0] * out["pair"][1] + out["masked"] \
+            + out["idx"][:, None].float()
+
+
+def test_checked_calls_keep_structure_and_gradients_of_odd_segments():
+    torch.manual_seed(0)
+    plain = _OddNet()
+    model = copy.deepcopy(plain)
+    engine = lr.install(model, ["odd"])
+    x = torch.randn(4, 8)
+    for step in range(3):
+        if step == 2:
+            engine.request_check()
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            m(x).pow(2).sum().backward()
+        for (n, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+            assert torch.equal(a.grad, b.grad), (step, n)
+    outcomes = {(r.check, r.outcome) for r in engine.records.read()}
+    assert ("grad", "match") in outcomes and ("bytes", "match") in outcomes
+    assert not any(o == "divergence" for _, o in outcomes)
+
+
+def test_checked_step_backward_twice_is_a_clear_error():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    engine = lr.install(model, ["0"])
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    engine.request_check()
+    loss = model(x).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(lr.ReplayError, match="second time"):
+        loss.backward()
