@@ -12,14 +12,15 @@ from lightning_replay.budget import format_bytes, parse_budget
 from lightning_replay.contract import SCHEMA_VERSION, ReplayContract, StateEntry
 from lightning_replay.engine import ReplayEngine, install
 from lightning_replay.errors import (ContractSchemaError, ContractViolation, RecordsError,
-                                     ReplayConfigError, ReplayError, SegmentError)
+                                     ReplayConfigError, ReplayError, SavedTensorModified,
+                                     SegmentError)
 from lightning_replay.records import Record, RecordStore
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ContractSchemaError", "ContractViolation", "Record", "RecordStore", "RecordsError",
-    "ReplayConfigError", "ReplayContract", "ReplayEngine", "ReplayError", "SCHEMA_VERSION",
+    "ReplayConfigError", "ReplayContract", "SavedTensorModified", "ReplayEngine", "ReplayError", "SCHEMA_VERSION",
     "SegmentError", "StateEntry", "format_bytes", "install", "parse_budget",
 ]
 

@@ -13,6 +13,7 @@ from typing import Any, Hashable
 
 import torch
 
+from lightning_replay.errors import SavedTensorModified
 from lightning_replay.state import storage_key
 
 
@@ -28,6 +29,7 @@ class MemoryAccountant:
         self.peak = 0
         self.replay_bytes = 0
         self.extra: Any = None  # callable returning bytes held elsewhere (the region log)
+        self.namer: Any = None  # tensor -> the model's name for it (for error messages)
 
     def reset_peak(self) -> None:
         self.peak = self.current + self.replay_bytes + (self.extra() if self.extra else 0)
@@ -78,18 +80,41 @@ class MemoryAccountant:
             return _Held(t, acct)
 
         def unpack(h: Any) -> torch.Tensor:
-            return h.t
+            return h.unpack()
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-class _Held:
+class Saved:
+    """A saved tensor's handle that keeps autograd's version check.
+
+    Autograd skips its own "modified by an inplace operation" check for tensors packed by
+    saved-tensor hooks; without this one, hooks would turn that error into wrong gradients.
+    """
+
+    __slots__ = ("t", "version", "where", "namer")
+
+    def __init__(self, t: torch.Tensor, where: str, namer: Any = None) -> None:
+        self.t = t
+        self.version = t._version
+        self.where = where
+        self.namer = namer  # tensor -> the model's name for it, or None
+
+    def unpack(self) -> torch.Tensor:
+        if self.t._version != self.version:
+            state = self.namer(self.t) if self.namer is not None else None
+            raise SavedTensorModified(self.t, self.version, self.where, state)
+        return self.t
+
+
+class _Held(Saved):
     """A saved tensor's handle: holds its bytes in the accountant until autograd frees it."""
 
-    __slots__ = ("t", "acct", "key")
+    __slots__ = ("acct", "key")
 
     def __init__(self, t: torch.Tensor, acct: MemoryAccountant) -> None:
-        self.t = t
+        super().__init__(t, "the model outside segments" if acct.tag == "base"
+                         else f"segment {acct.tag!r}", acct.namer)
         self.acct = acct
         self.key = acct.hold_tensor(t)
 

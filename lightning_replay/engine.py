@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from lightning_replay import planner as _planner
-from lightning_replay.accounting import MemoryAccountant
+from lightning_replay.accounting import MemoryAccountant, Saved
 from lightning_replay.budget import format_bytes, parse_budget
 from lightning_replay.contract import OPTIONS, ReplayContract, StateEntry
 from lightning_replay.costs import CostMeter, dispatch_overhead
@@ -377,13 +377,15 @@ class SegmentRuntime:
         attrs = capture_attrs(self.modules)
         saved: dict = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        where = f"segment {self.name!r}"
+
+        def pack(t: torch.Tensor) -> Saved:
             key = storage_key(t)
             if key is not None:
                 saved[key] = t.untyped_storage().nbytes()
-            return t
+            return Saved(t, where, eng.state_name)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        with torch.autograd.graph.saved_tensors_hooks(pack, Saved.unpack), mode:
             out = self.orig_forward(*args, **kwargs)
         mode.finish_segment()
         act = sum(n for k, n in saved.items() if k not in mode.touched and k not in input_keys)
@@ -900,10 +902,17 @@ class ReplayEngine:
                     grads[key] = static[key]
         return sum(static.values()) + sum(grads.values()) + self.extra_base_memory
 
+    def state_name(self, t: torch.Tensor) -> str | None:
+        """The model's name for the storage of ``t`` (a parameter, buffer or attribute)."""
+        key = storage_key(t)
+        refs = StateIndex(self.model).lookup(key) if key is not None else []
+        return refs[0].name if refs else None
+
     def track_memory(self, enabled: bool = True) -> None:
         """Turn exact byte accounting on (every step pays a saved-tensor hook) or off."""
         if enabled and self.accountant is None:
             self.accountant = MemoryAccountant()
+            self.accountant.namer = self.state_name
             self.accountant.extra = lambda: self.log.nbytes
         elif not enabled:
             self.accountant = None

@@ -36,6 +36,31 @@ class ContractViolation(ReplayError, RuntimeError):
         )
 
 
+class SavedTensorModified(ReplayError, RuntimeError):
+    """A tensor autograd saved for backward was modified in place before backward used it.
+
+    Plain PyTorch refuses the same model ("modified by an inplace operation"); the saved-tensor
+    hooks lightning_replay installs would otherwise hide the version check and let backward
+    read the new bytes, i.e. compute wrong gradients silently.
+    """
+
+    def __init__(self, t, saved_version: int, where: str, state: str | None = None) -> None:
+        self.saved_version = saved_version
+        self.version = t._version
+        self.where = where
+        self.state = state
+        what = f"state {state!r} ({{}})" if state else "a {}"
+        super().__init__(
+            what.format(f"{str(t.dtype).replace('torch.', '')} tensor of shape {tuple(t.shape)}")
+            + " that "
+            f"autograd saved for backward in {where} was modified in place before backward "
+            f"used it (version {saved_version} when saved, {t._version} at backward). Plain "
+            "PyTorch rejects this too ('modified by an inplace operation'): backward would "
+            "read the new bytes and compute wrong gradients. Read a copy inside the forward "
+            "(e.g. `buffer.clone()`, as MoCo does with its queue), or make the in-place write "
+            "after backward.")
+
+
 class ContractSchemaError(ReplayError, ValueError):
     """A serialized contract from an incompatible schema version or with missing fields."""
 

@@ -33,7 +33,10 @@ class SparseWriteBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc2(F.gelu(self.fc1(x)))
-        mem = self.memory
+        # A copy, as MoCo reads its queue: backward needs the rows this forward read, and the
+        # step overwrites some of them before backward (plain PyTorch rejects reading the
+        # buffer itself; lightning_replay raises SavedTensorModified for it).
+        mem = self.memory.clone()
         attn = torch.softmax(self.query(x) @ mem.t(), dim=-1)
         return x + h + attn @ mem
 
