@@ -257,7 +257,7 @@ class _ReplayContext:
             with torch.no_grad():
                 for entries in self._regions:
                     redo(entries)
-                _swap_all(inv.whole)
+                _restore_live(inv.whole)
         if stage >= 1:
             _reset_versions([t for _, t in inv.tensors], self._versions)
             inv.release()
@@ -289,10 +289,12 @@ class _ReplayContext:
                                           f"replay, expected {expected})", inv)
 
 
-def _swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _restore_live(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    # After the swap in, each snapshot holds the live bytes and is dropped after the replay:
+    # one copy back (not a second three-pass swap) restores them.
     with torch.no_grad():
         for t, snap in pairs:
-            swap_(storage_bytes(t), snap)
+            storage_bytes(t).copy_(snap)
 
 
 def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
