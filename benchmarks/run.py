@@ -111,8 +111,15 @@ def _measure_costs(make_model: Callable[[], torch.nn.Module], segments: list[str
 
 def _run_plans(make_model, segments, make_input, plans: dict[str, Any], rounds: int,
                dev: torch.device) -> dict[str, dict]:
-    """Run each plan on its own model copy, interleaved; median step time, measured peak."""
-    runs = {}
+    """Run each plan on its own model copy, interleaved; median step time, measured peak.
+
+    A copy without lightning_replay (every activation kept, nothing replayed) runs in the same
+    rounds: its median step time plus a plan's predicted extra time is that plan's predicted
+    step time.
+    """
+    plain = make_model()
+    _timed_step(plain, make_input(0))
+    runs = {"__plain__": {"model": plain, "engine": None, "times": [], "peak": 0}}
     for name, p in plans.items():
         model = make_model()
         engine = lr.install(model, segments, track_memory=dev.type == "cpu")
@@ -128,8 +135,9 @@ def _run_plans(make_model, segments, make_input, plans: dict[str, Any], rounds: 
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             run["times"].append(_timed_step(run["model"], make_input(2 + r)))
-            if dev.type == "cuda":
+            if dev.type == "cuda" and run["engine"] is not None:
                 run["peak"] = max(run["peak"], _peak(run["engine"], dev))
+    plain_time = statistics.median(runs.pop("__plain__")["times"])
     out = {}
     for name, run in runs.items():
         if dev.type == "cpu":  # the accounted peak of the window just finished
@@ -138,7 +146,9 @@ def _run_plans(make_model, segments, make_input, plans: dict[str, Any], rounds: 
             run["peak"] = _peak(run["engine"], dev)
         out[name] = {"step_time_s": statistics.median(run["times"]), "peak_bytes": run["peak"],
                      "choices": plans[name].choices,
-                     "predicted_peak_bytes": plans[name].peak_memory}
+                     "predicted_peak_bytes": plans[name].peak_memory,
+                     "plain_step_time_s": plain_time,
+                     "predicted_step_time_s": plain_time + plans[name].extra_time}
         run["engine"].uninstall()
     return out
 
@@ -177,13 +187,22 @@ def bench_sparse_write(cfg: dict) -> dict:
     result["ratios"] = {
         "joint_vs_eager_whole_roomy": _ratio(roomy, "joint", "eager_whole"),
         "joint_vs_fixed_regions_tight": _ratio(tight, "joint", "fixed_regions"),
+        # what the measured costs predict for the same pairs (the cost model's view)
+        "predicted_joint_vs_eager_whole_roomy": _ratio(roomy, "joint", "eager_whole",
+                                                       "predicted_step_time_s"),
+        "predicted_joint_vs_fixed_regions_tight": _ratio(tight, "joint", "fixed_regions",
+                                                         "predicted_step_time_s"),
+        # the floor any plan can reach on this workload: keep everything / replay everything
+        "retain_all_vs_whole_all_predicted": (
+            roomy["whole_all"]["plain_step_time_s"] / roomy["whole_all"]["predicted_step_time_s"]
+            if roomy.get("whole_all", {}).get("feasible") else None),
     }
     return result
 
 
-def _ratio(methods: dict, a: str, b: str) -> float | None:
+def _ratio(methods: dict, a: str, b: str, key: str = "step_time_s") -> float | None:
     if methods.get(a, {}).get("feasible") and methods.get(b, {}).get("feasible"):
-        return methods[a]["step_time_s"] / methods[b]["step_time_s"]
+        return methods[a][key] / methods[b][key]
     return None
 
 
@@ -284,6 +303,10 @@ def targets(r: dict) -> list[tuple[str, Any, str, bool]]:
         add("sparse_write.ratios.joint_vs_fixed_regions_tight", v and round(v, 3),
             "<= 0.95, eager_whole infeasible", v is not None and v <= 0.95
             and not s["tight"]["methods"]["eager_whole"]["feasible"])
+        for key in ("predicted_joint_vs_eager_whole_roomy",
+                    "predicted_joint_vs_fixed_regions_tight", "retain_all_vs_whole_all_predicted"):
+            v = s["ratios"].get(key)
+            add(f"sparse_write.ratios.{key}", v and round(v, 3), "(report)", v is not None)
         worst = max((abs(m["prediction_error"]) for lvl in ("roomy", "tight")
                      for m in s[lvl]["methods"].values() if m.get("feasible")), default=None)
         within = all(m["within_budget"] for lvl in ("roomy", "tight")

@@ -82,7 +82,25 @@ def _cli_class():
                 rank_zero_info(f"lightning-replay {self.subcommand}: strategy 'replay' is for "
                                "training; evaluating with strategy='auto'")
 
+        def instantiate_classes(self) -> None:
+            try:
+                super().instantiate_classes()
+            except (ValueError, TypeError) as exc:
+                raise ConfigInstantiationError(_concise(str(exc))) from exc
+
     return ReplayCLI
+
+
+class ConfigInstantiationError(ValueError):
+    """A config parsed, but building the trainer, model or data from it failed."""
+
+
+def _concise(message: str) -> str:
+    # jsonargparse appends the whole parsed namespace ("Given value: Namespace(...)", dozens of
+    # defaults): keep the lines that say what is wrong.
+    keep = [ln for ln in message.splitlines()
+            if not ln.strip().startswith(("Given value", "Subtypes:"))]
+    return "\n".join(keep).strip()
 
 
 _LIGHTNING_HELP = """Train (fit), validate or test through LightningCLI. The model and data
@@ -112,14 +130,19 @@ def run_lightning(argv: Sequence[str]) -> int:
     cli_cls = _cli_class()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-        cli_cls(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
-                subclass_mode_data=True, args=list(argv),
-                save_config_kwargs={"overwrite": True},
-                parser_kwargs={"prog": "lightning-replay", "description": _LIGHTNING_HELP,
-                               "formatter_class": _raw_formatter(),
-                               **{c: {"description": _LIGHTNING_HELP,
-                                      "formatter_class": _raw_formatter()}
-                                  for c in _LIGHTNING_COMMANDS}})
+        try:
+            cli_cls(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
+                    subclass_mode_data=True, args=list(argv),
+                    save_config_kwargs={"overwrite": True},
+                    parser_kwargs={"prog": "lightning-replay", "description": _LIGHTNING_HELP,
+                                   "formatter_class": _raw_formatter(),
+                                   **{c: {"description": _LIGHTNING_HELP,
+                                          "formatter_class": _raw_formatter()}
+                                      for c in _LIGHTNING_COMMANDS}})
+        except ConfigInstantiationError as exc:
+            print(f"lightning-replay {argv[0]}: error: the config parsed, but building the "
+                  f"trainer, model or data from it failed:\n{exc}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -179,6 +202,28 @@ def _records_db(run_dir: str) -> Path:
                             "replay/records.sqlite")
 
 
+def _connect_records(db: Path) -> sqlite3.Connection:
+    """A read-only connection to a records database, or a RecordsError that says what is wrong."""
+    from lightning_replay.errors import RecordsError
+
+    what = ("pass a records .sqlite file written by lightning_replay, a study directory or a "
+            "fit run directory")
+    conn = None
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
+                             "name = 'records'").fetchone()
+    except sqlite3.DatabaseError as exc:
+        if conn is not None:
+            conn.close()
+        raise RecordsError(f"'{db}' is not a readable records database ({exc}); {what}") \
+            from None
+    if not found:
+        conn.close()
+        raise RecordsError(f"'{db}' is an SQLite database without a 'records' table; {what}")
+    return conn
+
+
 def query_records(db: Path, run_id: str | None = None, outcome: str | None = None,
                   segment: str | None = None, check: str | None = None,
                   step_from: int | None = None, step_to: int | None = None,
@@ -203,7 +248,7 @@ def query_records(db: Path, run_id: str | None = None, outcome: str | None = Non
     sql += " ORDER BY seq DESC"
     if limit:
         sql += f" LIMIT {int(limit)}"
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    conn = _connect_records(db)
     try:
         rows = conn.execute(sql, params).fetchall()
     finally:
@@ -215,7 +260,7 @@ def query_records(db: Path, run_id: str | None = None, outcome: str | None = Non
 
 def summarize_records(db: Path) -> list[dict[str, Any]]:
     """Counts per run, check and outcome."""
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    conn = _connect_records(db)
     try:
         rows = conn.execute('SELECT run_id, "check", outcome, COUNT(*), MIN(step), MAX(step) '
                             'FROM records GROUP BY run_id, "check", outcome '
@@ -342,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_lightning(argv)
     if argv and argv[0] == "study":
         return run_study_command(argv[1:])
+    from lightning_replay.errors import RecordsError
+
     ap = _parser()
     args = ap.parse_args(argv)
     if args.command is None:
@@ -351,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "report":
             return run_report(args)
         return run_records(args)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, RecordsError) as exc:
         print(f"lightning-replay {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `lightning-replay records ... | head`

@@ -132,3 +132,73 @@ def test_set_options_unknown():
         e.set_options({"blocks.5": "whole"})
     with pytest.raises(lr.ReplayConfigError, match="'fastest'"):
         e.set_options({"blocks.0": "fastest"})
+
+
+# ------------------------------------------------------------------ configs and the CLI
+def _cli(argv, capsys):
+    from lightning_replay.cli import main
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse / jsonargparse errors
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+def _yaml(tmp_path, text):
+    p = tmp_path / "config.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+CLI_CASES = [
+    # (id, argv builder(tmp_path), fragments stderr must contain)
+    ("config file missing", lambda d: ["fit", "--config", str(d / "nope.yaml")],
+     ["nope.yaml", "does not exist"]),
+    ("config key misspelled", lambda d: ["fit", "--config", _yaml(d, "trainer:\n  max_epochz: 1\n")],
+     ["max_epochz"]),
+    ("config runs code", lambda d: ["fit", "--config", _yaml(
+        d, "trainer:\n  max_epochs: !!python/object/apply:os.system ['touch PWNED']\n")],
+     ["python/object/apply"]),
+    ("config bad budget", lambda d: ["fit", "--config", _yaml(
+        d, "trainer:\n  strategy:\n    class_path: lightning_replay.strategies.replay."
+           "ReplayStrategy\n    init_args:\n      budget: lots\n")],
+     ["budget='lots'", "GiB"]),
+    ("config bad check interval", lambda d: ["fit", "--config", _yaml(
+        d, "trainer:\n  callbacks:\n    - class_path: lightning_replay.callbacks.replay."
+           "ReplayCallback\n      init_args:\n        check_every_n_steps: 0\n")],
+     ["check_every_n_steps=0"]),
+    ("records of an empty directory", lambda d: ["records", str(d)],
+     ["no records database", "records.sqlite"]),
+    ("records of a foreign database", lambda d: ["records", _foreign_db(d)],
+     ["foreign.sqlite", "without a 'records' table"]),
+    ("records of a garbage file", lambda d: ["records", _garbage(d), "--summary"],
+     ["garbage.sqlite", "not a readable records database"]),
+    ("report of an empty directory", lambda d: ["report", str(d)],
+     ["neither a study", "telemetry.jsonl"]),
+]
+
+
+def _foreign_db(d):
+    import sqlite3
+    p = d / "foreign.sqlite"
+    with sqlite3.connect(p) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    return str(p)
+
+
+def _garbage(d):
+    p = d / "garbage.sqlite"
+    p.write_bytes(b"\x07not sqlite at all" * 400)
+    return str(p)
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_bad_cli_input(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, argv, fragments = case
+    rc, err = _cli(argv(tmp_path), capsys)
+    assert rc == 2, err[-2000:]
+    for f in fragments:
+        assert f in err, f"{f!r} not in {err[-2000:]!r}"
+    assert "Traceback" not in err
+    assert not (tmp_path / "PWNED").exists()

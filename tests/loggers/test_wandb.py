@@ -115,3 +115,29 @@ def test_workspace_is_built_offline_with_a_panel_per_metric():
     text = json.dumps(spec)
     for name in METRICS:
         assert json.dumps(name) in text
+
+
+def test_no_wandb_key_reaches_records_logs_or_run_files(tmp_path, monkeypatch, capfd):
+    """A wandb API key in the environment (or in wandb's settings) is never written by a run:
+    not to the records database, the run's files, the checkpoint, nor stdout/stderr."""
+    secret = "0123456789abcdef" * 2 + "SECRETKEY"  # 41 chars, the shape of a wandb key
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="replay-test", save_dir=str(tmp_path))
+    cb = ReplayCallback(check_every_n_steps=2)
+    t = trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=6,
+                callbacks=[cb], logger=logger, log_every_n_steps=1, enable_checkpointing=True)
+    try:
+        t.fit(HazardNet(), loader(16))
+    finally:
+        wandb.finish()
+    out, err = capfd.readouterr()
+    assert secret not in out and secret not in err
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.name == "records.sqlite" for p in files)
+    assert any(p.suffix == ".wandb" for p in files)
+    assert any(p.suffix == ".ckpt" for p in files)
+    leaked = [str(p.relative_to(tmp_path)) for p in files
+              if secret.encode() in p.read_bytes() or secret[:24].encode() in p.read_bytes()]
+    assert leaked == []
