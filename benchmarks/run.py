@@ -44,18 +44,26 @@ from lightning_replay.planner import (InfeasibleBudget, costs_to_dict,  # noqa: 
 
 SUITES = {
     "quick": {
-        "overhead": dict(width=1024, blocks=6, batch=256, repeats=11),
+        "overhead": dict(width=1024, blocks=6, batch=256, repeats=21),
         "sparse_write": dict(blocks=6, dim=128, hidden=1024, buffer_rows=32768, write_rows=16,
-                             batch=256, rounds=5),
-        "dense_queue": dict(rows=16384, dim=128, write_rows=128, batch=256, rounds=5),
-        "checks": dict(steps=100, every=50),
+                             batch=256, rounds=21),
+        "dense_queue": dict(rows=16384, dim=128, write_rows=128, batch=256, rounds=15),
+        "checks": dict(steps=500, every=50),
     },
     "full": {
         "overhead": dict(width=2048, blocks=8, batch=512, repeats=21),
         "sparse_write": dict(blocks=12, dim=256, hidden=4096, buffer_rows=65536, write_rows=32,
                              batch=512, rounds=9),
         "dense_queue": dict(rows=65536, dim=128, write_rows=256, batch=512, rounds=9),
-        "checks": dict(steps=200, every=50),
+        "checks": dict(steps=1000, every=50),
+    },
+    # seconds, for the test that keeps this script working (figures meaningless)
+    "smoke": {
+        "overhead": dict(width=32, blocks=2, batch=8, repeats=3),
+        "sparse_write": dict(blocks=3, dim=16, hidden=32, buffer_rows=256, write_rows=4,
+                             batch=8, rounds=2),
+        "dense_queue": dict(rows=64, dim=16, write_rows=4, batch=8, rounds=2),
+        "checks": dict(steps=4, every=2),
     },
 }
 METHODS = ("joint", "eager_whole", "fixed_regions", "retain_all", "whole_all")
@@ -99,7 +107,7 @@ def _measure_costs(make_model: Callable[[], torch.nn.Module], segments: list[str
                    make_input: Callable[[int], torch.Tensor]) -> tuple[list, int]:
     """Probe + calibrate once; return (costs, base_memory)."""
     model = make_model()
-    engine = lr.install(model, segments, budget="min", calibration_steps=3)
+    engine = lr.install(model, segments, budget="min", calibration_steps=5)
     step = 0
     while engine.plan is None:
         _timed_step(model, make_input(step))
@@ -144,7 +152,8 @@ def _run_plans(make_model, segments, make_input, plans: dict[str, Any], rounds: 
             run["engine"].begin_window()
             run["engine"].end_forward()
             run["peak"] = _peak(run["engine"], dev)
-        out[name] = {"step_time_s": statistics.median(run["times"]), "peak_bytes": run["peak"],
+        out[name] = {"step_time_s": statistics.median(run["times"]),
+                     "step_times_s": run["times"], "peak_bytes": run["peak"],
                      "choices": plans[name].choices,
                      "predicted_peak_bytes": plans[name].peak_memory,
                      "plain_step_time_s": plain_time,
@@ -201,7 +210,12 @@ def bench_sparse_write(cfg: dict) -> dict:
 
 
 def _ratio(methods: dict, a: str, b: str, key: str = "step_time_s") -> float | None:
+    """``a`` over ``b``: measured, the median of the per-round ratios (both ran in the same
+    round, side by side, so slow phases of a shared machine cancel); predicted, one ratio."""
     if methods.get(a, {}).get("feasible") and methods.get(b, {}).get("feasible"):
+        if key == "step_time_s":
+            return statistics.median(x / y for x, y in zip(methods[a]["step_times_s"],
+                                                          methods[b]["step_times_s"]))
         return methods[a][key] / methods[b][key]
     return None
 
@@ -225,8 +239,8 @@ def bench_dense_queue(cfg: dict) -> dict:
     measured = _run_plans(make_model, segments, make_input,
                           {"whole": whole, "joint": joint, "joint_min": joint_min}, rounds, dev)
     return {"config": {**cfg, "batch": batch, "rounds": rounds}, "runs": measured,
-            "joint_vs_whole_time": measured["joint"]["step_time_s"]
-            / measured["whole"]["step_time_s"],
+            "joint_vs_whole_time": _ratio({k: {"feasible": True, **v}
+                                           for k, v in measured.items()}, "joint", "whole"),
             "joint_vs_whole_memory": measured["joint_min"]["peak_bytes"]
             / measured["whole"]["peak_bytes"]}
 
@@ -237,23 +251,38 @@ def bench_planner() -> dict:
 
 
 def bench_checks(cfg: dict) -> dict:
-    """Total time of N steps with checks every ``every`` steps over the same without."""
+    """Step time with derivative + byte checks every ``every`` steps over the same without.
+
+    Two copies of the model train side by side, step by step; the steps fall into blocks of
+    ``every`` steps, each with one checked step. The figure is the median over blocks of the
+    block's total time with checks over its total without (slow phases of a shared machine hit
+    both sides of a block alike); the ratio of the run totals is reported beside it.
+    """
     dev = _device()
     torch.manual_seed(0)
     proto = QueueModel(rows=4096, dim=64, write_rows=64).to(dev)
     models = {k: copy.deepcopy(proto) for k in ("checked", "plain")}
     engines = {k: lr.install(m, "blocks.*") for k, m in models.items()}
     x = torch.randn(256, 64, device=dev)
-    totals = {k: 0.0 for k in models}
-    records = 0
-    for step in range(cfg["steps"]):
-        for k in (("checked", "plain") if step % 2 else ("plain", "checked")):
-            if k == "checked" and step % cfg["every"] == cfg["every"] - 1:
-                engines[k].request_check()
-            totals[k] += _timed_step(models[k], x)
+    every = cfg["every"]
+    for k in models:  # probe and warm up outside the measured blocks
+        for _ in range(2):
+            _timed_step(models[k], x)
+    blocks = []
+    for _ in range(cfg["steps"] // every):
+        block = {k: 0.0 for k in models}
+        for step in range(every):
+            for k in (("checked", "plain") if step % 2 else ("plain", "checked")):
+                if k == "checked" and step == every // 2:
+                    engines[k].request_check()
+                block[k] += _timed_step(models[k], x)
+        blocks.append(block)
     records = engines["checked"].records.counts()
-    return {"overhead_ratio_every_50": totals["checked"] / totals["plain"],
-            "steps": cfg["steps"], "every": cfg["every"], "records": records}
+    ratios = [b["checked"] / b["plain"] for b in blocks]
+    return {"overhead_ratio_every_50": statistics.median(ratios),
+            "block_ratios": ratios,
+            "total_ratio": sum(b["checked"] for b in blocks) / sum(b["plain"] for b in blocks),
+            "steps": len(blocks) * every, "every": every, "records": records}
 
 
 # ------------------------------------------------------------------------------- driver
@@ -272,7 +301,7 @@ def run_suite(suite: str, only: list[str] | None = None) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else
         f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        "torch": torch.__version__, "seconds": {},
+        "torch": torch.__version__, "malloc": _malloc_setting(), "seconds": {},
     }
     for name, fn in sections.items():
         if only and name not in only:
@@ -330,13 +359,36 @@ def targets(r: dict) -> list[tuple[str, Any, str, bool]]:
     return rows
 
 
+# glibc returns every large tensor to the OS on free and page-faults (and zeroes) it in again on
+# the next allocation: on CPU that is a quarter of this workload's step time, and it lands on
+# whichever allocation comes next, so it blurs per-option timings. Keeping freed memory in the
+# process (what PyTorch's CPU tuning guide gets from jemalloc/tcmalloc, and what the CUDA caching
+# allocator does on GPU) removes it. Applied by re-executing once; --system-malloc opts out.
+RECYCLING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
+                    "MALLOC_TOP_PAD_": str(1 << 29)}
+
+
+def _malloc_setting() -> str:
+    if all(os.environ.get(k) == v for k, v in RECYCLING_MALLOC.items()):
+        return "glibc, freed memory kept in the process (" + ", ".join(
+            f"{k}={v}" for k, v in RECYCLING_MALLOC.items()) + ")"
+    return "system default"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=sorted(SUITES), default="quick")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--only", action="append", help="run only this section (repeatable)")
+    ap.add_argument("--system-malloc", action="store_true",
+                    help="CPU: keep glibc's defaults (large frees go back to the OS)")
     a = ap.parse_args(argv)
+    if (argv is None and not a.system_malloc and not torch.cuda.is_available()
+            and sys.platform.startswith("linux")
+            and any(os.environ.get(k) != v for k, v in RECYCLING_MALLOC.items())):
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, **RECYCLING_MALLOC})
     torch.set_num_threads(max(1, min(os.cpu_count() or 1, 16)))
     r = run_suite(a.suite, a.only)
     r["targets"] = [dict(zip(("name", "value", "target", "met"), t)) for t in targets(r)]
