@@ -88,8 +88,21 @@ class _SharedQueue(nn.Module):
         self.register_buffer("queue", torch.randn(rows, dim))
 
 
+class _DirectReader(nn.Module):
+    """Reads the shared queue itself (no copy): autograd saves it for backward."""
+
+    def __init__(self, owner, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        object.__setattr__(self, "_owner", owner)
+
+    def forward(self, x):
+        q = self._owner.store.queue
+        return x + torch.softmax(self.fc(x) @ q.t(), dim=1) @ q
+
+
 class RandomStack(nn.Module):
-    KINDS = ("mlp", "bn", "counter", "noise", "flag", "queue")
+    KINDS = ("mlp", "bn", "counter", "noise", "flag", "queue", "direct")
 
     def __init__(self, kinds, dim, rows, write):
         super().__init__()
@@ -106,6 +119,8 @@ class RandomStack(nn.Module):
                 blocks.append(hz.NoiseBlock(dim, seed=i))
             elif k == "flag":
                 blocks.append(hz.FlagBlock(dim))
+            elif k == "direct":
+                blocks.append(_DirectReader(self, dim))
             else:
                 blocks.append(hz.QueueReader(self, "store.queue", dim))
         self.blocks = nn.ModuleList(blocks)
@@ -125,22 +140,38 @@ class RandomStack(nn.Module):
         return self.head(x)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kinds=st.lists(st.sampled_from(RandomStack.KINDS), min_size=1, max_size=4),
        dim=st.sampled_from([4, 8, 12]), batch=st.integers(2, 6),
        rows=st.integers(3, 16), write=st.sampled_from(["rows", "slice", "all", "none"]),
        preservation=st.sampled_from(["auto", "whole", "regions"]),
-       seed=st.integers(0, 2**16))
+       checked=st.booleans(), seed=st.integers(0, 2**16))
 def test_random_hazard_stacks_replay_exactly(kinds, dim, batch, rows, write, preservation,
-                                             seed):
+                                             checked, seed):
+    """Exact gradients and state, with or without derivative checks on every step; or, for a
+    model plain PyTorch rejects (a block saves the queue and the step writes it), an error."""
     torch.manual_seed(seed)
     base = RandomStack(kinds, dim, rows, write)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     make = lambda s: torch.randn(batch, dim, generator=torch.Generator().manual_seed(seed + s))
     engine = lr.install(model, [f"blocks.{i}" for i in range(len(kinds))],
                         preservation=preservation)
-    g_ref, _ = train_steps(ref, make, 3)
-    g_rep, _ = train_steps(model, make, 3)
+
+    def make_checked(s):
+        if checked:
+            engine.request_check()
+        return make(s)
+
+    try:
+        g_ref, _ = train_steps(ref, make, 3)
+    except RuntimeError as exc:
+        assert "inplace operation" in str(exc) and "direct" in kinds and write != "none"
+        with pytest.raises(lr.SavedTensorModified, match="store.queue"):
+            train_steps(model, make_checked, 3)
+        return
+    g_rep, _ = train_steps(model, make_checked, 3)
     assert grad_diffs(g_ref, g_rep) == []
+    outcomes = {r.outcome for r in engine.records.read() if r.check in ("grad", "bytes")}
+    assert outcomes == ({"match"} if checked else set())
     engine.uninstall()
     assert diff_state(snapshot_state(ref), snapshot_state(model)) == []
