@@ -920,14 +920,38 @@ class ReplayEngine:
             self.accountant = None
 
     def step_stats(self) -> dict[str, Any]:
-        """The last finished window: accounted peak bytes (base included), replays, preserved
-        bytes, plan version. ``peak_bytes`` is None when memory tracking is off."""
+        """The last *closed* window: accounted peak bytes (base included), replays, preserved
+        bytes, plan version. A window closes when the next one begins, so after a step's
+        backward this is still the step before; :meth:`window_stats` is the step in hand.
+        ``peak_bytes`` is None when memory tracking is off."""
         return {"step": self._last_step,
                 "peak_bytes": (self._last_cuda_peak if self._cuda else
                                self._static_bytes() + self._last_peak
                                if self.accountant is not None else None),
                 "replays": self._replays_last_step,
                 "preserved_bytes": self._preserved_last_step,
+                "plan_version": self.plan_version}
+
+    def window_stats(self) -> dict[str, Any]:
+        """The current window: the step in progress, or, once its backward has run (after
+        ``loss.backward()``, in ``on_train_batch_end``), the step just trained.
+
+        Keys as :meth:`step_stats`, plus ``accounted_peak_bytes``: the accountant's peak in the
+        planner's terms (parameters, buffers, gradients, the extra base, and everything saved,
+        snapshotted or re-materialized so far). ``peak_bytes`` is the CUDA allocator's peak
+        since the window began on GPU, and the accounted peak on CPU; the accounted figures are
+        None when memory tracking is off.
+        """
+        acct = self.accountant
+        accounted = self._static_bytes() + acct.peak if acct is not None else None
+        peak = accounted
+        if self._cuda:
+            dev = next(p.device for p in self.model.parameters() if p.is_cuda)
+            torch.cuda.synchronize(dev)
+            peak = int(torch.cuda.max_memory_allocated(dev))
+        return {"step": self.step, "peak_bytes": peak, "accounted_peak_bytes": accounted,
+                "replays": self._replays_this_step,
+                "preserved_bytes": sum(rt.last_preserved_bytes for rt in self.runtimes.values()),
                 "plan_version": self.plan_version}
 
     def replan(self, budget: int | str | None | object = _KEEP, method: str | None = None
@@ -1047,7 +1071,7 @@ class ReplayEngine:
         self._cuda = _first_param_is_cuda(self.model)
         self._sync = self._cuda and bool(self._calibration)
         acct = self.accountant
-        if acct is not None and self._cuda:
+        if self._cuda:  # each window's allocator peak is its own
             dev = next(p.device for p in self.model.parameters() if p.is_cuda)
             self._last_cuda_peak = torch.cuda.max_memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
@@ -1272,7 +1296,7 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
         planner: ``"joint"`` (optimal), ``"eager_whole"``, ``"fixed_regions"``,
             ``"retain_all"`` or ``"whole_all"``.
         track_memory: count saved-tensor and snapshot bytes exactly every step (on whenever a
-            budget is set); ``engine.step_stats()["peak_bytes"]`` reports the peak.
+            budget is set); ``engine.window_stats()["peak_bytes"]`` reports the step's peak.
         base_memory: bytes outside the engine's view (optimizer state) added to the base.
         calibration_steps: steps per option measured before planning.
 

@@ -83,6 +83,24 @@ def test_replan_and_infeasible_budget(measured):
     assert [r.check for r in e.records.read()].count("plan") == 2
 
 
+def test_window_stats_describe_the_step_just_trained():
+    m = _model()
+    e = lr.install(m, "blocks.*", track_memory=True)
+    seen = []
+    for step in range(4):
+        m(_x(step)).pow(2).mean().backward()
+        seen.append(e.window_stats())
+        if step:
+            # the window just trained is what step_stats reports once the next one begins
+            assert e.step_stats()["step"] == seen[-2]["step"]
+            assert e.step_stats()["peak_bytes"] == seen[-2]["peak_bytes"]
+            assert e.step_stats()["replays"] == seen[-2]["replays"]
+    assert [s["step"] for s in seen] == [1, 2, 3, 4]
+    assert seen[0]["replays"] == 0 and seen[-1]["replays"] == len(e.segments)
+    assert all(s["peak_bytes"] == s["accounted_peak_bytes"] > e._static_bytes() for s in seen)
+    assert seen[-1]["preserved_bytes"] > 0
+
+
 def test_no_budget_means_no_plan_and_no_accounting():
     m = _model()
     e = lr.install(m, "blocks.*")

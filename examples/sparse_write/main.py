@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         opt.zero_grad()
         model(sparse_write_input(step, a.batch, a.dim)).pow(2).mean().backward()
         opt.step()
-        stats = engine.step_stats()
+        stats = engine.window_stats()  # the step just trained
         print(f"step {step:3d}  {1e3 * (time.perf_counter() - t0):7.1f} ms  "
               f"peak {lr.format_bytes(stats['peak_bytes'] or 0):>10}  plan v{stats['plan_version']}")
     print(json.dumps({"plan": engine.plan.to_dict() if engine.plan else None,

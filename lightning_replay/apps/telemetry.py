@@ -240,7 +240,7 @@ class StepTelemetry(Callback):
         engine = _engine(trainer)
         if engine is not None:
             total = _total_replays(engine)
-            row.update({"accounted_peak_bytes": _accounted_peak(engine, pl_module),
+            row.update({"accounted_peak_bytes": engine.window_stats()["accounted_peak_bytes"],
                         "budget": engine.budget,
                         "plan_version": engine.plan_version,
                         "replays": total - self._replays,
@@ -287,30 +287,6 @@ class StepTelemetry(Callback):
 def _engine(trainer: pl.Trainer) -> Any:
     engine = getattr(trainer.strategy, "engine", None)
     return engine if engine is not None and getattr(engine, "installed", False) else None
-
-
-def _accounted_peak(engine: Any, module: torch.nn.Module) -> int | None:
-    """The engine's accounted peak of the step that just ended, in the planner's terms.
-
-    ``engine.step_stats()`` describes the last *finished* window, which the engine closes only
-    when the next one begins, so at ``on_train_batch_end`` it still holds the step before.
-    This is the same sum for the step in hand: parameters, buffers and gradients held all step
-    (each storage once), plus the accountant's peak of everything saved, snapshotted or
-    re-materialized during it (the base's saved tensors included).
-    """
-    acct = engine.accountant
-    if acct is None:
-        return None
-    static: dict = {}
-    grads = 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        st = t.untyped_storage()
-        key = (t.device.type, t.device.index, st.data_ptr())
-        if key not in static:
-            static[key] = st.nbytes()
-            if t.requires_grad:
-                grads += st.nbytes()
-    return sum(static.values()) + grads + engine.extra_base_memory + acct.peak
 
 
 def _total_replays(engine: Any) -> int:

@@ -187,7 +187,7 @@ class ReplayCallback(Callback):
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = self._require_strategy()
         engine = strategy.engine
-        peak = _window_peak(engine, strategy.root_device)
+        peak = engine.window_stats()["peak_bytes"] or 0
         step_ms = (time.perf_counter() - self._t0) * 1000.0
         summary = engine.summary()
         replays_total = sum(s["replays"] for s in summary.values())
@@ -366,22 +366,6 @@ def _is_last_step(trainer: pl.Trainer, batch_idx: int) -> bool:
     return (max_epochs is not None and max_epochs >= 0
             and trainer.current_epoch + 1 >= max_epochs
             and batch_idx + 1 >= trainer.num_training_batches)
-
-
-def _window_peak(engine: Any, device: torch.device) -> int:
-    """Peak bytes of the window that just ended (forward, backward, optimizer step).
-
-    ``engine.step_stats()`` describes the window before it (its numbers roll over when the next
-    window begins), so the current one is read where the engine keeps it.
-    """
-    if device.type == "cuda":
-        # The engine resets the allocator's peak as each window begins.
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device))
-    acct = engine.accountant
-    if acct is None:
-        return 0
-    return int(engine._static_bytes() + acct.peak)
 
 
 def _costs_ready(engine: Any) -> bool:
