@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ContractSchemaError", "ContractViolation", "Record", "RecordStore", "RecordsError",
-    "ReplayConfigError", "ReplayContract", "SavedTensorModified", "ReplayEngine", "ReplayError", "SCHEMA_VERSION",
-    "SegmentError", "StateEntry", "format_bytes", "install", "parse_budget",
+    "ReplayConfigError", "ReplayContract", "ReplayEngine", "ReplayError", "SCHEMA_VERSION",
+    "SavedTensorModified", "SegmentError", "StateEntry", "format_bytes", "install", "parse_budget",
 ]
 
 # Lightning shells: importing them registers Trainer(strategy="replay") and its launcher variants

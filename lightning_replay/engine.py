@@ -590,12 +590,7 @@ class SegmentRuntime:
         args2, kwargs2 = tree_map(lambda x: detached.get(id(x), x)
                                   if isinstance(x, torch.Tensor) else x, (args, kwargs))
         out = self.orig_forward(*args2, **kwargs2)
-        outs: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for t in tensor_leaves(out):
-            if t.requires_grad and id(t) not in seen:
-                seen.add(id(t))
-                outs.append(t)
+        outs = _grad_outputs(out)
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not outs:
             inv.release()
@@ -631,12 +626,7 @@ class SegmentRuntime:
                 if box.rng is not None:
                     torch.set_rng_state(box.rng)
                 out2 = self.orig_forward(*args2, **kwargs2)
-            seen: set[int] = set()
-            outs2 = []
-            for t in tensor_leaves(out2):
-                if t.requires_grad and id(t) not in seen:
-                    seen.add(id(t))
-                    outs2.append(t)
+            outs2 = _grad_outputs(out2)
             if len(outs2) == len(grads) and all(a.shape == b.shape
                                                 for a, b in zip(outs2, grads)):
                 rep = torch.autograd.grad(outs2, in2 + box.params, grads, allow_unused=True)
@@ -723,17 +713,31 @@ class SegmentRuntime:
         }
 
 
+def _grad_outputs(out: Any) -> list[torch.Tensor]:
+    """The differentiable tensors of a segment's output, each once, in order."""
+    seen: set[int] = set()
+    outs = []
+    for t in tensor_leaves(out):
+        if t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            outs.append(t)
+    return outs
+
+
+@dataclasses.dataclass(slots=True)
 class _CheckBox:
-    """What the backward of one checked call needs; emptied when it has run."""
+    """What the backward of one checked call needs; ``outs`` is emptied when it has run."""
 
-    __slots__ = ("rt", "inv", "args", "kwargs", "inputs", "params", "outs", "rng", "autocast",
-                 "out_digests")
-
-    def __init__(self, rt, inv, args, kwargs, inputs, params, outs, rng, autocast,
-                 out_digests) -> None:
-        self.rt, self.inv, self.args, self.kwargs = rt, inv, args, kwargs
-        self.inputs, self.params, self.outs = inputs, params, outs
-        self.rng, self.autocast, self.out_digests = rng, autocast, out_digests
+    rt: SegmentRuntime
+    inv: _Invocation
+    args: tuple  # the call's arguments, differentiable tensors replaced by ``inputs``
+    kwargs: dict
+    inputs: list[torch.Tensor]  # detached leaves the reference graph starts from
+    params: list[torch.Tensor]
+    outs: list[torch.Tensor]  # the reference outputs (their graph)
+    rng: torch.Tensor | None
+    autocast: list
+    out_digests: list[int] | None
 
 
 class _CheckedSegment(torch.autograd.Function):
