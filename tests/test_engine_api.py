@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 import sqlite3
 import warnings
@@ -383,3 +384,29 @@ def test_checked_step_backward_twice_is_a_clear_error():
     loss.backward(retain_graph=True)
     with pytest.raises(lr.ReplayError, match="second time"):
         loss.backward()
+
+
+@pytest.mark.parametrize("nondeterministic,outcome", [(False, "divergence"), (True, "match")])
+def test_grad_check_tolerance_only_where_kernels_may_be_nondeterministic(
+        monkeypatch, nondeterministic, outcome):
+    """Bit for bit on CPU; on a nondeterministic device (simulated here) last-bit differences
+    within the stated tolerance are a match, recorded with their size."""
+    import lightning_replay.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "_nondeterministic", lambda t: nondeterministic)
+    m, table = _external_model()
+    engine = lr.install(m, ["0"])
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        m(x).sum().backward()
+    engine.request_check(bytes=False)
+    out = m(x)
+    table.data.mul_(1 + 1e-7)  # a last-bits change the contract cannot see
+    out.sum().backward()
+    grad = [r for r in engine.records.read() if r.check == "grad"]
+    assert [r.outcome for r in grad] == [outcome]
+    detail = json.loads(grad[0].detail)
+    if nondeterministic:
+        assert detail["differ"] == [] and detail["within_tolerance"]["tensors"]
+        assert detail["within_tolerance"]["rtol"] == engine_mod.GRAD_RTOL
+    else:
+        assert detail["differ"] and "within_tolerance" not in detail
