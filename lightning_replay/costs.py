@@ -32,6 +32,8 @@ class CostMeter:
             lambda: defaultdict(lambda: deque(maxlen=_KEEP)))
         self.input_bytes: dict[str, int] = {}
         self.region_bytes: dict[str, int] = {}
+        # A(s) measured on a derivative-checked step (the probe's until then)
+        self.activation_bytes: dict[str, int] = {}
 
     def add_time(self, segment: str, option: str, seconds: float) -> None:
         self.times[segment][option].append(seconds)
@@ -52,7 +54,8 @@ class CostMeter:
             if c is None:
                 continue
             inputs = self.input_bytes.get(name, rt.input_bytes)
-            opts = {"retain": Option(memory=c.activation_bytes + rt.input_saved_bytes, time=0.0)}
+            act = self.activation_bytes.get(name, c.activation_bytes)
+            opts = {"retain": Option(memory=act + rt.input_saved_bytes, time=0.0)}
             for o in c.available_options():
                 if o == "retain" or not self.has(name, o):
                     continue
@@ -63,12 +66,13 @@ class CostMeter:
                 else:
                     held = c.preserved_bytes(o)
                 opts[o] = Option(memory=inputs + held, time=self.median(name, o))
-            out.append(SegmentCost(name=name, activation_bytes=c.activation_bytes, options=opts))
+            out.append(SegmentCost(name=name, activation_bytes=act, options=opts))
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"times": {s: {o: list(v) for o, v in d.items()} for s, d in self.times.items()},
-                "input_bytes": dict(self.input_bytes), "region_bytes": dict(self.region_bytes)}
+                "input_bytes": dict(self.input_bytes), "region_bytes": dict(self.region_bytes),
+                "activation_bytes": dict(self.activation_bytes)}
 
 
 class _Passthrough(TorchDispatchMode):

@@ -239,7 +239,8 @@ class _ReplayContext:
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
-            eng._replay_started(rt.contract.activation_bytes)
+            eng._replay_started(eng.meter.activation_bytes.get(rt.name,
+                                                               rt.contract.activation_bytes))
 
     def __exit__(self, *exc) -> bool:
         inv = self.inv
@@ -348,6 +349,7 @@ class SegmentRuntime:
         self.planned_option: str | None = None
         self.input_bytes = 0
         self.input_saved_bytes = 0
+        self.state_keys: set = set()  # storages the probe saw as state (not activations)
 
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -365,6 +367,8 @@ class SegmentRuntime:
                 return self._probe_call(args, kwargs)
             option = self.contract.option if self.contract else "retain"
             if option == "retain" or self.status == "retain":
+                if eng._check_grad and eng.measure_costs and self.contract is not None:
+                    return self._measured_call(args, kwargs)
                 return self.orig_forward(*args, **kwargs)
             if eng._check_grad:
                 return self._checked_call(args, kwargs)
@@ -431,8 +435,11 @@ class SegmentRuntime:
         uses_rng = False
         act = 0
         changed_attrs: set[str] = set()
+        self.state_keys = set()
+        eng.meter.activation_bytes.pop(self.name, None)  # the new probe's figure is current
         for p in probes:
             act = max(act, p.activation_bytes)
+            self.state_keys.update(p.mode.touched)
             uses_rng |= p.mode.uses_global_rng
             gens.update(p.mode.generators)
             changed_attrs.update(p.changed_attrs)
@@ -571,6 +578,15 @@ class SegmentRuntime:
                           preserve_rng_state=self.contract.uses_global_rng,
                           context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv)))
 
+    def _measured_call(self, args: tuple, kwargs: dict) -> Any:
+        """A retained call on a checked step: also measure A(s) at today's shapes."""
+        saved: dict = {}
+        exclude = self.state_keys | {storage_key(t) for t in tensor_leaves((args, kwargs))}
+        with _saving_counted(saved, exclude, f"segment {self.name!r}", self.engine.state_name):
+            out = self.orig_forward(*args, **kwargs)
+        self.engine.meter.activation_bytes[self.name] = sum(saved.values())
+        return out
+
     def _checked_call(self, args: tuple, kwargs: dict) -> Any:
         """Derivative check: run the segment with its graph, replay it beside it at backward.
 
@@ -589,7 +605,14 @@ class SegmentRuntime:
         detached = {id(a): a.detach().requires_grad_() for a in in_req}
         args2, kwargs2 = tree_map(lambda x: detached.get(id(x), x)
                                   if isinstance(x, torch.Tensor) else x, (args, kwargs))
-        out = self.orig_forward(*args2, **kwargs2)
+        # The reference forward keeps its graph: what it saves is A(s) at today's shapes
+        # (the probe's figure goes stale when input shapes change).
+        exclude = self.state_keys | {storage_key(t) for t in leaves}
+        saved: dict = {}
+        with _saving_counted(saved, exclude, f"segment {self.name!r}", eng.state_name):
+            out = self.orig_forward(*args2, **kwargs2)
+        if eng.measure_costs:
+            eng.meter.activation_bytes[self.name] = sum(saved.values())
         outs = _grad_outputs(out)
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not outs:
@@ -733,6 +756,25 @@ GRAD_ATOL = 1e-8
 
 def _nondeterministic(t: torch.Tensor) -> bool:
     return t.device.type != "cpu" and not torch.are_deterministic_algorithms_enabled()
+
+
+@contextlib.contextmanager
+def _saving_counted(saved: dict, exclude: set, where: str, namer: Callable) -> Iterator[None]:
+    """Count the storages autograd saves inside the block (each once, ``exclude`` left out)
+    into ``saved``, handing each tensor on to the saved-tensor hooks already active (the
+    memory accountant's) or, without any, to a version-checked :class:`Saved` handle."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = top if top is not None else (None, None)
+
+    def pack(t: torch.Tensor) -> Any:
+        key = storage_key(t)
+        if key is not None and key not in exclude:
+            saved[key] = t.untyped_storage().nbytes()
+        return outer_pack(t) if outer_pack is not None else Saved(t, where, namer)
+
+    unpack = outer_unpack if outer_unpack is not None else Saved.unpack
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:

@@ -180,6 +180,11 @@ class ReplayCallback(Callback):
         shapes = _shapes(batch)
         self._shape_streak = self._shape_streak + 1 if shapes == self._batch_shapes else 1
         self._batch_shapes = shapes
+        if "shapes" in self.replan_on and self._plan_shapes is not None and \
+                shapes != self._plan_shapes and self._shape_streak == self.shape_patience:
+            # The re-plan at this step's end needs activation bytes at the new shapes: a
+            # checked step measures them (the probe's figures are for the old shapes).
+            engine.request_check(grad=True, bytes="bytes" in self.checks)
         self._t0 = time.perf_counter()
 
     @override

@@ -236,6 +236,23 @@ def test_changed_input_shapes_replan_once_they_persist(tmp_path, sizes, replans)
     assert t.strategy.engine.plan_version == 1 + replans
 
 
+def test_a_shape_replan_plans_with_activation_bytes_measured_at_the_new_shapes(tmp_path):
+    sizes = [8] * 7 + [16] * 3
+    cb = ReplayCallback(check_every_n_steps=None, replan_on=("shapes",), replan_cooldown_steps=1)
+    t = trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=len(sizes),
+                callbacks=[cb])
+    t.fit(HazardNet(), _varying(sizes))
+    engine = t.strategy.engine
+    assert cb.replans == 1
+    probed = {n: c.activation_bytes for n, c in engine.contracts.items()}
+    measured = {c.name: c.activation_bytes for c in engine.costs}
+    # every segment's A(s) was measured again at batch 16 (the step before the re-plan) ...
+    assert set(engine.meter.activation_bytes) == set(probed)
+    assert all(measured[n] > probed[n] for n in probed), (measured, probed)
+    # ... and the re-plan (engine.costs is what it plans from) charged them
+    assert engine.plan_version == 2
+
+
 # ---------------------------------------------------------------------- resume
 def test_resume_continues_plan_version_records_and_weights(tmp_path):
     """An interrupted run resumed from its checkpoint ends with the weights of an uninterrupted
