@@ -763,6 +763,7 @@ def _saving_counted(saved: dict, exclude: set, where: str, namer: Callable) -> I
     """Count the storages autograd saves inside the block (each once, ``exclude`` left out)
     into ``saved``, handing each tensor on to the saved-tensor hooks already active (the
     memory accountant's) or, without any, to a version-checked :class:`Saved` handle."""
+    # torch-private, but what torch.utils.checkpoint itself uses to find the active hooks
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = top if top is not None else (None, None)
 
