@@ -579,12 +579,16 @@ class SegmentRuntime:
                           context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv)))
 
     def _measured_call(self, args: tuple, kwargs: dict) -> Any:
-        """A retained call on a checked step: also measure A(s) at today's shapes."""
+        """A forward that keeps its graph (checked or retained on a checked step), measuring
+        what it saves: A(s) at today's shapes (the probe's figure goes stale when shapes
+        change)."""
+        eng = self.engine
         saved: dict = {}
         exclude = self.state_keys | {storage_key(t) for t in tensor_leaves((args, kwargs))}
-        with _saving_counted(saved, exclude, f"segment {self.name!r}", self.engine.state_name):
+        with _saving_counted(saved, exclude, f"segment {self.name!r}", eng.state_name):
             out = self.orig_forward(*args, **kwargs)
-        self.engine.meter.activation_bytes[self.name] = sum(saved.values())
+        if eng.measure_costs:
+            eng.meter.activation_bytes[self.name] = sum(saved.values())
         return out
 
     def _checked_call(self, args: tuple, kwargs: dict) -> Any:
@@ -600,19 +604,11 @@ class SegmentRuntime:
         inv, args, kwargs = self._prepare(args, kwargs, eng._check_bytes)
         rng = torch.get_rng_state() if self.contract.uses_global_rng else None
         autocast = _autocast_state()
-        leaves = tensor_leaves((args, kwargs))
-        in_req = [a for a in leaves if a.requires_grad]
+        in_req = [a for a in tensor_leaves((args, kwargs)) if a.requires_grad]
         detached = {id(a): a.detach().requires_grad_() for a in in_req}
         args2, kwargs2 = tree_map(lambda x: detached.get(id(x), x)
                                   if isinstance(x, torch.Tensor) else x, (args, kwargs))
-        # The reference forward keeps its graph: what it saves is A(s) at today's shapes
-        # (the probe's figure goes stale when input shapes change).
-        exclude = self.state_keys | {storage_key(t) for t in leaves}
-        saved: dict = {}
-        with _saving_counted(saved, exclude, f"segment {self.name!r}", eng.state_name):
-            out = self.orig_forward(*args2, **kwargs2)
-        if eng.measure_costs:
-            eng.meter.activation_bytes[self.name] = sum(saved.values())
+        out = self._measured_call(args2, kwargs2)  # the reference forward keeps its graph
         outs = _grad_outputs(out)
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not outs:
