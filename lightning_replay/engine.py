@@ -370,7 +370,7 @@ class SegmentRuntime:
                 if eng._check_grad and eng.measure_costs and self.contract is not None:
                     return self._measured_call(args, kwargs)
                 return self.orig_forward(*args, **kwargs)
-            if eng._check_grad:
+            if eng._check_grad and self.name in eng._checked:
                 return self._checked_call(args, kwargs)
             return self._replay_call(args, kwargs)
 
@@ -903,6 +903,9 @@ class ReplayEngine:
         self._needs_capture = True
         self._changing_keys: set = set()
         self._check_grad = False
+        self._checked: frozenset = frozenset()  # segments derivative-checked this window
+        self._check_cursor = 0
+        self.checks_skipped = 0  # checked windows whose derivative check did not fit the budget
         self._check_bytes = False
         self._check_next: tuple[bool, bool] | None = None
         self._replays_last_step = 0
@@ -1001,8 +1004,8 @@ class ReplayEngine:
         """The current window: the step in progress, or, once its backward has run (after
         ``loss.backward()``, in ``on_train_batch_end``), the step just trained.
 
-        Keys as :meth:`step_stats`, plus ``accounted_peak_bytes``: the accountant's peak in the
-        planner's terms (parameters, buffers, gradients, the extra base, and everything saved,
+        Keys as :meth:`step_stats`, plus ``checked`` (the segments derivative-checked in this
+        window) and ``accounted_peak_bytes``: the accountant's peak in the planner's terms (parameters, buffers, gradients, the extra base, and everything saved,
         snapshotted or re-materialized so far). ``peak_bytes`` is the CUDA allocator's peak
         since the window began on GPU, and the accounted peak on CPU; the accounted figures are
         None when memory tracking is off.
@@ -1015,6 +1018,7 @@ class ReplayEngine:
             torch.cuda.synchronize(dev)
             peak = int(torch.cuda.max_memory_allocated(dev))
         return {"step": self.step, "peak_bytes": peak, "accounted_peak_bytes": accounted,
+                "checked": sorted(self._checked) if self._check_grad else [],
                 "replays": self._replays_this_step,
                 "preserved_bytes": sum(rt.last_preserved_bytes for rt in self.runtimes.values()),
                 "plan_version": self.plan_version}
@@ -1095,9 +1099,24 @@ class ReplayEngine:
         """Per segment: mode, replays, contract version, violations, bytes."""
         return {n: self.runtimes[n].summary() for n in self.segments}
 
-    def request_check(self, grad: bool = True, bytes: bool = True) -> None:
-        """Check every replay of the next window (derivative and/or byte-level)."""
-        self._check_next = (bool(grad), bool(bytes))
+    def request_check(self, grad: bool = True, bytes: bool = True,
+                      segments: Iterable[str] | None = None) -> None:
+        """Check the replays of the next window (derivative and/or byte-level).
+
+        A derivative check keeps the segment's graph from forward to backward. ``segments``
+        names the segments to derivative-check; by default every replayed segment, or, under a
+        budget, as many as the plan's headroom allows without the step exceeding the budget
+        (by the measured costs), in rotation so that every segment is checked in turn. Byte
+        checks are cheap and cover every replay.
+        """
+        if segments is not None:
+            segments = list(segments)
+            unknown = [n for n in segments if n not in self.runtimes]
+            if unknown:
+                raise ReplayConfigError(
+                    f"request_check(segments=...): {unknown} are not installed segments; "
+                    f"installed: {self.segments}")
+        self._check_next = (bool(grad), bool(bytes), segments)
 
     def set_options(self, choices: Mapping[str, str]) -> None:
         """Apply a plan: one option per segment (``retain``/``recompute``/``whole``/``regions``)."""
@@ -1132,7 +1151,8 @@ class ReplayEngine:
         self.step += 1
         self._replays_this_step = 0
         chk, self._check_next = self._check_next, None
-        self._check_grad, self._check_bytes = chk if chk else (False, False)
+        self._check_grad, self._check_bytes = chk[:2] if chk else (False, False)
+        self._checked = self._select_checked(chk[2]) if self._check_grad else frozenset()
         self._cuda = _first_param_is_cuda(self.model)
         self._sync = self._cuda and bool(self._calibration)
         acct = self.accountant
@@ -1228,6 +1248,56 @@ class ReplayEngine:
                 rt.set_option("regions")
         for rt in self.runtimes.values():
             rt.planned_option = None  # calibration is not a plan
+
+    def _select_checked(self, requested: list[str] | None) -> frozenset:
+        """The segments to derivative-check this window (see :meth:`request_check`)."""
+        if requested is not None:
+            return frozenset(requested)
+        if self.plan is None or not self.budget:
+            return frozenset(self.segments)
+        by_name = {c.name: c for c in self.costs or []}
+        choices = self.plan.choices
+        candidates = [n for n in self.segments if n in by_name
+                      and choices.get(n, "retain") in by_name[n].options
+                      and choices.get(n, "retain") != "retain"]
+        if not candidates:
+            return frozenset()
+        k = self._check_cursor % len(candidates)
+        order = candidates[k:] + candidates[:k]
+        chosen: list[str] = []
+        last = -1
+        for i, n in enumerate(order):
+            if self._checked_peak(by_name, chosen + [n]) <= self.budget:
+                chosen.append(n)
+                last = i
+        if not chosen:
+            self.checks_skipped += 1
+            if self.checks_skipped == 1:
+                warnings.warn(
+                    f"derivative check skipped at step {self.step}: keeping any one replayed "
+                    f"segment's graph would exceed the budget ({format_bytes(self.budget)}) "
+                    "by the measured costs. Raise the budget to check under it, or name "
+                    "segments with request_check(segments=...).", RuntimeWarning, stacklevel=3)
+            return frozenset()
+        self._check_cursor = k + last + 1
+        return frozenset(chosen)
+
+    def _checked_peak(self, by_name: Mapping[str, _planner.SegmentCost],
+                      checked: list[str]) -> int:
+        """Predicted peak of the plan with ``checked`` segments also keeping their graphs
+        (their activations, inputs and preserved state, and two sets of their parameter
+        gradients for the comparison)."""
+        costs = []
+        for c in by_name.values():
+            o = self.plan.choices[c.name]
+            if c.name in checked:
+                opt = c.options[o]
+                keep = c.options["retain"].memory + opt.memory + 2 * _unique_bytes(
+                    [p for p in self.runtimes[c.name].module.parameters() if p.requires_grad])
+                c = _planner.SegmentCost(c.name, c.activation_bytes,
+                                         {o: _planner.Option(memory=keep, time=opt.time)})
+            costs.append(c)
+        return _planner.predicted_peak(costs, self.plan.choices, self.base_memory)
 
     def _record_replay_time(self, inv: _Invocation, seconds: float) -> None:
         if self._warmup and inv.step == self.step:

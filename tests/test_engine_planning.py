@@ -142,3 +142,63 @@ def test_combined_hazards_plan_exact():
     g_ref, _ = train_steps(ref, make, 9)
     assert grad_diffs(g_ref, g) == []
     assert e.plan is not None
+
+
+def _sparse(blocks=4):
+    from lightning_replay.apps.sparse_write import SparseWriteModel, sparse_write_input
+    torch.manual_seed(0)
+    m = SparseWriteModel(blocks=blocks, dim=16, hidden=64, buffer_rows=512, write_rows=4)
+    return m, (lambda s: sparse_write_input(s, 32, 16))
+
+
+def _checked_steps(m, e, make, steps, start=100):
+    seen = []
+    for s in range(steps):
+        e.request_check()
+        m(make(start + s)).pow(2).mean().backward()
+        m.zero_grad(set_to_none=True)
+        seen.append(e.window_stats())
+    return seen
+
+
+def test_checks_under_a_budget_stay_within_it_and_rotate():
+    """A derivative check keeps graphs the plan replays: under a budget only as many segments
+    are checked as the headroom allows, in turn, and the step stays within the budget."""
+    m, make = _sparse()
+    e = lr.install(m, m.segments, budget=10**12)
+    train_steps(m, make, STEPS_TO_PLAN)
+    lo = min_feasible_budget(e.costs, e.base_memory)
+    e.replan(budget=lo)
+    replayed = [n for n, o in e.plan.choices.items() if o != "retain"]
+    by_name = {c.name: c for c in e.costs}
+    one = max(e._checked_peak(by_name, [n]) for n in replayed)
+    e.budget = one  # the plan keeps its choices; the headroom fits any one check, not all
+    assert e._checked_peak(by_name, replayed) > one
+    seen = _checked_steps(m, e, make, 2 * len(replayed))
+    for stats in seen:
+        assert stats["checked"], stats
+        assert stats["peak_bytes"] <= e.budget, (stats, e.budget)
+    assert set().union(*(s["checked"] for s in seen)) == set(replayed)
+    outcomes = {(r.check, r.outcome) for r in e.records.read() if r.check in ("grad", "bytes")}
+    assert outcomes == {("grad", "match"), ("bytes", "match")}
+
+
+def test_checks_without_headroom_are_skipped_with_a_warning_and_no_budget_checks_all():
+    m, make = _sparse(blocks=3)
+    free = lr.install(copy.deepcopy(m), m.segments)  # no budget: every replay is checked
+    train_steps(free.model, make, 2)
+    assert _checked_steps(free.model, free, make, 1)[0]["checked"] == sorted(m.segments)
+
+    e = lr.install(m, m.segments, budget=10**12)
+    train_steps(m, make, STEPS_TO_PLAN)
+    e.replan(budget=min_feasible_budget(e.costs, e.base_memory))
+    with pytest.warns(RuntimeWarning, match="derivative check skipped"):
+        seen = _checked_steps(m, e, make, 2)
+    assert [s["checked"] for s in seen] == [[], []] and e.checks_skipped == 2
+    assert all(s["peak_bytes"] <= e.budget for s in seen)
+    # named segments are checked whatever the budget
+    e.request_check(segments=["blocks.1"])
+    m(make(7)).pow(2).mean().backward()
+    assert e.window_stats()["checked"] == ["blocks.1"]
+    with pytest.raises(lr.ReplayConfigError, match="'blocks.9'"):
+        e.request_check(segments=["blocks.9"])

@@ -183,6 +183,29 @@ def test_a_lowered_budget_replans_and_the_measured_peak_holds_it(tmp_path):
     assert all(logged[s] == engine_stats[s] for s in engine_stats if s in logged and s > 0)
 
 
+def test_checked_steps_stay_within_the_budget_and_trigger_no_memory_replan(tmp_path):
+    """Under a budget with no headroom a derivative check would keep graphs the plan replays:
+    it is skipped (with a warning), so no step exceeds the budget and no re-plan follows."""
+    peaks = {}
+
+    def lower(t):
+        engine = t.strategy.engine
+        engine.budget = min_feasible_budget(engine.costs, engine.base_memory)
+
+    def record(t):
+        engine = t.strategy.engine
+        peaks[engine.step] = (engine.window_stats()["peak_bytes"], engine.budget)
+
+    cb = ReplayCallback(check_every_n_steps=4, replan_on=("memory",), replan_cooldown_steps=1)
+    t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
+                max_steps=16, callbacks=[_At([5], lower), cb, _At(range(1, 17), record)])
+    with pytest.warns(RuntimeWarning, match="derivative check skipped"):
+        t.fit(HazardNet(), loader(16))
+    after = {s: p for s, p in peaks.items() if s >= 7}
+    assert all(peak <= budget for peak, budget in after.values()), after
+    assert cb.replans == 0 and t.strategy.engine.checks_skipped >= 2
+
+
 def test_an_infeasible_budget_is_recorded_and_the_plan_kept(tmp_path):
     cb = ReplayCallback(check_every_n_steps=None, replan_on=("memory",))
     t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
