@@ -1255,11 +1255,12 @@ class ReplayEngine:
             return frozenset(requested)
         if self.plan is None or not self.budget:
             return frozenset(self.segments)
-        by_name = {c.name: c for c in self.costs or []}
         choices = self.plan.choices
-        candidates = [n for n in self.segments if n in by_name
-                      and choices.get(n, "retain") in by_name[n].options
-                      and choices.get(n, "retain") != "retain"]
+        # segments the plan covers with an option they still have (a segment first probed
+        # after the plan, or re-probed since, is left out until the next plan)
+        by_name = {c.name: c for c in self.costs or []
+                   if c.name in choices and choices[c.name] in c.options}
+        candidates = [n for n in self.segments if n in by_name and choices[n] != "retain"]
         if not candidates:
             return frozenset()
         k = self._check_cursor % len(candidates)
@@ -1297,7 +1298,8 @@ class ReplayEngine:
                 c = _planner.SegmentCost(c.name, c.activation_bytes,
                                          {o: _planner.Option(memory=keep, time=opt.time)})
             costs.append(c)
-        return _planner.predicted_peak(costs, self.plan.choices, self.base_memory)
+        return _planner.predicted_peak(costs, {n: self.plan.choices[n] for n in by_name},
+                                       self.base_memory)
 
     def _record_replay_time(self, inv: _Invocation, seconds: float) -> None:
         if self._warmup and inv.step == self.step:
