@@ -40,7 +40,8 @@ CHECKS = ("grad", "bytes")
 REPLAN_ON = ("memory", "violations", "shapes")
 
 _SUM_KEYS = ("replays", "matches", "rejections", "divergences")
-_MAX_KEYS = ("peak_memory_bytes", "step_time_ms", "preserved_bytes", "plan_version")
+_MAX_KEYS = ("peak_memory_bytes", "step_time_ms", "preserved_bytes", "plan_version",
+             "checks_skipped")
 # Records that are bookkeeping, not checks: contract versions and plans.
 _EVENTS = ("contract", "plan")
 _STATE_VERSION = 1
@@ -211,7 +212,9 @@ class ReplayCallback(Callback):
         local = {"replays": replays, **self.counters,
                  "peak_memory_bytes": peak, "step_time_ms": step_ms,
                  "preserved_bytes": sum(s["preserved_bytes"] for s in summary.values()),
-                 "plan_version": engine.plan_version}
+                 "plan_version": engine.plan_version,
+                 # checked steps whose derivative check did not fit the budget
+                 "checks_skipped": engine.checks_skipped}
         totals, votes = _reduce(strategy, local, [r in wants for r in REPLAN_ON])
         reasons = [r for r, v in zip(REPLAN_ON, votes) if v]
         if reasons:

@@ -32,6 +32,7 @@ METRICS: dict[str, str] = {
     "replay/rejections": "last",
     "replay/divergences": "last",
     "replay/plan_version": "last",
+    "replay/checks_skipped": "last",
 }
 
 RECORDS_KEY = "replay/records"
@@ -169,6 +170,7 @@ def build_workspace(entity: str, project: str, *, name: str = "lightning_replay"
         line("replay/divergences", "Divergences"),
         line("replay/rejections", "Contract rejections"),
         line("replay/plan_version", "Plan version"),
+        line("replay/checks_skipped", "Checks skipped (no budget headroom)"),
     ])
     records = ws.Section(name="Replay: records", is_open=True, panels=[
         wr.WeavePanelSummaryTable(table_name=RECORDS_KEY),

@@ -21,7 +21,7 @@ from strategies.lit_hazards import (DIM, HazardNet, OutsideStateNet, ViolationNe
 
 METRICS = ("replay/peak_memory_bytes", "replay/step_time_ms", "replay/replays",
            "replay/preserved_bytes", "replay/matches", "replay/rejections",
-           "replay/divergences", "replay/plan_version")
+           "replay/divergences", "replay/plan_version", "replay/checks_skipped")
 
 
 def _records(path, where: str = "1"):
@@ -204,6 +204,7 @@ def test_checked_steps_stay_within_the_budget_and_trigger_no_memory_replan(tmp_p
     after = {s: p for s, p in peaks.items() if s >= 7}
     assert all(peak <= budget for peak, budget in after.values()), after
     assert cb.replans == 0 and t.strategy.engine.checks_skipped >= 2
+    assert cb.last_metrics["checks_skipped"] == t.strategy.engine.checks_skipped
 
 
 def test_an_infeasible_budget_is_recorded_and_the_plan_kept(tmp_path):
