@@ -26,6 +26,7 @@ Example:
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import uuid
 from typing import Any, Iterable, Mapping
@@ -365,6 +366,12 @@ class ReplayStrategy(DDPStrategy):
             self._pending_engine_state = engine.state_dict()
             engine.uninstall()
         super().teardown()
+        if self._start_method != "popen" and _distributed_is_initialized() and \
+                multiprocessing.parent_process() is not None:
+            # A spawned or forked rank exits right after this. Left to interpreter shutdown,
+            # gloo's worker threads sometimes outlive it and abort the process ("terminate
+            # called without an active exception", SIGABRT) after a successful fit.
+            torch.distributed.destroy_process_group()
 
     # ------------------------------------------------------------------ plans across ranks
     def replan(self, budget: int | str | None = None) -> _planner.Plan | None:
