@@ -372,7 +372,10 @@ def _fit(base: dict[str, Any], settings: StudySettings, method: str, seed: int, 
         warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
         cli = _RunCLI(args, overrides)
     t0 = time.perf_counter()
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    with warnings.catch_warnings():
+        # reported in the results instead (checks_skipped), once per method
+        warnings.filterwarnings("ignore", message="derivative check skipped")
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     wall = time.perf_counter() - t0
     return _Run(method, seed, cli.model, cli.datamodule, cli.trainer, telemetry, wall, run_dir)
 
@@ -699,6 +702,7 @@ def _row(run: _Run, result: dict[str, Any], records: Path, budget: int | None
             "top1": result["top1"], "test_images": result["total"],
             "encoder_digest": weights_digest(run.model.encoder_q),
             "replays": replays, "records": _records_by_outcome(records, run_id),
+            "checks_skipped": engine.checks_skipped if engine is not None else None,
             "budget_bytes": budget if run.method in _REPLAY and _REPLAY[run.method][2] else None,
             "plan": plan, "run_id": run_id, "wall_s": run.wall_s,
             "steps": len(rows), "run_dir": str(run.run_dir),
@@ -795,6 +799,15 @@ def format_markdown(result: StudyResult) -> str:
                          f"the steady steps, largest over seeds: {', '.join(held)}; the live "
                          "tensor peak in the table also counts what the engine does not "
                          "(optimizer state, the batch and its augmentations, temporaries).")
+    skipped = {}
+    for r in result.rows:
+        if r.get("checks_skipped"):
+            skipped[r["method"]] = max(skipped.get(r["method"], 0), r["checks_skipped"])
+    if skipped:
+        lines.append(
+            "- derivative checks skipped under the budget (keeping even one segment's graph "
+            "would exceed it; byte checks still ran on those steps), most in one run: "
+            + ", ".join(f"{m} {n}" for m, n in skipped.items()) + ".")
     cutoff = b.get("steady_from_step", 1)
     when = (f"from step {cutoff}, when every replay run's plan is in force; checked steps "
             "excluded" if cutoff > 1 else "all of them")

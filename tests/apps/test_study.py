@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_replay.apps.study import (METHODS, STATE_AWARE, StudySettings,
-                                         describe_divergence, run_study)
+                                         describe_divergence, format_markdown, run_study)
 
 from .conftest import LAUNCHER_ENV, guard_launcher_env, tiny_study_config
 
@@ -69,6 +69,12 @@ def test_replay_runs_recorded_checks_without_divergence(study):
         # the budget held on every steady (planned, unchecked) step
         assert 0 < rows[m]["accounted_peak_bytes"] <= budget["bytes"]
     assert rows["none"]["replays"] == 0
+    # unbudgeted replay runs derivative-check every segment; budgeted ones report what they skip
+    assert rows["whole"]["checks_skipped"] == rows["regions"]["checks_skipped"] == 0
+    assert rows["none"]["checks_skipped"] is None
+    for m in ("eager_whole", "joint"):
+        if rows[m]["checks_skipped"]:
+            assert f"{m} {rows[m]['checks_skipped']}" in format_markdown(study)
     # recomputation really saves memory against retaining everything
     assert rows["whole"]["peak_bytes"] < rows["none"]["peak_bytes"]
 
