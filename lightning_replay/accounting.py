@@ -103,8 +103,11 @@ class Saved:
     def unpack(self) -> torch.Tensor:
         if self.t._version != self.version:
             state = self.namer(self.t) if self.namer is not None else None
-            raise SavedTensorModified(self.t, self.version, self.where, state)
+            raise SavedTensorModified(self.t, self.version, self._where(), state)
         return self.t
+
+    def _where(self) -> str:
+        return self.where
 
 
 class _Held(Saved):
@@ -113,10 +116,12 @@ class _Held(Saved):
     __slots__ = ("acct", "key")
 
     def __init__(self, t: torch.Tensor, acct: MemoryAccountant) -> None:
-        super().__init__(t, "the model outside segments" if acct.tag == "base"
-                         else f"segment {acct.tag!r}", acct.namer)
+        super().__init__(t, acct.tag, acct.namer)  # formatted only for an error
         self.acct = acct
         self.key = acct.hold_tensor(t)
+
+    def _where(self) -> str:
+        return "the model outside segments" if self.where == "base" else f"segment {self.where!r}"
 
     def __del__(self) -> None:
         if self.key is not None:
