@@ -1265,10 +1265,12 @@ class ReplayEngine:
             return frozenset()
         k = self._check_cursor % len(candidates)
         order = candidates[k:] + candidates[:k]
+        grads = {n: 2 * _unique_bytes([p for p in self.runtimes[n].module.parameters()
+                                       if p.requires_grad]) for n in candidates}
         chosen: list[str] = []
         last = -1
         for i, n in enumerate(order):
-            if self._checked_peak(by_name, chosen + [n]) <= self.budget:
+            if self._checked_peak(by_name, chosen + [n], grads) <= self.budget:
                 chosen.append(n)
                 last = i
         if not chosen:
@@ -1284,17 +1286,18 @@ class ReplayEngine:
         return frozenset(chosen)
 
     def _checked_peak(self, by_name: Mapping[str, _planner.SegmentCost],
-                      checked: list[str]) -> int:
+                      checked: list[str], grads: Mapping[str, int] | None = None) -> int:
         """Predicted peak of the plan with ``checked`` segments also keeping their graphs
-        (their activations, inputs and preserved state, and two sets of their parameter
-        gradients for the comparison)."""
+        (their activations, inputs and preserved state, and ``grads``: two sets of their
+        parameter gradients for the comparison, computed here when not given)."""
         costs = []
         for c in by_name.values():
             o = self.plan.choices[c.name]
             if c.name in checked:
                 opt = c.options[o]
-                keep = c.options["retain"].memory + opt.memory + 2 * _unique_bytes(
+                g = grads[c.name] if grads is not None else 2 * _unique_bytes(
                     [p for p in self.runtimes[c.name].module.parameters() if p.requires_grad])
+                keep = c.options["retain"].memory + opt.memory + g
                 c = _planner.SegmentCost(c.name, c.activation_bytes,
                                          {o: _planner.Option(memory=keep, time=opt.time)})
             costs.append(c)
