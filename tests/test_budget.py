@@ -4,6 +4,7 @@ with a message that quotes it and shows what would have worked."""
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_replay.budget import format_bytes, parse_budget
+from lightning_replay.budget import Budget, device_memory, format_bytes, parse_budget
 
 KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
 
@@ -103,12 +104,24 @@ def test_wrong_types_are_refused(value: object) -> None:
         parse_budget(value)
 
 
-@pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu")])
-def test_fraction_needs_a_cuda_device(device: object) -> None:
+def test_fraction_needs_a_device() -> None:
     with pytest.raises(ValueError) as info:
-        parse_budget(0.9, device=device)
+        parse_budget(0.9)
     text = str(info.value)
-    assert "budget=0.9" in text and "CUDA" in text and "bytes" in text
+    assert "budget=0.9" in text and "needs a device" in text and "bytes" in text
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
+def test_fraction_of_cpu_is_a_fraction_of_physical_memory(device: object) -> None:
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert device_memory(device) == physical
+    assert parse_budget(0.5, device=device) == physical // 2
+    assert parse_budget(1.0, device=device) == physical
+
+
+def test_fraction_of_a_device_without_known_memory_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"budget=0\.5: device 'meta' has no known total memory"):
+        parse_budget(0.5, device="meta")
 
 
 def test_fraction_without_cuda_available_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,3 +187,39 @@ def test_format_bytes(n: int, text: str) -> None:
 def test_format_bytes_refuses_non_ints() -> None:
     with pytest.raises(TypeError):
         format_bytes(1.5)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- Budget: one grammar
+@pytest.mark.parametrize(("value", "budget"), [
+    (None, Budget()),
+    ("min", Budget(min=True)),
+    (" MIN ", Budget(min=True)),
+    ("2GiB", Budget(bytes=2 * GiB)),
+    (4096, Budget(bytes=4096)),
+    (4e9, Budget(bytes=4_000_000_000)),
+    (0.25, Budget(fraction=0.25)),
+    (1.0, Budget(fraction=1.0)),
+    (1, Budget(bytes=1)),  # an int is bytes, never a fraction
+])
+def test_budget_parses_every_form_once(value: object, budget: Budget) -> None:
+    assert Budget.parse(value) == budget
+    assert Budget.parse(budget) is budget
+
+
+@pytest.mark.parametrize("value", ["lots", -5, 0, 0.0, True, "minimum", 1.5])
+def test_budget_rejects_what_parse_budget_rejects(value: object) -> None:
+    with pytest.raises(ValueError, match="budget="):
+        Budget.parse(value)
+
+
+def test_budget_resolves_against_the_device() -> None:
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert Budget.parse(0.5).resolve("cpu") == physical // 2
+    assert Budget.parse("1KiB").resolve("cpu") == 1024
+    assert Budget.parse("min").resolve("cpu") is None
+    assert Budget.parse(None).resolve("cpu") is None
+    assert Budget.parse(None).is_none and not Budget.parse("min").is_none
+
+
+def test_budget_fraction_resolves_on_a_cuda_device(fake_gpu: list[object]) -> None:
+    assert Budget.parse(0.5).resolve("cuda:0") == 40 * GiB
