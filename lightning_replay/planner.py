@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from lightning_replay.budget import format_bytes
+from lightning_replay.errors import ReplayError
 
 __all__ = [
     "OPTION_NAMES",
@@ -270,7 +271,7 @@ class Plan:
             raise ValueError(f"malformed plan dict: {err}") from None
 
 
-class InfeasibleBudget(ValueError):
+class InfeasibleBudget(ReplayError, ValueError):
     """No plan from the chosen method fits the budget.
 
     Attributes:
@@ -281,6 +282,10 @@ class InfeasibleBudget(ValueError):
         method: The method that was asked.
         joint_min_feasible: The same minimum for ``joint``, when it was computed (``None``
             otherwise), so the message can say whether switching method would help.
+        pins: The segments whose options a preservation pin restricted (segment name to the
+            options it allowed), or ``None`` when nothing was pinned.
+        unpinned_min_feasible: With pins, the minimum ``method`` reaches without them, so the
+            message can say whether the pins are what makes the budget infeasible.
 
     Example:
         >>> costs = [SegmentCost("b0", 100, {"retain": Option(100, 0.0)})]
@@ -292,17 +297,29 @@ class InfeasibleBudget(ValueError):
     """
 
     def __init__(
-        self, budget: int, min_feasible: int, method: str, joint_min_feasible: int | None = None
+        self,
+        budget: int,
+        min_feasible: int,
+        method: str,
+        joint_min_feasible: int | None = None,
+        pins: Mapping[str, Sequence[str]] | None = None,
+        unpinned_min_feasible: int | None = None,
     ) -> None:
         self.budget = budget
         self.min_feasible = min_feasible
         self.method = method
         self.joint_min_feasible = joint_min_feasible
+        self.pins = {k: tuple(v) for k, v in pins.items()} if pins else None
+        self.unpinned_min_feasible = unpinned_min_feasible
         super().__init__(self._message())
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The keyword-rich __init__ would otherwise break pickling (multiprocessing, DDP).
-        return (type(self), (self.budget, self.min_feasible, self.method, self.joint_min_feasible))
+        return (
+            type(self),
+            (self.budget, self.min_feasible, self.method, self.joint_min_feasible, self.pins,
+             self.unpinned_min_feasible),
+        )
 
     def _message(self) -> str:
         def show(n: int) -> str:
@@ -312,6 +329,18 @@ class InfeasibleBudget(ValueError):
             f"budget {show(self.budget)} cannot be met with method={self.method!r}: the lowest "
             f"peak it reaches is {show(self.min_feasible)}, base memory included. "
         )
+        if self.pins:
+            pinned = ", ".join(f"{name!r}: {'/'.join(opts)}" for name, opts in self.pins.items())
+            text = text[:-2] + f", with the preservation pins {{{pinned}}}. "
+            free = self.unpinned_min_feasible
+            if free is not None and free <= self.budget:
+                return text + (
+                    f"Without the pins the budget fits (the lowest peak is {show(free)}): pin "
+                    f"fewer segments (preservation='auto' for them), or raise the budget to at "
+                    f"least {self.min_feasible} bytes."
+                )
+            if free is not None:
+                text += f"Without the pins the lowest peak is {show(free)}. "
         joint = self.joint_min_feasible
         if self.method == "joint":
             return text + (
@@ -778,8 +807,55 @@ def _check_size(table: Sequence[_Seg], budget: int, base: int) -> None:
         )
 
 
+def _restrict(
+    costs: Sequence[SegmentCost], allowed: Mapping[str, Iterable[str]] | None
+) -> tuple[list[SegmentCost], dict[str, tuple[str, ...]]]:
+    """The cost table with each pinned segment cut down to its allowed options, and the pins
+    that removed at least one measured option."""
+    if allowed is None:
+        return list(costs), {}
+    if not isinstance(allowed, Mapping):
+        raise TypeError(f"allowed must map segment names to sets of options, got {type(allowed).__name__}")
+    known = {seg.name for seg in costs if isinstance(seg, SegmentCost)}
+    wanted: dict[str, tuple[str, ...]] = {}
+    for name, options in allowed.items():
+        if name not in known:
+            raise ValueError(f"allowed names segment {name!r}, which is not in the cost table {sorted(known)}")
+        if isinstance(options, str) or not isinstance(options, Iterable):
+            raise TypeError(f"allowed[{name!r}] must be a set of option names, got {options!r}")
+        options = set(options)
+        unknown = sorted(options - set(OPTION_NAMES))
+        if unknown or not options:
+            raise ValueError(
+                f"allowed[{name!r}] must be a non-empty set of options from {list(OPTION_NAMES)}, got "
+                f"{sorted(options)}"
+            )
+        wanted[name] = tuple(o for o in OPTION_NAMES if o in options)
+    restricted = []
+    pins = {}
+    for seg in costs:
+        keep = wanted.get(seg.name) if isinstance(seg, SegmentCost) else None
+        if keep is None:
+            restricted.append(seg)
+            continue
+        options = {o: opt for o, opt in seg.options.items() if o in keep}
+        if not options:
+            raise ValueError(
+                f"segment {seg.name!r} is pinned to {list(keep)}, but its measured options are "
+                f"{list(seg.options)}: none of them honours the pin. Pin it to one of those."
+            )
+        if len(options) < len(seg.options):
+            pins[seg.name] = tuple(options)
+        restricted.append(SegmentCost(seg.name, seg.activation_bytes, options))
+    return restricted, pins
+
+
 def plan(
-    costs: Sequence[SegmentCost], budget: int, base_memory: int = 0, method: str = "joint"
+    costs: Sequence[SegmentCost],
+    budget: int,
+    base_memory: int = 0,
+    method: str = "joint",
+    allowed: Mapping[str, Iterable[str]] | None = None,
 ) -> Plan:
     """Choose one option per segment so the predicted peak fits ``budget``, as fast as possible.
 
@@ -799,14 +875,17 @@ def plan(
             * ``retain_all``: every segment retained (lowest-memory option if it cannot be).
             * ``whole_all``: every segment ``whole``, else ``recompute``, else its
               lowest-memory option.
+        allowed: Segment name to the options it may take (a preservation pin); every method
+            chooses only among those. Segments not named may take any measured option.
 
     Returns:
         The :class:`Plan`.
 
     Raises:
         InfeasibleBudget: If the method cannot meet the budget; ``min_feasible`` says the
-            smallest budget it can.
-        TypeError, ValueError: On malformed costs, budget, base memory or method.
+            smallest budget it can, and ``pins`` names the pinned segments, if any.
+        TypeError, ValueError: On malformed costs, budget, base memory, method or
+            ``allowed`` (including a pin that none of a segment's measured options honours).
 
     Example:
         >>> costs = [SegmentCost(f"b{i}", 100, {"retain": Option(100, 0.0),
@@ -821,16 +900,23 @@ def plan(
         ... except InfeasibleBudget as err:
         ...     print(err.min_feasible)
         140
+        >>> plan(costs, budget=220, allowed={"b0": {"retain"}}).choices  # b0 pinned to retain
+        {'b0': 'retain', 'b1': 'regions', 'b2': 'retain'}
     """
-    table = _table(costs)
+    full = _table(costs)
     budget = _check_budget(budget)
     base = _check_int_bytes("base_memory", base_memory)
     method = _check_method(method)
-    _check_size(table, budget, base)
+    _check_size(full, budget, base)
+    restricted, pins = _restrict(costs, allowed)
+    table = _table(restricted) if pins else full
     if method == "joint":
         picks = _joint(table, budget - base)
         if picks is None:
-            raise InfeasibleBudget(budget, base + _joint_min_cap(table), method)
+            raise InfeasibleBudget(
+                budget, base + _joint_min_cap(table), method, pins=pins,
+                unpinned_min_feasible=base + _joint_min_cap(full) if pins else None,
+            )
     else:
         picks = None
         lowest = None
@@ -842,7 +928,10 @@ def plan(
             lowest = peak if lowest is None else min(lowest, peak)
         if picks is None:
             assert lowest is not None  # every baseline yields at least one assignment
-            raise InfeasibleBudget(budget, lowest, method, base + _joint_min_cap(table))
+            raise InfeasibleBudget(
+                budget, lowest, method, base + _joint_min_cap(table), pins=pins,
+                unpinned_min_feasible=_baseline_min(full, base, method) if pins else None,
+            )
     return Plan(
         choices={seg.name: seg.names[k] for seg, k in zip(table, picks)},
         peak_memory=_peak(table, picks, base),
@@ -853,11 +942,21 @@ def plan(
     )
 
 
-def min_feasible_budget(costs: Sequence[SegmentCost], base_memory: int = 0, method: str = "joint") -> int:
+def _baseline_min(table: Sequence[_Seg], base: int, method: str) -> int:
+    return min(_peak(table, picks, base) for picks in _BASELINES[method](table))
+
+
+def min_feasible_budget(
+    costs: Sequence[SegmentCost],
+    base_memory: int = 0,
+    method: str = "joint",
+    allowed: Mapping[str, Iterable[str]] | None = None,
+) -> int:
     """The smallest budget, in bytes and base memory included, that ``method`` can meet.
 
     This is :attr:`InfeasibleBudget.min_feasible` without having to fail first; for
-    ``joint`` it is the lowest predicted peak over every combination of options.
+    ``joint`` it is the lowest predicted peak over every combination of options. ``allowed``
+    restricts segments' options as in :func:`plan`.
 
     Example:
         >>> costs = [SegmentCost(f"b{i}", 100, {"retain": Option(100, 0.0), "whole": Option(40, 1.0)})
@@ -866,14 +965,20 @@ def min_feasible_budget(costs: Sequence[SegmentCost], base_memory: int = 0, meth
         150
         >>> min_feasible_budget(costs, base_memory=10, method="retain_all")
         210
+        >>> min_feasible_budget(costs, base_memory=10, allowed={"b0": {"retain"}})  # b1's replay
+        210
+        >>> # would hold b0's 100 + its own 40 + 100 re-materialized; retaining b1 holds only 200
     """
     table = _table(costs)
     base = _check_int_bytes("base_memory", base_memory)
     method = _check_method(method)
     _check_size(table, 0, base)
+    restricted, pins = _restrict(costs, allowed)
+    if pins:
+        table = _table(restricted)
     if method == "joint":
         return base + _joint_min_cap(table)
-    return min(_peak(table, picks, base) for picks in _BASELINES[method](table))
+    return _baseline_min(table, base, method)
 
 
 # ----------------------------------------------------------------------------------------------

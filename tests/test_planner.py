@@ -563,3 +563,97 @@ def test_plan_from_dict_rejects_bad_plans() -> None:
 def test_docstring_examples_run(module: ModuleType) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Preservation pins: allowed options per segment, honoured by every method.
+
+
+@st.composite
+def pinned_tables(draw: st.DrawFn) -> tuple[list[SegmentCost], dict[str, set[str]]]:
+    costs = draw(cost_tables(any_times, max_segments=6))
+    allowed = {}
+    for seg in costs:
+        if draw(st.booleans()):
+            allowed[seg.name] = set(draw(st.lists(st.sampled_from(list(seg.options)), min_size=1, unique=True)))
+    return costs, allowed
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_every_method_honours_the_pins(data: st.DataObject) -> None:
+    costs, allowed = data.draw(pinned_tables())
+    base = data.draw(st.integers(0, 100))
+    method = data.draw(st.sampled_from(METHODS))
+    budget = data.draw(st.integers(0, 600))
+    # The reference: the same method on a table that only has the allowed options.
+    cut = [
+        SegmentCost(c.name, c.activation_bytes, {o: v for o, v in c.options.items() if o in allowed.get(c.name, c.options)})
+        for c in costs
+    ]
+    assert min_feasible_budget(costs, base, method, allowed=allowed) == min_feasible_budget(cut, base, method)
+    try:
+        p = plan(costs, budget=budget, base_memory=base, method=method, allowed=allowed)
+    except InfeasibleBudget as err:
+        assert err.min_feasible == min_feasible_budget(cut, base, method) > budget
+        with pytest.raises(InfeasibleBudget):
+            plan(cut, budget=budget, base_memory=base, method=method)
+        return
+    for name, options in allowed.items():
+        assert p.choices[name] in options
+    assert p == plan(cut, budget=budget, base_memory=base, method=method)
+
+
+def test_joint_with_pins_is_optimal_among_pinned_plans() -> None:
+    costs = [
+        SegmentCost(f"b{i}", 100, {"retain": Option(100, 0.0), "whole": Option(40, 1.0), "regions": Option(20, 1.5)})
+        for i in range(3)
+    ]
+    allowed = {"b0": {"retain"}, "b2": {"retain", "whole"}}
+    p = plan(costs, budget=220, allowed=allowed)
+    plans = [
+        (reference_time(costs, combo), reference_peak(costs, combo, 0), combo)
+        for combo in itertools.product(*[sorted(allowed.get(c.name, c.options)) for c in costs])
+        if reference_peak(costs, combo, 0) <= 220
+    ]
+    assert (p.extra_time, p.peak_memory, combo_of(costs, p)) == min(plans)
+    assert p.choices == {"b0": "retain", "b1": "regions", "b2": "retain"}
+    # Without the pin b0 is the one replayed at this budget.
+    assert plan(costs, budget=220).choices["b0"] == "regions"
+
+
+def test_infeasible_with_pins_names_the_pins_and_says_unpinning_helps() -> None:
+    costs = two_blocks()
+    free = min_feasible_budget(costs)
+    pinned = min_feasible_budget(costs, allowed={"a": {"retain"}, "b": {"retain"}})
+    assert pinned > free
+    with pytest.raises(InfeasibleBudget) as info:
+        plan(costs, budget=free, allowed={"a": {"retain"}, "b": {"retain"}})
+    err = info.value
+    assert err.pins == {"a": ("retain",), "b": ("retain",)}
+    assert err.min_feasible == pinned and err.unpinned_min_feasible == free
+    text = str(err)
+    assert "preservation pins {'a': retain, 'b': retain}" in text
+    assert "Without the pins the budget fits" in text and str(pinned) in text
+    clone = pickle.loads(pickle.dumps(err))
+    assert (clone.pins, clone.unpinned_min_feasible, str(clone)) == (err.pins, err.unpinned_min_feasible, text)
+    # A pin that restricts nothing is not named.
+    with pytest.raises(InfeasibleBudget) as info:
+        plan(costs, budget=free - 1, allowed={"a": set(costs[0].options)})
+    assert info.value.pins is None and "pins" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("allowed", "error", "message"),
+    [
+        ({"nope": {"retain"}}, ValueError, "allowed names segment 'nope'"),
+        ({"a": set()}, ValueError, r"allowed\['a'\] must be a non-empty set"),
+        ({"a": {"keep"}}, ValueError, r"allowed\['a'\] must be a non-empty set of options .* got \['keep'\]"),
+        ({"a": "retain"}, TypeError, r"allowed\['a'\] must be a set of option names"),
+        (["a"], TypeError, "allowed must map segment names"),
+        ({"b": {"regions"}}, ValueError, r"segment 'b' is pinned to \['regions'\], but its measured options are"),
+    ],
+)
+def test_bad_pins_are_refused(allowed: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        plan(two_blocks(), budget=10**6, allowed=allowed)
