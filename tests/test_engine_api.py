@@ -13,7 +13,8 @@ from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.hazards import HAZARDS, MLPBlock
-from support import assert_same_state, clone_model, grads_equal, snapshot_state, train_steps
+from tests.helpers.compare import (assert_same_grads, assert_same_state, clone_model,
+                                   snapshot_state, train_steps)
 
 
 class StructBlock(nn.Module):
@@ -53,7 +54,7 @@ def test_struct_outputs_kwargs_and_non_grad_inputs():
     g_ref, _ = train_steps(ref, make, 4)
     engine = lr.install(model, ["a", "b"])
     g_rep, _ = train_steps(model, make, 4)
-    assert grads_equal(g_ref, g_rep) == []
+    assert_same_grads(g_ref, g_rep)
     assert engine.summary()["a"]["replays"] == 3
     assert_same_state(snapshot_state(ref), snapshot_state(model))
 
@@ -67,7 +68,7 @@ def test_input_without_grad():
             p.requires_grad_(False)
     g_ref, _ = train_steps(ref, h.make_input, 4)
     g_rep, _ = train_steps(model, h.make_input, 4)
-    assert grads_equal(g_ref, g_rep) == []
+    assert_same_grads(g_ref, g_rep)
     assert_same_state(snapshot_state(ref), snapshot_state(model))
 
 
@@ -79,7 +80,7 @@ def test_cpu_bf16_autocast(hazard):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         g_ref, _ = train_steps(ref, h.make_input, 4)
         g_rep, _ = train_steps(model, h.make_input, 4)
-    assert grads_equal(g_ref, g_rep) == []
+    assert_same_grads(g_ref, g_rep)
     assert all(s["replays"] == 3 for s in engine.summary().values())
     assert_same_state(snapshot_state(ref), snapshot_state(model))
 

@@ -7,8 +7,8 @@ import torch
 import lightning_replay as lr
 from lightning_replay.hazards import HAZARDS
 from lightning_replay.verify import diff_state
-from support import (assert_same_state, clone_model, grads_equal, snapshot_state,
-                     torch_checkpoint, train_steps)
+from tests.helpers.compare import (assert_same_grads, assert_same_state, clone_model,
+                                   grad_diffs, snapshot_state, torch_checkpoint, train_steps)
 
 STEPS = 5
 STATEFUL = [h for h in HAZARDS if h != "stateless"]
@@ -28,7 +28,7 @@ def run_pair(hazard: str, preservation: str, steps: int = STEPS):
 @pytest.mark.parametrize("hazard", list(HAZARDS))
 def test_hazard_replays_exactly(hazard, preservation):
     ref, model, engine, g_ref, g_rep = run_pair(hazard, preservation)
-    assert grads_equal(g_ref, g_rep) == []
+    assert_same_grads(g_ref, g_rep)
     summary = engine.summary()
     engine.uninstall()
     assert_same_state(snapshot_state(ref), snapshot_state(model), hazard)
@@ -48,7 +48,7 @@ def test_torch_checkpoint_diverges_or_raises(hazard):
         g_naive, _ = train_steps(naive, h.make_input, STEPS)
     except RuntimeError:
         return  # raised: that is one of the two failure modes we claim
-    diverged = grads_equal(g_ref, g_naive)
+    diverged = grad_diffs(g_ref, g_naive)
     ref_state, naive_state = snapshot_state(ref), snapshot_state(naive)
     state_diff = diff_state(ref_state, naive_state)
     assert diverged or state_diff, f"{hazard}: torch.utils.checkpoint was exact"
@@ -132,7 +132,7 @@ def test_checked_every_step_trains_exactly_and_matches(hazard):
         return h.make_input(step)
 
     g_rep, _ = train_steps(model, make_input, STEPS)
-    assert grads_equal(g_ref, g_rep) == []
+    assert_same_grads(g_ref, g_rep)
     checks = [r for r in engine.records.read() if r.check in ("grad", "bytes")]
     assert {r.check for r in checks} == {"grad", "bytes"}
     assert all(r.outcome == "match" for r in checks), [r.detail for r in checks

@@ -14,7 +14,7 @@ from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.apps.sparse_write import SparseWriteModel, sparse_write_input
-from support import grads_equal, train_steps
+from tests.helpers.compare import assert_same_grads, train_steps
 
 
 class _ReadsBufferItself(nn.Module):
@@ -86,5 +86,5 @@ def test_sparse_write_model_trains_exactly(preservation):
     model = copy.deepcopy(proto)
     engine = lr.install(model, proto.segments, preservation=preservation)
     g_rep, _ = train_steps(model, make_input, 4)
-    assert grads_equal(g_ref, g_rep) == []
+    assert_same_grads(g_ref, g_rep)
     assert all(s["replays"] == 3 for s in engine.summary().values())

@@ -140,7 +140,7 @@ def test_describe_divergence():
 
 def _complete(path, timeout=30.0):
     """wandb.finish() can return before the service has flushed the run's exit record."""
-    from tests.wandb_reader import iter_records
+    from tests.helpers.wandb_reader import iter_records
 
     deadline = time.monotonic() + timeout
     while not any(r.WhichOneof("record_type") == "exit" for r in iter_records(path)):
@@ -150,7 +150,7 @@ def _complete(path, timeout=30.0):
 
 
 def test_offline_wandb_runs_are_written(tmp_path, tiny_data, monkeypatch):
-    from tests.wandb_reader import read_run
+    from tests.helpers.wandb_reader import read_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = tiny_study_config(tmp_path / "study", tiny_data, methods=["none", "whole"],

@@ -16,8 +16,8 @@ from lightning_replay import ReplayCallback, ReplayConfigError, ReplayStrategy
 from lightning_replay.planner import min_feasible_budget
 from lightning_replay.records import COLUMNS
 
-from strategies.lit_hazards import (DIM, HazardNet, OutsideStateNet, ViolationNet, differing,
-                                    loader, state, trainer)
+from tests.helpers.lit_hazards import (DIM, HazardNet, OutsideStateNet, ViolationNet,
+                                       differing, loader, state, trainer)
 
 METRICS = ("replay/peak_memory_bytes", "replay/step_time_ms", "replay/replays",
            "replay/preserved_bytes", "replay/matches", "replay/rejections",

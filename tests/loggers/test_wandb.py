@@ -14,8 +14,8 @@ from lightning_replay.loggers import (METRICS, PLAN_COLUMNS, RECORDS_KEY, WandbR
                                       build_workspace, plan_rows, workspace_spec)
 from lightning_replay.records import COLUMNS, RecordStore
 
-from strategies.lit_hazards import HazardNet, loader, trainer
-from wandb_reader import find_run_file, read_run
+from tests.helpers.lit_hazards import HazardNet, loader, trainer
+from tests.helpers.wandb_reader import find_run_file, read_run
 
 
 def _table_rows(run_dir: Path, key: str) -> list[list]:

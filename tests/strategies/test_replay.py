@@ -19,8 +19,8 @@ from lightning_replay import (RecordStore, ReplayCallback, ReplayConfigError, Re
 from lightning_replay.hazards import BNBlock, MLPBlock
 from lightning_replay.strategies import STRATEGY_NAMES, default_segments, register
 
-from .lit_hazards import (DIM, HazardNet, OneThreadInChild, SaveRankState, differing, loader,
-                          state, trainer)
+from tests.helpers.lit_hazards import (DIM, HazardNet, OneThreadInChild, SaveRankState,
+                                       differing, loader, state, trainer)
 
 
 def _load(path):

@@ -1,0 +1,11 @@
+"""Shared test helpers, imported as ``tests.helpers.<module>``.
+
+* :mod:`tests.helpers.compare` — train a model with and without recomputation and compare
+  gradients and state bit for bit (thin layer over :mod:`lightning_replay.verify`).
+* :mod:`tests.helpers.lit_hazards` — LightningModules with state hazards and Trainer helpers.
+* :mod:`tests.helpers.wandb_reader` — read an offline wandb run's ``.wandb`` file back.
+* :mod:`tests.helpers.torch_memory` — an independent memory referee (``torch.profiler``).
+
+``setup.cfg`` puts the repository root on ``sys.path`` (``pythonpath = .``), so both
+``pytest`` and ``python -m pytest`` find this package under any import mode.
+"""
