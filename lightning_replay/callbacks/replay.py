@@ -2,13 +2,15 @@
 
 Every training step it measures peak memory (the CUDA allocator, or the engine's exact byte
 accounting on CPU), step time, replays and preserved bytes; reads the records the step wrote;
-re-plans when memory, contracts or input shapes call for it (every rank agrees); requests a
-derivative and byte-level check every ``check_every_n_steps`` windows; and logs
-``replay/peak_memory_bytes``, ``replay/step_time_ms``, ``replay/replays``,
-``replay/preserved_bytes``, ``replay/matches``, ``replay/rejections``, ``replay/divergences``
-and ``replay/plan_version`` through ``pl_module.log`` (so CSV, TensorBoard and wandb all see
-them). With a ``WandbLogger`` it also defines metric summaries and logs the records and the plan
-as tables.
+re-plans when memory, contracts (rejections and divergences) or input shapes call for it (every
+rank agrees); requests a derivative and byte-level check on the first step after the probe and
+calibration, then every ``check_every_n_steps`` windows; logs ``replay/*`` metrics through
+``pl_module.log`` (so CSV, TensorBoard and wandb all see them); and writes one JSON line per step
+to ``<default_root_dir>/replay/telemetry.jsonl`` next to the records (what
+``lightning-replay report`` plots). At the end of fit, rank 0 prints a short summary: the plan,
+the peak against what retaining every segment would take, replays, checks and where the records
+are. With a ``WandbLogger`` it also puts the replay settings into the run's config, defines metric
+summaries and logs the records and the plan as tables.
 
 Example:
     >>> import lightning as L, lightning_replay
@@ -19,6 +21,7 @@ Example:
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Iterable, Mapping, Sequence
@@ -31,9 +34,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_replay import planner as _planner
+from lightning_replay.budget import format_bytes
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.loggers.wandb import WandbReplayWriter, plan_rows, wandb_runs
-from lightning_replay.records import Record
+from lightning_replay.records import CHECKS as _CHECK_KINDS
+from lightning_replay.records import RECORDS_DIR, Record, default_records_path
 from lightning_replay.strategies.replay import ReplayStrategy
 
 CHECKS = ("grad", "bytes")
@@ -42,9 +47,21 @@ REPLAN_ON = ("memory", "violations", "shapes")
 _SUM_KEYS = ("replays", "matches", "rejections", "divergences")
 _MAX_KEYS = ("peak_memory_bytes", "step_time_ms", "preserved_bytes", "plan_version",
              "checks_skipped")
-# Records that are bookkeeping, not checks: contract versions and plans.
-_EVENTS = ("contract", "plan")
 _STATE_VERSION = 1
+_MIB = 2**20
+
+TELEMETRY_FILE = "telemetry.jsonl"
+
+
+def default_telemetry_path(root_dir: str | os.PathLike) -> str:
+    """Where :class:`ReplayCallback` writes its per-step rows:
+    ``<root_dir>/replay/telemetry.jsonl``, next to the records.
+
+    Example:
+        >>> default_telemetry_path("runs/a").replace(os.sep, "/")
+        'runs/a/replay/telemetry.jsonl'
+    """
+    return os.path.join(os.fspath(root_dir), RECORDS_DIR, TELEMETRY_FILE)
 
 
 class ReplayCallback(Callback):
@@ -56,9 +73,9 @@ class ReplayCallback(Callback):
         checks: which checks: ``"grad"`` (replayed gradients against the retained graph's, bit
             for bit) and/or ``"bytes"`` (digests of contract state and replayed outputs).
         replan_on: what re-plans: ``"memory"`` (measured peak above the budget, or far below
-            what the plan predicted), ``"violations"`` (a rejection: once the segment's new
-            contract version is in force),
-            ``"shapes"`` (input shapes changed and stayed changed).
+            what the plan predicted), ``"violations"`` (a rejection or a check's divergence:
+            once no segment is being probed again), ``"shapes"`` (input shapes changed and
+            stayed changed).
         records_path: the SQLite records file; default
             ``<trainer.default_root_dir>/replay/records.sqlite``. Rows are appended across
             resumes under one run id.
@@ -69,10 +86,17 @@ class ReplayCallback(Callback):
         replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
         shape_patience: steps the new input shapes must persist before ``"shapes"`` re-plans
             (a short last batch does not re-plan).
+        progress_bar: show ``replay/peak`` (this step's peak, MiB) and ``replay/saved`` (MiB
+            below what retaining every segment would take, by the measured costs) in the
+            progress bar.
+        summary: print the end-of-fit summary (rank 0).
 
     Raises:
         ReplayConfigError: on a bad argument (the message names it and what is allowed), or at
             setup when the trainer's strategy is not a :class:`ReplayStrategy`.
+
+    Checks run on the first step once every segment has a contract and a plan is in force,
+    then on every ``check_every_n_steps``-th step, so that even a short run checks its replays.
 
     Metrics go through ``pl_module.log`` on the steps Lightning hands to its loggers
     (``log_every_n_steps``, read from the trainer's logger connector: a Lightning internal,
@@ -95,6 +119,8 @@ class ReplayCallback(Callback):
         memory_headroom: float = 0.25,
         replan_cooldown_steps: int = 10,
         shape_patience: int = 2,
+        progress_bar: bool = False,
+        summary: bool = True,
     ) -> None:
         self.check_every_n_steps = _check_positive_or_none("check_every_n_steps",
                                                            check_every_n_steps)
@@ -104,6 +130,11 @@ class ReplayCallback(Callback):
         if not isinstance(log_records, bool):
             raise ReplayConfigError(f"ReplayCallback(log_records={log_records!r}) must be a bool")
         self.log_records = log_records
+        for name, flag in (("progress_bar", progress_bar), ("summary", summary)):
+            if not isinstance(flag, bool):
+                raise ReplayConfigError(f"ReplayCallback({name}={flag!r}) must be a bool")
+        self.progress_bar = progress_bar
+        self.summary = summary
         if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, (int, float)) \
                 or not 0 < memory_headroom < 1:
             raise ReplayConfigError(f"ReplayCallback(memory_headroom={memory_headroom!r}) must "
@@ -130,6 +161,14 @@ class ReplayCallback(Callback):
         self._logged_events: dict[str, float] = {}
         self._writers: list[WandbReplayWriter] = []
         self._logged_plan_version = -1
+        self._telemetry: Any = None
+        self.telemetry_path: str | None = None
+        self._checked_first = False
+        self._checked_steps = 0
+        self._steady_peak: int | None = None
+        self._retain_all_peak: int | None = None
+        self.fit_summary: dict[str, Any] | None = None
+        """What the end-of-fit summary says, as data (set at the end of fit)."""
 
     # ------------------------------------------------------------------ setup
     @override
@@ -142,8 +181,7 @@ class ReplayCallback(Callback):
                 f"ReplayCallback needs Trainer(strategy='replay') (a ReplayStrategy); this "
                 f"trainer uses {type(strategy).__name__}. Add `import lightning_replay` and "
                 "pass strategy='replay'.")
-        path = self.records_path or os.path.join(trainer.default_root_dir, "replay",
-                                                 "records.sqlite")
+        path = self.records_path or default_records_path(trainer.default_root_dir)
         _check_records_path(path)
         strategy.configure_records(path, default=self.records_path is None)
         self._strategy = strategy
@@ -165,18 +203,54 @@ class ReplayCallback(Callback):
             self.record_seq = 0  # a fresh in-memory store starts again at 1
         self._loaded = None
         self._replays_total = sum(s["replays"] for s in engine.summary().values())
+        self._checked_first = False
+        self._checked_steps = 0
+        self._steady_peak = None
+        self._retain_all_peak = None
+        self.fit_summary = None
         self._writers = []
-        if trainer.is_global_zero and self.log_records:
-            self._writers = [WandbReplayWriter(run) for run in wandb_runs(trainer.loggers)]
-            for w in self._writers:
-                w.define_metrics()
+        if trainer.is_global_zero:
+            writers = [WandbReplayWriter(run) for run in wandb_runs(trainer.loggers)]
+            for w in writers:
+                w.log_config(self.settings(strategy))
+            if self.log_records:
+                self._writers = writers
+                for w in self._writers:
+                    w.define_metrics()
+            self.telemetry_path = default_telemetry_path(trainer.default_root_dir)
+            os.makedirs(os.path.dirname(self.telemetry_path), exist_ok=True)
+            # appended across fits and resumes: rows carry the run id, the report picks one
+            self._telemetry = open(self.telemetry_path, "a", encoding="utf-8")
+
+    def settings(self, strategy: ReplayStrategy | None = None) -> dict[str, Any]:
+        """The strategy's and this callback's settings, JSON-safe: what goes into a wandb run's
+        config under ``replay`` (so runs can be grouped and filtered by them)."""
+        strategy = strategy or self._require_strategy()
+        engine = strategy.engine
+        preservation = strategy.preservation
+        return {"budget_bytes": engine.budget if engine is not None else strategy.budget,
+                "planner": strategy.planner,
+                "preservation": (dict(preservation) if isinstance(preservation, Mapping)
+                                 else preservation),
+                "on_violation": strategy.on_violation,
+                "calibration_steps": strategy.calibration_steps,
+                "segments": list(engine.segments) if engine is not None else [],
+                "world_size": strategy.world_size,
+                "check_every_n_steps": self.check_every_n_steps,
+                "checks": list(self.checks),
+                "replan_on": list(self.replan_on),
+                "memory_headroom": self.memory_headroom}
 
     # ------------------------------------------------------------------ every step
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         engine = self._require_strategy().engine
-        if self.check_every_n_steps and (engine.step + 1) % self.check_every_n_steps == 0:
+        if self.check_every_n_steps and (
+                (engine.step + 1) % self.check_every_n_steps == 0
+                or (not self._checked_first and _settled(engine))):
+            # the first settled step too: a run shorter than check_every_n_steps still checks
+            self._checked_first = True
             engine.request_check(grad="grad" in self.checks, bytes="bytes" in self.checks)
         shapes = _shapes(batch)
         self._shape_streak = self._shape_streak + 1 if shapes == self._batch_shapes else 1
@@ -221,6 +295,22 @@ class ReplayCallback(Callback):
             self._replan(trainer, strategy, reasons)
             totals["plan_version"] = engine.plan_version
         self.last_metrics = totals
+        checked = bool(stats["checked"]) or any(r.check in _CHECK_KINDS for r in mine)
+        self._checked_steps += checked
+        retain_all = self._retain_all(engine)
+        settled = engine.plan is not None and _settled(engine)
+        if settled and not checked and peak:
+            self._steady_peak = max(self._steady_peak or 0, peak)
+        if self._telemetry is not None:
+            self._write_telemetry(trainer, engine, stats, peak, step_ms, replays, new,
+                                  checked, retain_all)
+        if self.progress_bar:
+            bar = {"replay/peak": peak / _MIB}
+            if retain_all is not None:
+                bar["replay/saved"] = (retain_all - peak) / _MIB
+            for name, value in bar.items():
+                pl_module.log(name, float(value), prog_bar=True, logger=False, on_step=True,
+                              on_epoch=False, batch_size=1)
         # self.log costs about a millisecond per metric: log on the steps Lightning passes to
         # the loggers (log_every_n_steps; it would drop the others), on the last step, and
         # whenever a rejection, a divergence or a new plan appears.
@@ -228,7 +318,9 @@ class ReplayCallback(Callback):
         if trainer._logger_connector.should_update_logs or events != self._logged_events \
                 or _is_last_step(trainer, batch_idx):
             self._logged_events = events
-            for name, value in totals.items():
+            mib = {"peak_memory_mib": totals["peak_memory_bytes"] / _MIB,
+                   "preserved_mib": totals["preserved_bytes"] / _MIB}
+            for name, value in {**totals, **mib}.items():
                 # float64: byte counts stay exact (float32 rounds above 16 MiB).
                 pl_module.log(f"replay/{name}", torch.tensor(float(value), dtype=torch.float64),
                               on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
@@ -240,8 +332,9 @@ class ReplayCallback(Callback):
                         checked: bool) -> set[str]:
         reasons: set[str] = set()
         if "violations" in self.replan_on and any(
-                r.outcome == "rejection" and r.check not in _EVENTS for r in mine):
-            # The rejected segment is probed again; plan once its new contract is in force.
+                r.is_check and r.outcome in ("rejection", "divergence") for r in mine):
+            # The segment is probed again (a rejection, or the engine's reaction to a
+            # divergence): plan once its new contract is in force.
             self._violation_pending = True
         if engine.plan is None or not _costs_ready(engine) or any(
                 s["status"] in ("probe", "probing") for s in engine.summary().values()):
@@ -270,10 +363,9 @@ class ReplayCallback(Callback):
         try:
             plan = strategy.replan()
         except _planner.InfeasibleBudget as exc:
-            engine.records.append(step=engine.step, segment="*",
-                                  contract_version=engine.plan_version, check="plan",
-                                  outcome="rejection",
-                                  detail={"reasons": reasons, "error": str(exc)})
+            engine.records.record_plan(step=engine.step, plan_version=engine.plan_version,
+                                       detail={"reasons": reasons, "error": str(exc)},
+                                       failed=True)
             rank_zero_warn(f"ReplayCallback: re-plan ({', '.join(reasons)}) failed, keeping "
                            f"plan v{engine.plan_version}: {exc}")
             self._memory_settled = True
@@ -286,7 +378,7 @@ class ReplayCallback(Callback):
         # something else changes the plan.
         self._memory_settled = plan is not None and before == plan.choices and \
             reasons == ["memory"]
-        if plan is not None:
+        if plan is not None and before != plan.choices:
             rank_zero_info(f"ReplayCallback: re-planned ({', '.join(reasons)}) at step "
                            f"{engine.step}: plan v{engine.plan_version} {plan.choices}")
 
@@ -313,6 +405,77 @@ class ReplayCallback(Callback):
             for w in self._writers:
                 w.add_records(new)
                 w.flush_records(trainer.global_step)
+        self._close_telemetry()
+        self.fit_summary = self._fit_summary(trainer, engine)
+        if self.summary and trainer.is_global_zero:
+            rank_zero_info(format_fit_summary(self.fit_summary))
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        self._close_telemetry()
+
+    # ------------------------------------------------------------------ telemetry, summary
+    def _retain_all(self, engine: Any) -> int | None:
+        """Predicted peak with every segment retained, by the measured costs (cached per plan
+        version: costs change when the plan does)."""
+        costs = engine.costs if engine.plan is not None else None
+        if not costs:
+            return self._retain_all_peak
+        try:
+            self._retain_all_peak = _planner.predicted_peak(
+                costs, {c.name: "retain" for c in costs}, engine.base_memory)
+        except (KeyError, ValueError):  # a segment without a measured retain option
+            pass
+        return self._retain_all_peak
+
+    def _write_telemetry(self, trainer: pl.Trainer, engine: Any, stats: Mapping[str, Any],
+                         peak: int, step_ms: float, replays: int, new: list[Record],
+                         checked: bool, retain_all: int | None) -> None:
+        plan = {n: s["mode"] for n, s in engine.summary().items()}
+        for r in new:  # a segment probed in this step ran retained, under discovery
+            if r.check == "contract" and r.segment in plan:
+                plan[r.segment] = "probe"
+        row = {"run_id": engine.records.run_id, "step": trainer.global_step,
+               "epoch": trainer.current_epoch, "window": engine.step,
+               "step_time_ms": step_ms, "peak_bytes": peak or None,
+               "memory": "cuda" if torch.cuda.is_available() and
+               trainer.strategy.root_device.type == "cuda" else "accounted",
+               "accounted_peak_bytes": stats.get("accounted_peak_bytes"),
+               "predicted_peak_bytes": (engine.plan.peak_memory if engine.plan is not None
+                                        else None),
+               "retain_all_peak_bytes": retain_all, "budget": engine.budget,
+               "plan_version": engine.plan_version, "plan": plan, "replays": replays,
+               "preserved_bytes": stats.get("preserved_bytes"), "checked": checked,
+               "records": {o: sum(1 for r in new if r.is_check and r.outcome == o)
+                           for o in ("match", "rejection", "divergence")}}
+        self._telemetry.write(json.dumps(row) + "\n")
+        self._telemetry.flush()
+
+    def _close_telemetry(self) -> None:
+        if self._telemetry is not None:
+            self._telemetry.close()
+            self._telemetry = None
+
+    def _fit_summary(self, trainer: pl.Trainer, engine: Any) -> dict[str, Any]:
+        m = self.last_metrics
+        summary = engine.summary()
+        choices = dict(engine.plan.choices) if engine.plan is not None else {}
+        return {"run_id": engine.records.run_id, "steps": engine.step,
+                "plan_version": engine.plan_version,
+                "planner": engine.planner, "budget": engine.budget,
+                "segments": {n: {"option": choices.get(n, s["mode"]),
+                                 "contract_version": s.get("contract_version"),
+                                 "replays": s.get("replays", 0)} for n, s in summary.items()},
+                "peak_bytes": self._steady_peak, "retain_all_peak_bytes": self._retain_all_peak,
+                "replays": int(sum(s.get("replays", 0) for s in summary.values())),
+                "checked_steps": self._checked_steps,
+                "check_every_n_steps": self.check_every_n_steps,
+                "matches": int(m.get("matches", 0)), "divergences": int(m.get("divergences", 0)),
+                "rejections": int(m.get("rejections", 0)),
+                "checks_skipped": int(m.get("checks_skipped", 0)),
+                "records_path": engine.records.path, "telemetry_path": self.telemetry_path,
+                "root_dir": trainer.default_root_dir}
 
     # ------------------------------------------------------------------ resumable state
     @override
@@ -357,10 +520,71 @@ class ReplayCallback(Callback):
 
 
 # ---------------------------------------------------------------------- helpers
+def format_fit_summary(s: Mapping[str, Any]) -> str:
+    """The end-of-fit block :class:`ReplayCallback` prints (from :attr:`~ReplayCallback.fit_summary`).
+
+    Example:
+        >>> print(format_fit_summary({"run_id": "ab12", "steps": 48, "plan_version": 1,
+        ...     "planner": "joint", "budget": None,
+        ...     "segments": {"blocks.0": {"option": "regions", "contract_version": 1,
+        ...                               "replays": 47}},
+        ...     "peak_bytes": 7 * 2**20, "retain_all_peak_bytes": 10 * 2**20, "replays": 47,
+        ...     "checked_steps": 1, "check_every_n_steps": 50, "matches": 2,
+        ...     "divergences": 0, "rejections": 0, "checks_skipped": 0,
+        ...     "records_path": "runs/replay/records.sqlite", "root_dir": "runs"}))
+        lightning_replay: 48 steps, run ab12, plan v1 (joint, lowest-memory plan)
+          blocks.0  regions  contract v1  47 replays
+          peak 7.00 MiB vs 10.00 MiB retaining every segment: 3.00 MiB (30%) saved
+          replays 47; checks on 1 step (first settled step, then every 50): 2 matched, 0 diverged, 0 skipped; 0 rejections
+          records runs/replay/records.sqlite (lightning-replay records runs --summary; report: lightning-replay report runs)
+    """
+    budget = s.get("budget")
+    lines = [f"lightning_replay: {s['steps']} steps, run {s['run_id']}, plan "
+             f"v{s['plan_version']} ({s['planner']}, "
+             f"{'budget ' + format_bytes(budget) if budget else 'lowest-memory plan'})"]
+    segs = s.get("segments") or {}
+    width = max((len(n) for n in segs), default=0)
+    owidth = max((len(str(d["option"])) for d in segs.values()), default=0)
+    for name, d in segs.items():
+        lines.append(f"  {name.ljust(width)}  {str(d['option']).ljust(owidth)}  contract "
+                     f"v{d['contract_version']}  {d['replays']} replays")
+    peak, full = s.get("peak_bytes"), s.get("retain_all_peak_bytes")
+    if peak and full:
+        saved = full - peak
+        lines.append(f"  peak {format_bytes(peak)} vs {format_bytes(full)} retaining every "
+                     f"segment: {format_bytes(abs(saved))} ({abs(saved) / full:.0%}) "
+                     f"{'saved' if saved >= 0 else 'more'}")
+    elif peak:
+        lines.append(f"  peak {format_bytes(peak)} (no measured costs to compare with)")
+    else:
+        lines.append("  peak: n/a (no step ran with a plan in force)")
+    n = s.get("check_every_n_steps")
+    cadence = (f"first settled step, then every {n}" if n else "checks off")
+    step_word = "step" if s["checked_steps"] == 1 else "steps"
+    lines.append(f"  replays {s['replays']}; checks on {s['checked_steps']} {step_word} "
+                 f"({cadence}): {s['matches']} matched, {s['divergences']} diverged, "
+                 f"{s['checks_skipped']} skipped; {s['rejections']} rejections")
+    where = s.get("records_path")
+    root = s.get("root_dir")
+    if where:
+        lines.append(f"  records {where} (lightning-replay records {root} --summary; report: "
+                     f"lightning-replay report {root})")
+    else:
+        lines.append("  records kept in memory (pass ReplayCallback(records_path=...) to keep "
+                     "them)")
+    return "\n".join(lines)
+
+
+def _settled(engine: Any) -> bool:
+    """Every segment has a contract (none is being probed) and a plan is in force."""
+    return engine.plan is not None and not any(
+        s["status"] in ("probe", "probing") for s in engine.summary().values())
+
+
 def _count(records: Iterable[Record]) -> dict[str, int]:
     out = {"matches": 0, "rejections": 0, "divergences": 0}
     for r in records:
-        if r.check in _EVENTS and r.outcome == "match":
+        if r.is_event and r.outcome == "match":
             continue
         out[{"match": "matches", "rejection": "rejections",
              "divergence": "divergences"}[r.outcome]] += 1

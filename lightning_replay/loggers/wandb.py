@@ -1,5 +1,5 @@
-"""wandb extras for replay telemetry: metric summaries, the records table, the plan table, and a
-dashboard-as-code workspace.
+"""wandb extras for replay telemetry: the replay settings in the run config, metric summaries,
+the records table, the plan table, and a dashboard-as-code workspace.
 
 :class:`ReplayCallback` uses :class:`WandbReplayWriter` for every ``WandbLogger`` of the trainer
 (on rank zero). The metrics themselves go through ``pl_module.log`` like any other logger's.
@@ -25,15 +25,20 @@ STEP_METRIC = "trainer/global_step"
 #: The metrics :class:`ReplayCallback` logs, with the wandb summary each keeps.
 METRICS: dict[str, str] = {
     "replay/peak_memory_bytes": "max",
+    "replay/peak_memory_mib": "max",
     "replay/step_time_ms": "mean",
     "replay/replays": "last",
     "replay/preserved_bytes": "max",
+    "replay/preserved_mib": "max",
     "replay/matches": "last",
     "replay/rejections": "last",
     "replay/divergences": "last",
     "replay/plan_version": "last",
     "replay/checks_skipped": "last",
 }
+
+#: The run-config section holding the strategy's and the callback's settings.
+CONFIG_KEY = "replay"
 
 RECORDS_KEY = "replay/records"
 PLAN_KEY = "replay/plan"
@@ -66,6 +71,11 @@ class WandbReplayWriter:
         self._table: Any = None
         self._pending = 0
         self.rows_logged = 0
+
+    def log_config(self, settings: Mapping[str, Any]) -> None:
+        """Put the replay settings into the run's config under ``replay`` (``replay.planner``,
+        ``replay.budget_bytes``, ...), so runs can be grouped and filtered by them."""
+        self.run.config.update({CONFIG_KEY: dict(settings)}, allow_val_change=True)
 
     def define_metrics(self) -> None:
         """Summaries for each replay metric (``max`` peak memory, ``mean`` step time, ...)."""
@@ -151,7 +161,7 @@ def build_workspace(entity: str, project: str, *, name: str = "lightning_replay"
     Example:
         >>> ws = build_workspace("team", "proj")
         >>> ws.sections[0].panels[0].y
-        ['replay/peak_memory_bytes']
+        ['replay/peak_memory_mib']
     """
     import wandb_workspaces.reports.v2 as wr
     import wandb_workspaces.workspaces as ws
@@ -160,8 +170,8 @@ def build_workspace(entity: str, project: str, *, name: str = "lightning_replay"
         return wr.LinePlot(title=title, x=step_metric, y=[metric])
 
     memory = ws.Section(name="Replay: memory and time", is_open=True, panels=[
-        line("replay/peak_memory_bytes", "Peak memory (bytes)"),
-        line("replay/preserved_bytes", "Preserved state (bytes)"),
+        line("replay/peak_memory_mib", "Peak memory (MiB)"),
+        line("replay/preserved_mib", "Preserved state (MiB)"),
         line("replay/step_time_ms", "Step time (ms)"),
         line("replay/replays", "Replays per step"),
     ])
