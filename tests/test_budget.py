@@ -223,3 +223,26 @@ def test_budget_resolves_against_the_device() -> None:
 
 def test_budget_fraction_resolves_on_a_cuda_device(fake_gpu: list[object]) -> None:
     assert Budget.parse(0.5).resolve("cuda:0") == 40 * GiB
+
+
+# ---------------------------------------------------------------------- through install()
+def test_install_resolves_a_fraction_against_the_models_device() -> None:
+    """Issue 11, bug 1: install(budget=0.5) used to fail on every device."""
+    import lightning_replay as lr
+    from lightning_replay.planner import min_feasible_budget
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    engine = lr.install(model, ["0", "1"], budget=0.5)
+    assert engine.budget == physical // 2
+    for _ in range(7):  # probe, calibration, plan
+        model(torch.randn(4, 8)).sum().backward()
+    assert engine.plan is not None and engine.plan.budget == physical // 2
+    engine.replan(budget=0.25)
+    assert engine.budget == engine.plan.budget == physical // 4
+    engine.replan(budget="min")
+    assert engine.budget is None
+    assert engine.plan.peak_memory == min_feasible_budget(engine.costs, engine.base_memory)
+    engine.uninstall()
+    with pytest.raises(lr.ReplayConfigError, match=r"budget=0\.5: device 'meta' has no known total memory"):
+        lr.install(torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta")), ["0"], budget=0.5)

@@ -657,3 +657,40 @@ def test_infeasible_with_pins_names_the_pins_and_says_unpinning_helps() -> None:
 def test_bad_pins_are_refused(allowed: object, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         plan(two_blocks(), budget=10**6, allowed=allowed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the engine: a pin survives planning under any budget (issue 11, bug 3).
+
+
+def test_engine_plans_honour_a_preservation_pin_and_name_it_when_infeasible() -> None:
+    import copy
+
+    import torch
+
+    import lightning_replay as lr
+    from lightning_replay.hazards import QueueModel
+    from lightning_replay.verify import grad_diffs, train_steps
+
+    def x(step: int) -> torch.Tensor:
+        return torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+
+    torch.manual_seed(0)
+    model = QueueModel(rows=2048, dim=32, write_rows=32)
+    ref = copy.deepcopy(model)
+    engine = lr.install(model, "blocks.*", budget="min", preservation={"blocks.0": "retain"})
+    steps = 1 + 2 * 3 + 1 + 2  # probe, two calibration phases, the plan, two planned steps
+    grads, _ = train_steps(model, x, steps)
+    ref_grads, _ = train_steps(ref, x, steps)
+    assert grad_diffs(ref_grads, grads) == []
+    assert engine.plan is not None and engine.plan.choices["blocks.0"] == "retain"
+    assert engine.summary()["blocks.0"]["mode"] == "retain"
+
+    costs, base = engine.costs, engine.base_memory
+    free = min_feasible_budget(costs, base)
+    assert plan(costs, free, base).choices["blocks.0"] != "retain"  # unpinned, it would replay
+    with pytest.raises(InfeasibleBudget) as info:
+        engine.replan(budget=free)
+    assert info.value.pins == {"blocks.0": ("retain",)}
+    assert "'blocks.0': retain" in str(info.value) and "Without the pins the budget fits" in str(info.value)
+    assert engine.plan.choices["blocks.0"] == "retain"  # the plan in force is kept
