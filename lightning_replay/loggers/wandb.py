@@ -172,6 +172,8 @@ def build_workspace(entity: str, project: str, *, name: str = "lightning_replay"
     memory = ws.Section(name="Replay: memory and time", is_open=True, panels=[
         line("replay/peak_memory_mib", "Peak memory (MiB)"),
         line("replay/preserved_mib", "Preserved state (MiB)"),
+        line("replay/peak_memory_bytes", "Peak memory (bytes, exact)"),
+        line("replay/preserved_bytes", "Preserved state (bytes, exact)"),
         line("replay/step_time_ms", "Step time (ms)"),
         line("replay/replays", "Replays per step"),
     ])
