@@ -10,6 +10,7 @@ Example:
 """
 from lightning_replay.budget import format_bytes, parse_budget
 from lightning_replay.contract import SCHEMA_VERSION, ReplayContract, StateEntry
+from lightning_replay.doctor import diagnose
 from lightning_replay.engine import ReplayEngine, install
 from lightning_replay.errors import (ContractSchemaError, ContractViolation, RecordsError,
                                      ReplayConfigError, ReplayError, SavedTensorModified,
@@ -21,7 +22,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ContractSchemaError", "ContractViolation", "Record", "RecordStore", "RecordsError",
     "ReplayConfigError", "ReplayContract", "ReplayEngine", "ReplayError", "SCHEMA_VERSION",
-    "SavedTensorModified", "SegmentError", "StateEntry", "format_bytes", "install", "parse_budget",
+    "SavedTensorModified", "SegmentError", "StateEntry", "diagnose", "format_bytes", "install",
+    "parse_budget",
 ]
 
 # Lightning shells: importing them registers Trainer(strategy="replay") and its launcher variants

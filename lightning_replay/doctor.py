@@ -1,0 +1,889 @@
+"""``lr.diagnose``: what activation checkpointing does to *your* model, measured before you trust it.
+
+:func:`diagnose` trains a few steps on deep copies of a model — never on the model itself — and
+reports:
+
+* per segment, the state its forward reads and writes (parameters, buffers, tensor attributes,
+  tensors shared between modules, inputs that alias state, generators, Python attributes), what
+  of it changes between the forward and the replay, which preservation ``auto`` would choose and
+  what it keeps, and the activation bytes recomputation would free (from the replay engine's
+  probe: :func:`lightning_replay.install` on a copy);
+* what ``torch.utils.checkpoint`` (non-reentrant, ``preserve_rng_state=True``, on the same
+  segments) does to the model, **measured**: the same steps from identical copies and RNG state,
+  with and without it, and which gradients and buffers differ and by how much, or the error it
+  raises. A model that already checkpoints itself (HF ``gradient_checkpointing_enable()``, torch's
+  or Lightning's ``checkpoint_wrapper``) is diagnosed as it stands against the same model with
+  its checkpointing turned off;
+* what ``lightning_replay`` does on the same segments, measured the same way.
+
+The core never imports Lightning; ``lightning-replay doctor --config`` is the command-line shell.
+
+Example:
+    >>> import lightning_replay as lr
+    >>> from lightning_replay.hazards import HAZARDS
+    >>> h = HAZARDS["batch_norm"]()
+    >>> report = lr.diagnose(h.model, h.make_input)
+    >>> report.verdict
+    'torch checkpoint silently differs in 2 gradients and 2 buffers'
+    >>> report.replay.exact
+    True
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import html
+import math
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_replay.budget import format_bytes
+from lightning_replay.contract import ReplayContract
+from lightning_replay.errors import ReplayConfigError, ReplayError, SegmentError
+from lightning_replay.segments import SegmentSpec, resolve_segments
+from lightning_replay.state import PLAIN_TYPES
+
+__all__ = ["CheckpointOutcome", "DoctorReport", "GradientDiff", "ModelRunError",
+           "SegmentDiagnosis", "StateDiff", "StateUse", "diagnose"]
+
+BatchFn = Callable[[int], Any]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+_LR = 1e-2
+
+
+class ModelRunError(ReplayError, RuntimeError):
+    """The model, without any recomputation, fails on the batch ``batch_fn`` gave."""
+
+
+# ------------------------------------------------------------------------------ report types
+@dataclasses.dataclass
+class StateUse:
+    """One piece of state a segment's forward uses.
+
+    Attributes:
+        name: qualified name (``"blocks.0.bn.running_mean"``, ``"blocks.0.gen"``).
+        kind: ``parameter``, ``buffer``, ``tensor attribute``, ``external tensor``,
+            ``generator`` or ``Python attribute``.
+        access: ``reads`` or ``writes`` (the segment itself writes it); for generators
+            ``draws``, for Python attributes ``changes``.
+        changes_in_window: it changes between the segment's forward and its replay, so a replay
+            that does not preserve it sees something else.
+        preservation: what ``auto`` keeps of it: ``none``, ``whole`` or ``regions`` (generators
+            and Python attributes: ``restored``).
+        nbytes: its size (tensors).
+        shared_with: other names of the same tensor (held by several modules).
+        aliased_input: a segment input is a view of it.
+    """
+
+    name: str
+    kind: str
+    access: str
+    changes_in_window: bool = False
+    preservation: str = "none"
+    nbytes: int = 0
+    shared_with: list[str] = dataclasses.field(default_factory=list)
+    aliased_input: bool = False
+
+
+@dataclasses.dataclass
+class SegmentDiagnosis:
+    """What one segment's replay depends on, from the probe (see :class:`ReplayContract`).
+
+    Attributes:
+        name: the segment's qualified name.
+        state: the state its forward uses (parameters only when they change in the window or
+            the segment writes them; ``parameters`` counts the others).
+        parameters: parameters read and left alone.
+        uses_global_rng: the forward draws from torch's default generator.
+        auto_option: the option ``preservation="auto"`` chooses (``recompute``, ``whole`` or
+            ``regions``).
+        preserved_bytes: bytes ``auto`` keeps from the forward to the replay.
+        options: preserved bytes of every option that honours the contract.
+        activation_bytes: activation bytes recomputation frees (saved for backward inside the
+            segment, not state).
+    """
+
+    name: str
+    state: list[StateUse]
+    parameters: int
+    uses_global_rng: bool
+    auto_option: str
+    preserved_bytes: int
+    options: dict[str, int]
+    activation_bytes: int
+
+    @property
+    def net_freed_bytes(self) -> int:
+        """Activation bytes freed minus the bytes ``auto`` preserves instead."""
+        return self.activation_bytes - self.preserved_bytes
+
+
+@dataclasses.dataclass
+class GradientDiff:
+    """A parameter whose gradient differs from plain training.
+
+    Attributes:
+        name: the parameter's qualified name.
+        steps: the steps (from 0) at which it differs.
+        max_abs: the largest absolute difference of one element, over those steps.
+        max_rel: the largest ``||g - g_ref|| / ||g_ref||`` over those steps (``inf`` when the
+            reference gradient is zero).
+    """
+
+    name: str
+    steps: list[int]
+    max_abs: float
+    max_rel: float
+
+
+@dataclasses.dataclass
+class StateDiff:
+    """A buffer, tensor attribute, generator or Python attribute that differs after the steps.
+
+    Attributes:
+        name: qualified name.
+        kind: ``buffer``, ``tensor attribute``, ``generator`` or ``Python attribute``.
+        reference: its value after plain training (short text).
+        observed: its value after the compared run (short text).
+        max_abs: the largest absolute element difference (tensors; ``nan`` otherwise).
+        max_rel: ``||x - x_ref|| / ||x_ref||`` (tensors; ``nan`` otherwise).
+    """
+
+    name: str
+    kind: str
+    reference: str
+    observed: str
+    max_abs: float = math.nan
+    max_rel: float = math.nan
+
+
+@dataclasses.dataclass
+class CheckpointOutcome:
+    """One run compared with plain training over the same steps from the same start.
+
+    Attributes:
+        method: what ran (``"torch.utils.checkpoint"``, the model's own checkpointing, or
+            ``"lightning_replay"``).
+        gradients: parameters whose gradient differs at some step, bit for bit.
+        state: non-parameter state that differs after the last step.
+        parameters_compared: how many parameter gradients were compared per step.
+        error: ``"ExceptionType: message"`` when the run raised; nothing is compared then.
+    """
+
+    method: str
+    gradients: list[GradientDiff] = dataclasses.field(default_factory=list)
+    state: list[StateDiff] = dataclasses.field(default_factory=list)
+    parameters_compared: int = 0
+    error: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Ran, and every gradient and every piece of state is bit-identical to plain training."""
+        return self.error is None and not self.gradients and not self.state
+
+    def summary(self, subject: str) -> str:
+        """One line: ``"<subject> is exact on this model"``, ``"... silently differs in N
+        gradients and M buffers"`` or ``"... raises <error>"``."""
+        return f"{subject} {self.phrase}"
+
+    @property
+    def phrase(self) -> str:
+        """The verdict without its subject: ``"is exact on this model"``, ..."""
+        if self.error is not None:
+            return f"raises {_first_line(self.error)}"
+        if self.exact:
+            return "is exact on this model"
+        n, m = len(self.gradients), len(self.state)
+        return (f"silently differs in {n} {_plural(n, 'gradient')} and "
+                f"{m} {_plural(m, 'buffer')}")
+
+
+@dataclasses.dataclass
+class DoctorReport:
+    """The result of :func:`diagnose`. ``verdict`` is one line; ``table()`` is for the terminal,
+    ``to_dict()`` for JSON, ``to_html()`` a section for a report page.
+
+    Attributes:
+        model: the model's class name.
+        steps: training steps each run took.
+        segments: the segments diagnosed, in module order.
+        segment_origin: where they came from (``segments=...``, the largest block list, the
+            model's own checkpointing).
+        existing_checkpointing: the checkpointing found inside the model, or ``None``.
+        diagnoses: the probe's findings, one per segment that ran.
+        torch_checkpoint: torch checkpoint (or the model's own checkpointing) vs plain training.
+        replay: ``lightning_replay`` (``preservation="auto"``) vs plain training.
+        not_run: segments that never ran in a training step.
+    """
+
+    model: str
+    steps: int
+    segments: list[str]
+    segment_origin: str
+    existing_checkpointing: str | None
+    diagnoses: list[SegmentDiagnosis]
+    torch_checkpoint: CheckpointOutcome
+    replay: CheckpointOutcome
+    not_run: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        """``"torch checkpoint is exact on this model"``, ``"torch checkpoint silently differs
+        in N gradients and M buffers"`` (buffers: every non-parameter piece of state — buffers,
+        tensor attributes, generators, Python attributes) or ``"torch checkpoint raises …"``."""
+        return self.torch_checkpoint.summary("torch checkpoint")
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(d.activation_bytes for d in self.diagnoses)
+
+    @property
+    def preserved_bytes(self) -> int:
+        return sum(d.preserved_bytes for d in self.diagnoses)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (non-finite floats become ``None``)."""
+        out = _json_safe(dataclasses.asdict(self))
+        out["verdict"] = self.verdict
+        out["replay_verdict"] = self.replay.summary("lightning_replay")
+        out["torch_checkpoint"]["exact"] = self.torch_checkpoint.exact
+        out["replay"]["exact"] = self.replay.exact
+        for d, dd in zip(self.diagnoses, out["diagnoses"]):
+            dd["net_freed_bytes"] = d.net_freed_bytes
+        return out
+
+    def table(self) -> str:
+        """The report as plain text for a terminal."""
+        lines = [f"lightning-replay doctor: {self.model}, {self.steps} training "
+                 f"{_plural(self.steps, 'step')} per run on copies of the model",
+                 f"segments: {len(self.segments)} ({self.segment_origin})"]
+        if self.existing_checkpointing:
+            lines.append(f"checkpointing already in the model: {self.existing_checkpointing} — "
+                         "diagnosed as it stands vs the same model with it turned off")
+        lines += ["", f"verdict: {self.verdict}",
+                  f"lightning_replay (preservation='auto'): "
+                  f"{self.replay.phrase}", ""]
+        rows = [("segment", "auto", "preserved", "activations freed", "state its replay needs")]
+        for d in self.diagnoses:
+            changing = [s for s in d.state if s.changes_in_window]
+            need = ", ".join(f"{s.name} ({s.kind}, {s.preservation})" for s in changing) or "-"
+            extra = [s.name for s in d.state if s.kind in ("generator", "Python attribute")]
+            if d.uses_global_rng:
+                extra.append("global RNG")
+            if extra:
+                need += "; restores " + ", ".join(extra)
+            rows.append((d.name, d.auto_option, format_bytes(d.preserved_bytes),
+                         format_bytes(d.activation_bytes), need))
+        lines += _columns(rows)
+        lines.append(f"total: {format_bytes(self.activation_bytes)} of activations freed, "
+                     f"{format_bytes(self.preserved_bytes)} preserved instead")
+        if self.not_run:
+            lines.append(f"never ran in a training step (not diagnosed): {', '.join(self.not_run)}")
+        lines += ["", "state per segment (reads / writes; * changes between forward and replay):"]
+        for d in self.diagnoses:
+            lines.append(f"  {d.name}: {d.parameters} parameters read" +
+                         ("" if d.state else ", nothing else"))
+            for s in d.state:
+                mark = "*" if s.changes_in_window else " "
+                more = []
+                if s.shared_with:
+                    more.append("shared with " + ", ".join(s.shared_with))
+                if s.aliased_input:
+                    more.append("a segment input is a view of it")
+                size = f" {format_bytes(s.nbytes)}" if s.nbytes else ""
+                lines.append(f"   {mark} {s.name}  {s.kind}, {s.access}{size}"
+                             + (f" ({'; '.join(more)})" if more else ""))
+        method = self.torch_checkpoint.method
+        lines += ["", f"{method} vs plain training ({self.steps} "
+                      f"{_plural(self.steps, 'step')}, identical copies and RNG state):"]
+        lines += _outcome_lines(self.torch_checkpoint)
+        lines += ["", f"lightning_replay vs plain training:"]
+        lines += _outcome_lines(self.replay)
+        return "\n".join(lines)
+
+    def to_html(self) -> str:
+        """A self-contained ``<section>`` for an HTML report."""
+        e = html.escape
+        ok = self.torch_checkpoint.exact
+        parts = ["<section id='lightning-replay-doctor'>",
+                 "<h2>lightning-replay doctor</h2>",
+                 f"<p><b style='color:{'#2a7' if ok else '#c33'}'>{e(self.verdict)}</b><br>"
+                 f"lightning_replay (preservation='auto'): "
+                 f"{e(self.replay.phrase)}</p>",
+                 f"<p>{e(self.model)}, {self.steps} training steps per run on copies; segments "
+                 f"({e(self.segment_origin)}): {e(', '.join(self.segments))}.</p>"]
+        if self.existing_checkpointing:
+            parts.append(f"<p>Checkpointing already in the model: "
+                         f"{e(self.existing_checkpointing)} (diagnosed as it stands).</p>")
+        parts.append("<table><tr><th>segment</th><th>auto</th><th>preserved</th>"
+                     "<th>activations freed</th><th>state that changes in the window</th></tr>")
+        for d in self.diagnoses:
+            changing = ", ".join(f"{s.name} ({s.kind}, {s.preservation})"
+                                 for s in d.state if s.changes_in_window) or "-"
+            parts.append(f"<tr><td>{e(d.name)}</td><td>{e(d.auto_option)}</td>"
+                         f"<td>{e(format_bytes(d.preserved_bytes))}</td>"
+                         f"<td>{e(format_bytes(d.activation_bytes))}</td>"
+                         f"<td>{e(changing)}</td></tr>")
+        parts.append("</table>")
+        for title, outcome in ((f"{self.torch_checkpoint.method} vs plain training",
+                                self.torch_checkpoint),
+                               ("lightning_replay vs plain training", self.replay)):
+            parts.append(f"<h3>{e(title)}</h3><pre>"
+                         + e("\n".join(_outcome_lines(outcome))) + "</pre>")
+        parts.append("</section>")
+        return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------ diagnose
+def diagnose(model: nn.Module, batch_fn: BatchFn, loss_fn: LossFn | None = None,
+             segments: SegmentSpec | Iterable[SegmentSpec] | None = None, steps: int = 2, *,
+             seed: int = 0, lr: float = _LR) -> DoctorReport:
+    """Measure what activation checkpointing does to ``model``, on copies of it.
+
+    Three runs of ``steps`` SGD steps each, every one from a fresh ``copy.deepcopy(model)`` in
+    training mode and the same RNG state (torch's global generators are seeded with
+    ``seed + step`` before each step's ``batch_fn``): plain training (the reference), torch
+    checkpoint on the segments, and ``lightning_replay`` on the segments. Gradients are compared
+    bit for bit at every step; buffers, tensor attributes, generator states and public plain
+    Python attributes after the last step. ``model`` itself, its hooks and torch's global RNG
+    state are left exactly as they were.
+
+    Args:
+        model: the model, on the device it trains on.
+        batch_fn: ``batch_fn(step) -> batch`` for ``step`` in ``range(steps)``, on the model's
+            device. It is called once per step and run; it may draw from torch's global RNG.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``, called with the copy being trained.
+            ``None``: ``model(batch)`` (``model(*batch)`` for a tuple or list, ``model(**batch)``
+            for a dict), and the loss is the output's ``.loss`` / ``["loss"]`` when it has one
+            (HF models given labels), else ``mean(output ** 2)``.
+        segments: what to recompute: names, glob patterns, module classes or a callable (as
+            for :func:`lightning_replay.install`). ``None``: the modules the model's own
+            checkpointing covers when it has any, else the parameterized children of its largest
+            ``ModuleList``/``Sequential``.
+        steps: training steps per run (at least 1; 2 shows state carried from step to step).
+        seed: base seed of each step's RNG state.
+        lr: SGD learning rate of the runs (only so that later steps see updated parameters).
+
+    Returns:
+        A :class:`DoctorReport`.
+
+    Raises:
+        ReplayConfigError: bad arguments, a loss that is not a differentiable scalar, a batch
+            on another device than the model.
+        SegmentError: no candidate segments, or none of them runs in a training step.
+        ModelRunError: the model fails on the batch without any recomputation.
+
+    Example:
+        >>> import torch, lightning_replay as lr
+        >>> from lightning_replay.hazards import HAZARDS
+        >>> h = HAZARDS["stateless"]()
+        >>> lr.diagnose(h.model, h.make_input, steps=1).verdict
+        'torch checkpoint is exact on this model'
+    """
+    if not isinstance(model, nn.Module):
+        raise ReplayConfigError(f"diagnose(model=...) must be a torch.nn.Module, got "
+                                f"{type(model).__name__}")
+    if not callable(batch_fn):
+        raise ReplayConfigError(f"diagnose(batch_fn=...) must be a callable step -> batch, got "
+                                f"{type(batch_fn).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ReplayConfigError(f"diagnose(loss_fn=...) must be None or a callable "
+                                f"(model, batch) -> loss, got {type(loss_fn).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ReplayConfigError(f"diagnose(steps={steps!r}): give a whole number of training "
+                                "steps, at least 1 (2 shows state carried between steps)")
+
+    existing = _ExistingCheckpointing.find(model)
+    names, origin = _choose_segments(model, segments, existing)
+    devices = _model_devices(model)
+    with torch.random.fork_rng(devices=_cuda_indices(devices)):
+        _check_batch_device(model, batch_fn, seed, devices)
+        run = _Runner(batch_fn, loss_fn, steps, seed, lr, existing)
+
+        ref = run.plain_copy(model)
+        ref_grads = run.reference(ref)
+        ref_state = _snapshot(ref)
+        del ref
+
+        ckpt_model = copy.deepcopy(model).train()
+        if existing is not None:
+            method = existing.description
+        else:
+            method = "torch.utils.checkpoint"
+            _wrap_torch_checkpoint(ckpt_model, names)
+        torch_outcome = run.compare(method, ckpt_model, ref_grads, ref_state)
+        del ckpt_model
+
+        replay_model = run.plain_copy(model)
+        diagnoses, not_run, replay_outcome = run.replay(replay_model, names, ref_grads,
+                                                        ref_state)
+        del replay_model
+
+    if not diagnoses and replay_outcome.error is None:
+        raise SegmentError(
+            f"none of the segments {names} ({origin}) of {type(model).__name__} ran in a "
+            "training step, so there is nothing to recompute. Pass segments= naming modules "
+            "that the forward (or loss_fn) calls with gradients enabled.")
+    return DoctorReport(model=type(model).__name__, steps=steps, segments=names,
+                        segment_origin=origin,
+                        existing_checkpointing=existing.description if existing else None,
+                        diagnoses=diagnoses, torch_checkpoint=torch_outcome,
+                        replay=replay_outcome, not_run=not_run)
+
+
+# ------------------------------------------------------------------------------ runs
+class _Runner:
+    def __init__(self, batch_fn: BatchFn, loss_fn: LossFn | None, steps: int, seed: int,
+                 lr: float, existing: "_ExistingCheckpointing | None") -> None:
+        self.batch_fn = batch_fn
+        self.loss_fn = loss_fn
+        self.steps = steps
+        self.seed = seed
+        self.lr = lr
+        self.existing = existing
+
+    def plain_copy(self, model: nn.Module) -> nn.Module:
+        """A training-mode copy with the model's own checkpointing (if any) turned off."""
+        m = copy.deepcopy(model).train()
+        if self.existing is not None:
+            self.existing.disable(m)
+        return m
+
+    def _train(self, model: nn.Module, on_grads: Callable[[int, dict], None],
+               window: Callable[[], Any] | None = None, plain: bool = False) -> None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ReplayConfigError(f"{type(model).__name__} has no parameter that requires "
+                                    "grad: there is nothing to train and nothing to diagnose")
+        opt = torch.optim.SGD(params, lr=self.lr)
+        for step in range(self.steps):
+            torch.manual_seed(self.seed + step)
+            batch = self.batch_fn(step)
+            opt.zero_grad(set_to_none=True)
+            try:
+                if window is not None:
+                    with window():
+                        loss = self._loss(model, batch, step)
+                else:
+                    loss = self._loss(model, batch, step)
+                loss.backward()
+            except (ReplayConfigError, ModelRunError):
+                raise
+            except Exception as exc:
+                if plain:
+                    raise ModelRunError(
+                        f"{type(model).__name__} fails on batch_fn({step}) "
+                        f"({_describe(batch)}) without any recomputation: "
+                        f"{type(exc).__name__}: {_first_line(str(exc))}. Fix the model, "
+                        "batch_fn or loss_fn so that a plain training step runs; diagnose "
+                        "compares against one.") from exc
+                raise
+            on_grads(step, {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                            if p.grad is not None})
+            opt.step()
+
+    def _loss(self, model: nn.Module, batch: Any, step: int) -> torch.Tensor:
+        if self.loss_fn is not None:
+            loss = self.loss_fn(model, batch)
+            what = "loss_fn(model, batch)"
+        else:
+            loss = _default_loss(_call(model, batch))
+            what = "the model's output (pass loss_fn= to say how to make a loss)"
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            seen = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor) else
+                    f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}")
+            raise ReplayConfigError(
+                f"diagnose: the loss from {what} at step {step} must be a scalar tensor that "
+                f"requires grad; got {seen}")
+        return loss
+
+    def reference(self, model: nn.Module) -> list[dict[str, torch.Tensor]]:
+        grads: list[dict[str, torch.Tensor]] = []
+        self._train(model, lambda step, g: grads.append(g), plain=True)
+        return grads
+
+    def compare(self, method: str, model: nn.Module, ref_grads: list[dict],
+                ref_state: dict, window: Callable[[], Any] | None = None) -> CheckpointOutcome:
+        diffs: dict[str, GradientDiff] = {}
+        out = CheckpointOutcome(method=method, parameters_compared=len(ref_grads[0]))
+        try:
+            self._train(model, lambda step, g: _grad_diffs(step, ref_grads[step], g, diffs),
+                        window=window)
+        except (ReplayConfigError, ModelRunError):
+            raise
+        except Exception as exc:  # what the method does to this model: part of the report
+            out.error = f"{type(exc).__name__}: {exc}"
+            return out
+        out.gradients = sorted(diffs.values(), key=lambda d: d.name)
+        ignore = self.existing.toggled if self.existing is not None else set()
+        out.state = _state_diffs(ref_state, _snapshot(model), ignore)
+        return out
+
+    def replay(self, model: nn.Module, names: list[str], ref_grads: list[dict],
+               ref_state: dict) -> tuple[list[SegmentDiagnosis], list[str], CheckpointOutcome]:
+        import warnings
+
+        from lightning_replay.engine import install
+
+        engine = install(model, names, preservation="auto", on_violation="record",
+                         window="manual")
+        try:
+            with warnings.catch_warnings():
+                # Contract events are the report's subject, not warnings for the user here.
+                warnings.simplefilter("ignore")
+                outcome = self.compare("lightning_replay", model, ref_grads, ref_state,
+                                       window=engine.window)
+            contracts = engine.contracts
+        finally:
+            engine.uninstall()
+        diagnoses = [_diagnosis(model, contracts[n]) for n in names if n in contracts]
+        return diagnoses, [n for n in names if n not in contracts], outcome
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _default_loss(out: Any) -> Any:
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is not None:
+        return loss
+    if isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    if isinstance(out, torch.Tensor) and out.is_floating_point():
+        return out.float().pow(2).mean()
+    return out
+
+
+def _wrap_torch_checkpoint(model: nn.Module, names: list[str]) -> None:
+    """What a user writes: each segment's forward under non-reentrant torch checkpoint."""
+    for name in names:
+        mod = model.get_submodule(name)
+        fwd = mod.forward
+
+        def forward(*args, _fwd=fwd, **kwargs):
+            if not torch.is_grad_enabled():
+                return _fwd(*args, **kwargs)
+            return checkpoint(_fwd, *args, use_reentrant=False, preserve_rng_state=True,
+                              **kwargs)
+        mod.forward = forward
+
+
+# ------------------------------------------------------------------------------ existing ckpt
+class _ExistingCheckpointing:
+    """Checkpointing the model does itself: HF layer flags, torch's ``CheckpointWrapper``."""
+
+    def __init__(self, flagged: list[str], wrappers: list[str], hf_layers: list[str]) -> None:
+        self.flagged = flagged      # modules with gradient_checkpointing=True (HF style)
+        self.wrappers = wrappers    # CheckpointWrapper modules
+        self.hf_layers = hf_layers  # flagged modules that checkpoint their own forward
+        # Attributes disable() changes: never reported as state differences.
+        self.toggled = {f"{n}.gradient_checkpointing" if n else "gradient_checkpointing"
+                        for n in flagged}
+        parts = []
+        if hf_layers:
+            parts.append(f"HF gradient checkpointing on {len(hf_layers)} "
+                         f"{_plural(len(hf_layers), 'layer')}")
+        elif flagged:
+            parts.append(f"gradient_checkpointing=True on {len(flagged)} "
+                         f"{_plural(len(flagged), 'module')}")
+        if wrappers:
+            parts.append(f"checkpoint_wrapper on {len(wrappers)} "
+                         f"{_plural(len(wrappers), 'module')}")
+        self.description = " and ".join(parts)
+
+    @classmethod
+    def find(cls, model: nn.Module) -> "_ExistingCheckpointing | None":
+        wrapper_cls = _checkpoint_wrapper_class()
+        flagged, wrappers, hf_layers = [], [], []
+        for name, mod in model.named_modules():
+            if getattr(mod, "gradient_checkpointing", None) is True:
+                flagged.append(name)
+                if any(c.__name__ == "GradientCheckpointingLayer" for c in type(mod).__mro__):
+                    hf_layers.append(name)
+            if wrapper_cls is not None and isinstance(mod, wrapper_cls):
+                wrappers.append(name)
+        if not flagged and not wrappers:
+            return None
+        return cls(flagged, wrappers, hf_layers)
+
+    def segments(self) -> list[str]:
+        """The modules it checkpoints, by their inner names where a wrapper is in between."""
+        return self.hf_layers + [f"{w}._checkpoint_wrapped_module" for w in self.wrappers]
+
+    def disable(self, model: nn.Module) -> None:
+        """Turn it off in ``model`` (a copy) without changing any qualified name."""
+        for name in self.flagged:
+            model.get_submodule(name).gradient_checkpointing = False
+        for name in self.wrappers:
+            w = model.get_submodule(name)
+            inner = w._checkpoint_wrapped_module
+            w.forward = lambda *a, _m=inner, **k: _m(*a, **k)
+
+
+def _checkpoint_wrapper_class() -> type | None:
+    try:  # private module: Lightning's FSDP policy and users import the class from here
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return CheckpointWrapper
+
+
+# ------------------------------------------------------------------------------ segments
+def _choose_segments(model: nn.Module, segments: Any,
+                     existing: _ExistingCheckpointing | None) -> tuple[list[str], str]:
+    if segments is not None:
+        return list(resolve_segments(model, segments)), f"segments={segments!r}"
+    if existing is not None and existing.segments():
+        return existing.segments(), "the modules the model's own checkpointing covers"
+    container, names = _largest_block_list(model)
+    return names, f"children of the largest block list {container!r}"
+
+
+def _largest_block_list(model: nn.Module) -> tuple[str, list[str]]:
+    # The same rule as ReplayStrategy's default_segments (which lives with the Lightning shell).
+    best: tuple[tuple[int, int, int], str, list[str]] | None = None
+    for index, (name, mod) in enumerate(model.named_modules()):
+        if not name or not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = [(f"{name}.{n}", sum(p.numel() for p in c.parameters()))
+                for n, c in mod.named_children()]
+        kids = [(n, k) for n, k in kids if k > 0]
+        if not kids:
+            continue
+        key = (len(kids), sum(k for _, k in kids), -index)
+        if best is None or key > best[0]:
+            best = (key, name, [n for n, _ in kids])
+    if best is None:
+        raise SegmentError(
+            f"{type(model).__name__} has no candidate segments: no ModuleList or Sequential of "
+            "parameterized blocks below the root, and no checkpointing of its own. Pass "
+            "segments= (names such as 'encoder.layers.0', a glob such as 'encoder.layers.*', or "
+            "a module class).")
+    return best[1], best[2]
+
+
+# ------------------------------------------------------------------------------ devices
+def _model_devices(model: nn.Module) -> set[torch.device]:
+    return {t.device for t in list(model.parameters()) + list(model.buffers())}
+
+
+def _cuda_indices(devices: set[torch.device]) -> list[int]:
+    return sorted({d.index if d.index is not None else torch.cuda.current_device()
+                   for d in devices if d.type == "cuda"})
+
+
+def _norm(d: torch.device) -> str:
+    if d.type == "cuda" and d.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(d)
+
+
+def _check_batch_device(model: nn.Module, batch_fn: BatchFn, seed: int,
+                        devices: set[torch.device]) -> None:
+    torch.manual_seed(seed)
+    try:
+        batch = batch_fn(0)
+    except Exception as exc:
+        raise ModelRunError(f"batch_fn(0) raised {type(exc).__name__}: "
+                            f"{_first_line(str(exc))}") from exc
+    model_devs = {_norm(d) for d in devices}
+    batch_devs = {_norm(t.device) for t in _tensors(batch)}
+    if model_devs and batch_devs and not batch_devs <= model_devs:
+        raise ReplayConfigError(
+            f"diagnose: the model {type(model).__name__} is on {', '.join(sorted(model_devs))} "
+            f"but batch_fn(0) returned tensors on {', '.join(sorted(batch_devs))}. Move the batch "
+            "to the model's device in batch_fn (or the model with model.to(device)) first.")
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _describe(batch: Any) -> str:
+    ts = _tensors(batch)
+    shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in ts[:4])
+    return f"a {type(batch).__name__}" + (f" of tensors {shapes}" if ts else "") + \
+        (" ..." if len(ts) > 4 else "")
+
+
+# ------------------------------------------------------------------------------ comparisons
+def _grad_diffs(step: int, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
+                acc: dict[str, GradientDiff]) -> None:
+    for name in sorted(ref.keys() | got.keys()):
+        a, b = ref.get(name), got.get(name)
+        if a is not None and b is not None and a.shape == b.shape and torch.equal(a, b):
+            continue
+        if a is None or b is None or a.shape != b.shape:
+            max_abs = max_rel = math.inf
+        else:
+            d = (b.double() - a.double())
+            max_abs = float(d.abs().max())
+            den = float(a.double().norm())
+            max_rel = float(d.norm()) / den if den > 0 else math.inf
+        g = acc.setdefault(name, GradientDiff(name, [], 0.0, 0.0))
+        g.steps.append(step)
+        g.max_abs = max(g.max_abs, max_abs)
+        g.max_rel = max(g.max_rel, max_rel)
+
+
+def _snapshot(model: nn.Module) -> dict[str, tuple[str, Any]]:
+    """Non-parameter state by qualified name: (kind, value)."""
+    out: dict[str, tuple[str, Any]] = {}
+    for mname, mod in model.named_modules():
+        p = f"{mname}." if mname else ""
+        for k, v in mod.__dict__.items():
+            if k == "_buffers":
+                for kk, t in v.items():
+                    if t is not None:
+                        out[p + kk] = ("buffer", t.detach().clone())
+            elif k.startswith("_") or k == "training":
+                continue
+            elif isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
+                out[p + k] = ("tensor attribute", v.detach().clone())
+            elif isinstance(v, torch.Generator):
+                out[p + k] = ("generator", v.get_state())
+            elif type(v) in PLAIN_TYPES:
+                out[p + k] = ("Python attribute", v)
+    return out
+
+
+def _state_diffs(ref: dict, got: dict, ignore: set[str]) -> list[StateDiff]:
+    diffs = []
+    for name in sorted(ref.keys() | got.keys()):
+        if name in ignore:
+            continue
+        if name not in ref or name not in got:
+            kind = (ref.get(name) or got.get(name))[0]
+            diffs.append(StateDiff(name, kind, _short(ref.get(name, (None, "(absent)"))[1]),
+                                   _short(got.get(name, (None, "(absent)"))[1])))
+            continue
+        (kind, a), (_, b) = ref[name], got[name]
+        if isinstance(a, torch.Tensor):
+            if isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape \
+                    and torch.equal(a, b):
+                continue
+            diff = StateDiff(name, kind, _short(a), _short(b))
+            if kind != "generator" and isinstance(b, torch.Tensor) and a.shape == b.shape:
+                d = b.double() - a.double()
+                diff.max_abs = float(d.abs().max()) if d.numel() else 0.0
+                den = float(a.double().norm())
+                diff.max_rel = float(d.norm()) / den if den > 0 else math.inf
+            diffs.append(diff)
+        elif a != b:
+            diffs.append(StateDiff(name, kind, _short(a), _short(b)))
+    return diffs
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        if v.numel() == 1:
+            return str(v.item())
+        return f"tensor{tuple(v.shape)}"
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+# ------------------------------------------------------------------------------ contracts
+_KINDS = {"attribute": "tensor attribute", "external": "external tensor"}
+
+
+def _diagnosis(model: nn.Module, c: ReplayContract) -> SegmentDiagnosis:
+    rows: list[StateUse] = []
+    params = 0
+    aliased = set(c.input_aliases)
+    for s in c.state:
+        if s.kind == "parameter" and not s.changes_in_window and not s.written_by_segment:
+            params += 1
+            continue
+        rows.append(StateUse(name=s.name, kind=_KINDS.get(s.kind, s.kind),
+                             access="writes" if s.written_by_segment else "reads",
+                             changes_in_window=s.changes_in_window,
+                             preservation=s.preservation, nbytes=s.nbytes,
+                             shared_with=list(s.aliases), aliased_input=s.name in aliased))
+    rows += [StateUse(name=g, kind="generator", access="draws", preservation="restored")
+             for g in c.generators]
+    rows += [StateUse(name=a, kind="Python attribute", access="changes",
+                      preservation="restored") for a in c.python_attrs]
+    options = [o for o in c.available_options() if o != "retain"]
+    # ``auto``: the cheapest correct option by memory, whole winning ties (the engine's rule).
+    auto = min(options, key=lambda o: (c.preserved_bytes(o), o != "whole"))
+    return SegmentDiagnosis(name=c.segment, state=rows, parameters=params,
+                            uses_global_rng=c.uses_global_rng, auto_option=auto,
+                            preserved_bytes=c.preserved_bytes(auto),
+                            options={o: c.preserved_bytes(o) for o in options},
+                            activation_bytes=c.activation_bytes)
+
+
+# ------------------------------------------------------------------------------ text
+def _outcome_lines(o: CheckpointOutcome, limit: int = 12) -> list[str]:
+    if o.error is not None:
+        return [f"  raises {_first_line(o.error, 300)}"]
+    if o.exact:
+        return [f"  exact: all {o.parameters_compared} parameter gradients bit-identical at "
+                "every step, and every buffer, tensor attribute, generator and Python attribute "
+                "identical after the last step"]
+    lines = []
+    if o.gradients:
+        lines.append(f"  {len(o.gradients)} of {o.parameters_compared} parameter gradients "
+                     "differ:")
+        for g in o.gradients[:limit]:
+            lines.append(f"    {g.name}: steps {','.join(map(str, g.steps))}, max rel err "
+                         f"{_num(g.max_rel)}, max abs diff {_num(g.max_abs)}")
+        if len(o.gradients) > limit:
+            lines.append(f"    ... and {len(o.gradients) - limit} more")
+    if o.state:
+        lines.append(f"  {len(o.state)} {_plural(len(o.state), 'buffer or attribute', 'buffers or attributes')} differ "
+                     "after the last step:")
+        for s in o.state[:limit]:
+            err = "" if math.isnan(s.max_rel) else f" (max rel err {_num(s.max_rel)})"
+            lines.append(f"    {s.name} ({s.kind}): plain {s.reference}, this run "
+                         f"{s.observed}{err}")
+        if len(o.state) > limit:
+            lines.append(f"    ... and {len(o.state) - limit} more")
+    return lines
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+def _num(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.3g}"
+
+
+def _plural(n: int, word: str, many: str | None = None) -> str:
+    return word if n == 1 else (many or word + "s")
+
+
+def _first_line(s: str, limit: int = 160) -> str:
+    line = s.strip().splitlines()[0] if s.strip() else s
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
