@@ -12,6 +12,7 @@ from lightning_replay.hazards import CombinedModel, QueueModel
 from lightning_replay.planner import InfeasibleBudget, Plan, costs_from_dict, costs_to_dict, \
     min_feasible_budget
 from lightning_replay.verify import grad_diffs, train_steps
+from tests.helpers.torch_memory import allocation_peak, live_bytes
 
 STEPS_TO_PLAN = 1 + 2 * 3 + 1  # probe, two calibration phases (warm-up + 2 steps), the plan
 
@@ -69,6 +70,53 @@ def test_measured_peak_within_budget_and_prediction(measured, where):
     peak = e.step_stats()["peak_bytes"]
     assert peak <= budget, (peak, budget, p)
     assert abs(peak - p.peak_memory) <= 0.10 * p.peak_memory, (peak, p.peak_memory, p.choices)
+
+
+def _real_peak(m, step):
+    """The allocator's peak over one forward and backward (torch.profiler), plus parameters,
+    buffers and the input already live; gradients are allocated inside the step."""
+    m.zero_grad(set_to_none=True)
+    x = _x(step)
+    live = live_bytes([*m.parameters(), *m.buffers(), x])
+    return live + allocation_peak(lambda: m(x).pow(2).mean().backward())
+
+
+def test_budget_savings_are_real_allocator_bytes(measured):
+    """Refereed by torch.profiler's allocation events, which share no code with the engine.
+
+    What the engine promises on CPU: the *accounted* peak (parameters, buffers, gradients,
+    saved tensors, snapshots, region logs, replayed activations — exact byte counts) stays
+    within the budget. It does not model the transient workspace of the step (temporaries
+    that are never saved, gradient buffers of activations in backward), so the real peak is
+    the accounted one plus that workspace, and a budget is really held only up to it. Checked
+    here: each byte the budget asks below retaining everything is a byte the allocator really
+    does not hand out (2 % margin: where the transient peak falls may shift with the plan),
+    and the plan's workspace is no larger than the plain model's.
+    """
+    costs, base = measured
+    lo = min_feasible_budget(costs, base, "joint")
+    hi = min_feasible_budget(costs, base, "retain_all")
+    plain = _real_peak(_model(), 0)
+    workspace = plain - hi  # what the accounting leaves out, on the model without the engine
+    assert workspace >= 0, (plain, hi)
+    for budget in (lo, (lo + hi) // 2):
+        m = _model()
+        lr.install(m, "blocks.*", budget=budget)
+        train_steps(m, _x, STEPS_TO_PLAN)
+        real = max(_real_peak(m, STEPS_TO_PLAN + s) for s in range(2))  # planned steps
+        assert plain - real >= 0.98 * (hi - budget), (budget, real, plain, hi)
+        assert real <= budget + 1.02 * workspace, (budget, real, workspace)
+
+
+@pytest.mark.xfail(strict=True, reason="CPU accounting leaves out the step's transient "
+                   "workspace (2.09 MB here): the allocator's peak exceeds the budget")
+def test_real_peak_within_budget(measured):
+    costs, base = measured
+    budget = min_feasible_budget(costs, base, "joint")
+    m = _model()
+    lr.install(m, "blocks.*", budget=budget)
+    train_steps(m, _x, STEPS_TO_PLAN)
+    assert _real_peak(m, STEPS_TO_PLAN) <= budget
 
 
 def test_replan_and_infeasible_budget(measured):
