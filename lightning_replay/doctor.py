@@ -24,7 +24,7 @@ Example:
     >>> h = HAZARDS["batch_norm"]()
     >>> report = lr.diagnose(h.model, h.make_input)
     >>> report.verdict
-    'torch checkpoint silently differs in 2 gradients and 2 buffers'
+    'torch checkpoint silently differs in 0 gradients and 6 buffers'
     >>> report.replay.exact
     True
 """
