@@ -6,10 +6,12 @@ Commands:
   any ``--trainer.*``, ``--model.*``, ``--data.*`` override; the model and data default to the
   dense-queue application, and ``class_path`` selects others such as the sparse-write workload).
 * ``study`` — the seven-method comparison a config's ``study:`` section describes.
-* ``doctor`` — what checkpointing does to a config's model, measured on copies
-  (:func:`lightning_replay.diagnose`); writes ``doctor.json`` and ``doctor.html``.
 * ``report RUN_DIR`` — an HTML report with plots of a study or a ``fit`` run.
 * ``records RUN_DIR`` — query the execution records (SQLite) of a study or a ``fit`` run.
+
+There is no ``predict``: replay only changes training (prediction runs no backward, so nothing
+is recomputed), and a trained model's weights and ``state_dict`` keys are plain. Predict with
+any ``Trainer``, or ``lightning-replay test`` for the configured test metrics.
 
 Examples::
 
@@ -25,7 +27,6 @@ import csv
 import io
 import json
 import os
-import sqlite3
 import sys
 import warnings
 from pathlib import Path
@@ -62,12 +63,11 @@ def _cli_class():
             if os.environ.get("LOCAL_RANK") is not None:
                 return
             from lightning_replay.callbacks.replay import ReplayCallback
-            from lightning_replay.records import RecordStore
+            from lightning_replay.records import RecordStore, default_records_path
 
             for cb in self.trainer.callbacks:
                 if isinstance(cb, ReplayCallback):
-                    path = cb.records_path or os.path.join(self.trainer.default_root_dir,
-                                                           "replay", "records.sqlite")
+                    path = cb.records_path or default_records_path(self.trainer.default_root_dir)
                     RecordStore(path).close()
 
         def before_instantiate_classes(self) -> None:
@@ -193,202 +193,7 @@ def run_study_command(argv: Sequence[str]) -> int:
     return 0 if result.identical else 1
 
 
-# ------------------------------------------------------------------------------ doctor
-_DOCTOR_HELP = """Diagnose what activation checkpointing does to the configured model before
-training it: a few training steps on copies of the model, with and without torch.utils.checkpoint
-(or the model's own checkpointing) on the segments, compared bit for bit, and what
-strategy='replay' would preserve instead. The trainer/model/data sections are those of `fit`
-(segments: the strategy's segments=, else the module's configure_replay_segments(), else its
-largest block list). Prints the table; writes doctor.json and doctor.html into
-trainer.default_root_dir. Example:
-  lightning-replay doctor --config configs/dense_queue_cpu.yaml --steps 2"""
-
-
-def parse_doctor_args(argv: Sequence[str]) -> Any:
-    """The trainer, model and data of a ``fit`` config, instantiated, plus ``--steps``."""
-    import lightning as L
-
-    cli_cls = _cli_class()
-
-    class DoctorCLI(cli_cls):
-        def add_arguments_to_parser(self, parser: Any) -> None:
-            super().add_arguments_to_parser(parser)
-            parser.add_argument("--steps", type=int, default=2,
-                                help="training steps per compared run (default 2)")
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-        return DoctorCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
-                         subclass_mode_data=True, args=list(argv), run=False,
-                         save_config_callback=None,
-                         parser_kwargs={"prog": "lightning-replay doctor",
-                                        "description": _DOCTOR_HELP,
-                                        "formatter_class": _raw_formatter()})
-
-
-def run_doctor_command(argv: Sequence[str]) -> int:
-    """``lightning-replay doctor --config CONFIG.yaml``: :func:`lightning_replay.diagnose` on
-    the configured LightningModule and the first batches of its training data."""
-    import logging
-
-    import lightning as L
-    from lightning.fabric.utilities.apply_func import move_data_to_device
-
-    from lightning_replay.doctor import diagnose
-    from lightning_replay.errors import ReplayError
-
-    try:
-        cli = parse_doctor_args(argv)
-    except ConfigInstantiationError as exc:
-        print(f"lightning-replay doctor: error: the config parsed, but building the trainer, "
-              f"model or data from it failed:\n{exc}", file=sys.stderr)
-        return 2
-    module, trainer, steps = cli.model, cli.trainer, cli.config["steps"]
-    if not module.automatic_optimization:
-        print(f"lightning-replay doctor: error: {type(module).__name__} uses manual "
-              "optimization (automatic_optimization=False); doctor calls training_step and "
-              "backward itself. Call lightning_replay.diagnose(model, batch_fn, loss_fn) "
-              "with a loss_fn that runs your step's forward.", file=sys.stderr)
-        return 2
-    device = trainer.strategy.root_device
-    module.configure_model()
-    module.to(device)
-    source = cli.datamodule if cli.datamodule is not None else module
-    batches = []
-    try:
-        if cli.datamodule is not None:
-            cli.datamodule.prepare_data()
-            cli.datamodule.setup("fit")
-        for batch in source.train_dataloader():
-            batches.append(move_data_to_device(batch, device))
-            if len(batches) == steps:
-                break
-    except (OSError, ValueError, RuntimeError) as exc:
-        print(f"lightning-replay doctor: error: loading the training data from "
-              f"{type(source).__name__}.train_dataloader() failed: {type(exc).__name__}: "
-              f"{exc}", file=sys.stderr)
-        return 2
-    if len(batches) < steps:
-        print(f"lightning-replay doctor: error: the training data has {len(batches)} batches; "
-              f"--steps {steps} needs {steps}", file=sys.stderr)
-        return 2
-    # training_step may use self.trainer (world size, epoch) and self.log: a barebones trainer
-    # answers those (and ignores logging) on each copy diagnose trains.
-    lightning_log = logging.getLogger("lightning.pytorch")
-    level = lightning_log.level
-    lightning_log.setLevel(logging.WARNING)  # the barebones banner is not the user's concern
-    try:
-        bare = L.Trainer(barebones=True, accelerator=device.type, devices=1)
-    finally:
-        lightning_log.setLevel(level)
-
-    def loss_fn(model: Any, batch: Any) -> Any:
-        if model._trainer is None:
-            model.trainer = bare
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*self.log.*barebones.*")
-            out = model.training_step(batch, 0)
-        return out["loss"] if isinstance(out, dict) else out
-
-    spec = getattr(trainer.strategy, "segments_spec", None)
-    if spec is None and callable(getattr(module, "configure_replay_segments", None)):
-        spec = module.configure_replay_segments()
-    try:
-        report = diagnose(module, batches.__getitem__, loss_fn, segments=spec, steps=steps)
-    except (ReplayError, ValueError) as exc:
-        print(f"lightning-replay doctor: error: {exc}", file=sys.stderr)
-        return 2
-    print(report.table())
-    out = Path(trainer.default_root_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "doctor.json").write_text(json.dumps(report.to_dict(), indent=1))
-    (out / "doctor.html").write_text(
-        "<!doctype html><html><head><meta charset='utf-8'><title>lightning-replay doctor"
-        "</title></head><body>\n" + report.to_html() + "\n</body></html>\n")
-    print(f"\n{'json':>6}: {out / 'doctor.json'}\n{'html':>6}: {out / 'doctor.html'}")
-    return 0
-
-
 # ------------------------------------------------------------------------------ records
-def _records_db(run_dir: str) -> Path:
-    p = Path(run_dir)
-    for cand in (p, p / "records.sqlite", p / "replay" / "records.sqlite"):
-        if cand.is_file():
-            return cand
-    raise FileNotFoundError(f"no records database at {run_dir!r}: expected a .sqlite file, a "
-                            "study directory with records.sqlite, or a fit run directory with "
-                            "replay/records.sqlite")
-
-
-def _connect_records(db: Path) -> sqlite3.Connection:
-    """A read-only connection to a records database, or a RecordsError that says what is wrong."""
-    from lightning_replay.errors import RecordsError
-
-    what = ("pass a records .sqlite file written by lightning_replay, a study directory or a "
-            "fit run directory")
-    conn = None
-    try:
-        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-        found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
-                             "name = 'records'").fetchone()
-    except sqlite3.DatabaseError as exc:
-        if conn is not None:
-            conn.close()
-        raise RecordsError(f"'{db}' is not a readable records database ({exc}); {what}") \
-            from None
-    if not found:
-        conn.close()
-        raise RecordsError(f"'{db}' is an SQLite database without a 'records' table; {what}")
-    return conn
-
-
-def query_records(db: Path, run_id: str | None = None, outcome: str | None = None,
-                  segment: str | None = None, check: str | None = None,
-                  step_from: int | None = None, step_to: int | None = None,
-                  limit: int | None = 50) -> list[dict[str, Any]]:
-    """Rows of a records database, filtered, in append order (newest last)."""
-    where, params = [], []
-    for col, val in (("run_id", run_id), ("outcome", outcome), ("segment", segment),
-                     ('"check"', check)):
-        if val is not None:
-            where.append(f"{col} = ?")
-            params.append(val)
-    if step_from is not None:
-        where.append("step >= ?")
-        params.append(step_from)
-    if step_to is not None:
-        where.append("step <= ?")
-        params.append(step_to)
-    sql = ('SELECT seq, run_id, step, rank, segment, contract_version, "check", outcome, '
-           "detail, created_at FROM records")
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " ORDER BY seq DESC"
-    if limit:
-        sql += f" LIMIT {int(limit)}"
-    conn = _connect_records(db)
-    try:
-        rows = conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
-    cols = ("seq", "run_id", "step", "rank", "segment", "contract_version", "check", "outcome",
-            "detail", "created_at")
-    return [dict(zip(cols, r)) for r in reversed(rows)]
-
-
-def summarize_records(db: Path) -> list[dict[str, Any]]:
-    """Counts per run, check and outcome."""
-    conn = _connect_records(db)
-    try:
-        rows = conn.execute('SELECT run_id, "check", outcome, COUNT(*), MIN(step), MAX(step) '
-                            'FROM records GROUP BY run_id, "check", outcome '
-                            'ORDER BY MIN(seq)').fetchall()
-    finally:
-        conn.close()
-    return [dict(zip(("run_id", "check", "outcome", "count", "first_step", "last_step"), r))
-            for r in rows]
-
-
 def _run_labels(run_dir: str) -> dict[str, str]:
     """run id -> "method seed k" for a study directory."""
     path = Path(run_dir) / "results.json"
@@ -396,6 +201,24 @@ def _run_labels(run_dir: str) -> dict[str, str]:
         return {}
     rows = json.loads(path.read_text()).get("rows", [])
     return {r["run_id"]: f"{r['method']} seed {r['seed']}" for r in rows if r.get("run_id")}
+
+
+def _skipped_checks(run_dir: str) -> dict[str, int]:
+    """Derivative checks skipped under the budget, per run id: a study's results, or a fit
+    run's last ReplayCallback telemetry row (they are counted, not recorded)."""
+    root = Path(run_dir)
+    if (root / "results.json").is_file():
+        rows = json.loads((root / "results.json").read_text()).get("rows", [])
+        return {r["run_id"]: r["checks_skipped"] for r in rows
+                if r.get("run_id") and r.get("checks_skipped")}
+    from lightning_replay.apps.telemetry import read_telemetry
+    from lightning_replay.records import RECORDS_DIR
+
+    out: dict[str, int] = {}
+    for t in read_telemetry(root / RECORDS_DIR):
+        if t.get("run_id") and t.get("checks_skipped"):
+            out[t["run_id"]] = t["checks_skipped"]
+    return out
 
 
 def _print_rows(rows: list[dict[str, Any]], fmt: str, width: int = 60) -> None:
@@ -422,26 +245,51 @@ def _print_rows(rows: list[dict[str, Any]], fmt: str, width: int = 60) -> None:
 
 
 def run_records(args: argparse.Namespace) -> int:
-    db = _records_db(args.run_dir)
+    from lightning_replay import records as rec
+
+    db = rec.find_records(args.run_dir)
     labels = _run_labels(args.run_dir)
+    known = rec.runs(rec.query(db))
+    run_id = args.run_id
+    if run_id is not None and run_id not in {r["run_id"] for r in known}:
+        match = [rid for rid, lab in labels.items() if lab == run_id.replace("-seed", " seed ")]
+        if not match:
+            listing = "\n".join(
+                f"  {r['run_id']}  {labels.get(r['run_id'], '')}  {r['records']} records, "
+                f"steps {r['first_step']}-{r['last_step']}" for r in known)
+            print(f"lightning-replay records: error: no run {run_id!r} in {db}; its runs "
+                  f"(oldest first):\n{listing or '  (none)'}", file=sys.stderr)
+            return 2
+        run_id = match[0]
     if args.summary:
-        rows = summarize_records(db)
+        rows = rec.summarize(rec.query(db, run_id=run_id, kind=args.kind))
         if labels:
             for r in rows:
                 r["run"] = labels.get(r["run_id"], "")
+        _print_rows(rows, args.format, args.detail_width)
+        skipped = {k: v for k, v in _skipped_checks(args.run_dir).items()
+                   if run_id is None or k == run_id}
+        if skipped and args.format == "table":
+            print("derivative checks skipped under the budget (keeping a segment's graph would "
+                  "have exceeded it; byte checks still ran): " + ", ".join(
+                      f"{labels.get(k, k)} {v}" for k, v in skipped.items()))
+        return 0
+    found = rec.query(db, run_id=run_id, outcome=args.outcome, segment=args.segment,
+                      check=args.check, kind=args.kind, step_from=args.step_from,
+                      step_to=args.step_to, limit=args.limit or None)
+    if args.format == "table":
+        rows = [{k: v for k, v in r.to_dict().items() if k != "created_at"} for r in found]
+        rows = [{"seq": r.pop("seq"), **r} for r in rows]
     else:
-        run_id = args.run_id
-        if run_id is not None and run_id not in labels:
-            match = [rid for rid, lab in labels.items() if lab == run_id.replace("-seed", " seed ")]
-            run_id = match[0] if match else run_id
-        rows = query_records(db, run_id, args.outcome, args.segment, args.check,
-                             args.step_from, args.step_to, args.limit)
-        if args.format != "table" and labels:
+        rows = [r.to_json() for r in found]
+        rows = [{"seq": r.pop("seq"), **r} for r in rows]
+        if labels:
             for r in rows:
                 r["run"] = labels.get(r["run_id"])
-        else:
+        if args.format == "csv":
             for r in rows:
-                r.pop("created_at")
+                if not isinstance(r["detail"], str):
+                    r["detail"] = json.dumps(r["detail"], sort_keys=True)
     _print_rows(rows, args.format, args.detail_width)
     return 0
 
@@ -449,7 +297,7 @@ def run_records(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from lightning_replay.apps.report import write_report
 
-    path = write_report(args.run_dir)
+    path = write_report(args.run_dir, run_id=args.run_id)
     print(f"report: {path}")
     return 0
 
@@ -464,14 +312,15 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=what, add_help=False)
     sub.add_parser("study", help="the seven-method comparison from a config "
                                  "(`lightning-replay study --help`)", add_help=False)
-    sub.add_parser("doctor", help="what checkpointing does to the configured model, measured "
-                                  "(`lightning-replay doctor --help`)", add_help=False)
     rp = sub.add_parser("report", help="write RUN_DIR/report.html with plots",
                         description="Write an HTML report with PNG plots (memory per step "
                                     "against the budget, step time, plan per segment over "
                                     "time, record outcomes) for a study's output_dir or a fit "
                                     "run's default_root_dir.")
     rp.add_argument("run_dir", metavar="RUN_DIR", help="study output_dir or fit run directory")
+    rp.add_argument("--run", "--run-id", dest="run_id", default=None,
+                    help="a fit run directory that several fits appended to: the run id to "
+                         "show (default: the latest; the report lists the others)")
     qp = sub.add_parser("records", help="query execution records",
                         description="Query the execution records (one row per check or contract "
                                     "event; outcome match, rejection or divergence) of a study "
@@ -487,13 +336,17 @@ def _parser() -> argparse.ArgumentParser:
     qp.add_argument("--outcome", choices=["match", "rejection", "divergence"], default=None)
     qp.add_argument("--segment", default=None, help="segment name (\"*\" for plan events)")
     qp.add_argument("--check", default=None,
-                    help="record kind: contract, plan, grad, bytes, version")
+                    help="record kind: grad, bytes, version (checks); contract, plan (events)")
+    qp.add_argument("--kind", choices=["check", "event"], default=None,
+                    help="checks only, or contract and plan events only (their outcome "
+                         "'match' means 'came into force', not a matched check)")
     qp.add_argument("--step-from", type=int, default=None, help="first step (inclusive)")
     qp.add_argument("--step-to", type=int, default=None, help="last step (inclusive)")
     qp.add_argument("--limit", type=int, default=50,
                     help="the newest N matching records (default 50; 0: all)")
     qp.add_argument("--summary", action="store_true",
-                    help="counts per run, check and outcome instead of rows")
+                    help="counts per run, kind, check and outcome instead of rows, and "
+                         "the derivative checks skipped under the budget")
     qp.add_argument("--format", choices=["table", "csv", "json"], default="table")
     qp.add_argument("--detail-width", type=int, default=60,
                     help="table format: truncate the detail column to this width")
@@ -507,8 +360,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_lightning(argv)
     if argv and argv[0] == "study":
         return run_study_command(argv[1:])
-    if argv and argv[0] == "doctor":
-        return run_doctor_command(argv[1:])
     from lightning_replay.errors import RecordsError
 
     ap = _parser()
@@ -520,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "report":
             return run_report(args)
         return run_records(args)
-    except (FileNotFoundError, RecordsError) as exc:
+    except (FileNotFoundError, RecordsError, ValueError) as exc:
         print(f"lightning-replay {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `lightning-replay records ... | head`

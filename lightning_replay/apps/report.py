@@ -1,8 +1,8 @@
 """The HTML report of a study or of one training run, with matplotlib plots.
 
 ``write_report(RUN_DIR)`` reads what the runs left behind — ``results.json`` of a study, each
-run's ``telemetry.jsonl`` (see :mod:`lightning_replay.apps.telemetry`) and the SQLite records —
-and writes ``RUN_DIR/report.html`` with PNG plots under ``RUN_DIR/plots/``:
+run's per-step telemetry and the SQLite records — and writes ``RUN_DIR/report.html`` with PNG
+plots under ``RUN_DIR/plots/``:
 
 * memory per step: each run's peak live tensor bytes, and under ``strategy="replay"`` the
   engine's accounted peak against the budget and the plan's prediction;
@@ -10,14 +10,20 @@ and writes ``RUN_DIR/report.html`` with PNG plots under ``RUN_DIR/plots/``:
 * the plan per segment over time (probe, calibration, then the planned option);
 * record outcomes (match / rejection / divergence) per run, and per check kind.
 
-``RUN_DIR`` is a study's ``output_dir`` or a ``fit`` run's ``default_root_dir`` (the records
-are then ``replay/records.sqlite``).
+``RUN_DIR`` is a study's ``output_dir`` or a ``fit`` run's ``default_root_dir``. A fit run
+needs nothing but :class:`~lightning_replay.ReplayCallback`: it writes the records
+(``replay/records.sqlite``) and one telemetry row per step (``replay/telemetry.jsonl``). When
+:class:`~lightning_replay.apps.telemetry.StepTelemetry` also ran, its rows (with the live tensor
+peak) are used instead. Several fits appended to one directory are told apart by run id: the
+report shows the latest, or the one ``run_id`` names, and lists the others.
 
 Example:
     >>> import tempfile, json, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp())
-    >>> rows = [{"step": i, "step_time_ms": 10.0, "peak_bytes": 1000 + i} for i in range(1, 4)]
-    >>> _ = (d / "telemetry.jsonl").write_text("\\n".join(json.dumps(r) for r in rows))
+    >>> rows = [{"run_id": "r1", "step": i, "step_time_ms": 10.0, "peak_bytes": 1000 + i}
+    ...         for i in range(1, 4)]
+    >>> (d / "replay").mkdir()
+    >>> _ = (d / "replay" / "telemetry.jsonl").write_text("\\n".join(json.dumps(r) for r in rows))
     >>> path = write_report(d)
     >>> path.name, sorted(p.name for p in (d / "plots").iterdir())[:1]
     ('report.html', ['memory.png'])
@@ -27,7 +33,7 @@ from __future__ import annotations
 import html
 import json
 import os
-import sqlite3
+import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping
@@ -38,9 +44,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from lightning_replay.budget import format_bytes  # noqa: E402
-from lightning_replay.records import OUTCOMES  # noqa: E402
+from lightning_replay.apps.study import METHOD_DESCRIPTIONS, format_top1  # noqa: E402
 from lightning_replay.apps.telemetry import read_telemetry  # noqa: E402
+from lightning_replay.budget import format_bytes  # noqa: E402
+from lightning_replay.records import (OUTCOMES, RECORDS_DIR, Record, find_records,  # noqa: E402
+                                      query)
+from lightning_replay.records import runs as record_runs  # noqa: E402
 
 __all__ = ["write_report", "load_runs", "ReportError"]
 
@@ -50,26 +59,66 @@ _OUTCOME_COLOURS = {"match": "#55a868", "rejection": "#dd8452", "divergence": "#
 
 
 class ReportError(FileNotFoundError):
-    """The directory holds nothing a report can be made from."""
+    """The directory holds nothing a report can be made from, or the run asked for is not
+    there."""
 
 
-def _records(db: Path, run_id: str | None = None) -> list[dict[str, Any]]:
-    if not db.exists():
-        return []
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+def _records(db: Path, run_id: str | None = None) -> list[Record]:
+    return query(db, run_id=run_id) if db.exists() else []
+
+
+def _fit_run(root: Path, run_id: str | None) -> dict[str, Any]:
+    """One fit run of ``root``: its telemetry and records, scoped to ``run_id`` (default: the
+    latest run), plus ``runs`` (every run the directory holds)."""
+    own = read_telemetry(root / RECORDS_DIR)  # ReplayCallback's rows, every fit, by run id
+    step_tel = read_telemetry(root)  # StepTelemetry's rows (the last fit), if it ran
     try:
-        q = 'SELECT run_id, step, segment, "check", outcome FROM records'
-        rows = conn.execute(q + (" WHERE run_id = ?" if run_id else "") + " ORDER BY seq",
-                            (run_id,) if run_id else ()).fetchall()
-    finally:
-        conn.close()
-    return [dict(zip(("run_id", "step", "segment", "check", "outcome"), r)) for r in rows]
+        db: Path | None = find_records(root)
+    except FileNotFoundError:
+        db = None
+    records = _records(db) if db is not None else []
+    known = [r["run_id"] for r in record_runs(records)]
+    for t in own:
+        if t.get("run_id") and t["run_id"] not in known:
+            known.append(t["run_id"])
+    if not own and not step_tel:
+        raise ReportError(f"{root} holds neither a study (results.json) nor a run's telemetry "
+                          f"({RECORDS_DIR}/telemetry.jsonl, written by ReplayCallback); pass a "
+                          "study's output_dir or the default_root_dir of a fit run trained "
+                          "with ReplayCallback")
+    latest = (own[-1].get("run_id") if own else None) or (known[-1] if known else None)
+    if run_id is not None and run_id not in known:
+        raise ReportError(f"run {run_id!r} is not in {root}; its runs (oldest first): "
+                          f"{', '.join(known) or 'none recorded'}")
+    chosen = run_id or latest
+    tel = [t for t in own if t.get("run_id") == chosen] if chosen else own
+    # StepTelemetry rows have the live tensor peak: prefer them for the run they belong to
+    # (they carry its run id; older files without one are the directory's latest fit)
+    step_rows = [t for t in step_tel if t.get("run_id", latest) == chosen] if chosen else step_tel
+    if step_rows:
+        tel = step_rows
+    return {"label": chosen or root.name, "method": root.name, "seed": None, "telemetry": tel,
+            "run_id": chosen, "runs": known,
+            "records": ([r for r in records if r.run_id == chosen] if chosen else records)
+            if db is not None else None,
+            "budget": next((t.get("budget") for t in tel if t.get("budget")), None)}
 
 
-def load_runs(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = None
+def load_runs(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = None,
+              run_id: str | None = None
               ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The runs a report shows: ``[{"label", "method", "seed", "telemetry", "records"}]``,
-    plus the study result (``None`` for a single run)."""
+    plus the study result (``None`` for a single run).
+
+    Args:
+        run_dir: a study's ``output_dir`` or a fit run's ``default_root_dir``.
+        result: the study result (read from ``results.json`` when omitted).
+        run_id: for a fit run directory that several fits appended to, the run to show
+            (default: the latest).
+
+    Raises:
+        ReportError: nothing to report, or ``run_id`` is not in the directory.
+    """
     root = Path(run_dir)
     if result is None and (root / "results.json").exists():
         result = json.loads((root / "results.json").read_text())
@@ -85,16 +134,24 @@ def load_runs(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = Non
                          "records": _records(db, row["run_id"]) if row.get("run_id") else None,
                          "budget": row.get("budget_bytes")})
         return runs, dict(result)
-    tel = read_telemetry(root)
-    if not tel:
-        raise ReportError(f"{root} holds neither a study (results.json) nor a run's "
-                          "telemetry.jsonl; pass a study's output_dir or a fit run's "
-                          "default_root_dir trained with the StepTelemetry callback")
-    db = root / "replay" / "records.sqlite"
-    budget = next((r.get("budget") for r in tel if r.get("budget")), None)
-    runs.append({"label": root.name, "method": root.name, "seed": None, "telemetry": tel,
-                 "records": _records(db) if db.exists() else None, "budget": budget})
-    return runs, None
+    return [_fit_run(root, run_id)], None
+
+
+def steady_rows(tel: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps with a plan in force: no segment probed, not derivative-checked (a checked
+    step keeps graphs the plan replays). All rows when there are none such.
+
+    Example:
+        >>> rows = [{"step": 1, "plan_version": 0, "plan": {"b": "probe"}},
+        ...         {"step": 2, "plan_version": 1, "plan": {"b": "whole"}, "checked": True},
+        ...         {"step": 3, "plan_version": 1, "plan": {"b": "whole"}}]
+        >>> [r["step"] for r in steady_rows(rows)]
+        [3]
+    """
+    steady = [t for t in tel if (t.get("plan_version") or 0) >= 1 and not t.get("checked")
+              and "probe" not in (t.get("plan") or {}).values()
+              and t.get("phase", "encoder") == "encoder"]
+    return steady or tel
 
 
 # ------------------------------------------------------------------------------ plots
@@ -133,8 +190,11 @@ def _plot_memory(runs: list[dict[str, Any]], path: Path) -> str:
     ax = axes[0][0]
     for r in runs:
         _line_and_marks(ax, r["telemetry"], "peak_bytes", r["label"], marker=".", ms=3)
-    ax.set(title=f"peak live tensor memory per step{which}", xlabel="step", ylabel="MiB")
-    ax.legend(fontsize=7, ncol=2)
+    live = any(t.get("memory") in ("live", "cuda") for r in runs for t in r["telemetry"])
+    ax.set(title=(f"peak {'live tensor' if live else 'accounted'} memory per step{which}"),
+           xlabel="step", ylabel="MiB")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
     if replay:
         ax = axes[0][1]
         budgets = {r["budget"] for r in replay if r.get("budget")}
@@ -149,35 +209,67 @@ def _plot_memory(runs: list[dict[str, Any]], path: Path) -> str:
             ax.axhline(b / 2**20, color="black", ls="--", lw=1)
             ax.annotate(f"budget {format_bytes(b)}", (0.01, b / 2**20), fontsize=7,
                         xycoords=("axes fraction", "data"), va="bottom")
-        ax.set(title=f"replay runs{which}: the engine's accounted peak, the plan's prediction "
-                     "(dotted), the budget (dashed); x: checked steps",
-               xlabel="step", ylabel="MiB")
+        retain = [(t["step"], t["retain_all_peak_bytes"] / 2**20) for r in replay
+                  for t in r["telemetry"] if t.get("retain_all_peak_bytes")]
+        if retain:
+            ax.plot(*zip(*retain), ls="-.", color="grey", lw=1,
+                    label="retaining every segment (predicted)")
+        ax.set(title="\n".join(textwrap.wrap(
+            f"replay runs{which}: the engine's accounted peak (what the budget bounds), the "
+            "plan's prediction (dotted), the budget (dashed); x: checked steps", 70)),
+            xlabel="step", ylabel="MiB")
         ax.title.set_fontsize(8)
-        ax.legend(fontsize=7, ncol=2)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, ncol=2)
     return _save(fig, path)
 
 
-def _plot_time(runs: list[dict[str, Any]], path: Path) -> str:
+def _timed(tel: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+    """Rows whose step time is comparable: steps without live memory tracking (its dispatch
+    mode slows a step), unless every step was tracked. Returns the rows and whether tracked
+    steps had to be used."""
+    untracked = [t for t in tel if not t.get("memory_tracked")]
+    return (untracked, False) if untracked else (tel, bool(tel))
+
+
+def _plot_time(runs: list[dict[str, Any]], path: Path, medians: Mapping[str, float] | None = None
+               ) -> str:
+    """Step time per step, and the median per run: the study table's median (steady
+    contrastive steps) when ``medians`` gives it, else the median of the steady steps."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.2), gridspec_kw={"width_ratios": [2, 1]})
     meds = []
     shown, which = _first_seed(runs)
+    tracked_only = False
     for r in runs:
-        pts = [(t["step"], t["step_time_ms"]) for t in r["telemetry"]
-               if not t.get("memory_tracked")]
+        rows, tracked = _timed(r["telemetry"])
+        tracked_only |= tracked
+        pts = [(t["step"], t["step_time_ms"]) for t in rows if t.get("step_time_ms")]
         if not pts:
             continue
         if r in shown:
             a.plot(*zip(*pts), label=r["label"], lw=0.8)
-        vals = sorted(p[1] for p in pts)
-        meds.append((r["label"], vals[len(vals) // 2]))
-    a.set(title=f"step time{which} (steps with memory tracking left out)", xlabel="step",
-          ylabel="ms", yscale="log")
-    a.legend(fontsize=7, ncol=2)
+        if medians is not None and r["label"] in medians:
+            meds.append((r["label"], medians[r["label"]]))
+        else:
+            steady = [t["step_time_ms"] for t in _timed(steady_rows(r["telemetry"]))[0]
+                      if t.get("step_time_ms")]
+            if steady:
+                vals = sorted(steady)
+                meds.append((r["label"], vals[len(vals) // 2]))
+    note = ("every step (all were memory-tracked, which slows them)" if tracked_only else
+            "steps with live memory tracking left out")
+    a.set(title=f"step time per step{which}: {note}", xlabel="step", ylabel="ms", yscale="log")
+    if a.get_legend_handles_labels()[0]:
+        a.legend(fontsize=7, ncol=2)
     if meds:
         b.barh([m[0] for m in meds], [m[1] for m in meds], color="#4c72b0")
         b.invert_yaxis()
         b.tick_params(axis="y", labelsize=7)
-    b.set(title="median step time (every step of the run)", xlabel="ms")
+    b.set(title="\n".join(textwrap.wrap(
+        "median step time over the steady steps (plan in force, unchecked; as in the table)"
+        if medians is not None else
+        "median step time over the steady steps (plan in force, unchecked)", 50)), xlabel="ms")
+    b.title.set_fontsize(9)
     return _save(fig, path)
 
 
@@ -222,20 +314,22 @@ def _plot_records(runs: list[dict[str, Any]], path: Path) -> str | None:
     labels = [r["label"] for r in with_records]
     bottom = [0] * len(labels)
     for o in OUTCOMES:
-        vals = [sum(1 for x in r["records"] if x["outcome"] == o) for r in with_records]
+        vals = [sum(1 for x in r["records"] if x.is_check and x.outcome == o)
+                for r in with_records]
         a.bar(labels, vals, bottom=bottom, label=o, color=_OUTCOME_COLOURS[o])
         bottom = [x + y for x, y in zip(bottom, vals)]
-    a.set(title="records by outcome", ylabel="records")
-    a.tick_params(axis="x", labelrotation=45, labelsize=7)
+    a.set(title="checks by outcome (contract and plan events left out)", ylabel="records")
+    a.tick_params(axis="x", labelrotation=45 if len(labels) > 3 else 0, labelsize=7)
     a.legend(fontsize=7)
-    kinds = Counter((x["check"], x["outcome"]) for r in with_records for x in r["records"])
+    kinds = Counter((x.check, x.outcome) for r in with_records for x in r["records"])
     checks = sorted({k for k, _ in kinds})
     bottom = [0] * len(checks)
     for o in OUTCOMES:
         vals = [kinds.get((c, o), 0) for c in checks]
         b.bar(checks, vals, bottom=bottom, label=o, color=_OUTCOME_COLOURS[o])
         bottom = [x + y for x, y in zip(bottom, vals)]
-    b.set(title="records by check (all runs)", ylabel="records")
+    b.set(title="records by kind (contract, plan: events; the rest: checks)"
+          if len(with_records) == 1 else "records by kind (all runs)", ylabel="records")
     b.legend(fontsize=7)
     return _save(fig, path)
 
@@ -243,22 +337,23 @@ def _plot_records(runs: list[dict[str, Any]], path: Path) -> str | None:
 # ------------------------------------------------------------------------------ html
 def _table(rows: list[dict[str, Any]]) -> str:
     cols = [("method", "method"), ("seed", "seed"), ("test top-1", "top1"),
-            ("encoder digest", "encoder_digest"), ("peak memory", "peak_bytes"),
-            ("median step", "median_step_ms"), ("replays", "replays"),
-            ("records m/r/d", "records"), ("vs reference", "vs_reference")]
+            ("encoder digest", "encoder_digest"), ("peak, live tensors", "peak_bytes"),
+            ("peak, accounted", "accounted_peak_bytes"), ("budget", "budget_bytes"),
+            ("median step (steady)", "median_step_ms"), ("replays", "replays"),
+            ("checks m/r/d", "records"), ("vs reference", "vs_reference")]
     out = ["<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c, _ in cols) + "</tr>"]
     for r in rows:
         cells = []
         for _, k in cols:
             v = r.get(k)
             if k == "top1":
-                v = repr(v)
+                v = format_top1(v)
             elif k == "encoder_digest":
                 v = f"<code>{html.escape(str(v)[:16])}</code>"
                 cells.append(f"<td>{v}</td>")
                 continue
-            elif k == "peak_bytes":
-                v = format_bytes(v) if v is not None else "n/a"
+            elif k in ("peak_bytes", "accounted_peak_bytes", "budget_bytes"):
+                v = format_bytes(v) if v is not None else ("" if k == "budget_bytes" else "n/a")
             elif k == "median_step_ms":
                 v = f"{v:.1f} ms" if v is not None else "n/a"
             elif k == "records":
@@ -278,18 +373,78 @@ tr.unaware{background:#fff3f0}tr.aware{background:#f3fff3}img{max-width:100%;mar
 code{font-size:12px}.ok{color:#1a7f37;font-weight:bold}.bad{color:#c00;font-weight:bold}"""
 
 
-def write_report(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = None) -> Path:
+def _fit_headline(run: Mapping[str, Any]) -> list[str]:
+    """The fit-run summary: steps, the steady peak (not the probe step's) against retaining
+    every segment, step time, checks, and the other runs in the directory."""
+    tel = run["telemetry"]
+    steady = steady_rows(tel)
+    peaks = [t["peak_bytes"] for t in steady if t.get("peak_bytes")]
+    accounted = [t["accounted_peak_bytes"] for t in steady if t.get("accounted_peak_bytes")]
+    retain = next((t["retain_all_peak_bytes"] for t in reversed(tel)
+                   if t.get("retain_all_peak_bytes")), None)
+    times = sorted(t["step_time_ms"] for t in _timed(steady)[0] if t.get("step_time_ms"))
+    live = any(t.get("memory") in ("live", "cuda") for t in tel)
+    out = [f"<p>Run <code>{html.escape(str(run.get('run_id')))}</code>: {len(tel)} steps, "
+           f"{len(steady)} with the plan in force (the probe, calibration and checked steps "
+           "are the others)."]
+    if peaks:
+        peak = max(peaks)
+        out.append(f" Peak memory over those steps {format_bytes(peak)} "
+                   f"({'live tensors' if live else 'the engine accounting'})")
+        if accounted and live:
+            out.append(f", accounted {format_bytes(max(accounted))}")
+        if retain:
+            ref = max(accounted) if accounted else peak
+            out.append(f"; retaining every segment would take {format_bytes(retain)} by the "
+                       f"measured costs: {format_bytes(retain - ref)} "
+                       f"({(retain - ref) / retain:.0%}) saved")
+        out.append(".")
+    if times:
+        out.append(f" Median step time {times[len(times) // 2]:.1f} ms.")
+    recs = run.get("records")
+    if recs is not None:
+        checks = [r for r in recs if r.is_check]
+        n = Counter(r.outcome for r in checks)
+        out.append(f" Checks on {len({r.step for r in checks if r.check in ('grad', 'bytes')})}"
+                   f" steps: {n['match']} matched, {n['divergence']} diverged, "
+                   f"{n['rejection']} rejections.")
+    parts = ["".join(out) + "</p>"]
+    others = [r for r in run.get("runs", []) if r != run.get("run_id")]
+    if others:
+        parts.append(f"<p>This directory holds {len(others)} other run(s): "
+                     f"{', '.join(f'<code>{html.escape(r)}</code>' for r in others)}. Show one "
+                     "with <code>lightning-replay report DIR --run RUN_ID</code>.</p>")
+    return parts
+
+
+def _methods(study: Mapping[str, Any]) -> str:
+    methods = list(dict.fromkeys(r["method"] for r in study["rows"]))
+    return ("<h2>Methods</h2><dl>" + "".join(
+        f"<dt><code>{html.escape(m)}</code></dt><dd>{html.escape(METHOD_DESCRIPTIONS.get(m, ''))}"
+        "</dd>" for m in methods) + "</dl>")
+
+
+def write_report(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = None,
+                 run_id: str | None = None) -> Path:
     """Write ``report.html`` and ``plots/*.png`` into ``run_dir``; return the HTML's path.
 
+    Args:
+        run_dir: a study's ``output_dir`` or a fit run's ``default_root_dir``.
+        result: the study result (read from ``results.json`` when omitted).
+        run_id: the fit run to show when several appended to ``run_dir`` (default: latest).
+
     Raises:
-        ReportError: ``run_dir`` holds no study results and no run telemetry.
+        ReportError: ``run_dir`` holds no study results and no run telemetry, or not
+            ``run_id``.
     """
     root = Path(run_dir)
-    runs, study = load_runs(root, result)
+    runs, study = load_runs(root, result, run_id=run_id)
     plots = root / "plots"
     plots.mkdir(parents=True, exist_ok=True)
+    medians = ({f"{r['method']} s{r['seed']}": r["median_step_ms"] for r in study["rows"]
+                if r.get("median_step_ms") is not None} if study is not None else None)
     images = [("Memory per step", _plot_memory(runs, plots / "memory.png")),
-              ("Step time", _plot_time(runs, plots / "step_time.png")),
+              ("Step time", _plot_time(runs, plots / "step_time.png", medians)),
               ("Plan per segment over time", _plot_plans(runs, plots / "plans.png")),
               ("Record outcomes", _plot_records(runs, plots / "records.png"))]
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>lightning_replay "
@@ -302,6 +457,16 @@ def write_report(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = 
         parts.append(f"<p class='{'ok' if ok else 'bad'}'>State-aware methods byte-identical "
                      f"within every seed: {'yes' if ok else 'NO'}</p>")
         parts.append(_table(study["rows"]))
+        parts.append("<p>Peak, live tensors: the largest bytes of live tensors in a steady "
+                     "step (on CPU, sampled steps tracked by a dispatch mode; the CUDA "
+                     "allocator on GPU); it also counts what the engine does not plan "
+                     "(optimizer state, the batch, temporaries), so it can sit above the "
+                     "budget. Peak, accounted: the engine's exact accounting of what the "
+                     "planner costs (parameters, gradients, saved activations, snapshots): "
+                     "the quantity the budget bounds. Median step: the steady contrastive "
+                     "steps (plan in force, unchecked, not memory-tracked); the bars below "
+                     "show the same figure. Checks m/r/d: matched / rejected / diverged "
+                     "checks (contract and plan events are not counted).</p>")
         parts.append("<ul>")
         for seed, s in study["seeds"].items():
             verdict = ("byte-identical test top-1 and encoder weights"
@@ -320,13 +485,9 @@ def write_report(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = 
                          f"{format_bytes(mf['eager_whole'])}, retain all "
                          f"{format_bytes(mf['retain_all'])})</li>")
         parts.append("</ul>")
+        parts.append(_methods(study))
     else:
-        tel = runs[0]["telemetry"]
-        peaks = [t["peak_bytes"] for t in tel if t.get("peak_bytes") is not None]
-        times = sorted(t["step_time_ms"] for t in tel)
-        parts.append(f"<p>{len(tel)} steps; peak memory "
-                     f"{format_bytes(max(peaks)) if peaks else 'n/a'}; median step time "
-                     f"{times[len(times) // 2]:.1f} ms.</p>")
+        parts.extend(_fit_headline(runs[0]))
     for title, name in images:
         if name is None:
             continue

@@ -78,6 +78,33 @@ __all__ = ["METHODS", "STATE_AWARE", "STATE_UNAWARE", "DEMO_CONFIG", "StudySetti
 METHODS = ("none", "torch_checkpoint", "torch_sac", "whole", "regions", "eager_whole", "joint")
 STATE_AWARE = ("none", "whole", "regions", "eager_whole", "joint")
 STATE_UNAWARE = ("torch_checkpoint", "torch_sac")
+
+#: One line per method, for the results and the report.
+METHOD_DESCRIPTIONS = {
+    "none": "no recomputation: every activation kept (the reference; exact by definition)",
+    "torch_checkpoint": "torch.utils.checkpoint on every segment (state-unaware)",
+    "torch_sac": "torch's selective activation checkpointing, saving matmul outputs and "
+                 "recomputing the rest (state-unaware)",
+    "whole": "strategy='replay', every segment replayed, changing state preserved whole "
+             "(planner whole_all)",
+    "regions": "strategy='replay', every segment replayed, only the overwritten regions "
+               "preserved where it can (planner fixed_regions)",
+    "eager_whole": "strategy='replay' under the budget, greedy over retain/whole, best bytes "
+                   "saved per second added first (planner eager_whole)",
+    "joint": "strategy='replay' under the same budget, the optimal plan over every option "
+             "(planner joint)",
+}
+
+
+def format_top1(value: float | None) -> str:
+    """Test top-1 for people: ``0.0860000029206276`` -> ``'8.60 %'`` (results.json keeps the
+    exact float, which the byte-identity verdicts compare).
+
+    Example:
+        >>> format_top1(0.0860000029206276)
+        '8.60 %'
+    """
+    return "n/a" if value is None else f"{100 * value:.2f} %"
 # method -> (planner, preservation before the first plan, runs under the measured budget)
 _REPLAY = {"whole": ("whole_all", "whole", False), "regions": ("fixed_regions", "regions", False),
            "eager_whole": ("eager_whole", "auto", True), "joint": ("joint", "auto", True)}
@@ -495,7 +522,7 @@ def _records_by_outcome(path: Path, run_id: str | None) -> dict[str, int] | None
         return None
     store = RecordStore(path, run_id=run_id)
     try:
-        return store.counts(run_id=run_id)
+        return store.counts(run_id=run_id, kind="check")  # contract/plan events are no checks
     finally:
         store.close()
 
@@ -663,7 +690,7 @@ def run_study(config: str | os.PathLike | Mapping[str, Any], *, progress: bool =
                     raw.append(row)
                     bar.update(1)
                     if echo:
-                        echo(f"{method:>16} seed {seed}: top-1 {row['top1']!r}  "
+                        echo(f"{method:>16} seed {seed}: top-1 {format_top1(row['top1'])}  "
                              f"encoder {row['encoder_digest'][:12]}  "
                              f"{row.get('vs_reference', '')}  ({row['wall_s']:.1f} s)")
                     del run
@@ -754,13 +781,15 @@ def _fmt_records(rec: dict[str, int] | None) -> str:
 
 def format_markdown(result: StudyResult) -> str:
     """The result table (one row per method and seed) and the per-seed verdicts, in Markdown."""
-    lines = ["| method | seed | test top-1 | encoder digest | peak memory | median step | "
-             "replays | records (match / rejection / divergence) | vs reference |",
+    lines = ["| method | seed | test top-1 | encoder digest | peak memory (live) | "
+             "median step (steady) | replays | checks (match / rejection / divergence) | "
+             "vs reference |",
              "|---|---:|---|---|---:|---:|---:|---|---|"]
     for r in result.rows:
         peak = format_bytes(r["peak_bytes"]) if r.get("peak_bytes") is not None else "n/a"
         lines.append(
-            f"| {r['method']} | {r['seed']} | {r['top1']!r} | `{r['encoder_digest'][:16]}` | "
+            f"| {r['method']} | {r['seed']} | {format_top1(r['top1'])} | "
+            f"`{r['encoder_digest'][:16]}` | "
             f"{peak} | {r['median_step_ms']:.1f} ms | {r['replays']} | "
             f"{_fmt_records(r.get('records'))} | "
             f"{'reference' if r.get('reference') == r['method'] else r.get('vs_reference', '')}"
@@ -772,7 +801,8 @@ def format_markdown(result: StudyResult) -> str:
                          "run: nothing to compare it with.")
         elif s["state_aware_identical"]:
             lines.append(f"- seed {seed}: state-aware methods {', '.join(s['state_aware'])} give "
-                         f"**byte-identical** test top-1 ({s['top1']!r}) and encoder weights "
+                         f"**byte-identical** test top-1 ({format_top1(s['top1'])}) and "
+                         "encoder weights "
                          f"(`{s['encoder_digest'][:16]}`).")
         else:
             lines.append(f"- seed {seed}: state-aware methods are **NOT identical**: "
@@ -816,6 +846,10 @@ def format_markdown(result: StudyResult) -> str:
                  "step (on CPU tracked every "
                  f"{result.settings.memory_every_n_steps} steps, whose times are left out of "
                  "the median; the CUDA allocator's peak on GPU).")
+    lines.append("")
+    lines.append("Methods:")
+    for m in result.settings.methods:
+        lines.append(f"- `{m}`: {METHOD_DESCRIPTIONS.get(m, '')}")
     return "\n".join(lines) + "\n"
 
 

@@ -11,8 +11,11 @@ JSON line per step to ``<run_dir>/telemetry.jsonl`` (what the report plots):
   what was already resident (parameters, buffers, gradients, optimizer state);
 * ``replays`` — segment recomputations in the step (the engine's count, or the
   ``torch_checkpoint``/``torch_sac`` wrappers' count);
-* under ``strategy="replay"``: the engine's accounted peak, the budget, the plan version, each
-  segment's option, whether the step was checked, and its records by outcome.
+* under ``strategy="replay"``: the run id, the engine's accounted peak, the budget, the plan
+  version, each segment's option, whether the step was checked, and its checks by outcome.
+
+:class:`~lightning_replay.ReplayCallback` writes rows of its own without this callback (the
+engine's figures, no live tensor peak); ``lightning-replay report`` reads either.
 
 Example:
     >>> import torch
@@ -39,6 +42,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_replay.apps.torch_recompute import recompute_counts
+from lightning_replay.records import CHECKS, CONTRACT
 
 __all__ = ["LiveBytes", "StepTelemetry", "read_telemetry", "TELEMETRY_FILE"]
 
@@ -240,7 +244,8 @@ class StepTelemetry(Callback):
         engine = _engine(trainer)
         if engine is not None:
             total = _total_replays(engine)
-            row.update({"accounted_peak_bytes": engine.window_stats()["accounted_peak_bytes"],
+            row.update({"run_id": engine.records.run_id,
+                        "accounted_peak_bytes": engine.window_stats()["accounted_peak_bytes"],
                         "budget": engine.budget,
                         "plan_version": engine.plan_version,
                         "replays": total - self._replays,
@@ -252,11 +257,11 @@ class StepTelemetry(Callback):
             new = store.read(run_id=store.run_id, since_seq=self._seq)
             if new:
                 self._seq = max(r.seq for r in new)
-            row["checked"] = any(r.check in ("grad", "bytes") for r in new)
+            row["checked"] = any(r.check in CHECKS for r in new)
             for r in new:  # a segment probed in this step ran retained, under discovery
-                if r.check == "contract" and r.segment in row["plan"]:
+                if r.check == CONTRACT and r.segment in row["plan"]:
                     row["plan"][r.segment] = "probe"
-            row["records"] = {o: sum(1 for r in new if r.outcome == o)
+            row["records"] = {o: sum(1 for r in new if r.is_check and r.outcome == o)
                               for o in ("match", "rejection", "divergence")}
         else:
             counts = recompute_counts(pl_module)
