@@ -680,6 +680,9 @@ def _model_devices(model: nn.Module) -> set[torch.device]:
 
 
 def _cuda_indices(devices: set[torch.device]) -> list[int]:
+    # torch.manual_seed seeds every CUDA device: restore all of them once CUDA is in use.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return list(range(torch.cuda.device_count()))
     return sorted({d.index if d.index is not None else torch.cuda.current_device()
                    for d in devices if d.type == "cuda"})
 
