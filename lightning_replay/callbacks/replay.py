@@ -38,7 +38,7 @@ from lightning_replay.budget import format_bytes
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.loggers.wandb import WandbReplayWriter, plan_rows, wandb_runs
 from lightning_replay.records import CHECKS as _CHECK_KINDS
-from lightning_replay.records import RECORDS_DIR, Record, default_records_path
+from lightning_replay.records import CONTRACT, RECORDS_DIR, Record, default_records_path
 from lightning_replay.strategies.replay import ReplayStrategy
 
 CHECKS = ("grad", "bytes")
@@ -434,7 +434,7 @@ class ReplayCallback(Callback):
                          checked: bool, retain_all: int | None) -> None:
         plan = {n: s["mode"] for n, s in engine.summary().items()}
         for r in new:  # a segment probed in this step ran retained, under discovery
-            if r.check == "contract" and r.segment in plan:
+            if r.check == CONTRACT and r.segment in plan:
                 plan[r.segment] = "probe"
         row = {"run_id": engine.records.run_id, "step": trainer.global_step,
                "epoch": trainer.current_epoch, "window": engine.step,
@@ -447,6 +447,7 @@ class ReplayCallback(Callback):
                "retain_all_peak_bytes": retain_all, "budget": engine.budget,
                "plan_version": engine.plan_version, "plan": plan, "replays": replays,
                "preserved_bytes": stats.get("preserved_bytes"), "checked": checked,
+               "checks_skipped": engine.checks_skipped,
                "records": {o: sum(1 for r in new if r.is_check and r.outcome == o)
                            for o in ("match", "rejection", "divergence")}}
         self._telemetry.write(json.dumps(row) + "\n")

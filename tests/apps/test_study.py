@@ -83,7 +83,10 @@ def test_result_files(study):
     out = study.output_dir
     md = (out / "results.md").read_text()
     assert "byte-identical" in md and md.count("\n| ") >= len(METHODS)
-    assert repr(study.rows[0]["top1"]) in md  # all digits
+    # people read a percentage; the CSV and JSON keep every digit (what identity compares)
+    assert f"| {100 * study.rows[0]['top1']:.2f} % |" in md
+    assert repr(study.rows[0]["top1"]) not in md
+    assert all(f"- `{m}`: " in md for m in METHODS)  # every method explained
     with open(out / "results.csv") as f:
         table = list(csv.DictReader(f))
     assert [r["method"] for r in table] == list(METHODS)
@@ -96,6 +99,10 @@ def test_result_files(study):
     assert len(images) == 4
     for src in images:
         assert (out / src).stat().st_size > 1000
+    # accounted and live peaks side by side, methods explained, top-1 as a percentage
+    assert "peak, accounted" in html and "peak, live tensors" in html
+    assert all(f"<dt><code>{m}</code></dt>" in html for m in METHODS)
+    assert f"{100 * study.rows[0]['top1']:.2f} %" in html
     for m in METHODS:
         assert (out / "runs" / f"{m}-seed0" / "telemetry.jsonl").stat().st_size > 0
 

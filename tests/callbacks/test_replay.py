@@ -3,7 +3,9 @@ records, and resume."""
 from __future__ import annotations
 
 import csv
+import logging
 import os
+import re
 import sqlite3
 
 import lightning as L
@@ -12,7 +14,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_replay import ReplayCallback, ReplayConfigError, ReplayStrategy
+from lightning_replay import ReplayCallback, ReplayConfigError, ReplayStrategy, format_bytes
 from lightning_replay.planner import min_feasible_budget
 from lightning_replay.records import COLUMNS
 
@@ -54,6 +56,8 @@ class _At(L.Callback):
     ({"memory_headroom": 1.5}, "memory_headroom=1.5"),
     ({"replan_cooldown_steps": 0}, "replan_cooldown_steps=0"),
     ({"shape_patience": None}, "shape_patience=None"),
+    ({"progress_bar": 1}, "progress_bar=1"),
+    ({"summary": "no"}, "summary='no'"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ReplayConfigError, match=match):
@@ -147,6 +151,75 @@ def test_state_changed_outside_the_contract_is_caught_recorded_and_counted(tmp_p
             callbacks=[cb]).fit(model, loader())
     assert differing(state(ref), state(model)) != []
     assert cb.last_metrics["divergences"] == 0
+
+
+def test_a_divergence_replans_like_a_rejection(tmp_path):
+    """Issue 12: a check's divergence counts as a contract violation for re-planning."""
+    replans = {}
+    for replan_on in (("violations",), ()):
+        cb = ReplayCallback(check_every_n_steps=1, replan_on=replan_on,
+                            records_path=tmp_path / f"{len(replan_on)}.sqlite")
+        t = trainer(tmp_path, strategy=ReplayStrategy(planner="fixed_regions"), max_steps=6,
+                    callbacks=[cb])
+        t.fit(OutsideStateNet(bump_at=(3,)), loader())
+        assert cb.last_metrics["divergences"] > 0
+        assert t.strategy.engine.records.read(outcome="rejection") == []  # no rejection at all
+        replans[replan_on] = cb.replans
+    assert replans == {("violations",): 1, (): 0}
+
+
+# ---------------------------------------------------------------------- what a user sees
+def test_fit_ends_with_a_summary_of_plan_memory_checks_and_records(tmp_path, caplog):
+    """A run shorter than check_every_n_steps still checks (the first settled step); the
+    printed block names the plan, the peak against retaining every segment, the checks and
+    the records file. The retain-everything figure (predicted from the measured costs) is
+    held against a run that really retains every segment."""
+    retained_cb = ReplayCallback(check_every_n_steps=None, summary=False)
+    trainer(tmp_path / "retained", strategy=ReplayStrategy(planner="retain_all",
+                                                           calibration_steps=1),
+            max_steps=8, callbacks=[retained_cb]).fit(HazardNet(), loader(16))
+    retained_peak = retained_cb.fit_summary["peak_bytes"]
+
+    cb = ReplayCallback(check_every_n_steps=50, progress_bar=True)
+    t = trainer(tmp_path / "replayed", strategy=ReplayStrategy(calibration_steps=1),
+                max_steps=8, callbacks=[cb])
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        t.fit(HazardNet(), loader(16))
+    engine = t.strategy.engine
+    s = cb.fit_summary
+    checks = engine.records.read(kind="check")
+    assert s["checked_steps"] == 1 and {r.check for r in checks} == {"grad", "bytes"}
+    assert s["matches"] == len(checks) > 0 and s["divergences"] == 0
+    assert {n: d["option"] for n, d in s["segments"].items()} == engine.plan.choices
+    assert s["replays"] == sum(x["replays"] for x in engine.summary().values()) > 0
+    # the prediction for retaining everything is what retaining everything measures ...
+    assert abs(s["retain_all_peak_bytes"] - retained_peak) <= 0.02 * retained_peak, \
+        (s["retain_all_peak_bytes"], retained_peak)
+    # ... and replaying really used less
+    assert s["peak_bytes"] < retained_peak
+    text = "\n".join(r.getMessage() for r in caplog.records
+                     if r.getMessage().startswith("lightning_replay:"))
+    assert text.startswith("lightning_replay: 8 steps, run ")
+    for name, option in engine.plan.choices.items():
+        assert re.search(rf"\n  {re.escape(name)}\s+{option}\s+contract v1", text), text
+    assert f"peak {format_bytes(s['peak_bytes'])} vs " \
+           f"{format_bytes(s['retain_all_peak_bytes'])} retaining every segment" in text
+    assert f"checks on 1 step (first settled step, then every 50): {len(checks)} matched" in text
+    assert str(tmp_path / "replayed" / "replay" / "records.sqlite") in text
+    # progress_bar=True: this step's peak and the saving, in MiB, beside Lightning's own
+    bar = t.progress_bar_metrics
+    last = cb.last_metrics["peak_memory_bytes"]
+    assert bar["replay/peak"] == pytest.approx(last / 2**20)
+    assert bar["replay/saved"] == pytest.approx((s["retain_all_peak_bytes"] - last) / 2**20)
+
+
+def test_summary_off_prints_nothing(tmp_path, caplog):
+    cb = ReplayCallback(check_every_n_steps=None, summary=False)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=4,
+                callbacks=[cb]).fit(HazardNet(), loader(16))
+    assert not any(r.getMessage().startswith("lightning_replay:") for r in caplog.records)
+    assert cb.fit_summary["checked_steps"] == 0 and "replay/peak" not in cb.last_metrics
 
 
 # ---------------------------------------------------------------------- re-plans
