@@ -35,8 +35,8 @@ def test_doctor_dense_queue_config(tmp_path, tiny_data, capsys):
                                 "encoder_q.backbone.layer3", "encoder_q.backbone.layer4",
                                 "criterion"]
     criterion = {d["name"]: d for d in data["diagnoses"]}["criterion"]
-    assert [(s["name"], s["changes_in_window"]) for s in criterion["state"]] == \
-        [("criterion.queue", True)]
+    assert ("criterion.queue", True) in [(s["name"], s["changes_in_window"])
+                                         for s in criterion["state"]]
     page = (tmp_path / "doctor.html").read_text()
     assert "<section id='lightning-replay-doctor'>" in page and data["verdict"] in page
 
