@@ -26,6 +26,8 @@ Example:
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import multiprocessing
 import os
 import uuid
@@ -36,7 +38,6 @@ from torch import nn
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, FSDPPrecision, XLAPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -44,11 +45,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_replay import planner as _planner
-from lightning_replay.budget import format_bytes, parse_budget
+from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.engine import ON_VIOLATION, PRESERVATIONS, ReplayEngine, install
 from lightning_replay.errors import ReplayConfigError, SegmentError
 from lightning_replay.records import RecordStore
-from lightning_replay.segments import SegmentSpec, resolve_segments
+from lightning_replay.segments import SegmentSpec, default_segments, resolve_segments
 
 #: Registered strategy names and their launcher (``start_method``).
 STRATEGY_NAMES: dict[str, str] = {
@@ -72,30 +73,35 @@ class ReplayStrategy(DDPStrategy):
             classes, a callable ``(name, module) -> bool``, or a list of these. ``None``: the
             LightningModule's ``configure_replay_segments()`` if it defines one, else the
             parameterized children of its largest ``ModuleList``/``Sequential``.
-        budget: peak-memory budget: bytes, ``"2GiB"``, or a fraction of the CUDA device
-            (``0.8``). ``None``: 90 % of the device on CUDA; on CPU the lowest-memory correct
-            plan.
+        budget: peak-memory budget: bytes, ``"2GiB"``, a fraction of the device's memory
+            (``0.8``: of the CUDA device, or of physical memory on CPU), or ``"min"`` for the
+            lowest-memory correct plan (the grammar of :class:`~lightning_replay.budget.Budget`,
+            as in ``install()``). ``None``: 90 % of the device on CUDA; on CPU the
+            lowest-memory correct plan.
         planner: ``"joint"`` (optimal), ``"eager_whole"``, ``"fixed_regions"``,
             ``"retain_all"`` or ``"whole_all"``.
         preservation: ``"auto"``, ``"whole"``, ``"regions"``, ``"retain"`` or a dict per
-            segment; the options a segment's contract allows before any plan exists.
+            segment. A segment given one option (a pin, e.g. ``{"blocks.0": "retain"}``) keeps
+            it under every plan; a budget that cannot be met with the pins is an
+            ``InfeasibleBudget`` naming them.
         on_violation: ``"record"`` (warn, record a rejection, re-probe the segment) or
             ``"raise"``.
         records: where records go: ``None`` (memory, unless a :class:`ReplayCallback` names a
             file), a SQLite path, or a :class:`~lightning_replay.RecordStore`.
         calibration_steps: steps each option is timed before the first plan.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes
-            (``start_method``, ``find_unused_parameters``, ``timeout``, ...).
+            (``start_method``, ``timeout``, ...) and what it hands on to
+            ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).
 
     Raises:
-        ReplayConfigError: on a bad argument (the message names it), or at ``Trainer``
-            construction when combined with an FSDP, DeepSpeed or XLA precision plugin or an
-            accelerator other than CPU or CUDA.
+        ReplayConfigError: on a bad or unknown argument (the message names it and lists the
+            valid ones), or at ``Trainer`` construction when combined with an FSDP, DeepSpeed
+            or XLA precision plugin or an accelerator other than CPU or CUDA.
 
     Example:
         >>> strategy = ReplayStrategy(segments="blocks.*", budget="2GiB")
         >>> strategy.budget
-        2147483648
+        Budget('2.00 GiB')
     """
 
     strategy_name = "replay"
@@ -111,6 +117,7 @@ class ReplayStrategy(DDPStrategy):
         calibration_steps: int = 2,
         **kwargs: Any,
     ) -> None:
+        _check_known_kwargs(kwargs)
         super().__init__(**kwargs)
         if planner not in _planner.METHODS:
             raise ReplayConfigError(f"ReplayStrategy(planner={planner!r}) is not known; use one "
@@ -133,8 +140,10 @@ class ReplayStrategy(DDPStrategy):
             raise ReplayConfigError(f"ReplayStrategy(calibration_steps={calibration_steps!r}) "
                                     "must be an int >= 1")
         self.segments_spec = segments
-        self._budget_arg = budget
-        self.budget: int | None = _parse_budget_arg(budget)
+        try:
+            self.budget: Budget = Budget.parse(budget)
+        except (TypeError, ValueError) as exc:
+            raise ReplayConfigError(f"ReplayStrategy(budget={budget!r}): {exc}") from None
         self.planner = planner
         self.preservation = preservation
         self.on_violation = on_violation
@@ -146,6 +155,9 @@ class ReplayStrategy(DDPStrategy):
         self.segment_names: list[str] = []
         self._pending_engine_state: dict[str, Any] | None = None
         self._synced_plan_version = 0
+        #: Each segment's share of the segments' activation bytes, measured on the probe step
+        #: (empty until then).
+        self.activation_shares: dict[str, float] = {}
 
     # ------------------------------------------------------------------ records
     def configure_records(self, path: str | os.PathLike | None, run_id: str | None = None, *,
@@ -210,6 +222,12 @@ class ReplayStrategy(DDPStrategy):
         # Lightning calls this once accelerator, devices and precision are final: the earliest
         # point at which a combination that cannot work is known.
         self._check_composable()
+        if self.world_size == 1:
+            # One process runs in this one, with no launcher, like a plain Trainer(devices=1):
+            # Lightning's launchers reset torch's thread count (and set OMP_NUM_THREADS) unless
+            # OMP_NUM_THREADS is set, and the CPU kernels then round differently.
+            self._launcher = None
+            return
         super()._configure_launcher()
 
     def _check_composable(self) -> None:
@@ -231,7 +249,7 @@ class ReplayStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._start_method == "fork" and torch.get_num_threads() > 1:
+        if self._start_method == "fork" and self.world_size > 1 and torch.get_num_threads() > 1:
             # A forked child inherits the parent's OpenMP thread pool without its threads: the
             # first parallel CPU kernel (batch norm, a large elementwise op) then waits forever
             # once the parent has run one. One intra-op thread per child cannot deadlock.
@@ -247,8 +265,8 @@ class ReplayStrategy(DDPStrategy):
             super().setup_distributed()
             return
         # One process: no process group, no DDP wrapper and no DistributedSampler (which would
-        # reshuffle the data), exactly like a plain Trainer(devices=1).
-        reset_seed()
+        # reshuffle the data), exactly like a plain Trainer(devices=1). Nor DDP's reset_seed():
+        # re-seeding here would make every random draw differ from the plain Trainer's.
         self.set_world_ranks()
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
@@ -298,19 +316,22 @@ class ReplayStrategy(DDPStrategy):
             # What this run was given wins over what the checkpoint's run was given; the
             # loaded plan stays until a re-plan (ReplayCallback's "memory" notices a misfit).
             engine.planner = self.planner
-            if budget is not None:
+            if isinstance(budget, int):
                 engine.budget = budget
+            elif self.budget.min:
+                engine.budget = None  # the lowest-memory correct plan
         # Measure costs always: without a budget (CPU) the plan is the lowest-memory correct one
         # from measured costs, and after a resume the loaded plan's options keep being timed so
         # a later re-plan has costs to work from.
         engine.measure_costs = True
         self.engine = engine
         self.segment_names = names
+        self.activation_shares = {}
         self._synced_plan_version = engine.plan_version
         rank_zero_info(
             f"ReplayStrategy: replaying {len(names)} segment(s) of {type(model).__name__} "
             f"({origin}): {', '.join(names)}; budget "
-            f"{'lowest-memory plan' if budget is None else format_bytes(budget)}, planner "
+            f"{'lowest-memory plan' if budget == 'min' else format_bytes(budget)}, planner "
             f"{self.planner!r}")
 
     def _resolve_spec(self, model: nn.Module) -> tuple[Any, str]:
@@ -324,8 +345,8 @@ class ReplayStrategy(DDPStrategy):
                                    "None; return names, glob patterns, module classes or a "
                                    "callable")
             return spec, "configure_replay_segments()"
-        container, names = default_segments(model)
-        return names, f"children of the largest block list {container!r}"
+        containers, names = default_segments(model)
+        return names, "repeated blocks of " + ", ".join(repr(c) for c in containers)
 
     def _check_segments(self, model: nn.Module, names: list[str]) -> None:
         for name in names:
@@ -337,12 +358,40 @@ class ReplayStrategy(DDPStrategy):
                         "run collectives a second time on some ranks only. Use "
                         "Trainer(sync_batchnorm=False), or leave that module out of segments=.")
 
-    def _resolve_budget(self) -> int | None:
-        if isinstance(self._budget_arg, float) and 0 < self._budget_arg <= 1:
-            return _fraction(self._budget_arg, self.root_device)
-        if self.budget is None and self.root_device.type == "cuda":
-            return _fraction(DEFAULT_CUDA_FRACTION, self.root_device)
-        return self.budget
+    def _resolve_budget(self) -> int | str:
+        """Bytes for this device, or ``"min"`` for the lowest-memory correct plan."""
+        budget = self.budget
+        if budget.is_none and self.root_device.type == "cuda":
+            budget = Budget(fraction=DEFAULT_CUDA_FRACTION)
+        if budget.is_none or budget.min:
+            return "min"
+        try:
+            return budget.resolve(self.root_device)
+        except ValueError as exc:
+            raise ReplayConfigError(f"ReplayStrategy(budget={budget}): {exc}") from None
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if not self.activation_shares:
+            self._report_activation_shares()
+
+    def _report_activation_shares(self) -> None:
+        """Once every segment has been probed: each one's share of the segments' activation
+        bytes (what replaying it can save), printed once."""
+        engine = self.engine
+        if engine is None or not engine.installed:
+            return
+        summary = engine.summary()
+        if any(s["contract_version"] == 0 for s in summary.values()):
+            return  # a segment has not been probed yet
+        sizes = {name: s["activation_bytes"] for name, s in summary.items()}
+        total = sum(sizes.values())
+        self.activation_shares = {n: (b / total if total else 0.0) for n, b in sizes.items()}
+        rank_zero_info(
+            f"ReplayStrategy: activation bytes per segment (probe step, {format_bytes(total)} "
+            "in all): " + ", ".join(f"{n} {format_bytes(b)} ({self.activation_shares[n]:.1%})"
+                                    for n, b in sizes.items()))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -462,61 +511,39 @@ class ReplayStrategy(DDPStrategy):
         register(strategy_registry)
 
 
-def default_segments(model: nn.Module) -> tuple[str, list[str]]:
-    """The parameterized children of ``model``'s largest ``ModuleList``/``Sequential``.
+def _valid_kwargs() -> dict[str, list[str]]:
+    """The keyword arguments ReplayStrategy takes, by where they go."""
+    from torch.nn.parallel import DistributedDataParallel
 
-    Largest means most children that hold parameters; ties go to more parameters, then to the
-    first in module order.
+    def names(fn: Any, drop: set[str]) -> list[str]:
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in drop]
 
-    Returns:
-        (the container's qualified name, the children's qualified names).
-
-    Raises:
-        SegmentError: ``model`` holds no ``ModuleList``/``Sequential`` with a parameterized child.
-
-    Example:
-        >>> m = nn.Module()
-        >>> m.stem = nn.Linear(2, 2)
-        >>> m.blocks = nn.ModuleList([nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)])
-        >>> default_segments(m)
-        ('blocks', ['blocks.0', 'blocks.2'])
-    """
-    best: tuple[tuple[int, int, int], str, list[str]] | None = None
-    for index, (name, mod) in enumerate(model.named_modules()):
-        if not name or not isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            continue
-        kids = [(f"{name}.{n}", sum(p.numel() for p in c.parameters()))
-                for n, c in mod.named_children()]
-        kids = [(n, k) for n, k in kids if k > 0]
-        if not kids:
-            continue
-        key = (len(kids), sum(k for _, k in kids), -index)
-        if best is None or key > best[0]:
-            best = (key, name, [n for n, _ in kids])
-    if best is None:
-        raise SegmentError(
-            f"{type(model).__name__} has no ModuleList or Sequential of parameterized blocks to "
-            "replay. Pass ReplayStrategy(segments=...) or define configure_replay_segments() "
-            "on the LightningModule, returning names, glob patterns or module classes.")
-    return best[1], best[2]
+    return {
+        "ReplayStrategy": names(ReplayStrategy.__init__, {"self"}),
+        "DDPStrategy": names(DDPStrategy.__init__, {"self"}),
+        # DDPStrategy hands its other keywords to DistributedDataParallel; it sets these itself
+        "DistributedDataParallel": names(DistributedDataParallel.__init__,
+                                         {"self", "module", "device_ids"}),
+    }
 
 
-def _parse_budget_arg(budget: Any) -> int | None:
-    if budget is None:
-        return None
-    if isinstance(budget, float) and 0 < budget <= 1:
-        return None  # a fraction of the CUDA device, resolved at setup
-    try:
-        return parse_budget(budget)
-    except (TypeError, ValueError) as exc:
-        raise ReplayConfigError(f"ReplayStrategy(budget={budget!r}): {exc}") from None
-
-
-def _fraction(fraction: float, device: torch.device) -> int:
-    try:
-        return parse_budget(fraction, device)
-    except ValueError as exc:
-        raise ReplayConfigError(f"ReplayStrategy(budget={fraction!r}): {exc}") from None
+def _check_known_kwargs(kwargs: Mapping[str, Any]) -> None:
+    # DDPStrategy would hand a misspelt replay argument on to DistributedDataParallel, which
+    # fails only once a second process wraps the model, and never with one: refuse it here.
+    valid = _valid_kwargs()
+    known = {n for group in valid.values() for n in group}
+    unknown = [k for k in kwargs if k not in known]
+    if not unknown:
+        return
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(k, sorted(known), n=1)
+        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    listed = "; ".join(f"{where}: {', '.join(group)}" for where, group in valid.items())
+    raise ReplayConfigError(
+        f"ReplayStrategy got unknown argument(s) {', '.join(hints)}. Valid arguments are "
+        f"{listed}.")
 
 
 def register(registry: Any = StrategyRegistry) -> None:
