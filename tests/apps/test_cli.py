@@ -160,3 +160,106 @@ def test_study_args_from_config_and_overrides(tmp_path):
 def test_cpu_config_is_the_embedded_demo_default():
     assert yaml.safe_load((CONFIGS / "dense_queue_cpu.yaml").read_text()) == \
         yaml.safe_load(DEMO_CONFIG)
+
+
+# ------------------------------------------------------------------------------ README-style run
+def _points(ax) -> int:
+    """How much data an axis shows: line points, bars and other patches, collections."""
+    return (sum(len(line.get_xdata()) for line in ax.lines) + len(ax.patches)
+            + sum(len(c.get_paths()) for c in ax.collections))
+
+
+@pytest.fixture(scope="module")
+def readme_runs(tmp_path_factory):
+    """Two fits appended to one directory, set up as the README shows: strategy="replay" and a
+    ReplayCallback, nothing else (no StepTelemetry)."""
+    from lightning_replay import ReplayCallback
+    from tests.helpers.lit_hazards import HazardNet, loader, trainer
+
+    root = tmp_path_factory.mktemp("readme")
+    runs = []
+    for steps in (6, 12):
+        t = trainer(root, strategy="replay", max_steps=steps, callbacks=[ReplayCallback()])
+        t.fit(HazardNet(), loader(16))
+        runs.append((t.strategy.engine.records.run_id, t.callbacks[0]))
+    return root, runs
+
+
+def test_report_of_a_readme_style_run(readme_runs, monkeypatch, capsys):
+    """Every plot of the report has data, the headline peak is the steady steps' (not the
+    probe step's), and the report shows the latest of the appended fits only."""
+    from lightning_replay.apps import report
+    from lightning_replay.records import query
+
+    root, runs = readme_runs
+    (first, _), (latest, cb) = runs
+    seen: dict[str, list[tuple[str, int, float]]] = {}
+    save = report._save
+
+    def spy(fig, path):
+        seen[path.name] = [(ax.get_title(), _points(ax), sum(p.get_height() for p in ax.patches
+                                                            if hasattr(p, "get_height")))
+                           for ax in fig.axes]
+        return save(fig, path)
+
+    monkeypatch.setattr(report, "_save", spy)
+    assert cli.main(["report", str(root)]) == 0
+    assert set(seen) == {"memory.png", "step_time.png", "plans.png", "records.png"}
+    for name, axes in seen.items():
+        for title, points, _ in axes:
+            assert points > 0, (name, title)  # no empty plot
+    page = (root / "report.html").read_text()
+    assert f"Run <code>{latest}</code>: 12 steps" in page
+    assert f"<code>{first}</code>" in page and "--run RUN_ID" in page  # the other run, named
+    # the headline peak is the steady steps' peak (plan in force, unchecked), as the callback
+    # measured it: not the largest of all steps (a checked step keeps graphs the plan replays)
+    tel = [json.loads(x) for x in (root / "replay" / "telemetry.jsonl").read_text().splitlines()]
+    mine = [t for t in tel if t["run_id"] == latest]
+    assert len(mine) == 12 and len(tel) == 18
+    steady = cb.fit_summary["peak_bytes"]
+    assert f"Peak memory over those steps {cli_format_bytes(steady)}" in page
+    assert max(t["peak_bytes"] for t in mine) > steady
+    # record charts count this run's checks only
+    checks = query(root / "replay" / "records.sqlite", run_id=latest, kind="check")
+    by_outcome = seen["records.png"][0]
+    assert by_outcome[2] == len(checks) > 0
+
+    seen.clear()
+    assert cli.main(["report", str(root), "--run", first]) == 0
+    assert f"Run <code>{first}</code>: 6 steps" in (root / "report.html").read_text()
+    capsys.readouterr()
+    assert cli.main(["report", str(root), "--run", "nosuchrun"]) == 2
+    err = capsys.readouterr().err
+    assert "run 'nosuchrun' is not in" in err and first in err and latest in err
+
+
+def cli_format_bytes(n: int) -> str:
+    from lightning_replay import format_bytes
+    return format_bytes(n)
+
+
+def test_records_command_lists_runs_separates_events_and_emits_plain_json(readme_runs, capsys):
+    root, runs = readme_runs
+    (first, _), (latest, _) = runs
+    assert cli.main(["records", str(root), "--run", "nosuchrun"]) == 2
+    err = capsys.readouterr().err
+    assert "no run 'nosuchrun'" in err and first in err and latest in err
+
+    assert cli.main(["records", str(root), "--run", latest, "--format", "json", "--limit",
+                     "0"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["run_id"] for r in rows} == {latest}
+    plan = next(r for r in rows if r["check"] == "plan")
+    assert isinstance(plan["detail"], dict) and plan["detail"]["plan_version"] == 1
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?\+00:00", rows[0]["created_at"])
+
+    assert cli.main(["records", str(root), "--run", latest, "--kind", "check", "--format",
+                     "json", "--limit", "0"]) == 0
+    checks = json.loads(capsys.readouterr().out)
+    assert checks and {r["check"] for r in checks} == {"grad", "bytes"}
+
+    assert cli.main(["records", str(root), "--summary"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln.split() for ln in out.splitlines()[1:]]
+    assert {(ln[1], ln[2]) for ln in lines} == {("event", "contract"), ("event", "plan"),
+                                                ("check", "grad"), ("check", "bytes")}

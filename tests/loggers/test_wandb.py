@@ -72,6 +72,29 @@ def test_offline_run_holds_metrics_summaries_records_and_plan(tmp_path, monkeypa
         == engine.plan.choices
 
 
+def test_run_config_holds_the_replay_settings(tmp_path, monkeypatch):
+    """Runs can be grouped and filtered by the strategy's and the callback's settings."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="replay-test", save_dir=str(tmp_path))
+    strategy = ReplayStrategy(budget="1GiB", planner="eager_whole", preservation="whole",
+                              calibration_steps=1)
+    cb = ReplayCallback(check_every_n_steps=7, checks=("grad",), replan_on=("memory",))
+    t = trainer(tmp_path, strategy=strategy, max_steps=3, callbacks=[cb], logger=logger)
+    try:
+        t.fit(HazardNet(), loader(16))
+    finally:
+        wandb.finish()
+    config = read_run(find_run_file(tmp_path)).config
+    assert config["replay"] == {
+        "budget_bytes": 2**30, "planner": "eager_whole", "preservation": "whole",
+        "on_violation": "record", "calibration_steps": 1,
+        "segments": ["blocks.0", "blocks.1", "blocks.2", "blocks.3"], "world_size": 1,
+        "check_every_n_steps": 7, "checks": ["grad"], "replan_on": ["memory"],
+        "memory_headroom": 0.25}
+    assert set(cb.settings()) == set(config["replay"])
+
+
 def test_writer_without_a_run_file(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run = wandb.init(project="replay-test")
