@@ -185,25 +185,27 @@ def _line_and_marks(ax: Any, tel: list[dict[str, Any]], key: str, label: str, **
 def _plot_memory(runs: list[dict[str, Any]], path: Path) -> str:
     runs, which = _first_seed(runs)
     replay = [r for r in runs if any(t.get("accounted_peak_bytes") for t in r["telemetry"])]
-    ncols = 2 if replay else 1
-    fig, axes = plt.subplots(1, ncols, figsize=(7 * ncols, 4.4), squeeze=False)
-    ax = axes[0][0]
-    for r in runs:
-        _line_and_marks(ax, r["telemetry"], "peak_bytes", r["label"], marker=".", ms=3)
+    # a run with ReplayCallback alone measures the accounted peak only: one panel, not the
+    # same line twice
     live = any(t.get("memory") in ("live", "cuda") for r in runs for t in r["telemetry"])
-    ax.set(title=(f"peak {'live tensor' if live else 'accounted'} memory per step{which}"),
-           xlabel="step", ylabel="MiB")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, ncol=2)
+    ncols = (1 + bool(replay)) if live or not replay else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(7 * ncols, 4.4), squeeze=False)
+    if live or not replay:
+        ax = axes[0][0]
+        for r in runs:
+            _line_and_marks(ax, r["telemetry"], "peak_bytes", r["label"], marker=".", ms=3)
+        ax.set(title=f"peak live tensor memory per step{which}", xlabel="step", ylabel="MiB")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, ncol=2)
     if replay:
-        ax = axes[0][1]
+        ax = axes[0][-1]
         budgets = {r["budget"] for r in replay if r.get("budget")}
         for r in replay:
             line = _line_and_marks(ax, r["telemetry"], "accounted_peak_bytes", r["label"],
-                                   alpha=1.0 if r.get("budget") else 0.5)
+                                   alpha=1.0 if r.get("budget") or not budgets else 0.5)
             pred = [(t["step"], t["predicted_peak_bytes"] / 2**20) for t in r["telemetry"]
                     if t.get("predicted_peak_bytes")]
-            if pred and line is not None and r.get("budget"):
+            if pred and line is not None and (r.get("budget") or len(replay) == 1):
                 ax.plot(*zip(*pred), ls=":", color=line.get_color(), lw=1.2)
         for b in sorted(budgets):
             ax.axhline(b / 2**20, color="black", ls="--", lw=1)
@@ -298,7 +300,8 @@ def _plot_plans(runs: list[dict[str, Any]], path: Path) -> str | None:
                 ax.axvline(s1 - 0.5, color="black", lw=0.8, ls="--")
         ax.set_yticks(range(len(segs)), [s.replace("encoder_q.backbone.", "") for s in segs],
                       fontsize=7)
-        ax.set_title(f"{r['label']}: option per segment (dashed: new plan version)", fontsize=9)
+        ax.set_title(f"{r['label']}: option per segment (dashed: new plan version)", fontsize=9,
+                     loc="left")
         ax.set_xlim(tel[0]["step"] - 0.5, tel[-1]["step"] + 0.5)
     axes[-1][0].set_xlabel("step")
     fig.legend(handles=[Patch(color=_OPTION_COLOURS[o], label=o) for o in options
@@ -321,12 +324,17 @@ def _plot_records(runs: list[dict[str, Any]], path: Path) -> str | None:
     a.set(title="checks by outcome (contract and plan events left out)", ylabel="records")
     a.tick_params(axis="x", labelrotation=45 if len(labels) > 3 else 0, labelsize=7)
     a.legend(fontsize=7)
-    kinds = Counter((x.check, x.outcome) for r in with_records for x in r["records"])
+    # an event's "match" means "came into force": grey, apart from the checks' outcomes
+    kinds = Counter((x.check, "event" if x.is_event and x.outcome == "match" else x.outcome)
+                    for r in with_records for x in r["records"])
     checks = sorted({k for k, _ in kinds})
     bottom = [0] * len(checks)
-    for o in OUTCOMES:
+    for o in ("event", *OUTCOMES):
         vals = [kinds.get((c, o), 0) for c in checks]
-        b.bar(checks, vals, bottom=bottom, label=o, color=_OUTCOME_COLOURS[o])
+        if not any(vals) and o == "event":
+            continue
+        b.bar(checks, vals, bottom=bottom, color=_OUTCOME_COLOURS.get(o, "#999999"),
+              label="event (came into force)" if o == "event" else o)
         bottom = [x + y for x, y in zip(bottom, vals)]
     b.set(title="records by kind (contract, plan: events; the rest: checks)"
           if len(with_records) == 1 else "records by kind (all runs)", ylabel="records")
