@@ -12,10 +12,8 @@ from typing import Any
 
 from lightning_replay.errors import ContractSchemaError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-STATE_KINDS = ("parameter", "buffer", "attribute", "external")
-STATE_PRESERVATION = ("none", "whole", "regions")
 OPTIONS = ("retain", "recompute", "whole", "regions")
 """Segment options. ``retain``: keep activations; ``recompute``: replay, nothing to preserve;
 ``whole``: snapshot each changing state tensor at forward; ``regions``: keep only the regions
@@ -37,7 +35,10 @@ class StateEntry:
             batch norm); only byte comparison sees it, so it is always preserved whole.
         regions_ok: every change in the window was an annotated write whose region was logged.
         region_bytes: bytes the region log held for it in the probe window.
-        preservation: ``none``, ``whole`` or ``regions`` under the contract's option.
+        preservation: under the contract's option, ``whole`` or ``regions`` for state that
+            changes in the window; for state the probe saw unchanged, ``guard`` (buffers and
+            attributes: writes in the window are logged all the same, so a writer that starts
+            after the probe is undone for the replay and then learned) or ``none``.
     """
 
     name: str
@@ -73,6 +74,8 @@ class ReplayContract:
     uses_global_rng: bool = False
     python_attrs: list[str] = dataclasses.field(default_factory=list)
     input_aliases: list[str] = dataclasses.field(default_factory=list)
+    changed_inputs: list[int] = dataclasses.field(default_factory=list)
+    written_inputs: list[int] = dataclasses.field(default_factory=list)
     activation_bytes: int = 0
     probed_at_step: int = 0
     schema: int = SCHEMA_VERSION
@@ -116,7 +119,10 @@ class ReplayContract:
             raise ValueError(f"option must be one of {OPTIONS}, got {option!r}")
         self.option = option
         for s in self.state:
-            if not s.changes_in_window or option in ("retain", "recompute"):
+            if not s.changes_in_window:
+                s.preservation = "guard" if option != "retain" and s.kind != "parameter" \
+                    else "none"
+            elif option in ("retain", "recompute"):
                 s.preservation = "none"
             elif option == "regions" and s.regions_ok and not s.unannotated_write:
                 s.preservation = "regions"

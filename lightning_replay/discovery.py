@@ -66,6 +66,18 @@ class DiscoveryMode(TorchDispatchMode):
             self.touched[key] = touch
         return touch
 
+    def touch_all(self, tensors: list[torch.Tensor]) -> None:
+        """Watch state the segment may read without an op the mode sees (``.tolist()`` and
+        other host reads, or reads that start after a warm-up)."""
+        for t in tensors:
+            self._touch(t)
+
+    def release(self) -> None:
+        """Disarm the region log for a probe that will never be observed."""
+        for key in self.touched:
+            self.log.release(key)
+        self.touched = {}
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         written = {name for _, name in write_args(func)}
@@ -123,10 +135,14 @@ def observe_window(mode: DiscoveryMode, log: RegionLog) -> list[Observation]:
     with torch.no_grad():
         for key, touch in mode.touched.items():
             live = storage_bytes(touch.tensor)
-            changed = not torch.equal(live, touch.snapshot)
             entries = log.since(key, touch.mark)
+            # A write the probe saw is a write, whatever its bytes (a zero point recomputed
+            # to the same value, an embedding row renormalized only later): the segment
+            # writes it, or the window does.
+            changed = (live.numel() != touch.snapshot.numel() or bool(entries)
+                       or touch.annotated_write or not torch.equal(live, touch.snapshot))
             regions_ok = False
-            if changed and entries:
+            if changed and entries and live.numel() == touch.snapshot.numel():
                 undo(entries)
                 regions_ok = torch.equal(live, touch.snapshot)
                 redo(entries)

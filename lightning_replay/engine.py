@@ -24,12 +24,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from lightning_replay import planner as _planner
 from lightning_replay.accounting import MemoryAccountant, Saved
-from lightning_replay.budget import format_bytes, parse_budget
+from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.contract import OPTIONS, ReplayContract, StateEntry
 from lightning_replay.costs import CostMeter, dispatch_overhead
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
@@ -37,9 +37,13 @@ from lightning_replay.errors import ContractViolation, ReplayConfigError, Replay
 from lightning_replay.preservation import CaptureMode, RegionLog, redo, undo
 from lightning_replay.records import RecordStore
 from lightning_replay.segments import SegmentSpec, resolve_segments
-from lightning_replay.state import (PLAIN_TYPES, StateIndex, StateRef, capture_attrs, digest,
-                                    find_generator_name, restore_attrs, unique_generators, storage_bytes,
-                                    storage_key, swap_, swap_attrs, tensor_leaves)
+from lightning_replay.guards import Guard
+from lightning_replay.slots import (MODULE_INTERNALS, capture_generators, capture_slots,
+                                    is_scalar, restore_generators, restore_slots, same_value,
+                                    slot_generators, slot_tensors, swap_generators, swap_slots)
+from lightning_replay.state import (StateIndex, StateRef, digest, find_generator_name,
+                                    storage_bytes, storage_key, swap_, tensor_leaves,
+                                    unique_generators)
 
 PRESERVATIONS = ("auto", "whole", "regions", "retain")
 _KEEP = object()
@@ -70,18 +74,55 @@ def _replay_class(cls: type) -> type:
             return cls.forward(self, *args, **kwargs)
         return rt(args, kwargs)
 
-    def __reduce_ex__(self, protocol):
-        rv = cls.__reduce_ex__(self, protocol)
-        if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and rv[1][0] is new:
-            rv = (_new_plain, (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
-        return rv
-
-    new = type(cls.__name__, (cls,), {"forward": forward, "__reduce_ex__": __reduce_ex__,
+    new = type(cls.__name__, (cls,), {"forward": forward,
+                                      "__reduce_ex__": _plain_reduce(cls, lambda: new),
                                       "__module__": cls.__module__,
                                       "__qualname__": cls.__qualname__,
                                       "_lightning_replay_base": cls})
     _REPLAY_CLASSES[cls] = new
     return new
+
+
+_ROOTS: "weakref.WeakKeyDictionary[nn.Module, ReplayEngine]" = weakref.WeakKeyDictionary()
+_ROOT_CLASSES: dict[type, type] = {}
+
+
+def _root_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward is one engine window (``install(window="root")``).
+
+    Like :func:`_replay_class`, it keeps the name of ``cls`` and copies as ``cls``.
+    """
+    if cls in _ROOT_CLASSES:
+        return _ROOT_CLASSES[cls]
+
+    def forward(self, *args, **kwargs):
+        eng = _ROOTS.get(self)
+        if eng is None:
+            return cls.forward(self, *args, **kwargs)
+        eng._explicit_windows += 1
+        eng.begin_window(continuation=not torch.is_grad_enabled())
+        try:
+            return cls.forward(self, *args, **kwargs)
+        finally:
+            eng.end_forward()
+
+    new = type(cls.__name__, (cls,), {"forward": forward,
+                                      "__reduce_ex__": _plain_reduce(cls, lambda: new),
+                                      "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__,
+                                      "_lightning_replay_base": cls})
+    _ROOT_CLASSES[cls] = new
+    return new
+
+
+def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
+    def __reduce_ex__(self, protocol):
+        rv = cls.__reduce_ex__(self, protocol)
+        if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and \
+                rv[1][0] is swapped():
+            rv = (_new_plain, (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
+        return rv
+    return __reduce_ex__
 
 
 def _rank() -> int:
@@ -99,30 +140,41 @@ class _Bound:
 
 
 class _Invocation:
-    """Everything one segment call needs at its replay."""
+    """Everything one segment call needs at its replay, fixed at its forward.
 
-    __slots__ = ("rt", "contract", "option", "step", "checked", "tensors", "versions", "whole",
-                 "regions", "gens", "attrs", "digests", "preserved_bytes", "replays", "done",
-                 "_token", "held", "t_prep", "capture", "__weakref__")
+    It copies what it uses of the contract (each state's preservation, the sandboxed storages,
+    the version), so that a re-plan or a re-probe between this forward and its replay changes
+    nothing for it.
+    """
+
+    __slots__ = ("rt", "version", "option", "step", "checked", "tensors", "prs", "versions",
+                 "whole", "metas", "regions", "gens", "slots", "digests", "preserved_bytes", "replays",
+                 "done", "_token", "held", "t_prep", "sandbox_keys", "subs", "kept",
+                 "replaying", "__weakref__")
 
     def __init__(self, rt: "SegmentRuntime", check_bytes: bool) -> None:
         eng = rt.engine
         c = rt.contract
         self.rt = rt
-        self.contract = c
+        self.version = c.version
         self.option = c.option
         self.step = eng.step
         self.held: list = []  # accountant keys this invocation holds until its replay
         self.t_prep = 0.0
-        self.capture = None
         self.checked = check_bytes
         self.tensors: list[tuple[StateEntry, torch.Tensor]] = []
+        self.prs: list[str] = []
         self.versions: list[int] = []
         self.whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.metas: list[tuple] = []  # each whole snapshot's offset, shape and stride
         self.regions: list[tuple[Any, int]] = []
+        self.sandbox_keys: list = []
+        self.subs: dict[int, torch.Tensor] = {}  # input leaf -> its bytes at forward
         self.preserved_bytes = 0
         self.replays = 0
         self.done = False
+        self.kept = False  # holds preserved bytes that the first replay releases
+        self.replaying = False
         log = eng.log
         capturing = eng._capturing
         with torch.no_grad():
@@ -130,26 +182,35 @@ class _Invocation:
                 t = b.get()
                 if t is None:
                     continue
-                self.tensors.append((b.entry, t))
-                self.versions.append(t._version)
                 p = b.entry.preservation
-                if p == "regions" and capturing:
+                self.tensors.append((b.entry, t))
+                self.prs.append(p)
+                self.versions.append(t._version)
+                if p in ("regions", "guard") and capturing:
                     key = storage_key(t)
-                    self.regions.append((key, log.arm(key)))
+                    if key is not None:
+                        self.regions.append((key, log.arm(key, t)))
+                        if p == "regions" and b.entry.written_by_segment:
+                            self.sandbox_keys.append(key)
                 elif p in ("whole", "regions"):
                     snap = storage_bytes(t).clone()
                     self.whole.append((t, snap))
+                    self.metas.append((t.storage_offset(), t.shape, t.stride()))
                     self.preserved_bytes += snap.numel()
                     if eng.accountant is not None:
                         key = ("snapshot", id(snap))
                         eng.accountant.hold(key, snap.numel(), rt.name)
                         self.held.append(key)
+        self.kept = bool(self.whole or self.regions)
         self._token = {"done": False}
         if self.regions:
             # Dropped without replay (graph freed, backward never called): disarm anyway.
             weakref.finalize(self, _release_keys, log, [k for k, _ in self.regions], self._token)
-        self.gens = [(g, g.get_state()) for _, g in rt.generators]
-        self.attrs = capture_attrs(rt.modules)
+        self.slots = capture_slots(rt.modules)
+        gens = slot_generators(self.slots)
+        ids = {id(g) for g in gens}
+        gens += [g for _, g in rt.generators if id(g) not in ids]
+        self.gens = capture_generators(gens)
         self.digests = ([digest(t) for _, t in self.tensors] if check_bytes else None)
         eng._held_bytes += self.preserved_bytes
 
@@ -184,8 +245,8 @@ class _ReplayContext:
     early (checkpoint's early stop raises through here) or fails.
     """
 
-    __slots__ = ("inv", "_t0", "_versions", "_regions", "_gens", "_attrs", "_sandbox",
-                 "_stage")
+    __slots__ = ("inv", "_t0", "_versions", "_regions", "_gens", "_slots", "_sandbox",
+                 "_stage", "_resized")
 
     def __init__(self, inv: _Invocation) -> None:
         self.inv = inv
@@ -195,7 +256,7 @@ class _ReplayContext:
         inv = self.inv
         rt = inv.rt
         eng = rt.engine
-        if inv.done:
+        if inv.done and inv.kept:
             raise ReplayError(
                 f"segment {rt.name!r} is being replayed a second time for the step {inv.step} "
                 "(backward with retain_graph=True?). Its preserved state is gone after the first "
@@ -207,8 +268,15 @@ class _ReplayContext:
         self._versions = [t._version for _, t in inv.tensors]
         self._stage = 1
         with torch.no_grad():
-            for t, snap in inv.whole:
-                swap_(storage_bytes(t), snap)
+            self._resized = []
+            for (t, snap), meta in zip(inv.whole, inv.metas):
+                if t.untyped_storage().nbytes() == snap.numel() and \
+                        (t.storage_offset(), t.shape, t.stride()) == meta:
+                    swap_(storage_bytes(t), snap)
+                else:  # resized (resize_, set_) since forward: point it at the old bytes
+                    self._resized.append((t, (t.untyped_storage(), t.storage_offset(),
+                                              t.shape, t.stride())))
+                    t.set_(snap.untyped_storage(), *meta)
             regions = [eng.log.since(key, mark) for key, mark in inv.regions]
             if regions:
                 rt.last_preserved_bytes = inv.preserved_bytes + sum(
@@ -217,25 +285,24 @@ class _ReplayContext:
                 undo(entries)
             self._regions = regions
         self._stage = 2
-        gens = []
-        for g, state in inv.gens:
-            gens.append((g, g.get_state()))
-            g.set_state(state)
-        self._gens = gens
-        self._attrs = swap_attrs(inv.attrs)
+        # the objects each slot held at forward (rebound tensors, generators, plain values)
+        self._slots = swap_slots(inv.slots)
+        self._gens = swap_generators(inv.gens)
         self._stage = 3
         if inv.digests is not None:
             rt._check_state_digests(inv)
         self._sandbox = None
-        if rt.sandbox_keys:
+        if inv.sandbox_keys:
             # The replay's own writes to region-preserved state are logged and undone after it.
             log = RegionLog()
-            for key in rt.sandbox_keys:
+            for key in inv.sandbox_keys:
                 log.arm(key)
             mode = CaptureMode(log)
             mode.__enter__()
             self._sandbox = mode
         self._stage = 4
+        inv.replaying = True
+        eng._segment_depth += 1
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
@@ -246,19 +313,24 @@ class _ReplayContext:
         inv = self.inv
         stage = self._stage
         self._stage = 0
-        if stage >= 4 and self._sandbox is not None:
-            self._sandbox.__exit__(None, None, None)
-            for entries in self._sandbox.log.logs.values():
-                undo(entries)
+        if stage >= 4:
+            inv.replaying = False
+            inv.rt.engine._segment_depth -= 1
+            if self._sandbox is not None:
+                self._sandbox.__exit__(None, None, None)
+                for entries in self._sandbox.log.logs.values():
+                    undo(entries)
         if stage >= 3:
-            restore_attrs(self._attrs)
-            for g, live in self._gens:
-                g.set_state(live)
+            restore_generators(self._gens)
+            restore_slots(self._slots)
         if stage >= 2:
             with torch.no_grad():
                 for entries in self._regions:
                     redo(entries)
-                _restore_live(inv.whole)
+                resized = {id(t) for t, _ in self._resized}
+                _restore_live([(t, snap) for t, snap in inv.whole if id(t) not in resized])
+                for t, live in self._resized:
+                    t.set_(*live)
         if stage >= 1:
             _reset_versions([t for _, t in inv.tensors], self._versions)
             inv.release()
@@ -272,23 +344,25 @@ class _ReplayContext:
     def _check_versions(self) -> None:
         inv = self.inv
         rt = inv.rt
+        log = rt.engine.log
         marks = dict(inv.regions)
-        for (entry, t), v0, in zip(inv.tensors, inv.versions):
-            p = entry.preservation
+        for (entry, t), p, v0 in zip(inv.tensors, inv.prs, inv.versions):
             if p == "whole":
                 continue
-            expected = v0
-            if p == "regions":
+            if p in ("regions", "guard"):
                 key = storage_key(t)
                 if key not in marks:
-                    continue  # no capture in that window: it was snapshotted whole
-                expected = v0 + len(rt.engine.log.since(key, marks[key]))
+                    continue  # no capture in that window: snapshotted whole, or not armed
+                expected = log.expected_version(key, t, marks[key], v0)
+                if expected is None:
+                    continue
+            else:
+                expected = v0
             if t._version != expected:
-                what = ("was written outside the logged window" if p == "regions"
+                what = ("was written outside the logged window" if p in ("regions", "guard")
                         else "was modified in place between the segment's forward and its replay")
                 rt._violation(entry.name, f"{what} (version {v0} at forward, {t._version} at "
                                           f"replay, expected {expected})", inv)
-
 
 def _restore_live(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     # After the swap in, each snapshot holds the live bytes and is dropped after the replay:
@@ -306,15 +380,43 @@ def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
 
 
 class _Probe:
-    """One probed invocation, waiting for its backward."""
+    """One probed invocation, waiting for the moment its replay would have run."""
 
-    def __init__(self, mode: DiscoveryMode, attrs: list, activation_bytes: int, step: int):
+    def __init__(self, mode: DiscoveryMode, slots: list, leaf_keys: list, step: int):
         self.mode = mode
-        self.attrs = attrs
-        self.activation_bytes = activation_bytes
+        self.slots = slots
+        self.leaf_keys = leaf_keys  # storage key of each tensor leaf of the call's arguments
+        self.activation_bytes = 0
         self.step = step
+        self.live = 0  # saved-tensor handles autograd still holds (0: the graph is gone)
         self.observations: list[Observation] | None = None
         self.changed_attrs: list[str] = []
+        self.changed_inputs: list[int] = []  # argument leaves the window changes
+        self.written_inputs: list[int] = []  # ... that the segment itself writes
+
+
+class _ProbeHandle:
+    """A saved tensor of a probed forward. Its first unpack is the moment checkpoint would
+    replay the segment, so the probe's window ends there: writes made in backward before it
+    (a gradient hook on the segment's output) belong to the window."""
+
+    __slots__ = ("inner", "unpack_fn", "probe", "rt")
+
+    def __init__(self, inner: Any, unpack_fn: Callable, probe: _Probe,
+                 rt: "SegmentRuntime") -> None:
+        self.inner = inner
+        self.unpack_fn = unpack_fn
+        self.probe = probe
+        self.rt = rt
+        probe.live += 1
+
+    def unpack(self) -> torch.Tensor:
+        if self.probe.observations is None:
+            self.rt._observe(self.probe)
+        return self.unpack_fn(self.inner)
+
+    def __del__(self) -> None:
+        self.probe.live -= 1
 
 
 class SegmentRuntime:
@@ -330,20 +432,22 @@ class SegmentRuntime:
         self.modules = list(module.modules())
         self.module_names = {id(m): (f"{name}.{n}" if n else name)
                              for n, m in module.named_modules()}
+        self.guard = Guard(self.modules)
         self.preservation = preservation
         self.contract: ReplayContract | None = None
         self.status = "probe"  # probe | probing | active | retain
+        self.demoted = False  # retained for good after a second divergence
         self.version = 0
         self.bound: list[_Bound] = []
         self.generators: list[tuple[str, torch.Generator]] = []
-        self.sandbox_keys: list = []
-        self.alias_keys: set = set()
         self.probes: list[_Probe] = []
         self.forwards = 0
         self.replays = 0
         self.violations = 0
         self.checks = 0
         self.divergences = 0
+        self.reprobes = 0
+        self.reactions = 0
         self.last_preserved_bytes = 0
         self.order = -1
         self.planned_option: str | None = None
@@ -354,11 +458,18 @@ class SegmentRuntime:
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         eng = self.engine
-        if not (self.module.training and torch.is_grad_enabled()) or eng._suspended:
+        if not (self.module.training and torch.is_grad_enabled()) or eng._suspended \
+                or eng._segment_depth:
+            # A segment called inside another segment's forward or replay is part of it: the
+            # outer segment's contract covers its state and the outer replay re-runs it.
             return self.orig_forward(*args, **kwargs)
         self.forwards += 1
         if self.order < 0:
             self.order = eng._next_order()
+        if self.status in ("active", "retain") and not self.demoted:
+            changed = self.guard.changed()
+            if changed:
+                self._reprobe(changed)
         if eng._window_depth and eng.accountant is None and self.status == "active" and \
                 not eng._check_grad:
             return self._replay_call(args, kwargs)  # the steady-state fast path
@@ -369,72 +480,168 @@ class SegmentRuntime:
             if option == "retain" or self.status == "retain":
                 if eng._check_grad and eng.measure_costs and self.contract is not None:
                     return self._measured_call(args, kwargs)
-                return self.orig_forward(*args, **kwargs)
-            if eng._check_grad and self.name in eng._checked:
+                return self._plain_call(args, kwargs)
+            if eng._check_grad and self.name in eng._checked and \
+                    not self.contract.written_inputs:
                 return self._checked_call(args, kwargs)
             return self._replay_call(args, kwargs)
+
+    def _plain_call(self, args: tuple, kwargs: dict) -> Any:
+        eng = self.engine
+        eng._segment_depth += 1
+        try:
+            return self.orig_forward(*args, **kwargs)
+        finally:
+            eng._segment_depth -= 1
+
+    def _reprobe(self, changed: list) -> None:
+        """A precondition of the contract changed: probe this forward and extend the contract."""
+        names = [self._field_name(k) for k in changed]
+        self.status = "probe"
+        self.reprobes += 1
+        eng = self.engine
+        eng.records.append(step=eng.step + (0 if eng._window_depth else 1), segment=self.name,
+                           contract_version=self.contract.version if self.contract else 0,
+                           check="guard", outcome="rejection",
+                           detail={"changed": names[:16], "action": "re-probe"})
+        eng._contracts_changed()
+
+    def _field_name(self, key: Any) -> str:
+        if not isinstance(key, tuple):
+            return str(key)
+        mod = self.module_names.get(id(self.modules[key[0]]), self.name)
+        return f"{mod}.{key[1] if len(key) == 2 else key[2]}"
 
     # ---------------------------------------------------------------- probe
     def _probe_call(self, args: tuple, kwargs: dict) -> Any:
         eng = self.engine
         self.status = "probing"
-        input_keys = {k for k in map(storage_key, tensor_leaves((args, kwargs))) if k}
+        self.guard.accept()  # this forward's preconditions are what the probe will cover
+        leaves = tensor_leaves((args, kwargs))
+        leaf_keys = [storage_key(t) for t in leaves]
+        input_keys = {k for k in leaf_keys if k}
         mode = DiscoveryMode(eng.log, input_keys)
-        attrs = capture_attrs(self.modules)
+        slots = capture_slots(self.modules)
+        # State the dispatch mode may never see read (host reads such as .tolist(), reads
+        # after a warm-up) is watched all the same: every buffer and tensor attribute.
+        mode.touch_all([t for _, t in slot_tensors(slots)])
+        objects = _argument_objects(args, kwargs)
+        before = [_object_token(o) for _, o in objects]
+        probe = _Probe(mode, slots, leaf_keys, eng.step)
         saved: dict = {}
-
         where = f"segment {self.name!r}"
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = top if top is not None else (None, None)
+        unpack_fn = outer_unpack if outer_unpack is not None else Saved.unpack
 
-        def pack(t: torch.Tensor) -> Saved:
+        def pack(t: torch.Tensor) -> _ProbeHandle:
             key = storage_key(t)
             if key is not None:
                 saved[key] = t.untyped_storage().nbytes()
-            return Saved(t, where, eng.state_name)
+            inner = outer_pack(t) if outer_pack is not None else Saved(t, where, eng.state_name)
+            return _ProbeHandle(inner, unpack_fn, probe, self)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, Saved.unpack), mode:
-            out = self.orig_forward(*args, **kwargs)
+        eng._segment_depth += 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack), mode:
+                out = self.orig_forward(*args, **kwargs)
+        finally:
+            eng._segment_depth -= 1
         mode.finish_segment()
-        act = sum(n for k, n in saved.items() if k not in mode.touched and k not in input_keys)
+        for (argname, obj), tok in zip(objects, before):
+            if _object_token(obj) != tok:
+                mode.release()
+                self.status = "probe"
+                raise ReplayConfigError(_mutable_argument_message(self.name, argname, obj))
+        probe.activation_bytes = sum(n for k, n in saved.items()
+                                     if k not in mode.touched and k not in input_keys)
         self.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
-        self.input_bytes = _unique_bytes(tensor_leaves((args, kwargs)))
-        probe = _Probe(mode, attrs, act, eng.step)
+        self.input_bytes = _unique_bytes(leaves)
         self.probes.append(probe)
         eng._pending_probes.add(self)
         grads = [t for t in tensor_leaves(out) if t.requires_grad]
         if grads:
             torch.autograd.graph.register_multi_grad_hook(
-                grads, lambda _g, p=probe: self._observe(p), mode="any")
+                grads, lambda _g, p=probe: self._grad_arrived(p), mode="any")
         return out
+
+    def _grad_arrived(self, probe: _Probe) -> None:
+        # The replay point is the first unpack of a saved tensor (see _ProbeHandle); a segment
+        # that saved nothing is concluded when this backward ends.
+        if probe.observations is None:
+            if probe.live == 0:
+                self._observe(probe)
+            else:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self._observe(probe))
 
     def _observe(self, probe: _Probe) -> None:
         if probe.observations is not None:
             return
         probe.observations = observe_window(probe.mode, self.engine.log)
-        probe.changed_attrs = [
-            f"{self.module_names.get(id(m), self.name)}.{k}"
-            for (d, vals), m in zip(probe.attrs, self.modules)
-            for k, v in vals.items()
-            if type(v) in PLAIN_TYPES and d.get(k, v) is not v and d.get(k, v) != v]
+        changed = []
+        varying = []
+        for i, s in enumerate(probe.slots):
+            d = s.module.__dict__
+            mname = self.module_names.get(id(s.module), self.name)
+            for kind, saved, live in (("p", s.params, d["_parameters"]),
+                                      ("b", s.buffers, d["_buffers"])):
+                varying += [(i, kind, k) for k, v in saved.items()
+                            if live.get(k, _MISSING) is not v]
+            for k, v in s.attrs.items():
+                if k in MODULE_INTERNALS or k == "training":
+                    continue
+                cur = d.get(k, _MISSING)
+                if cur is v or (is_scalar(v) and same_value(cur, v)):
+                    continue
+                varying.append((i, "a", k))
+                if is_scalar(v):
+                    changed.append(f"{mname}.{k}")
+        probe.changed_attrs = changed
+        # rebound or changed inside the window: the replay puts them back
+        self.guard.learn_varying(varying)
+        for ob in probe.observations:
+            t = ob.touch
+            if t.is_input and ob.changed:
+                leaves = [i for i, k in enumerate(probe.leaf_keys) if k == t.key]
+                probe.changed_inputs.extend(leaves)
+                if t.annotated_write or t.changed_in_segment:
+                    probe.written_inputs.extend(leaves)
         if all(p.observations is not None for p in self.probes):
             self._make_contract()
 
     def finish_stale_probes(self) -> None:
-        """A probe whose backward never came (no grad output, or graph dropped)."""
+        """Conclude probes whose graph is gone without a backward (no grad reached them).
+        A probe whose graph is still alive (two forwards sharing one backward) waits."""
         for p in self.probes:
-            self._observe(p)
+            if p.live == 0:
+                self._observe(p)
 
     def _make_contract(self) -> None:
+        """The new contract version: the current contract extended (union) by the probes.
+
+        Contracts only grow: a re-probe after a precondition changed or a check diverged adds
+        what it saw, so a periodic writer converges after one period.
+        """
         eng = self.engine
         probes, self.probes = self.probes, []
         eng._pending_probes.discard(self)
         index = StateIndex(eng.model)
-        merged: dict[Any, StateEntry] = {}
-        bound: dict[Any, _Bound] = {}
-        aliases: list[str] = []
-        gens: dict[int, torch.Generator] = {}
-        uses_rng = False
+        old = self.contract
+        merged: dict[str, StateEntry] = {}
+        bound: dict[str, _Bound] = {}
+        if old is not None:
+            for b in self.bound:
+                e = dataclasses.replace(b.entry, aliases=list(b.entry.aliases))
+                merged[e.name] = e
+                bound[e.name] = _Bound(e, b.get)
+        gens: dict[int, torch.Generator] = {id(g): g for _, g in self.generators}
+        uses_rng = old.uses_global_rng if old is not None else False
+        changed_attrs: set[str] = set(old.python_attrs) if old is not None else set()
+        aliases: list[str] = list(old.input_aliases) if old is not None else []
+        changed_inputs: set[int] = set(old.changed_inputs) if old is not None else set()
+        written_inputs: set[int] = set(old.written_inputs) if old is not None else set()
         act = 0
-        changed_attrs: set[str] = set()
         self.state_keys = set()
         eng.meter.activation_bytes.pop(self.name, None)  # the new probe's figure is current
         for p in probes:
@@ -443,16 +650,21 @@ class SegmentRuntime:
             uses_rng |= p.mode.uses_global_rng
             gens.update(p.mode.generators)
             changed_attrs.update(p.changed_attrs)
+            changed_inputs.update(p.changed_inputs)
+            written_inputs.update(p.written_inputs)
             for ob in p.observations or []:
                 t = ob.touch
                 refs = index.lookup(t.key)
-                if not refs and t.is_input and not ob.changed:
-                    continue  # a plain activation passed in: not state
-                entry = merged.get(t.key)
-                if entry is None:
-                    entry, b = self._entry_for(t, refs, eng)
-                    merged[t.key] = entry
-                    bound[t.key] = b
+                if not refs and t.is_input:
+                    continue  # an argument of this call (see written_inputs), not state
+                entry, b = self._entry_for(t, refs, eng)
+                if entry.name in merged:
+                    prev = merged[entry.name]
+                    prev.shape, prev.nbytes = entry.shape, entry.nbytes
+                    entry = prev
+                else:
+                    merged[entry.name] = entry
+                bound[entry.name] = _Bound(entry, b.get)
                 if ob.changed:
                     entry.regions_ok = ob.regions_ok if not entry.changes_in_window \
                         else entry.regions_ok and ob.regions_ok
@@ -472,14 +684,19 @@ class SegmentRuntime:
             gen_names.append(gname)
             self.generators.append((gname, g))
         self.version += 1
+        if old is not None:
+            act = max(act, old.activation_bytes) if not probes else act
         c = ReplayContract(segment=self.name, version=self.version,
                            state=sorted(merged.values(), key=lambda e: e.name),
-                           generators=gen_names, uses_global_rng=uses_rng,
+                           generators=sorted(gen_names), uses_global_rng=uses_rng,
                            python_attrs=sorted(changed_attrs), input_aliases=aliases,
-                           activation_bytes=act, probed_at_step=probes[0].step if probes else 0)
-        order = {id(e): i for i, e in enumerate(c.state)}
-        self.bound = sorted(bound.values(), key=lambda b: order[id(b.entry)])
-        c.apply_option(self._choose_option(c))
+                           changed_inputs=sorted(changed_inputs),
+                           written_inputs=sorted(written_inputs),
+                           activation_bytes=act,
+                           probed_at_step=probes[0].step if probes else 0)
+        order = {e.name: i for i, e in enumerate(c.state)}
+        self.bound = sorted(bound.values(), key=lambda b: order[b.entry.name])
+        c.apply_option("retain" if self.demoted else self._choose_option(c))
         self.contract = c
         self._derive()
         self.status = "retain" if c.option == "retain" else "active"
@@ -497,8 +714,13 @@ class SegmentRuntime:
             entry = StateEntry(ref.name, ref.kind, shape, str(t.dtype).replace("torch.", ""),
                                str(t.device), nbytes, aliases=[r.name for r in refs[1:]])
             return entry, _Bound(entry, ref.get)
-        name = f"external[{len(eng._external)}]"
-        eng._external.append(t)
+        for i, x in enumerate(eng._external):  # the same outside tensor seen again
+            if x is t or (isinstance(x, torch.Tensor) and storage_key(x) == touch.key):
+                name = f"external[{i}]"
+                break
+        else:
+            name = f"external[{len(eng._external)}]"
+            eng._external.append(t)
         entry = StateEntry(name, "external", list(t.shape), str(t.dtype).replace("torch.", ""),
                            str(t.device), nbytes)
         return entry, _Bound(entry, lambda t=t: t)
@@ -520,45 +742,56 @@ class SegmentRuntime:
     def _derive(self) -> None:
         """Cached lookups the per-step path uses."""
         c = self.contract
-        self.sandbox_keys = []
-        self.alias_keys = set()
-        for b in self.bound:
-            t = b.get()
-            key = storage_key(t) if t is not None else None
-            if key is None:
-                continue
-            if b.entry.preservation == "regions" and b.entry.written_by_segment:
-                self.sandbox_keys.append(key)
         self.last_preserved_bytes = c.preserved_bytes() if c else 0
 
     def set_option(self, option: str) -> None:
         """Apply a planned option to the current contract (and to future re-probes)."""
         self.planned_option = option
         if self.contract is not None:
-            self.contract.apply_option(option if option in self.contract.available_options()
-                                       else self._choose_option(self.contract))
+            self.contract.apply_option(
+                "retain" if self.demoted else
+                option if option in self.contract.available_options()
+                else self._choose_option(self.contract))
             self._derive()
-            self.status = "retain" if self.contract.option == "retain" else "active"
+            if self.status in ("active", "retain"):
+                self.status = "retain" if self.contract.option == "retain" else "active"
             self.engine._contracts_changed()
 
     # ---------------------------------------------------------------- steady state
     def _prepare(self, args: tuple, kwargs: dict, check_bytes: bool):
+        """Take the invocation's entry state; returns it with the call's flattened arguments
+        as checkpoint gets them and their tree spec."""
         eng = self.engine
         if eng._sync:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         inv = _Invocation(self, check_bytes)
-        changing = eng._changing_keys
-        if changing:
-            # An input that aliases state written later in the window is passed as a private
-            # copy: checkpoint version-checks its inputs, and replay must see forward's bytes.
-            args = tuple(a.clone() if isinstance(a, torch.Tensor) and storage_key(a) in changing
-                         else a for a in args)
-            kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) and storage_key(v) in changing
-                          else v) for k, v in kwargs.items()}
+        flat, spec = tree_flatten((args, kwargs))
+        written = self.contract.changed_inputs
+        changing = {k for k in (storage_key(t) for (e, t) in inv.tensors
+                                if e.changes_in_window) if k is not None}
+        if written or changing:
+            # An argument whose bytes the window changes (the segment writes it in place, the
+            # step writes it after the segment, or it is a view of changing state) reaches
+            # checkpoint as a copy of its forward bytes, which the replay computes from; the
+            # forward itself runs on the live tensor, so its in-place writes are seen as in
+            # plain PyTorch.
+            j = -1
+            with torch.no_grad():
+                for i, x in enumerate(flat):
+                    if not isinstance(x, torch.Tensor):
+                        continue
+                    j += 1
+                    if j in written or (changing and storage_key(x) in changing):
+                        snap = x.detach().clone()
+                        inv.subs[i] = (x, snap)
+                        inv.preserved_bytes += snap.untyped_storage().nbytes()
+                        eng._held_bytes += snap.untyped_storage().nbytes()
+            inv.kept = inv.kept or bool(inv.subs)
+        call = [inv.subs[i][1] if i in inv.subs else x for i, x in enumerate(flat)]
         acct = eng.accountant
         if acct is not None or eng.measure_costs:
-            leaves = tensor_leaves((args, kwargs))
+            leaves = [x for x in call if isinstance(x, torch.Tensor)]
             if eng.measure_costs:
                 eng.meter.input_bytes[self.name] = _unique_bytes(leaves)
             if acct is not None:
@@ -569,13 +802,34 @@ class SegmentRuntime:
         if eng._sync:
             torch.cuda.synchronize()
         inv.t_prep = time.perf_counter() - t0
-        return inv, args, kwargs
+        return inv, call, spec
 
     def _replay_call(self, args: tuple, kwargs: dict) -> Any:
-        inv, args, kwargs = self._prepare(args, kwargs, self.engine._check_bytes)
-        fn = self.orig_forward if not kwargs else functools.partial(self.orig_forward, **kwargs)
-        return checkpoint(fn, *args, use_reentrant=False,
-                          preserve_rng_state=self.contract.uses_global_rng,
+        inv, call, spec = self._prepare(args, kwargs, self.engine._check_bytes)
+        eng = self.engine
+        forward = self.orig_forward
+
+        def fn(*flat: Any) -> Any:
+            if inv.subs:
+                flat = list(flat)
+                for i, (live, _) in inv.subs.items():
+                    if inv.replaying:  # a fresh copy of the forward bytes (writable)
+                        x = flat[i].detach()
+                        flat[i] = (x.requires_grad_() if live.requires_grad else x).clone()
+                    else:
+                        flat[i] = live
+            a, kw = tree_unflatten(list(flat), spec)
+            if inv.replaying:
+                return forward(*a, **kw)
+            eng._segment_depth += 1
+            try:
+                return forward(*a, **kw)
+            finally:
+                eng._segment_depth -= 1
+
+        # The global RNG is always preserved (torch's default): a segment may draw from it
+        # only later (a dropout warming up from p=0, or put in train mode after the probe).
+        return checkpoint(fn, *call, use_reentrant=False, preserve_rng_state=True,
                           context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv)))
 
     def _measured_call(self, args: tuple, kwargs: dict) -> Any:
@@ -585,8 +839,12 @@ class SegmentRuntime:
         eng = self.engine
         saved: dict = {}
         exclude = self.state_keys | {storage_key(t) for t in tensor_leaves((args, kwargs))}
-        with _saving_counted(saved, exclude, f"segment {self.name!r}", eng.state_name):
-            out = self.orig_forward(*args, **kwargs)
+        eng._segment_depth += 1
+        try:
+            with _saving_counted(saved, exclude, f"segment {self.name!r}", eng.state_name):
+                out = self.orig_forward(*args, **kwargs)
+        finally:
+            eng._segment_depth -= 1
         if eng.measure_costs:
             eng.meter.activation_bytes[self.name] = sum(saved.values())
         return out
@@ -601,20 +859,27 @@ class SegmentRuntime:
         one replay forward and backward more than a plain one.
         """
         eng = self.engine
-        inv, args, kwargs = self._prepare(args, kwargs, eng._check_bytes)
-        rng = torch.get_rng_state() if self.contract.uses_global_rng else None
+        inv, call, spec = self._prepare(args, kwargs, eng._check_bytes)
+        rng = _rng_states(eng._cuda_device)
         autocast = _autocast_state()
-        in_req = [a for a in tensor_leaves((args, kwargs)) if a.requires_grad]
-        detached = {id(a): a.detach().requires_grad_() for a in in_req}
-        args2, kwargs2 = tree_map(lambda x: detached.get(id(x), x)
-                                  if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        # the reference forward starts from detached leaves with the forward's bytes (a copy
+        # where the window changes an argument); gradients reach the live arguments
+        in_req, leaves, ref_flat = [], [], list(call)
+        for i, x in enumerate(call):
+            live = inv.subs[i][0] if i in inv.subs else x
+            if isinstance(live, torch.Tensor) and live.requires_grad:
+                leaf = x.detach().requires_grad_()
+                in_req.append(live)
+                leaves.append(leaf)
+                ref_flat[i] = leaf
+        args2, kwargs2 = tree_unflatten(ref_flat, spec)
         out = self._measured_call(args2, kwargs2)  # the reference forward keeps its graph
         outs = _grad_outputs(out)
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not outs:
             inv.release()
             return out
-        box = _CheckBox(self, inv, args2, kwargs2, [detached[id(a)] for a in in_req], params,
+        box = _CheckBox(self, inv, args2, kwargs2, leaves, params,
                         outs, rng, autocast,
                         [digest(t) for t in tensor_leaves(out)] if eng._check_bytes else None)
         bridged = _CheckedSegment.apply(box, *in_req, *params)
@@ -636,15 +901,19 @@ class SegmentRuntime:
             args2, kwargs2 = tree_map(lambda x: swap.get(id(x), x)
                                       if isinstance(x, torch.Tensor) else x,
                                       (box.args, box.kwargs))
-            # Backward runs outside the forward's autocast: re-enter it, as checkpoint does
-            # for its own recomputation.
-            with _ReplayContext(inv), torch.random.fork_rng(enabled=box.rng is not None), \
-                    contextlib.ExitStack() as ac:
-                for dev, enabled, dtype in box.autocast:
-                    ac.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
-                if box.rng is not None:
-                    torch.set_rng_state(box.rng)
-                out2 = self.orig_forward(*args2, **kwargs2)
+            # A checked replay leaks nothing into the model, whatever the contract missed:
+            # every buffer and tensor attribute of the segment is put back byte for byte
+            # (slots, generators and the global RNG are put back by the replay context and
+            # fork_rng). Backward runs outside the forward's autocast: re-enter it, as
+            # checkpoint does for its own recomputation.
+            sandbox = _BytesSandbox([t for _, t in slot_tensors(capture_slots(self.modules))])
+            try:
+                with _ReplayContext(inv), _forked_rng(box.rng), contextlib.ExitStack() as ac:
+                    for dev, enabled, dtype in box.autocast:
+                        ac.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+                    out2 = self.orig_forward(*args2, **kwargs2)
+            finally:
+                sandbox.restore()
             outs2 = _grad_outputs(out2)
             if len(outs2) == len(grads) and all(a.shape == b.shape
                                                 for a, b in zip(outs2, grads)):
@@ -659,15 +928,17 @@ class SegmentRuntime:
                        f"{[tuple(t.shape) for t in outs2]}, the forward "
                        f"{[tuple(g.shape) for g in grads]}")
         tolerated = []
+        tol = (GRAD_RTOL, GRAD_ATOL)
         if rep is not None:
             for n, a, b in zip(names, ref, rep):
                 if (a is None) != (b is None):
                     bad.append(f"{n}: missing")
                 elif a is not None and not torch.equal(a, b):
                     diff = f"max abs diff {float((a.double() - b.double()).abs().max()):.3g}"
-                    if _nondeterministic(a) and torch.allclose(a, b, rtol=GRAD_RTOL,
-                                                               atol=GRAD_ATOL):
+                    rtol, atol = grad_tolerance(a.dtype)
+                    if _nondeterministic(a) and torch.allclose(a, b, rtol=rtol, atol=atol):
                         tolerated.append(f"{n}: {diff}")
+                        tol = max(tol, (rtol, atol))
                     else:
                         bad.append(f"{n}: {diff}")
         self.checks += 1
@@ -676,20 +947,51 @@ class SegmentRuntime:
             self.divergences += 1
         detail = {"compared": len(names), "differ": bad[:16]}
         if tolerated:
-            detail["within_tolerance"] = {"rtol": GRAD_RTOL, "atol": GRAD_ATOL,
+            detail["within_tolerance"] = {"rtol": tol[0], "atol": tol[1],
                                           "tensors": tolerated[:16]}
-        eng.records.append(step=inv.step, segment=self.name, contract_version=c.version,
+        eng.records.append(step=inv.step, segment=self.name, contract_version=inv.version,
                            check="grad", outcome="divergence" if bad else "match",
                            detail=detail)
+        diverged = bool(bad)
         if box.out_digests is not None:
             d2 = [digest(t) for t in tensor_leaves(out2)]
             same = d2 == box.out_digests
             if not same:
                 self.divergences += 1
-            eng.records.append(step=inv.step, segment=self.name, contract_version=c.version,
+                diverged = True
+            eng.records.append(step=inv.step, segment=self.name, contract_version=inv.version,
                                check="bytes", outcome="match" if same else "divergence",
                                detail={"what": "replayed outputs", "outputs": len(d2)})
+        if diverged:
+            self._diverged(inv)
         return list(ref)
+
+    def _diverged(self, inv: _Invocation) -> None:
+        """A check saw a replay differ. The step itself trained on the reference (derivative
+        check) or the contract state was found wrong (byte check); from now on: the first time,
+        re-probe the segment and extend its contract; the second time, retain it for good
+        (exact by construction)."""
+        if self.demoted:
+            return
+        eng = self.engine
+        self.reactions += 1
+        if self.reactions == 1:
+            action = "re-probe"
+            if self.status in ("active", "retain"):
+                self.status = "probe"
+        else:
+            action = "retain"
+            self.demoted = True
+            self.planned_option = "retain"
+            if self.contract is not None:
+                self.contract.apply_option("retain")
+                self._derive()
+            if self.status in ("active", "retain"):
+                self.status = "retain"
+        eng.records.append(step=inv.step, segment=self.name, contract_version=inv.version,
+                           check="reaction", outcome="rejection",
+                           detail={"action": action, "divergences": self.divergences})
+        eng._contracts_changed()
 
     def _check_state_digests(self, inv: _Invocation) -> None:
         eng = self.engine
@@ -699,27 +1001,29 @@ class SegmentRuntime:
         if bad:
             self.divergences += 1
         eng.records.append(step=inv.step, segment=self.name,
-                           contract_version=self.contract.version, check="bytes",
+                           contract_version=inv.version, check="bytes",
                            outcome="divergence" if bad else "match",
                            detail={"what": "contract state at replay", "compared": len(now),
                                    "differ": bad[:16]})
+        if bad:
+            self._diverged(inv)
 
     def _violation(self, state: str, detail: str, inv: _Invocation) -> None:
         eng = self.engine
-        c = self.contract
         self.violations += 1
-        eng.records.append(step=inv.step, segment=self.name, contract_version=c.version,
+        eng.records.append(step=inv.step, segment=self.name, contract_version=inv.version,
                            check="version", outcome="rejection",
                            detail={"state": state, "seen": detail,
                                    "action": eng.on_violation})
         if eng.on_violation == "raise":
             inv.release()
-            raise ContractViolation(self.name, state, detail, c.version)
-        warnings.warn(str(ContractViolation(self.name, state, detail, c.version)) +
+            raise ContractViolation(self.name, state, detail, inv.version)
+        warnings.warn(str(ContractViolation(self.name, state, detail, inv.version)) +
                       " Recorded; this replay used the live value, and the segment runs "
                       "retained until it is probed again.", RuntimeWarning, stacklevel=2)
-        # Probe again next time; the re-probe makes the next contract version.
-        self.status = "probe"
+        # Probe again next time; the re-probe extends the contract (next version).
+        if self.status in ("active", "retain"):
+            self.status = "probe"
         eng._contracts_changed()
 
     # ---------------------------------------------------------------- reporting
@@ -748,6 +1052,62 @@ class SegmentRuntime:
 # tolerance are a match, recorded with their differences.
 GRAD_RTOL = 1e-5
 GRAD_ATOL = 1e-8
+#: (rtol, atol) per gradient dtype: a few units in the last place of each (one bf16 ulp is
+#: 7.8e-3 relative, so float32's rtol would call every last-bit difference a divergence).
+GRAD_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-14), torch.float32: (GRAD_RTOL, GRAD_ATOL),
+    torch.float16: (4e-3, 1e-5), torch.bfloat16: (3.2e-2, 1e-5)}
+
+
+def grad_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """The (rtol, atol) at which two gradients of ``dtype`` from a nondeterministic device
+    are a match.
+
+    Example:
+        >>> grad_tolerance(torch.bfloat16)[0] > grad_tolerance(torch.float32)[0]
+        True
+    """
+    return GRAD_TOLERANCE.get(dtype, (GRAD_RTOL, GRAD_ATOL))
+
+
+class _BytesSandbox:
+    """Bytes and versions of some tensors, put back by :meth:`restore`."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        seen: set = set()
+        self.items = []
+        with torch.no_grad():
+            for t in tensors:
+                key = storage_key(t)
+                if key is None or key in seen:
+                    continue
+                seen.add(key)
+                self.items.append((t, storage_bytes(t).clone(), t._version))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, snap, _ in self.items:
+                live = storage_bytes(t)
+                if live.numel() == snap.numel():
+                    live.copy_(snap)
+        _reset_versions([t for t, _, _ in self.items], [v for _, _, v in self.items])
+
+
+def _rng_states(device: torch.device | None) -> tuple:
+    """The global CPU RNG state and, on CUDA, that of the model's device only."""
+    cuda = torch.cuda.get_rng_state(device) if device is not None else None
+    return torch.get_rng_state(), cuda, device
+
+
+@contextlib.contextmanager
+def _forked_rng(states: tuple) -> Iterator[None]:
+    cpu, cuda, device = states
+    with torch.random.fork_rng(devices=[device] if device is not None else [],
+                               device_type="cuda"):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
 
 
 def _nondeterministic(t: torch.Tensor) -> bool:
@@ -796,7 +1156,7 @@ class _CheckBox:
     inputs: list[torch.Tensor]  # detached leaves the reference graph starts from
     params: list[torch.Tensor]
     outs: list[torch.Tensor]  # the reference outputs (their graph)
-    rng: torch.Tensor | None
+    rng: tuple  # global RNG states at forward (see _rng_states)
     autocast: list
     out_digests: list[int] | None
 
@@ -835,9 +1195,74 @@ def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
     return out
 
 
+def _model_cuda_device(model: nn.Module) -> torch.device | None:
+    """The CUDA device the model's parameters live on (the first, if several)."""
+    devs = {p.device for p in model.parameters() if p.is_cuda}
+    return min(devs, key=lambda d: d.index or 0) if devs else None
+
+
 def _first_param_is_cuda(model: nn.Module) -> bool:
     p = next(model.parameters(), None)
     return p is not None and p.is_cuda
+
+
+_MISSING = object()
+
+
+def _argument_objects(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """The call's arguments that are objects with state of their own (not tensors, plain
+    values, or lists/tuples/dicts of those): a mutable object such as an HF ``Cache``."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + \
+        [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    out = []
+    for name, v in named:
+        leaves, _ = tree_flatten(v)
+        if any(not (isinstance(x, torch.Tensor) or is_scalar(x) or callable(x))
+               for x in leaves):
+            out.append((name, v))
+    return out
+
+
+def _object_token(obj: Any, depth: int = 0, out: list | None = None) -> list:
+    """What an argument object holds, by identity, version and shape (no bytes)."""
+    out = [] if out is None else out
+    if len(out) > 1024:
+        return out
+    if isinstance(obj, torch.Tensor):
+        out.append(("t", id(obj), obj._version, tuple(obj.shape)))
+    elif is_scalar(obj):
+        out.append(("v", type(obj).__name__, repr(obj)))
+    elif depth >= 4 or isinstance(obj, nn.Module) or callable(obj):
+        out.append(("o", id(obj)))
+    elif type(obj) in (list, tuple):
+        out.append(("s", len(obj)))
+        for x in obj:
+            _object_token(x, depth + 1, out)
+    elif isinstance(obj, dict):
+        out.append(("m", tuple(map(repr, obj.keys()))))
+        for x in obj.values():
+            _object_token(x, depth + 1, out)
+    else:
+        d = getattr(obj, "__dict__", None)
+        out.append(("o", id(obj), tuple(d) if d is not None else None))
+        for x in (d or {}).values():
+            _object_token(x, depth + 1, out)
+    return out
+
+
+def _mutable_argument_message(segment: str, argname: str, obj: Any) -> str:
+    kind = type(obj).__name__
+    if "cache" in kind.lower():
+        fix = ("This is a key/value cache: turn caching off in training, e.g. "
+               "model.config.use_cache = False or use_cache=False in the forward call, as "
+               "transformers' own gradient checkpointing does.")
+    else:
+        fix = ("Keep that mutation outside the segment, pass the segment what it reads (tensors "
+               "or plain values), or leave this segment out of `segments`.")
+    return (f"segment {segment!r} changed its {argname} (a {kind} object) in its forward. A "
+            "replay in backward runs the forward again: it would change the object a second "
+            "time and read what the step left in it instead of what the forward saw, so this "
+            f"segment cannot be replayed exactly. {fix}")
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
@@ -898,10 +1323,12 @@ class ReplayEngine:
         self._held_bytes = 0
         self._replays_this_step = 0
         self._window_depth = 0
+        self._explicit_windows = 0  # root or manual windows opened so far
+        self._segment_depth = 0  # > 0 inside a segment's forward or replay
+        self._cuda_device: torch.device | None = None
         self._capture: CaptureMode | None = None
         self._capturing = False
         self._needs_capture = True
-        self._changing_keys: set = set()
         self._check_grad = False
         self._checked: frozenset = frozenset()  # segments derivative-checked this window
         self._check_cursor = 0
@@ -924,11 +1351,13 @@ class ReplayEngine:
         for name, rt in self.runtimes.items():
             _RUNTIMES[rt.module] = rt
             rt.module.__class__ = _replay_class(rt.orig_class)
+        self._root_class: type | None = None
         if window == "root":
-            self._hooks.append(model.register_forward_pre_hook(
-                lambda m, a: self.begin_window()))
-            self._hooks.append(model.register_forward_hook(
-                lambda m, a, o: self.end_forward(), always_call=True))
+            # The root's forward opens the window through a class swap, not hooks: a copy
+            # (deepcopy, pickle) of the model is then a plain model, with no engine attached.
+            self._root_class = type(model)
+            _ROOTS[model] = self
+            model.__class__ = _root_class(self._root_class)
         self.installed = True
 
     # ---------------------------------------------------------------- public
@@ -1027,29 +1456,49 @@ class ReplayEngine:
                ) -> _planner.Plan:
         """Plan again from the measured costs (optionally with a new budget or method).
 
+        A segment pinned with ``preservation={name: option}`` is planned only with that option
+        (``"whole"``/``"regions"`` also allow ``recompute`` where the segment is stateless);
+        ``"auto"`` leaves it to the planner.
+
         Args:
-            budget: new budget (bytes or a string such as ``"2GiB"``); ``"min"`` or ``None``
-                plans the lowest-memory correct plan; omitted keeps the current budget.
+            budget: new budget (bytes, a string such as ``"2GiB"``, or a fraction of the
+                model's device); ``"min"`` or ``None`` plans the lowest-memory correct plan;
+                omitted keeps the current budget.
             method: new planner method; omitted keeps the current one.
 
         Raises:
-            InfeasibleBudget: the budget is below what the method can reach; the error says
-                the smallest feasible budget.
-            ReplayConfigError: no costs measured yet (no segment probed).
+            InfeasibleBudget: the budget is below what the method can reach (with the
+                preservation pins, which the error names); the error says the smallest
+                feasible budget.
+            ReplayConfigError: no costs measured yet (no segment probed), or a pin that none
+                of the segment's measured options honours.
         """
         if budget is not _KEEP:
-            self.budget = None if budget in (None, "min") else _check_budget(budget)
+            self.budget = _check_budget(budget, self.model)[1]
         if method is not None:
             self.planner = _check_planner(method)
         costs = self.costs
         if not costs:
             raise ReplayConfigError("replan() needs measured costs: run at least one training "
                                     "step so every segment is probed")
+        pinned = {"retain": {"retain"}, "whole": {"whole", "recompute"},
+                  "regions": {"regions", "recompute"}}
+        measured = {c.name for c in costs}
+        allowed = {name: pinned[rt.preservation] for name, rt in self.runtimes.items()
+                   if rt.preservation in pinned and name in measured}
         base = self.base_memory
         budget_bytes = self.budget
-        if budget_bytes is None:  # the lowest-memory correct plan
-            budget_bytes = _planner.min_feasible_budget(costs, base, self.planner)
-        p = _planner.plan(costs, budget=budget_bytes, base_memory=base, method=self.planner)
+        try:
+            if budget_bytes is None:  # the lowest-memory correct plan
+                budget_bytes = _planner.min_feasible_budget(costs, base, self.planner,
+                                                            allowed=allowed)
+            p = _planner.plan(costs, budget=budget_bytes, base_memory=base,
+                              method=self.planner, allowed=allowed)
+        except _planner.InfeasibleBudget:
+            raise
+        except ValueError as exc:  # a pin that no measured option honours
+            pins = {name: self.runtimes[name].preservation for name in allowed}
+            raise ReplayConfigError(f"preservation={pins}: {exc}") from None
         if self.plan_transform is not None:
             p = self.plan_transform(p)
         self._apply_plan(p)
@@ -1132,15 +1581,26 @@ class ReplayEngine:
     @contextlib.contextmanager
     def window(self) -> Iterator[None]:
         """Mark a window's forward part by hand (the Lightning strategy wraps training_step)."""
+        self._explicit_windows += 1
         self.begin_window()
         try:
             yield
         finally:
             self.end_forward()
 
-    def begin_window(self) -> None:
+    def begin_window(self, continuation: bool = False) -> None:
+        """Open a window (a training step's forward part), or, with ``continuation``, reopen
+        the current one: a no-grad forward of the root inside the step (a momentum encoder
+        that enqueues) or a segment called after the root's forward belongs to the step whose
+        backward is still to come, so its writes must be logged like the rest of the window."""
         self._window_depth += 1
         if self._window_depth > 1:
+            return
+        if continuation and self.step > 0:
+            if self._needs_capture:
+                self._capture = CaptureMode(self.log)
+                self._capture.__enter__()
+                self._capturing = True
             return
         for rt in list(self._pending_probes):
             rt.finish_stale_probes()
@@ -1154,6 +1614,7 @@ class ReplayEngine:
         self._check_grad, self._check_bytes = chk[:2] if chk else (False, False)
         self._checked = self._select_checked(chk[2]) if self._check_grad else frozenset()
         self._cuda = _first_param_is_cuda(self.model)
+        self._cuda_device = _model_cuda_device(self.model) if self._cuda else None
         self._sync = self._cuda and bool(self._calibration)
         acct = self.accountant
         if self._cuda:  # each window's allocator peak is its own
@@ -1200,6 +1661,11 @@ class ReplayEngine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._root_class is not None:
+            if _ROOTS.get(self.model) is self:
+                del _ROOTS[self.model]
+            self.model.__class__ = self._root_class
+            self._root_class = None
         for rt in self.runtimes.values():
             if _RUNTIMES.get(rt.module) is rt:
                 del _RUNTIMES[rt.module]
@@ -1343,12 +1809,13 @@ class ReplayEngine:
 
     @contextlib.contextmanager
     def _implicit_window(self) -> Iterator[None]:
-        # A segment called outside any window (e.g. a user calling model.block(x) directly)
-        # still gets a window of its own call, so probe and region logging stay consistent.
+        # A segment called outside any window: after a root (or manual) window it belongs to
+        # that step (a consistency term computed after the forward); otherwise (a user calling
+        # model.block(x) as the step) it gets a window of its own call.
         if self._window_depth:
             yield
             return
-        self.begin_window()
+        self.begin_window(continuation=self._explicit_windows > 0)
         try:
             yield
         finally:
@@ -1356,18 +1823,9 @@ class ReplayEngine:
 
     def _contracts_changed(self) -> None:
         self._needs_capture = bool(self._pending_probes) or any(
-            rt.status == "probe" or (rt.contract is not None and any(
-                s.preservation == "regions" for s in rt.contract.state))
+            rt.status in ("probe", "probing") or (rt.contract is not None and any(
+                s.preservation in ("regions", "guard") for s in rt.contract.state))
             for rt in self.runtimes.values())
-        keys = set()
-        for rt in self.runtimes.values():
-            for b in rt.bound:
-                if b.entry.changes_in_window:
-                    t = b.get()
-                    k = storage_key(t) if t is not None else None
-                    if k is not None:
-                        keys.add(k)
-        self._changing_keys = keys
 
 
 def _normalize_preservation(preservation: Any, names: Iterable[str]) -> str | dict[str, str]:
@@ -1394,9 +1852,15 @@ def _normalize_preservation(preservation: Any, names: Iterable[str]) -> str | di
                             f"{type(preservation).__name__} {preservation!r}")
 
 
-def _check_budget(budget: Any) -> int:
+def _check_budget(budget: Any, model: nn.Module) -> tuple[Budget, int | None]:
+    """Parse ``budget`` in the one budget grammar and resolve it against ``model``'s device
+    (its first parameter or buffer; CPU without either). Bytes are ``None`` for ``"min"``
+    and for no budget."""
     try:
-        return parse_budget(budget)
+        parsed = Budget.parse(budget)
+        device = next((t.device for t in model.parameters()),
+                      next((t.device for t in model.buffers()), torch.device("cpu")))
+        return parsed, parsed.resolve(device)
     except ValueError as exc:
         raise ReplayConfigError(str(exc)) from None
 
@@ -1468,7 +1932,7 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
         raise ReplayConfigError(f"window={window!r} is not known; use 'root' or 'manual'")
     resolved = resolve_segments(model, segments)
     pres = _normalize_preservation(preservation, resolved)
-    budget_bytes = None if budget in (None, "min") else _check_budget(budget)
+    parsed_budget, budget_bytes = _check_budget(budget, model)
     _check_planner(planner)
     if isinstance(base_memory, bool) or not isinstance(base_memory, int) or base_memory < 0:
         raise ReplayConfigError(f"base_memory={base_memory!r} must be a non-negative int (bytes)")
@@ -1484,4 +1948,4 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
                                 f"{type(records).__name__}")
     return ReplayEngine(model, resolved, pres, on_violation, store, window, budget=budget_bytes,
                         planner=planner, track_memory=track_memory, base_memory=base_memory,
-                        calibration_steps=calibration_steps, plan_min=budget == "min")
+                        calibration_steps=calibration_steps, plan_min=parsed_budget.min)

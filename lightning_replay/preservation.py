@@ -15,7 +15,7 @@ counter moves.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -108,12 +108,33 @@ class RegionLog:
     def __init__(self) -> None:
         self.logs: dict[StorageKey, list[RegionEntry]] = {}
         self.armed: dict[StorageKey, int] = {}
+        # The tensor whose version counter stands for each armed storage, and its version
+        # right after the last logged write: ``.data`` writes, ``detach_`` and fused ops bump
+        # it by zero, one or several per write, so the count of writes says nothing.
+        self.owners: dict[StorageKey, torch.Tensor] = {}
+        self.after: dict[StorageKey, int] = {}
+        self.broken: set[StorageKey] = set()
         self.nbytes = 0
 
-    def arm(self, key: StorageKey) -> int:
+    def arm(self, key: StorageKey, owner: torch.Tensor | None = None) -> int:
         """Start (or keep) logging writes to ``key``; returns the position to undo back to."""
         self.armed[key] = self.armed.get(key, 0) + 1
+        if owner is not None and key not in self.owners:
+            self.owners[key] = owner
+            self.after[key] = owner._version
         return len(self.logs.setdefault(key, []))
+
+    def expected_version(self, key: StorageKey, t: torch.Tensor, mark: int,
+                         at_forward: int) -> int | None:
+        """The version ``t`` must have if every write since ``mark`` was logged (None: the
+        log cannot tell, ``t`` is not the tensor whose counter it followed)."""
+        if key in self.broken:
+            return -1  # a write between two logged ones was not logged
+        if len(self.logs.get(key, ())) <= mark:
+            return at_forward
+        if self.owners.get(key) is not t:
+            return None
+        return self.after.get(key, at_forward)
 
     def release(self, key: StorageKey) -> None:
         n = self.armed.get(key, 0) - 1
@@ -121,6 +142,9 @@ class RegionLog:
             self.armed[key] = n
             return
         self.armed.pop(key, None)
+        self.owners.pop(key, None)
+        self.after.pop(key, None)
+        self.broken.discard(key)
         for e in self.logs.pop(key, ()):
             self.nbytes -= e.nbytes
 
@@ -134,6 +158,9 @@ class RegionLog:
     def clear(self) -> None:
         self.logs.clear()
         self.armed.clear()
+        self.owners.clear()
+        self.after.clear()
+        self.broken.clear()
         self.nbytes = 0
 
 
@@ -144,17 +171,21 @@ class CaptureMode(TorchDispatchMode):
     cost of ``regions`` is measured rather than assumed.
     """
 
-    def __init__(self, log: RegionLog, on_write: Callable[[StorageKey], None] | None = None):
+    def __init__(self, log: RegionLog):
         super().__init__()
         self.log = log
-        self.on_write = on_write
+        self._written: list[StorageKey] | None = None
         self.ops = 0
         self.entry_time: dict[StorageKey, float] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.ops += 1
-        armed = self.log.armed
+        log = self.log
+        if self._written is not None:
+            self._settle()
+        armed = log.armed
+        written = None
         if armed:
             for pos, name in write_args(func):
                 t = arg_value(func, args, kwargs, pos, name)
@@ -162,12 +193,30 @@ class CaptureMode(TorchDispatchMode):
                     key = storage_key(t)
                     if key in armed:
                         t0 = time.perf_counter()
-                        self.log.record(key, RegionEntry(func, args, kwargs, t))
+                        owner = log.owners.get(key)
+                        if owner is not None and owner._version != log.after.get(key):
+                            log.broken.add(key)
+                        log.record(key, RegionEntry(func, args, kwargs, t))
                         self.entry_time[key] = self.entry_time.get(key, 0.0) + \
                             time.perf_counter() - t0
-                        if self.on_write is not None:
-                            self.on_write(key)
+                        written = [key] if written is None else written + [key]
+        self._written = written
         return func(*args, **kwargs)
+
+    def _settle(self) -> None:
+        # The version bump of an in-place op happens above this mode, after it returns: read
+        # the owners' versions at the next op (or when the mode exits).
+        log = self.log
+        for key in self._written:
+            owner = log.owners.get(key)
+            if owner is not None:
+                log.after[key] = owner._version
+        self._written = None
+
+    def __exit__(self, *exc) -> None:
+        if self._written is not None:
+            self._settle()
+        return super().__exit__(*exc)
 
 
 def undo(entries: list[RegionEntry]) -> None:

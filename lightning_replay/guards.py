@@ -1,0 +1,150 @@
+"""The preconditions of a replay contract, checked at every forward.
+
+A contract is learned by watching a probe step; it holds only while the segment behaves as it
+did then. What steers that behaviour and is reachable from the segment's modules is
+fingerprinted at each forward, cheaply (identities and plain values, no tensor bytes):
+
+* the training flag of each module (a BatchNorm unfrozen later, a Dropout in eval at step 0);
+* the registered hooks (module and global), and the submodules;
+* the identity of every parameter, buffer and tensor attribute, and of every other attribute
+  object (a generator replaced by a new one, a tensor rebound instead of written in place,
+  parameters substituted by ``torch.func.functional_call``);
+* the value of every plain attribute (a dropout ``p`` warming up from 0, an enum mode).
+
+When the fingerprint shows something new, that forward is re-probed (retained and watched, so
+exact by construction) and the contract is extended. Fields that vary continuously (identities,
+numbers) are re-probed once and then left to the replay, which puts the forward's objects and
+values back (:mod:`lightning_replay.slots`); discrete fields (flags, hooks, strings, enums) are
+re-probed at each value not seen before, so a mode that comes back costs nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+from torch import nn
+from torch.nn.modules import module as _module
+
+from lightning_replay.slots import MODULE_INTERNALS, is_scalar
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                 "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def _hooks_token(dicts: list) -> tuple:
+    return tuple((len(d), next(reversed(d), None)) if d else 0 for d in dicts)
+
+
+def fingerprint(modules: list[nn.Module], varying: set) -> dict[Hashable, Any]:
+    """What the segment's behaviour may depend on, without the fields in ``varying``."""
+    fp: dict[Hashable, Any] = {
+        "global_hooks": _hooks_token([getattr(_module, h, {}) for h in _GLOBAL_HOOKS])}
+    for i, m in enumerate(modules):
+        d = m.__dict__
+        fp[(i, "training")] = d.get("training")
+        fp[(i, "hooks")] = _hooks_token([d.get(h) for h in _HOOK_DICTS])
+        fp[(i, "modules")] = tuple(map(id, d["_modules"].values()))
+        for k, v in d["_parameters"].items():
+            key = (i, "p", k)
+            if key not in varying:
+                fp[key] = id(v)
+        for k, v in d["_buffers"].items():
+            key = (i, "b", k)
+            if key not in varying:
+                fp[key] = id(v)
+        for k, v in d.items():
+            if k in MODULE_INTERNALS or k == "training":
+                continue
+            key = (i, "a", k)
+            if key in varying:
+                continue
+            t = type(v)
+            if t is list or t is dict or t is set:
+                continue  # put back by value at replay
+            fp[key] = (t, v) if is_scalar(v) else (t, id(v))
+    return fp
+
+
+def _discrete(key: Hashable, value: Any) -> bool:
+    """Flags, hooks, module structure, strings and enums: each value seen is re-probed once."""
+    if not isinstance(key, tuple) or len(key) == 2:
+        return True
+    if key[1] != "a" or value is _ABSENT:
+        return False
+    t, v = value
+    return is_scalar(v) and not isinstance(v, (int, float, complex)) or t is bool
+
+
+class Guard:
+    """The fingerprint a segment's contract was learned under, and what it has learned varies.
+
+    Example:
+        >>> import torch
+        >>> block = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))
+        >>> g = Guard(list(block.modules()))
+        >>> g.accept()
+        >>> g.changed()
+        []
+        >>> block[1].p = 0.1      # a warm-up: re-probe once, then the replay restores p
+        >>> g.changed()
+        [(2, 'a', 'p')]
+        >>> g.accept(); block[1].p = 0.2; g.changed()
+        []
+    """
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        self.varying: set = set()
+        self.seen: dict[Hashable, set] = {}
+        self.base: dict[Hashable, Any] | None = None
+        self._pending: list = []
+
+    def changed(self) -> list[Hashable]:
+        """Fields that differ from every value the contract has seen (empty: replay on)."""
+        fp = fingerprint(self.modules, self.varying)
+        base = self.base
+        if base is None or fp == base:
+            self._pending = []
+            return []
+        new = []
+        for key in fp.keys() | base.keys():
+            v, b = fp.get(key, _ABSENT), base.get(key, _ABSENT)
+            if v == b:
+                continue
+            if _discrete(key, v if v is not _ABSENT else b):
+                if v in self.seen.get(key, ()):
+                    continue
+            new.append(key)
+        if not new:
+            self.base = fp  # a mode seen before came back
+        self._pending = [(k, fp.get(k, _ABSENT)) for k in new]
+        return sorted(new, key=repr)
+
+    def learn_varying(self, keys: list[Hashable]) -> None:
+        """Fields the probe saw change inside the window: the replay puts them back, so they
+        are not preconditions."""
+        self.varying.update(keys)
+        if self.base is not None:
+            for k in keys:
+                self.base.pop(k, None)
+
+    def accept(self) -> None:
+        """The contract now covers the current fingerprint (after a probe of this forward)."""
+        for key, value in self._pending:
+            if _discrete(key, value):
+                self.seen.setdefault(key, set()).add(value)
+            else:
+                self.varying.add(key)
+        self._pending = []
+        self.base = fingerprint(self.modules, self.varying)
+        for key, value in self.base.items():
+            if _discrete(key, value):
+                self.seen.setdefault(key, set()).add(value)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT = _Absent()

@@ -1,0 +1,240 @@
+"""What each slot of a segment's modules held at forward time, put back for the replay.
+
+A replay must see the objects the forward saw, not only their bytes. Models rebind state as
+often as they write it in place: ``self.h = h.detach()`` (a stateful RNN),
+``self.queue = torch.cat([k, self.queue[:-B]])`` (a queue written the common non-in-place way),
+an attribute re-pointed to a new view, parameters substituted by ``torch.func.functional_call``,
+a new ``torch.Generator`` each step, an annealed float, an enum mode. At each forward the engine
+takes :func:`capture_slots` of the segment's modules (C-level dict copies, plus copies of small
+containers of plain values); at replay :func:`swap_slots` puts every slot whose object or value
+differs back as it was and returns the live objects, which :func:`restore_slots` reinstates
+afterwards, so the replay's own rebinding never leaks either. Generator objects found in the
+slots have their states captured too (:func:`capture_generators`).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+#: Immutable values that are put back by value.
+SCALAR_TYPES = (bool, int, float, complex, str, bytes, type(None), enum.Enum, np.generic,
+                torch.dtype, torch.device, torch.Size)
+
+#: nn.Module's own bookkeeping in ``__dict__`` (the parameter, buffer and submodule dicts are
+#: handled separately; hooks are guarded, never swapped).
+MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+
+_CONTAINER_LIMIT = 4096  # items; larger containers of plain values are not copied per step
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING = _Missing()
+
+
+def is_scalar(v: Any) -> bool:
+    return isinstance(v, SCALAR_TYPES)
+
+
+def copy_plain(v: Any, budget: list[int] | None = None) -> Any:
+    """A copy of a (nested) list/dict/set/tuple of plain scalars, or ``MISSING`` when ``v``
+    holds anything else or is too large to copy every step."""
+    if budget is None:
+        budget = [_CONTAINER_LIMIT]
+    if is_scalar(v):
+        return v
+    budget[0] -= 1
+    if budget[0] < 0:
+        return MISSING
+    t = type(v)
+    if t in (list, tuple, set, frozenset):
+        out = []
+        for x in v:
+            c = copy_plain(x, budget)
+            if c is MISSING:
+                return MISSING
+            out.append(c)
+        return t(out)
+    if t is dict:
+        out_d = {}
+        for k, x in v.items():
+            c = copy_plain(x, budget)
+            if c is MISSING or not is_scalar(k):
+                return MISSING
+            out_d[k] = c
+        return out_d
+    return MISSING
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equality that never asks a tensor for its truth value: tensors, generators and other
+    objects compare by identity; plain values by value (NaN equals NaN); containers item by
+    item."""
+    if a is b:
+        return True
+    ta, tb = type(a), type(b)
+    if ta is not tb:
+        return False
+    if ta in (list, tuple):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if ta is dict:
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if ta in (set, frozenset):
+        return a == b
+    if is_scalar(a):
+        try:
+            eq = a == b
+            if isinstance(eq, np.ndarray):
+                return bool(eq.all())
+            if bool(eq):
+                return True
+        except Exception:  # noqa: BLE001 - a value whose comparison fails is "different"
+            return False
+        return isinstance(a, (float, np.floating)) and math.isnan(a) and math.isnan(b)
+    return False
+
+
+class ModuleSlots:
+    """One module's slots at one moment: parameter, buffer and attribute objects."""
+
+    __slots__ = ("module", "params", "buffers", "attrs", "copies")
+
+    def __init__(self, module: nn.Module) -> None:
+        d = module.__dict__
+        self.module = module
+        self.params = d["_parameters"].copy()
+        self.buffers = d["_buffers"].copy()
+        self.attrs = d.copy()
+        copies = None
+        for k, v in self.attrs.items():
+            t = type(v)
+            if (t is list or t is dict or t is set) and k not in MODULE_INTERNALS:
+                c = copy_plain(v)
+                if c is not MISSING:
+                    if copies is None:
+                        copies = {}
+                    copies[k] = c
+        self.copies = copies
+
+
+def capture_slots(modules: list[nn.Module]) -> list[ModuleSlots]:
+    return [ModuleSlots(m) for m in modules]
+
+
+def _swap_dict(live: dict, saved: dict, skip: frozenset = frozenset(),
+               copies: dict | None = None) -> dict | None:
+    out = None
+    for k, v in saved.items():
+        if k in skip:
+            continue
+        cur = live.get(k, MISSING)
+        if copies is not None and k in copies:
+            if cur is v and same_value(copies[k], v):
+                continue
+            v = copies[k]  # the contents at forward time (the object may have been mutated)
+        elif cur is v:
+            continue
+        elif is_scalar(v) and type(cur) is type(v) and same_value(cur, v):
+            continue
+        if out is None:
+            out = {}
+        out[k] = cur
+        live[k] = v
+    if len(live) != len(saved) or out:
+        for k in [k for k in live.keys() - saved.keys() if k not in skip]:
+            if out is None:
+                out = {}
+            out[k] = live.pop(k)
+    return out
+
+
+def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
+    """Put the captured objects and values back; returns what was live, for
+    :func:`restore_slots`."""
+    out = []
+    for s in slots:
+        d = s.module.__dict__
+        for live, saved, skip, copies in ((d["_parameters"], s.params, frozenset(), None),
+                                          (d["_buffers"], s.buffers, frozenset(), None),
+                                          (d, s.attrs, MODULE_INTERNALS, s.copies)):
+            prev = _swap_dict(live, saved, skip, copies)
+            if prev:
+                out.append((live, prev))
+    return out
+
+
+def restore_slots(live: list[tuple[dict, dict]]) -> None:
+    for d, values in reversed(live):
+        for k, v in values.items():
+            if v is MISSING:
+                d.pop(k, None)
+            else:
+                d[k] = v
+
+
+def slot_generators(slots: list[ModuleSlots]) -> list[torch.Generator]:
+    """Generator objects held as attributes (or in tuples/lists of attributes) of the
+    modules, each once."""
+    out: list[torch.Generator] = []
+    seen: set[int] = set()
+    for s in slots:
+        for k, v in s.attrs.items():
+            if isinstance(v, torch.Generator):
+                vals = (v,)
+            elif type(v) in (list, tuple) and k not in MODULE_INTERNALS:
+                vals = tuple(x for x in v if isinstance(x, torch.Generator))
+            else:
+                continue
+            for g in vals:
+                if id(g) not in seen:
+                    seen.add(id(g))
+                    out.append(g)
+    return out
+
+
+def capture_generators(gens: list[torch.Generator]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    return [(g, g.get_state()) for g in gens]
+
+
+def swap_generators(saved: list[tuple[torch.Generator, torch.Tensor]]
+                    ) -> list[tuple[torch.Generator, torch.Tensor]]:
+    live = []
+    for g, state in saved:
+        live.append((g, g.get_state()))
+        g.set_state(state)
+    return live
+
+
+def restore_generators(live: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    for g, state in reversed(live):
+        g.set_state(state)
+
+
+def slot_tensors(slots: list[ModuleSlots]) -> list[tuple[str, torch.Tensor]]:
+    """Non-parameter tensors of the modules (buffers, tensor attributes, tensors inside tuple
+    or list attributes) with a local name, each object once."""
+    out = []
+    seen: set[int] = set()
+    for i, s in enumerate(slots):
+        items = list(s.buffers.items())
+        for k, v in s.attrs.items():
+            if k in MODULE_INTERNALS:
+                continue
+            if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
+                items.append((k, v))
+            elif type(v) in (tuple, list):
+                items.extend((f"{k}[{j}]", x) for j, x in enumerate(v)
+                             if isinstance(x, torch.Tensor))
+        for k, v in items:
+            if v is not None and id(v) not in seen:
+                seen.add(id(v))
+                out.append((f"{i}:{k}", v))
+    return out
