@@ -444,8 +444,9 @@ class _Seeded(HazardNet):
 def test_one_device_is_the_default_strategy_bit_for_bit(tmp_path):
     """Issue 14, items 1 and 2: no reset_seed() and no thread-count change for one process, so
     the global RNG and the kernels' rounding are the plain Trainer's from step 0."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    os.environ.pop("OMP_NUM_THREADS", None)
+    os.environ.pop("OMP_NUM_THREADS", None)  # else Lightning's launchers keep the count
     try:
         L.seed_everything(11)
         ref = _Seeded()  # consumes the global RNG after seeding: a re-seed would show
@@ -456,6 +457,5 @@ def test_one_device_is_the_default_strategy_bit_for_bit(tmp_path):
         assert model.threads == ref.threads == [1, 1, 1, 1]
         assert "OMP_NUM_THREADS" not in os.environ
         assert differing(state(ref), state(model)) == []
-        assert torch.equal(torch.get_rng_state(), torch.get_rng_state())
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
