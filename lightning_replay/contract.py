@@ -74,6 +74,7 @@ class ReplayContract:
     uses_global_rng: bool = False
     python_attrs: list[str] = dataclasses.field(default_factory=list)
     input_aliases: list[str] = dataclasses.field(default_factory=list)
+    outside_attrs: list[str] = dataclasses.field(default_factory=list)
     changed_inputs: list[int] = dataclasses.field(default_factory=list)
     written_inputs: list[int] = dataclasses.field(default_factory=list)
     activation_bytes: int = 0

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
@@ -38,9 +39,11 @@ from lightning_replay.preservation import CaptureMode, RegionLog, redo, undo
 from lightning_replay.records import RecordStore
 from lightning_replay.segments import SegmentSpec, resolve_segments
 from lightning_replay.guards import Guard
-from lightning_replay.slots import (MODULE_INTERNALS, capture_generators, capture_slots,
-                                    is_scalar, restore_generators, restore_slots, same_value,
-                                    slot_generators, slot_tensors, swap_generators, swap_slots)
+from lightning_replay.slots import (MODULE_INTERNALS, OutsideReads, capture_generators,
+                                    capture_outside, capture_slots, is_scalar,
+                                    restore_generators, restore_slots, same_value,
+                                    slot_generators, slot_tensors, swap_generators,
+                                    swap_outside, swap_slots)
 from lightning_replay.state import (StateIndex, StateRef, digest, find_generator_name,
                                     storage_bytes, storage_key, swap_, tensor_leaves,
                                     unique_generators)
@@ -149,7 +152,7 @@ class _Invocation:
 
     __slots__ = ("rt", "version", "option", "step", "checked", "tensors", "prs", "versions",
                  "whole", "metas", "regions", "gens", "slots", "digests", "preserved_bytes", "replays",
-                 "done", "_token", "held", "t_prep", "sandbox_keys", "subs", "kept",
+                 "done", "_token", "held", "t_prep", "sandbox_keys", "subs", "kept", "outside",
                  "replaying", "__weakref__")
 
     def __init__(self, rt: "SegmentRuntime", check_bytes: bool) -> None:
@@ -207,6 +210,7 @@ class _Invocation:
             # Dropped without replay (graph freed, backward never called): disarm anyway.
             weakref.finalize(self, _release_keys, log, [k for k, _ in self.regions], self._token)
         self.slots = capture_slots(rt.modules)
+        self.outside = capture_outside(rt.outside) if rt.outside else None
         gens = slot_generators(self.slots)
         ids = {id(g) for g in gens}
         gens += [g for _, g in rt.generators if id(g) not in ids]
@@ -287,6 +291,8 @@ class _ReplayContext:
         self._stage = 2
         # the objects each slot held at forward (rebound tensors, generators, plain values)
         self._slots = swap_slots(inv.slots)
+        if inv.outside:
+            self._slots += swap_outside(inv.outside)
         self._gens = swap_generators(inv.gens)
         self._stage = 3
         if inv.digests is not None:
@@ -433,6 +439,7 @@ class SegmentRuntime:
         self.module_names = {id(m): (f"{name}.{n}" if n else name)
                              for n, m in module.named_modules()}
         self.guard = Guard(self.modules)
+        self.outside: list[tuple[nn.Module, str]] = []  # plain attributes read from outside
         self.preservation = preservation
         self.contract: ReplayContract | None = None
         self.status = "probe"  # probe | probing | active | retain
@@ -541,12 +548,17 @@ class SegmentRuntime:
             inner = outer_pack(t) if outer_pack is not None else Saved(t, where, eng.state_name)
             return _ProbeHandle(inner, unpack_fn, probe, self)
 
+        ids = {id(m) for m in self.modules}
+        outside = OutsideReads([m for m in eng.model.modules() if id(m) not in ids])
         eng._segment_depth += 1
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack), mode:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack), mode, \
+                    outside:
                 out = self.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
+        known = {(id(m), k) for m, k in self.outside}
+        self.outside += [(m, k) for m, k in outside.reads if (id(m), k) not in known]
         mode.finish_segment()
         for (argname, obj), tok in zip(objects, before):
             if _object_token(obj) != tok:
@@ -690,6 +702,7 @@ class SegmentRuntime:
                            state=sorted(merged.values(), key=lambda e: e.name),
                            generators=sorted(gen_names), uses_global_rng=uses_rng,
                            python_attrs=sorted(changed_attrs), input_aliases=aliases,
+                           outside_attrs=self._outside_names(),
                            changed_inputs=sorted(changed_inputs),
                            written_inputs=sorted(written_inputs),
                            activation_bytes=act,
@@ -703,6 +716,11 @@ class SegmentRuntime:
         eng._contracts_changed()
         eng.records.append(step=eng.step, segment=self.name, contract_version=c.version,
                            check="contract", outcome="match", detail=_contract_detail(c))
+
+    def _outside_names(self) -> list[str]:
+        names = {id(m): n for n, m in self.engine.model.named_modules()}
+        return sorted(f"{names[id(m)]}.{k}" if names.get(id(m)) else k
+                      for m, k in self.outside if id(m) in names)
 
     def _entry_for(self, touch, refs: list[StateRef], eng: "ReplayEngine"):
         t = touch.tensor
@@ -1351,6 +1369,11 @@ class ReplayEngine:
         for name, rt in self.runtimes.items():
             _RUNTIMES[rt.module] = rt
             rt.module.__class__ = _replay_class(rt.orig_class)
+            become = getattr(rt.module, "cls_to_become", None)
+            if isinstance(rt.module, LazyModuleMixin) and become is not None:
+                # A lazy module turns into ``cls_to_become`` at its first forward: into the
+                # replaying subclass of it, so it keeps replaying afterwards.
+                rt.module.cls_to_become = _replay_class(become)
         self._root_class: type | None = None
         if window == "root":
             # The root's forward opens the window through a class swap, not hooks: a copy
@@ -1669,7 +1692,12 @@ class ReplayEngine:
         for rt in self.runtimes.values():
             if _RUNTIMES.get(rt.module) is rt:
                 del _RUNTIMES[rt.module]
-            rt.module.__class__ = rt.orig_class
+            base = getattr(type(rt.module), "_lightning_replay_base", None)
+            rt.module.__class__ = base if base is not None else rt.orig_class
+            become = getattr(rt.module, "cls_to_become", None)
+            if become is not None and getattr(become, "_lightning_replay_base", None):
+                if "cls_to_become" in rt.module.__dict__:
+                    del rt.module.__dict__["cls_to_become"]
         self.log.clear()
         self.installed = False
 

@@ -105,7 +105,7 @@ def same_value(a: Any, b: Any) -> bool:
 class ModuleSlots:
     """One module's slots at one moment: parameter, buffer and attribute objects."""
 
-    __slots__ = ("module", "params", "buffers", "attrs", "copies")
+    __slots__ = ("module", "params", "buffers", "attrs", "copies", "layout")
 
     def __init__(self, module: nn.Module) -> None:
         d = module.__dict__
@@ -113,6 +113,17 @@ class ModuleSlots:
         self.params = d["_parameters"].copy()
         self.buffers = d["_buffers"].copy()
         self.attrs = d.copy()
+        # Sparse (non-strided) tensors have no storage the engine can preserve in place:
+        # each is copied whole, and the copy stands in at replay if it was written since.
+        layout = None
+        for which, dd in (("b", self.buffers), ("a", self.attrs)):
+            for k, v in dd.items():
+                if isinstance(v, torch.Tensor) and v.layout != torch.strided:
+                    if layout is None:
+                        layout = {}
+                    with torch.no_grad():
+                        layout[(which, k)] = (v._version, v.detach().clone())
+        self.layout = layout
         copies = None
         for k, v in self.attrs.items():
             t = type(v)
@@ -130,13 +141,18 @@ def capture_slots(modules: list[nn.Module]) -> list[ModuleSlots]:
 
 
 def _swap_dict(live: dict, saved: dict, skip: frozenset = frozenset(),
-               copies: dict | None = None) -> dict | None:
+               copies: dict | None = None, frozen: dict | None = None) -> dict | None:
     out = None
     for k, v in saved.items():
         if k in skip:
             continue
         cur = live.get(k, MISSING)
-        if copies is not None and k in copies:
+        if frozen is not None and k in frozen:
+            version, copy = frozen[k]
+            if cur is v and v._version == version:
+                continue
+            v = copy  # written in place (or rebound) since forward: its copy stands in
+        elif copies is not None and k in copies:
             if cur is v and same_value(copies[k], v):
                 continue
             v = copies[k]  # the contents at forward time (the object may have been mutated)
@@ -162,10 +178,14 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
     out = []
     for s in slots:
         d = s.module.__dict__
-        for live, saved, skip, copies in ((d["_parameters"], s.params, frozenset(), None),
-                                          (d["_buffers"], s.buffers, frozenset(), None),
-                                          (d, s.attrs, MODULE_INTERNALS, s.copies)):
-            prev = _swap_dict(live, saved, skip, copies)
+        lay = s.layout
+        fb = {k: v for (w, k), v in lay.items() if w == "b"} if lay else None
+        fa = {k: v for (w, k), v in lay.items() if w == "a"} if lay else None
+        for live, saved, skip, copies, frozen in (
+                (d["_parameters"], s.params, frozenset(), None, None),
+                (d["_buffers"], s.buffers, frozenset(), None, fb),
+                (d, s.attrs, MODULE_INTERNALS, s.copies, fa)):
+            prev = _swap_dict(live, saved, skip, copies, frozen)
             if prev:
                 out.append((live, prev))
     return out
@@ -237,4 +257,83 @@ def slot_tensors(slots: list[ModuleSlots]) -> list[tuple[str, torch.Tensor]]:
             if v is not None and id(v) not in seen:
                 seen.add(id(v))
                 out.append((f"{i}:{k}", v))
+    return out
+
+
+# ------------------------------------------------------------------ reads of outside modules
+_TRACE_CLASSES: dict[type, type] = {}
+
+
+def _trace_class(cls: type) -> type:
+    """A subclass of ``cls`` that records which plain attributes are read (probe only)."""
+    new = _TRACE_CLASSES.get(cls)
+    if new is not None:
+        return new
+
+    def __getattribute__(self, name):
+        value = object.__getattribute__(self, name)
+        d = object.__getattribute__(self, "__dict__")
+        reads = d.get("_lightning_replay_reads")
+        if reads is not None and name in d and name not in MODULE_INTERNALS and \
+                not isinstance(value, nn.Module):
+            reads.add(name)
+        return value
+
+    new = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                      "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__})
+    _TRACE_CLASSES[cls] = new
+    return new
+
+
+class OutsideReads:
+    """Records the attributes a segment's forward reads from modules outside it.
+
+    A block may read a value that lives on another module (a temperature on the root that is
+    annealed every step, a flag on a sibling). For the probe's forward every other module of
+    the model gets a recording subclass; the reads become part of the contract and their
+    values are captured at each forward and put back for the replay like the segment's own.
+    """
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        self.classes: list[type] = []
+
+    def __enter__(self) -> "OutsideReads":
+        for m in self.modules:
+            cls = type(m)
+            self.classes.append(cls)
+            m.__dict__["_lightning_replay_reads"] = set()
+            m.__class__ = _trace_class(cls)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.reads = []
+        for m, cls in zip(self.modules, self.classes):
+            m.__class__ = cls
+            for name in sorted(m.__dict__.pop("_lightning_replay_reads", ())):
+                self.reads.append((m, name))
+
+
+def capture_outside(reads: list[tuple[nn.Module, str]]) -> list[tuple[dict, str, Any]]:
+    out = []
+    for m, name in reads:
+        d = m.__dict__
+        v = d.get(name, MISSING)
+        c = copy_plain(v) if type(v) in (list, dict, set) else v
+        out.append((d, name, v if c is MISSING else c))
+    return out
+
+
+def swap_outside(saved: list[tuple[dict, str, Any]]) -> list[tuple[dict, dict]]:
+    out = []
+    for d, name, v in saved:
+        cur = d.get(name, MISSING)
+        if cur is v or (is_scalar(v) and same_value(cur, v)):
+            continue
+        out.append((d, {name: cur}))
+        if v is MISSING:
+            d.pop(name, None)
+        else:
+            d[name] = v
     return out

@@ -187,50 +187,6 @@ def unique_generators(gens: list[torch.Generator]) -> list[torch.Generator]:
     return out
 
 
-def capture_attrs(modules: list[nn.Module]) -> list[tuple[dict, dict]]:
-    """Each module's attribute dict, copied (a C-level copy: cheap enough for every step).
-
-    Only plain immutable values (:data:`PLAIN_TYPES`) are ever restored from it.
-    """
-    return [(m.__dict__, m.__dict__.copy()) for m in modules]
-
-
-def swap_attrs(saved: list[tuple[dict, dict]]) -> list[tuple[dict, dict]]:
-    """Put the saved plain values in place; return what was there, to swap back later."""
-    out = []
-    for d, values in saved:
-        live = {}
-        for k, v in values.items():
-            cur = d.get(k, _MISSING)
-            if cur is not v and type(v) in PLAIN_TYPES:
-                live[k] = cur
-                d[k] = v
-        if len(d) != len(values) or live:
-            for k in d.keys() - values.keys():
-                if type(d[k]) in PLAIN_TYPES:
-                    live[k] = d.pop(k)
-        if live:
-            out.append((d, live))
-    return out
-
-
-def restore_attrs(live: list[tuple[dict, dict]]) -> None:
-    for d, values in live:
-        for k, v in values.items():
-            if v is _MISSING:
-                d.pop(k, None)
-            else:
-                d[k] = v
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-_MISSING = _Missing()
-
-
 def tensor_leaves(obj: Any) -> list[torch.Tensor]:
     """Tensors inside a nested structure of tuples, lists and dicts."""
     from torch.utils._pytree import tree_leaves

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_replay.state import PLAIN_TYPES
+from lightning_replay.slots import MISSING, MODULE_INTERNALS, copy_plain, same_value
 
 
 def snapshot_state(model: nn.Module) -> dict[str, object]:
@@ -36,12 +36,17 @@ def snapshot_state(model: nn.Module) -> dict[str, object]:
                 for kk, t in v.items():
                     if t is not None:
                         out[p + kk] = t.detach().clone()
+            elif k in MODULE_INTERNALS:
+                continue
             elif isinstance(v, torch.Tensor):
                 out[p + k] = v.detach().clone()
             elif isinstance(v, torch.Generator):
                 out[p + k] = v.get_state()
-            elif type(v) in PLAIN_TYPES and not k.startswith("_"):
-                out[p + k] = v
+            elif type(v) in (tuple, list) and any(isinstance(x, torch.Tensor) for x in v):
+                out[p + k] = type(v)(x.detach().clone() if isinstance(x, torch.Tensor) else x
+                                     for x in v)
+            elif not k.startswith("_") and copy_plain(v) is not MISSING:
+                out[p + k] = copy_plain(v)
     return out
 
 
@@ -49,7 +54,9 @@ def _same(x: object, y: object) -> bool:
     if isinstance(x, torch.Tensor):
         return (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
                 and torch.equal(x, y))
-    return x == y
+    if type(x) in (tuple, list):
+        return type(x) is type(y) and len(x) == len(y) and all(map(_same, x, y))
+    return same_value(x, y)
 
 
 def diff_state(a: dict, b: dict) -> list[str]:
