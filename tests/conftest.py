@@ -7,17 +7,24 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
-from tests.helpers.isolation import isolated_globals, torch_switches
-
+# One intra-op thread everywhere, set before torch starts its pool: bit-exact comparisons need
+# equal thread counts in every test, alone or in a full run, and Lightning's launcher, child
+# processes and subprocess tests keep OMP_NUM_THREADS when it is set (else Lightning resets
+# the count to the cores). The tests' models are tiny: on this 2-core machine under load, two
+# OpenMP threads made a small step up to 90x slower (98 ms against 1.1 ms), which is what made
+# the suite's time swing between runs.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Bit-exact comparisons need equal thread counts in every test, alone or in a full run.
-torch.set_num_threads(2)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.helpers.isolation import isolated_globals, torch_switches  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 BASELINE = torch_switches()
 
 

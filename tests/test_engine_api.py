@@ -113,6 +113,57 @@ def test_state_dict_keys_and_uninstall():
     lr.install(h.model, h.segments).uninstall()  # installing again after uninstall works
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+def _hooks(model: nn.Module) -> list[tuple[str, str, int]]:
+    return [(name, d, len(getattr(m, d))) for name, m in model.named_modules()
+            for d in _HOOK_DICTS if getattr(m, d, None)]
+
+
+def _pickle_round_trip(model: nn.Module) -> nn.Module:
+    return pickle.loads(pickle.dumps(model))
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, _pickle_round_trip],
+                         ids=["deepcopy", "pickle"])
+def test_copies_of_an_installed_model_are_plain_models(copier):
+    """README: copies (copy.deepcopy, pickle) of an installed model are plain models. The copy
+    trains exactly like the plain model, and training it leaves the original's engine alone."""
+    h = HAZARDS["combined"]()
+    plain = clone_model(h.model)  # the reference: never installed
+    classes = [type(m) for m in plain.modules()]
+    plain_hooks = _hooks(plain)
+    engine = lr.install(h.model, h.segments, records=lr.RecordStore(None, run_id="orig"))
+    train_steps(plain, h.make_input, 2)
+    train_steps(h.model, h.make_input, 2)  # probe, then one replayed step
+
+    copied = copier(h.model)
+    assert [type(m) for m in copied.modules()] == classes
+    assert _hooks(copied) == plain_hooks
+    assert list(copied.state_dict()) == list(plain.state_dict())
+    assert_same_state(snapshot_state(plain), snapshot_state(copied), "copy at copy time")
+
+    step, summary, records = engine.step, engine.summary(), engine.records.read()
+    g_plain, _ = train_steps(plain, lambda s: h.make_input(s + 2), 3)
+    g_copy, _ = train_steps(copied, lambda s: h.make_input(s + 2), 3)
+    assert_same_grads(g_plain, g_copy, "the copy trains as a plain model")
+    assert_same_state(snapshot_state(plain), snapshot_state(copied), "copy after training")
+    assert (engine.step, engine.summary(), engine.records.read()) == (step, summary, records)
+
+    # the original still trains under its engine, exactly, from where it was
+    ref = clone_model(h.model)  # a copy is plain: the reference for the original's next steps
+    g_ref, _ = train_steps(ref, lambda s: h.make_input(s + 2), 2)
+    g_orig, _ = train_steps(h.model, lambda s: h.make_input(s + 2), 2)
+    assert_same_grads(g_ref, g_orig, "the original after the copy trained")
+    assert engine.step == step + 2
+    assert all(s["replays"] == summary[n]["replays"] + 2 for n, s in engine.summary().items())
+    engine.uninstall()
+    assert_same_state(snapshot_state(ref), snapshot_state(h.model), "original")
+
+
 class ExternalReader(nn.Module):
     def __init__(self, table):
         super().__init__()

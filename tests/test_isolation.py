@@ -14,7 +14,7 @@ from tests.helpers.isolation import isolated_globals, torch_switches
 def test_fixture_gives_every_test_the_baseline():
     assert torch_switches() == BASELINE
     assert not torch.are_deterministic_algorithms_enabled()
-    assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
     torch.manual_seed(0)
     expected = torch.rand(3)
     with isolated_globals(BASELINE):
@@ -27,7 +27,7 @@ def test_restores_torch_switches_environment_and_sys_path():
         torch.use_deterministic_algorithms(True)  # what Trainer(deterministic=True) does
         torch.set_default_dtype(torch.float64)
         torch.set_grad_enabled(False)
-        torch.set_num_threads(1)
+        torch.set_num_threads(3)
         torch.set_anomaly_enabled(True)
         torch.set_float32_matmul_precision("medium")
         os.environ["MASTER_PORT"] = "12910"
