@@ -35,6 +35,6 @@ except ImportError:  # pragma: no cover - lightning is a dependency
     pass
 else:
     from lightning_replay.callbacks import ReplayCallback
-    from lightning_replay.strategies import ReplayStrategy
+    from lightning_replay.strategies import ReplayFSDPStrategy, ReplayStrategy
 
-    __all__ += ["ReplayCallback", "ReplayStrategy"]
+    __all__ += ["ReplayCallback", "ReplayFSDPStrategy", "ReplayStrategy"]

@@ -15,6 +15,7 @@ explains each change.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -50,6 +51,8 @@ class DiscoveryMode(TorchDispatchMode):
         self.input_keys = input_keys
         self.produced: set[StorageKey] = set()
         self.touched: dict[StorageKey, Touch] = {}
+        #: storages of FSDP-managed parameters the segment read: parameter traffic, not state
+        self.parameter_traffic: set[StorageKey] = set()
         self.generators: dict[int, torch.Generator] = {}
         self.uses_global_rng = False
 
@@ -59,6 +62,14 @@ class DiscoveryMode(TorchDispatchMode):
             return None
         touch = self.touched.get(key)
         if touch is None:
+            if key in self.parameter_traffic:
+                return None
+            if _fsdp_managed(t):
+                # FSDP gathers the parameter before the forward and, after resharding, again
+                # before the backward (its storage freed and refilled with the same bytes):
+                # parameter traffic that FSDP keeps consistent, not state to preserve.
+                self.parameter_traffic.add(key)
+                return None
             with torch.no_grad():
                 snap = storage_bytes(t).clone()
             touch = Touch(key, t.detach(), snap, self.log.arm(key),
@@ -109,6 +120,56 @@ class DiscoveryMode(TorchDispatchMode):
             for touch in self.touched.values():
                 touch.changed_in_segment = not torch.equal(storage_bytes(touch.tensor),
                                                            touch.snapshot)
+
+
+_FSDP_PARAMETERS: dict[int, Any] = {}  # id -> weakref of each FSDP2 unsharded parameter
+
+
+def _fsdp_managed(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter FSDP2 (``fully_shard``) shards and gathers.
+
+    Its sharded form is a DTensor; its gathered form is a plain ``nn.Parameter`` that FSDP
+    keeps per parameter and refills at each all-gather. FSDP2 has no public registry of those:
+    they are found through its states (private, hence the torch pin), only for parameters.
+    """
+    if not isinstance(t, torch.nn.Parameter):
+        return _is_dtensor(t)
+    ref = _FSDP_PARAMETERS.get(id(t))
+    if ref is not None and ref() is t:
+        return True
+    if _is_dtensor(t):
+        return True
+    _FSDP_PARAMETERS.clear()
+    for param in _fsdp_unsharded_parameters():
+        _FSDP_PARAMETERS[id(param)] = weakref.ref(param)
+    ref = _FSDP_PARAMETERS.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _fsdp_unsharded_parameters() -> list[torch.Tensor]:
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return []
+    out = []
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref()
+        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) \
+            else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            param = getattr(fsdp_param, "_unsharded_param", None)
+            if param is not None:
+                out.append(param)
+    return out
 
 
 def _tensors(v: Any) -> list[torch.Tensor]:

@@ -25,9 +25,12 @@ def storage_key(t: torch.Tensor) -> StorageKey | None:
         return None
     try:
         st = t.untyped_storage()
+        # A wrapper subclass (an FSDP2 sharded parameter is a DTensor) has a storage object
+        # with no data behind it: its data pointer raises. Freed storage (FSDP2's unsharded
+        # parameters between all-gathers) has a null pointer.
+        ptr = st.data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
-    ptr = st.data_ptr()
     if ptr == 0 or st.nbytes() == 0:
         return None
     return (str(t.device), ptr)

@@ -1,0 +1,364 @@
+"""``Trainer(strategy="replay_fsdp")``: state-aware replay under FSDP2.
+
+:class:`ReplayFSDPStrategy` is Lightning's
+:class:`~lightning.pytorch.strategies.ModelParallelStrategy` (FSDP2: the LightningModule shards
+itself with ``fully_shard`` in ``configure_model``) with the replay engine installed on the
+sharded model. Segment names and ``state_dict`` keys are those of the unsharded model.
+
+How the two compose: each segment lies inside one FSDP unit (it is a unit, or a submodule of
+one). FSDP gathers the unit's parameters before the unit's forward (the segment's forward runs
+on them, under ``torch.utils.checkpoint``) and again before its backward (FSDP's pre-backward
+hook, registered on the unit's outputs), so the replay, which runs inside that backward, sees
+the gathered parameters with either ``reshard_after_forward``. The replay calls the segment's
+own forward, not the unit's hooks: no collective runs inside a replay. The all-gather and
+reshard of parameters is parameter traffic, not state: the probe does not watch it, nothing
+of it is snapshotted, and it is never a violation.
+
+Every rank runs rank 0's plan (as :class:`ReplayStrategy` does) and writes its own records.
+
+``import lightning_replay`` registers ``"replay_fsdp"`` (the ``popen`` launcher, for scripts);
+``ReplayFSDPStrategy(start_method="spawn" | "fork")`` runs the ranks in child processes.
+
+It leans on Lightning internals, hence the ``lightning>=2.4,<2.7`` pin: ModelParallelStrategy's
+``setup`` and ``_configure_launcher``, the ``_MultiProcessingLauncher``. The GPU (NCCL) path is
+written for but has only been tested on CPU with gloo.
+
+Example:
+    >>> import lightning as L, lightning_replay
+    >>> trainer = L.Trainer(strategy="replay_fsdp", accelerator="cpu", devices=2, max_steps=1,
+    ...                     logger=False, enable_checkpointing=False,
+    ...                     enable_progress_bar=False, enable_model_summary=False)
+    >>> type(trainer.strategy).__name__
+    'ReplayFSDPStrategy'
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from datetime import timedelta
+from typing import Any, Iterable, Literal, Mapping
+
+import torch
+from torch import nn
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_replay import planner as _planner
+from lightning_replay.budget import Budget
+from lightning_replay.engine import ON_VIOLATION, PRESERVATIONS, ReplayEngine
+from lightning_replay.errors import ReplayConfigError, SegmentError
+from lightning_replay.records import RecordStore
+from lightning_replay.segments import SegmentSpec, resolve_segments
+from lightning_replay.strategies.replay import ReplayStrategy
+
+#: Registered strategy names and their launcher (``start_method``).
+STRATEGY_NAMES: dict[str, str] = {"replay_fsdp": "popen"}
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class ReplayFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 (:class:`~lightning.pytorch.strategies.ModelParallelStrategy`) with state-aware
+    replay of the LightningModule's segments.
+
+    The LightningModule shards itself in ``configure_model`` with ``fully_shard`` (each block,
+    then the root), as for ``ModelParallelStrategy``; the engine is installed on the sharded
+    model. Each segment must lie inside one FSDP unit: be a unit, or a submodule of one that
+    contains no other unit.
+
+    Args:
+        segments: what to replay, as for :class:`ReplayStrategy`: names, globs
+            (``"blocks.*"``), module classes, a callable ``(name, module) -> bool``, or a list;
+            ``None``: ``configure_replay_segments()`` if the LightningModule defines one, else
+            the parameterized children of its largest ``ModuleList``/``Sequential``.
+        budget: peak-memory budget *per rank* (bytes, ``"2GiB"``, a fraction of the device's
+            memory, or ``"min"``); ``None``: 90 % of the device on CUDA, the lowest-memory
+            correct plan on CPU.
+        planner: ``"joint"``, ``"eager_whole"``, ``"fixed_regions"``, ``"retain_all"`` or
+            ``"whole_all"``.
+        preservation: ``"auto"``, ``"whole"``, ``"regions"``, ``"retain"`` or a dict per
+            segment (a pin).
+        on_violation: ``"record"`` or ``"raise"``.
+        records: ``None``, a SQLite path or a :class:`~lightning_replay.RecordStore`.
+        calibration_steps: steps each option is timed before the first plan.
+        start_method: ``"popen"`` (a script launches its ranks), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"`` (child processes of this one; notebooks and tests).
+        data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
+        process_group_backend, timeout: as for ``ModelParallelStrategy``.
+
+    Raises:
+        ReplayConfigError: a bad argument; at setup, a model that ``configure_model`` did not
+            shard with ``fully_shard``.
+        SegmentError: at setup, a segment that crosses FSDP units.
+
+    Example:
+        >>> strategy = ReplayFSDPStrategy(segments="blocks.*", budget="2GiB",
+        ...                               data_parallel_size=2, tensor_parallel_size=1)
+        >>> strategy.budget
+        Budget('2.00 GiB')
+    """
+
+    strategy_name = "replay_fsdp"
+
+    def __init__(
+        self,
+        segments: SegmentSpec | Iterable[SegmentSpec] | None = None,
+        budget: int | float | str | None = None,
+        planner: str = "joint",
+        preservation: str | Mapping[str, str] = "auto",
+        on_violation: str = "record",
+        records: RecordStore | str | os.PathLike | None = None,
+        calibration_steps: int = 2,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(data_parallel_size=data_parallel_size,
+                         tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        name = type(self).__name__
+        if planner not in _planner.METHODS:
+            raise ReplayConfigError(f"{name}(planner={planner!r}) is not known; use one of "
+                                    f"{list(_planner.METHODS)}")
+        if isinstance(preservation, str) and preservation not in PRESERVATIONS:
+            raise ReplayConfigError(f"{name}(preservation={preservation!r}) is not known; use "
+                                    f"one of {list(PRESERVATIONS)} or a dict per segment")
+        if not isinstance(preservation, (str, Mapping)):
+            raise ReplayConfigError(f"{name}(preservation=...) must be a string or a dict, got "
+                                    f"{type(preservation).__name__}")
+        if on_violation not in ON_VIOLATION:
+            raise ReplayConfigError(f"{name}(on_violation={on_violation!r}) is not known; use "
+                                    f"one of {list(ON_VIOLATION)}")
+        if not (records is None or isinstance(records, (str, RecordStore))
+                or hasattr(records, "__fspath__")):
+            raise ReplayConfigError(f"{name}(records=...) must be None, a path or a "
+                                    f"RecordStore, got {type(records).__name__}")
+        if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) \
+                or calibration_steps < 1:
+            raise ReplayConfigError(f"{name}(calibration_steps={calibration_steps!r}) must be "
+                                    "an int >= 1")
+        if start_method not in _START_METHODS:
+            raise ReplayConfigError(f"{name}(start_method={start_method!r}) is not known; use "
+                                    f"one of {list(_START_METHODS)}")
+        try:
+            self.budget: Budget = Budget.parse(budget)
+        except (TypeError, ValueError) as exc:
+            raise ReplayConfigError(f"{name}(budget={budget!r}): {exc}") from None
+        self.segments_spec = segments
+        self.planner = planner
+        self.preservation = preservation
+        self.on_violation = on_violation
+        self.calibration_steps = calibration_steps
+        self._start_method = start_method
+        self._records_arg = records
+        self._records_path: str | None = None
+        self.run_id: str | None = None
+        self.engine: ReplayEngine | None = None
+        self.segment_names: list[str] = []
+        self._pending_engine_state: dict[str, Any] | None = None
+        self._synced_plan_version = 0
+        #: Each segment's share of the segments' activation bytes (probe step; empty until).
+        self.activation_shares: dict[str, float] = {}
+        #: Each segment's FSDP unit (the segment itself, or the unit it lies in).
+        self.fsdp_units: dict[str, str] = {}
+        self._full_state_dict: dict[str, Any] | None = None
+
+    # The replay half is ReplayStrategy's own code (the same functions, not copies): records,
+    # segment resolution, budget, install, the one plan for all ranks, and resumable state.
+    # They use only what every ParallelStrategy has (broadcast, barrier, ranks, reduce).
+    configure_records = ReplayStrategy.configure_records
+    _make_records = ReplayStrategy._make_records
+    _resolve_spec = ReplayStrategy._resolve_spec
+    _check_segments = ReplayStrategy._check_segments
+    _resolve_budget = ReplayStrategy._resolve_budget
+    _report_activation_shares = ReplayStrategy._report_activation_shares
+    replan = ReplayStrategy.replan
+    _sync_plan = ReplayStrategy._sync_plan
+    engine_state_dict = ReplayStrategy.engine_state_dict
+    load_engine_state_dict = ReplayStrategy.load_engine_state_dict
+    _require_engine = ReplayStrategy._require_engine
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @override
+    def _configure_launcher(self) -> None:
+        devices = self.parallel_devices or []
+        bad = sorted({d.type for d in devices} - {"cpu", "cuda"})
+        if bad:
+            raise ReplayConfigError(
+                f"Trainer(strategy='replay_fsdp') runs on CPU or CUDA devices only, got "
+                f"{bad[0]!r} (accelerator {type(self.accelerator).__name__}). Use "
+                "accelerator='cpu' or 'cuda'.")
+        if self._start_method == "popen":
+            super()._configure_launcher()
+            return
+        self._launcher = _ShardedMultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        if self._start_method == "fork" and self.world_size > 1 and torch.get_num_threads() > 1:
+            # A forked child inherits the parent's OpenMP pool without its threads (see
+            # ReplayStrategy.setup_environment): one intra-op thread per child cannot deadlock.
+            rank_zero_info(f"ReplayFSDPStrategy(start_method='fork'): each process uses 1 CPU "
+                           f"thread (was {torch.get_num_threads()}); a forked OpenMP pool "
+                           "deadlocks. Use start_method='spawn' or 'popen' to keep threads.")
+            torch.set_num_threads(1)
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """ModelParallelStrategy's setup (``configure_model`` has sharded the model), then the
+        engine on the sharded LightningModule when fitting."""
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._install(self.lightning_module)
+
+    def _install(self, model: nn.Module) -> None:
+        spec, _ = self._resolve_spec(model)
+        self.fsdp_units = _fsdp_units(model, list(resolve_segments(model, spec)))
+        ReplayStrategy._install(self, model)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if not self.activation_shares:
+            self._report_activation_shares()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine is None or not engine.installed:
+            return super().training_step(*args, **kwargs)
+        # The plan may be made as the window begins: agree on rank 0's before any segment runs.
+        engine.begin_window()
+        try:
+            self._sync_plan()
+            return super().training_step(*args, **kwargs)
+        finally:
+            engine.end_forward()
+
+    @override
+    def teardown(self) -> None:
+        engine = self.engine
+        if engine is not None and engine.installed:
+            self._pending_engine_state = engine.state_dict()
+            engine.uninstall()
+        super().teardown()
+        if self._start_method != "popen" and _distributed_is_initialized() and \
+                multiprocessing.parent_process() is not None:
+            # The launcher hands the parent the trained weights after this, with no process
+            # group left: gather them now, on every rank (a collective).
+            self._full_state_dict = _full_state_dict(self.lightning_module)
+            # A child rank exits right after this; gloo's threads left to interpreter shutdown
+            # can abort it after a successful fit.
+            torch.distributed.destroy_process_group()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register :data:`STRATEGY_NAMES` in ``strategy_registry``."""
+        register(strategy_registry)
+
+
+class _ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, handing the parent the trained weights unsharded.
+
+    The stock launcher sends rank 0's ``state_dict()`` back: under FSDP2 those are rank 0's
+    shards (DTensors of a process group the parent does not have). The strategy gathers the
+    full state dict at teardown (``_full_state_dict``), and rank 0 sends that instead.
+    """
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        full = getattr(self._strategy, "_full_state_dict", None)
+        if full is None:
+            return super()._collect_rank_zero_results(trainer, results)
+        module = trainer.lightning_module
+        module.state_dict = lambda *args, **kwargs: full  # what the stock launcher sends
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
+
+
+def _full_state_dict(module: nn.Module | None) -> dict[str, Any] | None:
+    """The unsharded state dict, gathered on every rank (CPU copies); None if not sharded."""
+    if module is None or not _is_sharded(module):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _fsdp_units(model: nn.Module, segments: list[str]) -> dict[str, str]:
+    """Each segment's FSDP unit; refuses a model with none, and a segment crossing units.
+
+    Raises:
+        ReplayConfigError: no module of ``model`` is sharded with ``fully_shard``.
+        SegmentError: a segment contains another unit (its replay would need that unit's
+            parameters gathered, which FSDP does only around the unit's own hooks) or lies in
+            no unit at all (nothing gathers or reduces its parameters).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = {name for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    if not units:
+        raise ReplayConfigError(
+            f"{type(model).__name__}.configure_model() sharded nothing: no module is an FSDP2 "
+            "unit. Trainer(strategy='replay_fsdp') replays a model sharded with "
+            "torch.distributed.fsdp.fully_shard in configure_model (each block, then the root "
+            "module), as for ModelParallelStrategy; for an unsharded model use "
+            "strategy='replay'.")
+    out = {}
+    for seg in segments:
+        inner = sorted(u for u in units if u.startswith(seg + ".") or (seg == "" and u))
+        if inner:
+            raise SegmentError(
+                f"segment {seg!r} crosses FSDP units: it contains the unit(s) {inner}. Its "
+                "replay in backward would need their parameters gathered, which FSDP does only "
+                "around each unit's own forward and backward. Replay each unit instead "
+                f"(segments={inner!r}), or shard {seg!r} as one unit.")
+        owner = [u for u in units if u == seg or u == "" or seg.startswith(u + ".")]
+        if not owner:
+            raise SegmentError(
+                f"segment {seg!r} lies in no FSDP unit: nothing gathers or reduces its "
+                f"parameters. Call fully_shard on it (or on the root module) in configure_model.")
+        out[seg] = max(owner, key=len)
+    return out
+
+
+def register(registry: Any = StrategyRegistry) -> None:
+    """Register the strategy names once; a name held by another class is an error."""
+    for name in STRATEGY_NAMES:
+        if name in registry:
+            held = registry[name]["strategy"]
+            if getattr(held, "__qualname__", None) == ReplayFSDPStrategy.__qualname__ and \
+                    getattr(held, "__module__", None) == ReplayFSDPStrategy.__module__:
+                continue  # ours (possibly from a reloaded module): nothing to do
+            raise ReplayConfigError(
+                f"strategy name {name!r} is already registered by {held!r}; lightning_replay "
+                "cannot register ReplayFSDPStrategy under it. Remove the other registration or "
+                "use ReplayFSDPStrategy(...) directly.")
+        registry.register(name, ReplayFSDPStrategy,
+                          description=f"lightning_replay ReplayFSDPStrategy with start_method "
+                                      f"{STRATEGY_NAMES[name]!r}",
+                          start_method=STRATEGY_NAMES[name])
