@@ -2,6 +2,8 @@
 
 * :mod:`tests.helpers.compare` — train a model with and without recomputation and compare
   gradients and state bit for bit (thin layer over :mod:`lightning_replay.verify`).
+* :mod:`tests.helpers.isolation` — the per-test reset of torch switches, RNGs, environment and
+  wandb that ``tests/conftest.py`` applies.
 * :mod:`tests.helpers.lit_hazards` — LightningModules with state hazards and Trainer helpers.
 * :mod:`tests.helpers.wandb_reader` — read an offline wandb run's ``.wandb`` file back.
 * :mod:`tests.helpers.torch_memory` — an independent memory referee (``torch.profiler``).
