@@ -34,8 +34,9 @@ class Touch:
 
     key: StorageKey
     tensor: torch.Tensor  # the first tensor seen on this storage (for external state)
-    snapshot: torch.Tensor  # storage bytes at first touch
+    snapshot: torch.Tensor | None  # storage bytes at first touch (None: parameters)
     mark: int  # region-log position at first touch
+    version: int = 0  # version counter at first touch (what parameters are compared by)
     read: bool = False
     annotated_write: bool = False
     changed_in_segment: bool = False
@@ -45,10 +46,15 @@ class Touch:
 class DiscoveryMode(TorchDispatchMode):
     """Records reads, writes and generators of one segment invocation."""
 
-    def __init__(self, log: RegionLog, input_keys: set[StorageKey]) -> None:
+    def __init__(self, log: RegionLog, input_keys: set[StorageKey],
+                 by_version: set[StorageKey] = frozenset()) -> None:
         super().__init__()
         self.log = log
         self.input_keys = input_keys
+        # Parameters are compared by version counter, not copied: a probe that copied every
+        # parameter it reads would peak above a plain step (the optimizer writes them between
+        # steps, not inside the window).
+        self.by_version = by_version
         self.produced: set[StorageKey] = set()
         self.touched: dict[StorageKey, Touch] = {}
         #: storages of FSDP-managed parameters the segment read: parameter traffic, not state
@@ -70,10 +76,12 @@ class DiscoveryMode(TorchDispatchMode):
                 # parameter traffic that FSDP keeps consistent, not state to preserve.
                 self.parameter_traffic.add(key)
                 return None
-            with torch.no_grad():
-                snap = storage_bytes(t).clone()
+            snap = None
+            if key not in self.by_version:
+                with torch.no_grad():
+                    snap = storage_bytes(t).clone()
             touch = Touch(key, t.detach(), snap, self.log.arm(key),
-                          is_input=key in self.input_keys)
+                          is_input=key in self.input_keys, version=t._version)
             self.touched[key] = touch
         return touch
 
@@ -118,8 +126,11 @@ class DiscoveryMode(TorchDispatchMode):
         """Called when the segment's forward returns: which state did it change itself?"""
         with torch.no_grad():
             for touch in self.touched.values():
-                touch.changed_in_segment = not torch.equal(storage_bytes(touch.tensor),
-                                                           touch.snapshot)
+                if touch.snapshot is None:
+                    touch.changed_in_segment = touch.tensor._version != touch.version
+                else:
+                    touch.changed_in_segment = not torch.equal(storage_bytes(touch.tensor),
+                                                               touch.snapshot)
 
 
 _FSDP_PARAMETERS: dict[int, Any] = {}  # id -> weakref of each FSDP2 unsharded parameter
@@ -195,8 +206,13 @@ def observe_window(mode: DiscoveryMode, log: RegionLog) -> list[Observation]:
     out = []
     with torch.no_grad():
         for key, touch in mode.touched.items():
-            live = storage_bytes(touch.tensor)
             entries = log.since(key, touch.mark)
+            if touch.snapshot is None:
+                changed = bool(entries) or touch.tensor._version != touch.version
+                out.append(Observation(touch, changed, False, sum(e.nbytes for e in entries)))
+                log.release(key)
+                continue
+            live = storage_bytes(touch.tensor)
             # A write the probe saw is a write, whatever its bytes (a zero point recomputed
             # to the same value, an embedding row renormalized only later): the segment
             # writes it, or the window does.

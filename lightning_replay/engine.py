@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
@@ -35,10 +36,12 @@ from lightning_replay.contract import OPTIONS, ReplayContract, StateEntry
 from lightning_replay.costs import CostMeter, dispatch_overhead
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.errors import ContractViolation, ReplayConfigError, ReplayError
+from lightning_replay.planner import InfeasibleBudget
 from lightning_replay.preservation import CaptureMode, RegionLog, redo, undo
 from lightning_replay.records import RecordStore
 from lightning_replay.segments import SegmentSpec, resolve_segments
 from lightning_replay.guards import Guard
+from lightning_replay.memory import StepPeak, live_model_bytes, profiler_busy
 from lightning_replay.slots import (MODULE_INTERNALS, OutsideReads, capture_generators,
                                     capture_outside, capture_slots, is_scalar,
                                     restore_generators, restore_slots, same_value,
@@ -104,10 +107,12 @@ def _root_class(cls: type) -> type:
             return cls.forward(self, *args, **kwargs)
         eng._explicit_windows += 1
         eng.begin_window(continuation=not torch.is_grad_enabled())
+        out = None
         try:
-            return cls.forward(self, *args, **kwargs)
+            out = cls.forward(self, *args, **kwargs)
+            return out
         finally:
-            eng.end_forward()
+            eng.end_forward(out)
 
     new = type(cls.__name__, (cls,), {"forward": forward,
                                       "__reduce_ex__": _plain_reduce(cls, lambda: new),
@@ -151,7 +156,7 @@ class _Invocation:
     """
 
     __slots__ = ("rt", "version", "option", "step", "checked", "tensors", "prs", "versions",
-                 "whole", "metas", "regions", "gens", "slots", "digests", "preserved_bytes", "replays",
+                 "whole", "metas", "storages", "regions", "gens", "slots", "digests", "preserved_bytes", "replays",
                  "done", "_token", "held", "t_prep", "sandbox_keys", "subs", "kept", "outside",
                  "replaying", "__weakref__")
 
@@ -170,6 +175,7 @@ class _Invocation:
         self.versions: list[int] = []
         self.whole: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.metas: list[tuple] = []  # each whole snapshot's offset, shape and stride
+        self.storages: list[tuple] = []  # (tensor, storage, offset, shape, stride) at forward
         self.regions: list[tuple[Any, int]] = []
         self.sandbox_keys: list = []
         self.subs: dict[int, torch.Tensor] = {}  # input leaf -> its bytes at forward
@@ -189,6 +195,11 @@ class _Invocation:
                 self.tensors.append((b.entry, t))
                 self.prs.append(p)
                 self.versions.append(t._version)
+                if b.entry.kind != "parameter":
+                    # its storage, so that a storage swapped in later (``.data = ...``,
+                    # ``set_``: no write, no version bump) is swapped back for the replay
+                    self.storages.append((t, t.untyped_storage(), t.storage_offset(),
+                                          t.shape, t.stride()))
                 if p in ("regions", "guard") and capturing:
                     key = storage_key(t)
                     if key is not None:
@@ -266,13 +277,18 @@ class _ReplayContext:
                 "(backward with retain_graph=True?). Its preserved state is gone after the first "
                 "replay. Use preservation='retain' for segments whose graph is reused.")
         if eng._sync:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(eng._cuda_device)
         self._t0 = time.perf_counter()
         self._check_versions()
         self._versions = [t._version for _, t in inv.tensors]
         self._stage = 1
         with torch.no_grad():
             self._resized = []
+            for t, st, *meta in inv.storages:
+                if t.untyped_storage().data_ptr() != st.data_ptr():
+                    self._resized.append((t, (t.untyped_storage(), t.storage_offset(),
+                                              t.shape, t.stride())))
+                    t.set_(st, *meta)
             for (t, snap), meta in zip(inv.whole, inv.metas):
                 if t.untyped_storage().nbytes() == snap.numel() and \
                         (t.storage_offset(), t.shape, t.stride()) == meta:
@@ -335,7 +351,7 @@ class _ReplayContext:
                     redo(entries)
                 resized = {id(t) for t, _ in self._resized}
                 _restore_live([(t, snap) for t, snap in inv.whole if id(t) not in resized])
-                for t, live in self._resized:
+                for t, live in reversed(self._resized):
                     t.set_(*live)
         if stage >= 1:
             _reset_versions([t for _, t in inv.tensors], self._versions)
@@ -343,7 +359,7 @@ class _ReplayContext:
             eng = inv.rt.engine
             if eng.measure_costs and stage >= 4 and (eng._sync or not eng._cuda):
                 if eng._sync:
-                    torch.cuda.synchronize()
+                    torch.cuda.synchronize(eng._cuda_device)
                 eng._record_replay_time(inv, time.perf_counter() - self._t0)
         return False
 
@@ -527,7 +543,8 @@ class SegmentRuntime:
         leaves = tensor_leaves((args, kwargs))
         leaf_keys = [storage_key(t) for t in leaves]
         input_keys = {k for k in leaf_keys if k}
-        mode = DiscoveryMode(eng.log, input_keys)
+        params = {k for k in (storage_key(p) for p in eng.model.parameters()) if k is not None}
+        mode = DiscoveryMode(eng.log, input_keys, params - input_keys)
         slots = capture_slots(self.modules)
         # State the dispatch mode may never see read (host reads such as .tolist(), reads
         # after a warm-up) is watched all the same: every buffer and tensor attribute.
@@ -781,7 +798,7 @@ class SegmentRuntime:
         as checkpoint gets them and their tree spec."""
         eng = self.engine
         if eng._sync:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(eng._cuda_device)
         t0 = time.perf_counter()
         inv = _Invocation(self, check_bytes)
         flat, spec = tree_flatten((args, kwargs))
@@ -818,7 +835,7 @@ class SegmentRuntime:
                     if key is not None:
                         inv.held.append(key)
         if eng._sync:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(eng._cuda_device)
         inv.t_prep = time.perf_counter() - t0
         return inv, call, spec
 
@@ -1340,6 +1357,14 @@ class ReplayEngine:
         self._pending_probes: set[SegmentRuntime] = set()
         self._held_bytes = 0
         self._replays_this_step = 0
+        self._truth: StepPeak | None = None  # measuring a step's real peak (CPU)
+        self._truth_pending = False
+        self._truth_peak: int | None = None
+        self._truth_hook: Any = None
+        self._truth_rounds = 0
+        self._optimizers: list[Any] = []
+        self._residual = 0  # bytes a measured step held beyond the accountant's figures
+        self.last_real_peak: tuple[int, int] | None = None  # (step, bytes) last measured
         self._window_depth = 0
         self._explicit_windows = 0  # root or manual windows opened so far
         self._segment_depth = 0  # > 0 inside a segment's forward or replay
@@ -1409,8 +1434,10 @@ class ReplayEngine:
     @property
     def base_memory(self) -> int:
         """Bytes outside the segments: parameters, buffers and their gradients, tensors saved
-        for backward outside segments (measured), plus ``base_memory`` given to install."""
-        return self._static_bytes() + self._base_saved
+        for backward outside segments (measured), ``base_memory`` given to install, and what a
+        measured step held beyond all of the accountant's figures (backward temporaries,
+        optimizer state; see :mod:`lightning_replay.memory`)."""
+        return self._static_bytes() + self._base_saved + self._residual
 
     def _static_bytes(self) -> int:
         """Parameters, buffers, gradients and the caller's extra base: held all step."""
@@ -1457,19 +1484,29 @@ class ReplayEngine:
         ``loss.backward()``, in ``on_train_batch_end``), the step just trained.
 
         Keys as :meth:`step_stats`, plus ``checked`` (the segments derivative-checked in this
-        window) and ``accounted_peak_bytes``: the accountant's peak in the planner's terms (parameters, buffers, gradients, the extra base, and everything saved,
-        snapshotted or re-materialized so far). ``peak_bytes`` is the CUDA allocator's peak
-        since the window began on GPU, and the accounted peak on CPU; the accounted figures are
-        None when memory tracking is off.
+        window), ``accounted_peak_bytes``: the accountant's peak in the planner's terms
+        (parameters, buffers, gradients, the extra base, and everything saved, snapshotted or
+        re-materialized so far), and, side by side, ``predicted_peak_bytes`` (the plan's
+        prediction of the real peak, None before a plan) and ``real_peak_bytes`` /
+        ``real_peak_step``: the last real peak measured, by the CUDA allocator or, on CPU, by
+        profiler memory events on the first step of each plan (a step's real peak is known
+        once its optimizer step has run, so on CPU it lags). ``peak_bytes`` is the CUDA
+        allocator's peak since the window began on GPU, and the accounted peak on CPU; the
+        accounted figures are None when memory tracking is off. Nothing here synchronizes the
+        device.
         """
         acct = self.accountant
         accounted = self._static_bytes() + acct.peak if acct is not None else None
         peak = accounted
+        real = self.last_real_peak
         if self._cuda:
-            dev = next(p.device for p in self.model.parameters() if p.is_cuda)
-            torch.cuda.synchronize(dev)
-            peak = int(torch.cuda.max_memory_allocated(dev))
+            # the caching allocator's counters are host-side: no synchronization needed
+            peak = int(torch.cuda.max_memory_allocated(self._cuda_device))
+            real = (self.step, peak)
         return {"step": self.step, "peak_bytes": peak, "accounted_peak_bytes": accounted,
+                "predicted_peak_bytes": self.plan.peak_memory if self.plan else None,
+                "real_peak_bytes": real[1] if real else None,
+                "real_peak_step": real[0] if real else None,
                 "checked": sorted(self._checked) if self._check_grad else [],
                 "replays": self._replays_this_step,
                 "preserved_bytes": sum(rt.last_preserved_bytes for rt in self.runtimes.values()),
@@ -1528,8 +1565,13 @@ class ReplayEngine:
         return p
 
     def _apply_plan(self, p: _planner.Plan) -> None:
+        if self.plan is not None and p.choices == self.plan.choices:
+            self.plan = p  # same choices: no new plan version, no re-plan record
+            return
         self.set_options(p.choices)
         self.plan = p
+        if self.measure_costs and not self._cuda and self._truth_rounds < 3:
+            self._truth_pending = True  # measure the real peak of the plan's first step
         self.plan_version += 1
         self.records.append(step=self.step, segment="*", contract_version=self.plan_version,
                             check="plan", outcome="match",
@@ -1620,7 +1662,7 @@ class ReplayEngine:
         if self._window_depth > 1:
             return
         if continuation and self.step > 0:
-            if self._needs_capture:
+            if self._needs_capture or self.log.armed:
                 self._capture = CaptureMode(self.log)
                 self._capture.__enter__()
                 self._capturing = True
@@ -1630,7 +1672,12 @@ class ReplayEngine:
         self._replays_last_step = self._replays_this_step
         self._last_step = self.step
         self._preserved_last_step = sum(rt.last_preserved_bytes for rt in self.runtimes.values())
+        self._settle_real_peak()
         self._maybe_plan()
+        if self._truth_pending and self.accountant is not None and not profiler_busy():
+            self._truth_pending = False
+            self._truth_rounds += 1
+            self._start_truth()
         self.step += 1
         self._replays_this_step = 0
         chk, self._check_next = self._check_next, None
@@ -1641,7 +1688,7 @@ class ReplayEngine:
         self._sync = self._cuda and bool(self._calibration)
         acct = self.accountant
         if self._cuda:  # each window's allocator peak is its own
-            dev = next(p.device for p in self.model.parameters() if p.is_cuda)
+            dev = self._cuda_device
             self._last_cuda_peak = torch.cuda.max_memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
         if acct is not None:
@@ -1651,12 +1698,14 @@ class ReplayEngine:
             acct.reset_peak()
             self._acct_hooks = acct.saved_tensors_hooks()
             self._acct_hooks.__enter__()
-        if self._needs_capture:
+        # pending invocations armed under an earlier plan still need their writes logged
+        if self._needs_capture or self.log.armed:
             self._capture = CaptureMode(self.log)
             self._capture.__enter__()
             self._capturing = True
 
-    def end_forward(self) -> None:
+    def end_forward(self, outputs: Any = None) -> None:
+        """Close the window's forward part (``outputs``: the step's outputs, unused today)."""
         if self._window_depth == 0:
             return
         self._window_depth -= 1
@@ -1711,6 +1760,69 @@ class ReplayEngine:
             self._suspended = prev
 
     # ---------------------------------------------------------------- internal
+    def _settle_real_peak(self) -> None:
+        """After a measured step (CPU) or any planned step (CUDA): fold what the step held
+        beyond the accountant's figures into the base, and re-plan if the plan no longer
+        fits the budget."""
+        acct = self.accountant
+        if acct is None or self.plan is None:
+            return
+        accounted = self._static_bytes() + acct.peak
+        if self._truth is not None:
+            self._stop_truth(self._truth)
+        if self._truth_peak is not None:
+            real, self._truth_peak = self._truth_peak, None
+        elif self._cuda and self._cuda_device is not None and self._last_step:
+            real = int(torch.cuda.max_memory_allocated(self._cuda_device))
+        else:
+            return
+        self.last_real_peak = (self._last_step, real)
+        residual = max(0, real - accounted)
+        if residual <= self._residual:
+            return
+        self._residual = residual
+        try:
+            self.replan()  # same choices: only the predictions change (no new version)
+        except InfeasibleBudget as exc:
+            self._residual_warning(exc)
+
+    def _start_truth(self) -> None:
+        self._truth = StepPeak(self.model)
+        self._truth.start()
+        # Stop right after the step's optimizer step (its temporaries and state included),
+        # so the profiler does not span the caller's code between steps; else when the next
+        # window begins. Not from inside backward: autograd restores the thread's profiler
+        # state after its callbacks.
+        truth = self._truth
+        self._truth_hook = register_optimizer_step_post_hook(
+            lambda *_: self._stop_truth(truth))
+
+    def _stop_truth(self, truth: StepPeak) -> None:
+        if self._truth is truth:
+            self._truth = None
+            if self._truth_hook is not None:
+                self._truth_hook.remove()
+                self._truth_hook = None
+            self._truth_peak = truth.stop() + self._optimizer_bytes()
+
+    def track_optimizer(self, *optimizers: Any) -> None:
+        """Count these optimizers' state in the base memory the plan is made with."""
+        self._optimizers = list(optimizers)
+
+    @property
+    def tracked_optimizers(self) -> list[Any]:
+        return list(self._optimizers)
+
+    def _optimizer_bytes(self) -> int:
+        return live_model_bytes(nn.Module(), self._optimizers) if self._optimizers else 0
+
+    def _residual_warning(self, exc: Exception) -> None:
+        warnings.warn(
+            f"the budget ({format_bytes(self.budget)}) cannot hold the measured step: it held "
+            f"{format_bytes(self._residual)} outside what the engine accounts (backward "
+            f"temporaries, optimizer state), and no plan fits with that ({exc}). Raise the "
+            "budget; the current plan stays.", RuntimeWarning, stacklevel=3)
+
     def _maybe_plan(self) -> None:
         """Between windows: calibrate each option for a few steps, then plan."""
         if not self.measure_costs or self._pending_probes or any(

@@ -102,10 +102,32 @@ def same_value(a: Any, b: Any) -> bool:
     return False
 
 
+def is_holder(v: Any) -> bool:
+    """A plain Python object with attributes of its own (not a module, tensor, generator,
+    class, function or Python module): a config namespace, a dataclass, a state holder."""
+    if isinstance(v, (nn.Module, torch.Tensor, torch.Generator, type)) or callable(v):
+        return False
+    d = getattr(v, "__dict__", None)
+    return type(d) is dict and type(v).__module__ not in ("builtins", "types.ModuleType") \
+        and not isinstance(v, type(math))
+
+
+def _holder_values(v: Any) -> dict:
+    d = v.__dict__
+    out = d.copy()
+    for k, x in d.items():
+        if type(x) in (list, dict, set):
+            c = copy_plain(x)
+            if c is not MISSING:
+                out[k] = c
+    return out
+
+
 class ModuleSlots:
     """One module's slots at one moment: parameter, buffer and attribute objects."""
 
-    __slots__ = ("module", "params", "buffers", "attrs", "copies", "layout")
+    __slots__ = ("module", "params", "buffers", "attrs", "copies", "layout", "dicts",
+                 "holders")
 
     def __init__(self, module: nn.Module) -> None:
         d = module.__dict__
@@ -124,16 +146,30 @@ class ModuleSlots:
                     with torch.no_grad():
                         layout[(which, k)] = (v._version, v.detach().clone())
         self.layout = layout
-        copies = None
+        copies = dicts = holders = None
         for k, v in self.attrs.items():
+            if k in MODULE_INTERNALS:
+                continue
             t = type(v)
-            if (t is list or t is dict or t is set) and k not in MODULE_INTERNALS:
+            if t is list or t is dict or t is set:
                 c = copy_plain(v)
                 if c is not MISSING:
                     if copies is None:
                         copies = {}
                     copies[k] = c
+                elif t is dict:  # holds tensors or objects: which object each key held
+                    if dicts is None:
+                        dicts = {}
+                    dicts[k] = dict(v)
+            elif is_holder(v):
+                # a plain object the module holds (a config shared with the root...): the
+                # values of its attributes at forward
+                if holders is None:
+                    holders = []
+                holders.append((v, _holder_values(v)))
         self.copies = copies
+        self.dicts = dicts
+        self.holders = holders
 
 
 def capture_slots(modules: list[nn.Module]) -> list[ModuleSlots]:
@@ -188,6 +224,20 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
             prev = _swap_dict(live, saved, skip, copies, frozen)
             if prev:
                 out.append((live, prev))
+        if s.dicts:
+            for k, saved in s.dicts.items():
+                cur = d.get(k, MISSING)
+                if type(cur) is dict and (cur.keys() != saved.keys() or any(
+                        cur[x] is not y and not same_value(cur[x], y)
+                        for x, y in saved.items())):
+                    out.append((d, {k: cur}))
+                    d[k] = dict(saved)  # the objects each key held at forward
+        if s.holders:
+            for obj, saved in s.holders:
+                hd = obj.__dict__
+                prev = _swap_dict(hd, saved)
+                if prev:
+                    out.append((hd, prev))
     return out
 
 
@@ -206,7 +256,12 @@ def slot_generators(slots: list[ModuleSlots]) -> list[torch.Generator]:
     out: list[torch.Generator] = []
     seen: set[int] = set()
     for s in slots:
-        for k, v in s.attrs.items():
+        values = list(s.attrs.items())
+        if s.dicts:
+            values += [(k, tuple(v.values())) for k, v in s.dicts.items()]
+        if s.holders:
+            values += [(f"holder{i}", tuple(v.values())) for i, (_, v) in enumerate(s.holders)]
+        for k, v in values:
             if isinstance(v, torch.Generator):
                 vals = (v,)
             elif type(v) in (list, tuple) and k not in MODULE_INTERNALS:
@@ -253,6 +308,12 @@ def slot_tensors(slots: list[ModuleSlots]) -> list[tuple[str, torch.Tensor]]:
             elif type(v) in (tuple, list):
                 items.extend((f"{k}[{j}]", x) for j, x in enumerate(v)
                              if isinstance(x, torch.Tensor))
+        for k, v in (s.dicts or {}).items():
+            items.extend((f"{k}[{j!r}]", x) for j, x in v.items()
+                         if isinstance(x, torch.Tensor))
+        for j, (_, v) in enumerate(s.holders or ()):
+            items.extend((f"holder{j}.{k}", x) for k, x in v.items()
+                         if isinstance(x, torch.Tensor))
         for k, v in items:
             if v is not None and id(v) not in seen:
                 seen.add(id(v))

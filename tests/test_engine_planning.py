@@ -215,6 +215,9 @@ def test_checks_under_a_budget_stay_within_it_and_rotate():
     m, make = _sparse()
     e = lr.install(m, m.segments, budget=10**12)
     train_steps(m, make, STEPS_TO_PLAN)
+    e.replan(budget=min_feasible_budget(e.costs, e.base_memory))
+    # the engine measures the new plan's first step (real peak, folded into the base)
+    train_steps(m, make, 3)
     lo = min_feasible_budget(e.costs, e.base_memory)
     e.replan(budget=lo)
     replayed = [n for n, o in e.plan.choices.items() if o != "retain"]

@@ -640,8 +640,6 @@ class ConfigAnnealer(Stack):
         self.cfg.sharpness += 0.5
 
 
-@pytest.mark.xfail(strict=True, reason="an attribute of a plain (non-module) object held by the "
-                   "segment is neither guarded nor restored: the replay reads the annealed value")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_plain_config_object_annealed_between_forward_and_backward(preservation):
     assert_exact(ConfigAnnealer, SEGS2, preservation)
@@ -666,8 +664,6 @@ class DictRebind(Stack):
             b.store["mem"] = torch.cat([h.detach()[:2], b.store["mem"][:-2]])
 
 
-@pytest.mark.xfail(strict=True, reason="a tensor held in a dict attribute and rebound in the dict "
-                   "is not a slot: not captured, not guarded, the replay reads the new tensor")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_tensor_in_a_dict_attribute_rebound_after_the_segment(preservation):
     factory = lambda: DictRebind([DictMemory(), DictMemory()])  # noqa: E731
@@ -698,8 +694,6 @@ class HolderRebind(Stack):
             b.state.centroids = 0.9 * b.state.centroids + 0.1 * h.detach().mean(0)
 
 
-@pytest.mark.xfail(strict=True, reason="a tensor attribute of a plain Python object held by the "
-                   "segment is rebound after the forward; the replay reads the new tensor")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_tensor_in_a_plain_holder_object_rebound_after_the_segment(preservation):
     factory = lambda: HolderRebind([HolderReader(), HolderReader()])  # noqa: E731
@@ -724,9 +718,6 @@ class DictGenerators(nn.Module):
         return x + torch.tanh(h)
 
 
-@pytest.mark.xfail(strict=True, reason="a generator in a dict attribute first drawn after the "
-                   "probe (switched on by a buffer's value) is not captured: the replay draws "
-                   "the generator's next numbers")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_generator_in_a_dict_first_drawn_after_the_probe(preservation):
     factory = lambda: Stack([DictGenerators(3), DictGenerators(4)])  # noqa: E731
@@ -818,9 +809,6 @@ class DataRebound(Stack):
                 b.scale.data = b.scale.detach() * 0.9 + 0.1 * h.detach().mean(0)
 
 
-@pytest.mark.xfail(strict=True, reason="a buffer's storage swapped through .data after the probe "
-                   "(same object, no version bump, no aten write) escapes the guard and the "
-                   "region log: the replay reads the new storage")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_buffer_storage_replaced_through_data_after_a_warmup(preservation):
     factory = lambda: DataRebound([ScaleReader(), ScaleReader()])  # noqa: E731
@@ -979,9 +967,6 @@ def _two_forwards_one_backward(model, x, engine, step):
     (a.pow(2).mean() + b.pow(2).mean()).backward()
 
 
-@pytest.mark.xfail(strict=True, reason="a forward under 'regions' waits for backward; set_options "
-                   "to whole/retain turns the window capture off, so the next forward's write is "
-                   "not logged and the waiting replay raises ContractViolation")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_set_options_while_an_invocation_waits_for_backward(preservation):
     factory = lambda: InPlaceEnqueue([QueueNorm(), QueueNorm()])  # noqa: E731

@@ -400,12 +400,16 @@ class ReplayStrategy(DDPStrategy):
             return super().training_step(*args, **kwargs)
         # The engine may plan as the window begins (after calibration); agree on rank 0's
         # plan before any segment runs, so every rank runs the same plan in this very window.
+        if self.optimizers and not engine.tracked_optimizers:
+            engine.track_optimizer(*self.optimizers)  # their state is part of the base
         engine.begin_window()
+        out = None
         try:
             self._sync_plan()
-            return super().training_step(*args, **kwargs)
+            out = super().training_step(*args, **kwargs)
+            return out
         finally:
-            engine.end_forward()
+            engine.end_forward(out)
 
     @override
     def teardown(self) -> None:

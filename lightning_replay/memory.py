@@ -1,0 +1,103 @@
+"""The real peak memory of a training step, measured by a referee outside the accountant.
+
+The accountant (:mod:`lightning_replay.accounting`) counts what the cost model talks about:
+saved tensors, snapshots, re-materialized activations. A step holds more: backward's gradient
+temporaries, kernel workspaces, the loss's intermediates, optimizer state. A budget is a promise
+about the process's memory, so the planner's base must include them: :class:`StepPeak` measures
+the real peak of one whole step (forward, backward, optimizer) and the engine adds what the
+accountant did not see to the base.
+
+* CPU: ``torch.profiler`` memory events (every allocation and free of the CPU allocator); the
+  peak is the tensors live when the step starts (parameters, buffers, gradients, optimizer state)
+  plus the highest running sum of the step's net allocations.
+* CUDA: the caching allocator's own peak (``max_memory_allocated``) on the model's device.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_replay.state import storage_key
+
+
+def live_model_bytes(model: nn.Module, optimizers: list[Any] = ()) -> int:
+    """Bytes of the parameters, buffers, gradients and optimizer state live right now, each
+    storage once."""
+    seen: dict = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            key = storage_key(t)
+            if key is not None:
+                seen[key] = t.untyped_storage().nbytes()
+
+    for t in list(model.parameters()) + list(model.buffers()):
+        add(t)
+        add(t.grad)
+    for opt in optimizers:
+        for state in getattr(opt, "state", {}).values():
+            for v in state.values():
+                add(v)
+    return sum(seen.values())
+
+
+def profiler_busy() -> bool:
+    """Whether a profiler is already running in this process (then we measure nothing)."""
+    try:
+        return bool(torch.autograd.profiler._is_profiler_enabled)
+    except AttributeError:  # pragma: no cover - older torch
+        return False
+
+
+class StepPeak:
+    """Measures the real peak of the step between :meth:`start` and :meth:`stop`.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(256, 256)
+        >>> meter = StepPeak(m)
+        >>> meter.start()
+        >>> m(torch.randn(64, 256)).sum().backward()
+        >>> peak = meter.stop()
+        >>> peak >= 2 * 256 * 256 * 4  # weights and their gradient at least
+        True
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | None = None) -> None:
+        self.model = model
+        self.device = device
+        self._prof: Any = None
+        self._base = 0
+
+    def start(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self._base = live_model_bytes(self.model)
+        # kineto's own log lines (a CUDA build probing for GPUs) are noise to the user
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                            profile_memory=True)
+        self._prof.__enter__()
+
+    def stop(self) -> int:
+        if self.device is not None and self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        return self._base + net_peak(prof)
+
+
+def net_peak(prof: Any) -> int:
+    """Highest running sum of the CPU allocations and frees a profiler saw."""
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())
+    run = peak = 0
+    for e in events:
+        run += e.nbytes()
+        peak = max(peak, run)
+    return peak
