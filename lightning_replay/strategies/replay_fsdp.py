@@ -330,14 +330,14 @@ def _fsdp_units(model: nn.Module, segments: list[str]) -> dict[str, str]:
             "strategy='replay'.")
     out = {}
     for seg in segments:
-        inner = sorted(u for u in units if u.startswith(seg + ".") or (seg == "" and u))
+        inner = sorted(u for u in units if u.startswith(seg + "."))
         if inner:
             raise SegmentError(
                 f"segment {seg!r} crosses FSDP units: it contains the unit(s) {inner}. Its "
                 "replay in backward would need their parameters gathered, which FSDP does only "
                 "around each unit's own forward and backward. Replay each unit instead "
                 f"(segments={inner!r}), or shard {seg!r} as one unit.")
-        owner = [u for u in units if u == seg or u == "" or seg.startswith(u + ".")]
+        owner = [u for u in units if u in (seg, "") or seg.startswith(u + ".")]
         if not owner:
             raise SegmentError(
                 f"segment {seg!r} lies in no FSDP unit: nothing gathers or reduces its "
