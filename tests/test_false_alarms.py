@@ -591,6 +591,23 @@ class SelfGrowingBlock(nn.Module):
         return x + torch.tanh(self.fc(x) - self.seen.mean(0))
 
 
+class RebindQueueMoCo(DataQueueMoCo):
+    """As above, but the step rebinds the queue buffer to a new tensor (``torch.cat``)."""
+
+    def after(self, h):
+        self.queue = torch.cat([F.normalize(h.detach(), dim=1), self.queue])[:self.queue.shape[0]]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 13: a buffer of a module outside the segment "
+                   "rebound after the segment: the probe saw the old storage unchanged "
+                   "(contract 'recompute') and the replay reads the new tensor: silent wrong "
+                   "gradients")
+@pytest.mark.parametrize("preservation", PRESERVATIONS)
+def test_buffer_of_outside_module_rebound_after_segment(preservation):
+    engine = _replays_exactly(RebindQueueMoCo, _names(2), preservation=preservation)
+    assert all(_replayed(engine, n) >= 4 for n in _names(2))
+
+
 @pytest.mark.xfail(strict=True, reason="issue 13: discovery keys state by storage (Touch.tensor = t.detach()); a buffer that gets a new storage in the window (resize_ growth, set_, .data =) leaves the contract on the dead storage (external[i]) and the live buffer unprotected: silent wrong gradients")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_buffer_grown_with_resize_after_segment(preservation):

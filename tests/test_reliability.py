@@ -14,7 +14,8 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+import torch.nn.functional as F
 from torch import nn
 
 import lightning_replay as lr
@@ -139,10 +140,54 @@ class _DirectReader(nn.Module):
         return x + torch.softmax(self.fc(x) @ q.t(), dim=1) @ q
 
 
-class RandomStack(nn.Module):
-    KINDS = ("mlp", "bn", "counter", "noise", "flag", "queue", "direct")
+class _LateWriter(nn.Module):
+    """Behaviour that starts after the probe step: from its third call on, a write-then-read
+    buffer update."""
 
-    def __init__(self, kinds, dim, rows, write):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.register_buffer("shift", torch.zeros(dim))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 2:
+            self.shift.add_(0.1 * x.detach().mean(0))
+        return x + torch.tanh(self.fc(x) - self.shift)
+
+
+class _InplaceInput(nn.Module):
+    """An in-place op on the segment's own input, first thing in the forward."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        x = F.leaky_relu_(x, 0.1)
+        return x + torch.tanh(self.fc(x))
+
+
+class _TupleState(nn.Module):
+    """Tuple state set in ``__init__`` and rebound (detached) by every forward."""
+
+    def __init__(self, dim, batch):
+        super().__init__()
+        self.cell = nn.GRUCell(dim, dim)
+        self.state = (torch.zeros(batch, dim), torch.ones(dim))
+
+    def forward(self, x):
+        h = self.cell(x, self.state[0]) * self.state[1]
+        self.state = (h.detach(), self.state[1] * 0.9)
+        return x + h
+
+
+class RandomStack(nn.Module):
+    KINDS = ("mlp", "bn", "counter", "noise", "flag", "queue", "direct", "late", "inplace",
+             "tuple")
+
+    def __init__(self, kinds, dim, rows, write, batch=4):
         super().__init__()
         self.store = _SharedQueue(rows, dim)
         blocks = []
@@ -159,6 +204,12 @@ class RandomStack(nn.Module):
                 blocks.append(hz.FlagBlock(dim))
             elif k == "direct":
                 blocks.append(_DirectReader(self, dim))
+            elif k == "late":
+                blocks.append(_LateWriter(dim))
+            elif k == "inplace":
+                blocks.append(_InplaceInput(dim))
+            elif k == "tuple":
+                blocks.append(_TupleState(dim, batch))
             else:
                 blocks.append(hz.QueueReader(self, "store.queue", dim))
         self.blocks = nn.ModuleList(blocks)
@@ -175,21 +226,29 @@ class RandomStack(nn.Module):
             self.store.queue[:2] = x.detach()[:2]
         elif self.write == "all":
             self.store.queue.mul_(0.5)
+        elif self.write == "rebind":  # a new tensor, not an in-place write
+            self.store.queue = torch.cat([x.detach()[:1], self.store.queue[:-1]])
         return self.head(x)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kinds=st.lists(st.sampled_from(RandomStack.KINDS), min_size=1, max_size=4),
        dim=st.sampled_from([4, 8, 12]), batch=st.integers(2, 6),
-       rows=st.integers(3, 16), write=st.sampled_from(["rows", "slice", "all", "none"]),
+       rows=st.integers(3, 16),
+       write=st.sampled_from(["rows", "slice", "all", "rebind", "none"]),
        preservation=st.sampled_from(["auto", "whole", "regions"]),
        checked=st.booleans(), seed=st.integers(0, 2**16))
 def test_random_hazard_stacks_replay_exactly(kinds, dim, batch, rows, write, preservation,
                                              checked, seed):
     """Exact gradients and state, with or without derivative checks on every step; or, for a
-    model plain PyTorch rejects (a block saves the queue and the step writes it), an error."""
+    model plain PyTorch rejects (a block saves the queue and the step writes it), an error.
+    Blocks include behaviour that starts after the probe step, in-place ops on the segment's
+    input and tuple state; the step's queue write may rebind the buffer instead."""
+    # a queue rebound after a block read it: known silent failure, see
+    # tests/test_false_alarms.py::test_buffer_of_outside_module_rebound_after_segment (xfail)
+    assume(not (write == "rebind" and {"queue", "direct"} & set(kinds)))
     torch.manual_seed(seed)
-    base = RandomStack(kinds, dim, rows, write)
+    base = RandomStack(kinds, dim, rows, write, batch)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     make = lambda s: torch.randn(batch, dim, generator=torch.Generator().manual_seed(seed + s))
     engine = lr.install(model, [f"blocks.{i}" for i in range(len(kinds))],
