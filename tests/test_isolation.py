@@ -37,6 +37,17 @@ def test_restores_torch_switches_environment_and_sys_path():
     assert "/nowhere" not in sys.path
 
 
+def test_lightning_deterministic_trainer_does_not_outlive_the_test(tmp_path):
+    import lightning as L
+
+    with isolated_globals(BASELINE):
+        L.Trainer(deterministic=True, accelerator="cpu", logger=False,
+                  default_root_dir=str(tmp_path))
+        assert torch.are_deterministic_algorithms_enabled()  # Lightning turned it on for good
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch_switches() == BASELINE
+
+
 def test_wandb_reads_the_mode_afresh_after_an_offline_run(tmp_path, monkeypatch):
     """wandb keeps the settings of its first run process-wide: without the reset, a
     ``disabled`` run after an ``offline`` one writes an offline run into the cwd."""
