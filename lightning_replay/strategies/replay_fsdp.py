@@ -243,13 +243,18 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         engine = self.engine
         if engine is None or not engine.installed:
             return super().training_step(*args, **kwargs)
-        # The plan may be made as the window begins: agree on rank 0's before any segment runs.
+        # As ReplayStrategy: optimizer state is part of the base; the plan may be made as the
+        # window begins, so agree on rank 0's before any segment runs.
+        if self.optimizers and not engine.tracked_optimizers:
+            engine.track_optimizer(*self.optimizers)
         engine.begin_window()
+        out = None
         try:
             self._sync_plan()
-            return super().training_step(*args, **kwargs)
+            out = super().training_step(*args, **kwargs)
+            return out
         finally:
-            engine.end_forward()
+            engine.end_forward(out)
 
     @override
     def teardown(self) -> None:
