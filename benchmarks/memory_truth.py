@@ -76,8 +76,8 @@ def measure(build, opt_cls=torch.optim.SGD, steps: int = 12) -> dict:
 
     opt = opt_cls(plain.parameters(), lr=1e-3)
     plain_peaks = [run(plain, s, opt) for s in range(3)]
-    engine = lr.install(model, segs, budget="min")
-    opt = opt_cls(model.parameters(), lr=1e-3)
+    engine = lr.install(model, segs, budget="min", real_peak=True)
+    engine.track_optimizer(opt := opt_cls(model.parameters(), lr=1e-3))
     peaks, predicted = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

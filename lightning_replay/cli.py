@@ -6,6 +6,8 @@ Commands:
   any ``--trainer.*``, ``--model.*``, ``--data.*`` override; the model and data default to the
   dense-queue application, and ``class_path`` selects others such as the sparse-write workload).
 * ``study`` — the seven-method comparison a config's ``study:`` section describes.
+* ``doctor`` — what checkpointing does to a config's model, measured on copies
+  (:func:`lightning_replay.diagnose`); writes ``doctor.json`` and ``doctor.html``.
 * ``report RUN_DIR`` — an HTML report with plots of a study or a ``fit`` run.
 * ``records RUN_DIR`` — query the execution records (SQLite) of a study or a ``fit`` run.
 
@@ -193,6 +195,122 @@ def run_study_command(argv: Sequence[str]) -> int:
     return 0 if result.identical else 1
 
 
+# ------------------------------------------------------------------------------ doctor
+_DOCTOR_HELP = """Diagnose what activation checkpointing does to the configured model before
+training it: a few training steps on copies of the model, with and without torch.utils.checkpoint
+(or the model's own checkpointing) on the segments, compared bit for bit, and what
+strategy='replay' would preserve instead. The trainer/model/data sections are those of `fit`
+(segments: the strategy's segments=, else the module's configure_replay_segments(), else its
+largest block list). Prints the table; writes doctor.json and doctor.html into
+trainer.default_root_dir. Example:
+  lightning-replay doctor --config configs/dense_queue_cpu.yaml --steps 2"""
+
+
+def parse_doctor_args(argv: Sequence[str]) -> Any:
+    """The trainer, model and data of a ``fit`` config, instantiated, plus ``--steps``."""
+    import lightning as L
+
+    cli_cls = _cli_class()
+
+    class DoctorCLI(cli_cls):
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            super().add_arguments_to_parser(parser)
+            parser.add_argument("--steps", type=int, default=2,
+                                help="training steps per compared run (default 2)")
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
+        return DoctorCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
+                         subclass_mode_data=True, args=list(argv), run=False,
+                         save_config_callback=None,
+                         parser_kwargs={"prog": "lightning-replay doctor",
+                                        "description": _DOCTOR_HELP,
+                                        "formatter_class": _raw_formatter()})
+
+
+def run_doctor_command(argv: Sequence[str]) -> int:
+    """``lightning-replay doctor --config CONFIG.yaml``: :func:`lightning_replay.diagnose` on
+    the configured LightningModule and the first batches of its training data."""
+    import logging
+
+    import lightning as L
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    from lightning_replay.doctor import diagnose
+    from lightning_replay.errors import ReplayError
+
+    try:
+        cli = parse_doctor_args(argv)
+    except ConfigInstantiationError as exc:
+        print(f"lightning-replay doctor: error: the config parsed, but building the trainer, "
+              f"model or data from it failed:\n{exc}", file=sys.stderr)
+        return 2
+    module, trainer, steps = cli.model, cli.trainer, cli.config["steps"]
+    if not module.automatic_optimization:
+        print(f"lightning-replay doctor: error: {type(module).__name__} uses manual "
+              "optimization (automatic_optimization=False); doctor calls training_step and "
+              "backward itself. Call lightning_replay.diagnose(model, batch_fn, loss_fn) "
+              "with a loss_fn that runs your step's forward.", file=sys.stderr)
+        return 2
+    device = trainer.strategy.root_device
+    module.configure_model()
+    module.to(device)
+    source = cli.datamodule if cli.datamodule is not None else module
+    batches = []
+    try:
+        if cli.datamodule is not None:
+            cli.datamodule.prepare_data()
+            cli.datamodule.setup("fit")
+        for batch in source.train_dataloader():
+            batches.append(move_data_to_device(batch, device))
+            if len(batches) == steps:
+                break
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"lightning-replay doctor: error: loading the training data from "
+              f"{type(source).__name__}.train_dataloader() failed: {type(exc).__name__}: "
+              f"{exc}", file=sys.stderr)
+        return 2
+    if len(batches) < steps:
+        print(f"lightning-replay doctor: error: the training data has {len(batches)} batches; "
+              f"--steps {steps} needs {steps}", file=sys.stderr)
+        return 2
+    # training_step may use self.trainer (world size, epoch) and self.log: a barebones trainer
+    # answers those (and ignores logging) on each copy diagnose trains.
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # the barebones banner is not the user's concern
+    try:
+        bare = L.Trainer(barebones=True, accelerator=device.type, devices=1)
+    finally:
+        lightning_log.setLevel(level)
+
+    def loss_fn(model: Any, batch: Any) -> Any:
+        if model._trainer is None:
+            model.trainer = bare
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*self.log.*barebones.*")
+            out = model.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+
+    spec = getattr(trainer.strategy, "segments_spec", None)
+    if spec is None and callable(getattr(module, "configure_replay_segments", None)):
+        spec = module.configure_replay_segments()
+    try:
+        report = diagnose(module, batches.__getitem__, loss_fn, segments=spec, steps=steps)
+    except (ReplayError, ValueError) as exc:
+        print(f"lightning-replay doctor: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    out = Path(trainer.default_root_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "doctor.json").write_text(json.dumps(report.to_dict(), indent=1))
+    (out / "doctor.html").write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>lightning-replay doctor"
+        "</title></head><body>\n" + report.to_html() + "\n</body></html>\n")
+    print(f"\n{'json':>6}: {out / 'doctor.json'}\n{'html':>6}: {out / 'doctor.html'}")
+    return 0
+
+
 # ------------------------------------------------------------------------------ records
 def _run_labels(run_dir: str) -> dict[str, str]:
     """run id -> "method seed k" for a study directory."""
@@ -312,6 +430,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=what, add_help=False)
     sub.add_parser("study", help="the seven-method comparison from a config "
                                  "(`lightning-replay study --help`)", add_help=False)
+    sub.add_parser("doctor", help="what checkpointing does to the configured model, measured "
+                                  "(`lightning-replay doctor --help`)", add_help=False)
     rp = sub.add_parser("report", help="write RUN_DIR/report.html with plots",
                         description="Write an HTML report with PNG plots (memory per step "
                                     "against the budget, step time, plan per segment over "
@@ -360,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_lightning(argv)
     if argv and argv[0] == "study":
         return run_study_command(argv[1:])
+    if argv and argv[0] == "doctor":
+        return run_doctor_command(argv[1:])
     from lightning_replay.errors import RecordsError
 
     ap = _parser()

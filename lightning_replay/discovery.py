@@ -127,7 +127,7 @@ class DiscoveryMode(TorchDispatchMode):
         with torch.no_grad():
             for touch in self.touched.values():
                 if touch.snapshot is None:
-                    touch.changed_in_segment = touch.tensor._version != touch.version
+                    touch.changed_in_segment = touch.annotated_write
                 else:
                     touch.changed_in_segment = not torch.equal(storage_bytes(touch.tensor),
                                                                touch.snapshot)
@@ -208,7 +208,10 @@ def observe_window(mode: DiscoveryMode, log: RegionLog) -> list[Observation]:
         for key, touch in mode.touched.items():
             entries = log.since(key, touch.mark)
             if touch.snapshot is None:
-                changed = bool(entries) or touch.tensor._version != touch.version
+                # a parameter: its writes in the window are annotated and logged (the optimizer
+                # writes it between steps); a version counter is no help here, as parameters
+                # may be swapped (swap_tensors) with their counters between forward and backward
+                changed = bool(entries) or touch.annotated_write
                 out.append(Observation(touch, changed, False, sum(e.nbytes for e in entries)))
                 log.release(key)
                 continue

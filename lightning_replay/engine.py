@@ -52,6 +52,9 @@ from lightning_replay.state import (StateIndex, StateRef, digest, find_generator
                                     unique_generators)
 
 PRESERVATIONS = ("auto", "whole", "regions", "retain")
+#: The options a per-segment preservation pin leaves the planner (``auto``: all of them).
+PIN_OPTIONS = {"retain": {"retain"}, "whole": {"whole", "recompute"},
+               "regions": {"regions", "recompute"}}
 _KEEP = object()
 ON_VIOLATION = ("raise", "record")
 
@@ -131,6 +134,15 @@ def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
             rv = (_new_plain, (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
         return rv
     return __reduce_ex__
+
+
+def _rank_count() -> int:
+    """Processes in the default group (1 without one). The CPU real-peak measurement runs only
+    in a single process: each rank would measure its own base, and torch's profiler is not
+    safe in forked ranks."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
 
 
 def _rank() -> int:
@@ -583,7 +595,8 @@ class SegmentRuntime:
                 self.status = "probe"
                 raise ReplayConfigError(_mutable_argument_message(self.name, argname, obj))
         probe.activation_bytes = sum(n for k, n in saved.items()
-                                     if k not in mode.touched and k not in input_keys)
+                                     if k not in mode.touched and k not in input_keys
+                                     and k not in mode.parameter_traffic)
         self.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
         self.input_bytes = _unique_bytes(leaves)
         self.probes.append(probe)
@@ -1325,7 +1338,8 @@ class ReplayEngine:
                  preservation: str | Mapping[str, str], on_violation: str,
                  records: RecordStore, window: str, budget: int | None = None,
                  planner: str = "joint", track_memory: bool = False, base_memory: int = 0,
-                 calibration_steps: int = 2, plan_min: bool = False) -> None:
+                 calibration_steps: int = 2, plan_min: bool = False,
+                 real_peak: bool = False) -> None:
         self.model = model
         self.on_violation = on_violation
         self.records = records
@@ -1335,6 +1349,7 @@ class ReplayEngine:
         self.planner = planner
         self.extra_base_memory = base_memory
         self.calibration_steps = calibration_steps
+        self.real_peak = real_peak
         self.plan: _planner.Plan | None = None
         self.plan_version = 0
         self.plan_transform: Callable[[_planner.Plan], _planner.Plan] | None = None
@@ -1433,20 +1448,33 @@ class ReplayEngine:
 
     @property
     def base_memory(self) -> int:
-        """Bytes outside the segments: parameters, buffers and their gradients, tensors saved
-        for backward outside segments (measured), ``base_memory`` given to install, and what a
-        measured step held beyond all of the accountant's figures (backward temporaries,
-        optimizer state; see :mod:`lightning_replay.memory`)."""
-        return self._static_bytes() + self._base_saved + self._residual
+        """Bytes outside the segments in the accountant's terms: parameters, buffers and
+        their gradients, tensors saved for backward outside segments (measured), plus
+        ``base_memory`` given to install. Plans use :attr:`real_base_memory`."""
+        return self._static_bytes() + self._base_saved
+
+    @property
+    def unaccounted_bytes(self) -> int:
+        """What a measured step held beyond all of the accountant's figures (0 until one is
+        measured)."""
+        return self._residual
+
+    @property
+    def real_base_memory(self) -> int:
+        """:attr:`base_memory` plus what a measured step held beyond the accountant's figures
+        (backward temporaries, optimizer state; see :mod:`lightning_replay.memory`): the base
+        plans are made with, so that their predicted peak bounds the real one."""
+        return self.base_memory + self._residual
 
     def _static_bytes(self) -> int:
         """Parameters, buffers, gradients and the caller's extra base: held all step."""
         static: dict = {}
         grads: dict = {}
         for t in list(self.model.parameters()) + list(self.model.buffers()):
-            key = storage_key(t)
+            local = getattr(t, "_local_tensor", t)  # an FSDP2 shard: this rank's bytes
+            key = storage_key(local)
             if key is not None:
-                static[key] = t.untyped_storage().nbytes()
+                static[key] = local.untyped_storage().nbytes()
                 if t.requires_grad:
                     grads[key] = static[key]
         return sum(static.values()) + sum(grads.values()) + self.extra_base_memory
@@ -1541,12 +1569,10 @@ class ReplayEngine:
         if not costs:
             raise ReplayConfigError("replan() needs measured costs: run at least one training "
                                     "step so every segment is probed")
-        pinned = {"retain": {"retain"}, "whole": {"whole", "recompute"},
-                  "regions": {"regions", "recompute"}}
         measured = {c.name for c in costs}
-        allowed = {name: pinned[rt.preservation] for name, rt in self.runtimes.items()
-                   if rt.preservation in pinned and name in measured}
-        base = self.base_memory
+        allowed = {name: PIN_OPTIONS[rt.preservation] for name, rt in self.runtimes.items()
+                   if rt.preservation in PIN_OPTIONS and name in measured}
+        base = self.real_base_memory
         budget_bytes = self.budget
         try:
             if budget_bytes is None:  # the lowest-memory correct plan
@@ -1554,8 +1580,14 @@ class ReplayEngine:
                                                             allowed=allowed)
             p = _planner.plan(costs, budget=budget_bytes, base_memory=base,
                               method=self.planner, allowed=allowed)
-        except _planner.InfeasibleBudget:
-            raise
+        except _planner.InfeasibleBudget as exc:
+            if exc.pins or not allowed:
+                raise
+            # A pinned segment is never calibrated in the options its pin excludes, so the
+            # planner saw no restriction; the pins are still part of why nothing fits.
+            raise _planner.InfeasibleBudget(
+                exc.budget, exc.min_feasible, exc.method, exc.joint_min_feasible,
+                pins={n: tuple(sorted(o)) for n, o in allowed.items()}) from None
         except ValueError as exc:  # a pin that no measured option honours
             pins = {name: self.runtimes[name].preservation for name in allowed}
             raise ReplayConfigError(f"preservation={pins}: {exc}") from None
@@ -1570,7 +1602,7 @@ class ReplayEngine:
             return
         self.set_options(p.choices)
         self.plan = p
-        if self.measure_costs and not self._cuda and self._truth_rounds < 3:
+        if self.measure_costs and self.real_peak and not self._cuda and self._truth_rounds < 3:
             self._truth_pending = True  # measure the real peak of the plan's first step
         self.plan_version += 1
         self.records.append(step=self.step, segment="*", contract_version=self.plan_version,
@@ -1674,10 +1706,11 @@ class ReplayEngine:
         self._preserved_last_step = sum(rt.last_preserved_bytes for rt in self.runtimes.values())
         self._settle_real_peak()
         self._maybe_plan()
-        if self._truth_pending and self.accountant is not None and not profiler_busy():
+        if self._truth_pending and self.accountant is not None:
             self._truth_pending = False
             self._truth_rounds += 1
-            self._start_truth()
+            if not profiler_busy() and _rank_count() == 1:
+                self._start_truth()
         self.step += 1
         self._replays_this_step = 0
         chk, self._check_next = self._check_next, None
@@ -1730,6 +1763,8 @@ class ReplayEngine:
             return
         while self._window_depth:
             self.end_forward()
+        if self._truth is not None:
+            self._stop_truth(self._truth)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -1765,7 +1800,7 @@ class ReplayEngine:
         beyond the accountant's figures into the base, and re-plan if the plan no longer
         fits the budget."""
         acct = self.accountant
-        if acct is None or self.plan is None:
+        if acct is None or self.plan is None or not self.real_peak:
             return
         accounted = self._static_bytes() + acct.peak
         if self._truth is not None:
@@ -1780,20 +1815,31 @@ class ReplayEngine:
         residual = max(0, real - accounted)
         if residual <= self._residual:
             return
-        self._residual = residual
-        try:
-            self.replan()  # same choices: only the predictions change (no new version)
-        except InfeasibleBudget as exc:
-            self._residual_warning(exc)
+        grown, self._residual = residual - self._residual, residual
+        if self.budget is not None and self.plan.peak_memory + grown > self.budget:
+            try:
+                self.replan()  # the plan no longer fits once the real figure is known
+            except InfeasibleBudget as exc:
+                self._residual_warning(exc)
+        else:  # it still fits: only its prediction changes
+            self.plan = dataclasses.replace(self.plan, peak_memory=self.plan.peak_memory + grown,
+                                            base_memory=self.plan.base_memory + grown)
 
     def _start_truth(self) -> None:
-        self._truth = StepPeak(self.model)
-        self._truth.start()
+        truth = StepPeak(self.model)
+        try:
+            truth.start()
+        except RuntimeError as exc:  # another profiler got there first: measure nothing
+            warnings.warn(f"the real peak of step {self.step} was not measured ({exc}); the "
+                          "plan's predictions leave out what the accountant does not count",
+                          RuntimeWarning, stacklevel=3)
+            self._truth_rounds = 3
+            return
+        self._truth = truth
         # Stop right after the step's optimizer step (its temporaries and state included),
         # so the profiler does not span the caller's code between steps; else when the next
         # window begins. Not from inside backward: autograd restores the thread's profiler
         # state after its callbacks.
-        truth = self._truth
         self._truth_hook = register_optimizer_step_post_hook(
             lambda *_: self._stop_truth(truth))
 
@@ -1847,9 +1893,14 @@ class ReplayEngine:
         phase, _, warm = phase.partition(":")
         self._warmup = bool(warm)
         for rt in self.runtimes.values():
-            opts = rt.contract.available_options()
+            # a pinned segment is calibrated only in the options its pin allows
+            opts = [o for o in rt.contract.available_options()
+                    if o in PIN_OPTIONS.get(rt.preservation, OPTIONS)]
             if phase == "replay":
-                rt.set_option("recompute" if "recompute" in opts else "whole")
+                for o in ("recompute", "whole"):
+                    if o in opts:
+                        rt.set_option(o)
+                        break
             elif "regions" in opts:
                 rt.set_option("regions")
         for rt in self.runtimes.values():
@@ -1908,7 +1959,7 @@ class ReplayEngine:
                                          {o: _planner.Option(memory=keep, time=opt.time)})
             costs.append(c)
         return _planner.predicted_peak(costs, {n: self.plan.choices[n] for n in by_name},
-                                       self.base_memory)
+                                       self.real_base_memory)
 
     def _record_replay_time(self, inv: _Invocation, seconds: float) -> None:
         if self._warmup and inv.step == self.step:
@@ -2017,7 +2068,7 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
             records: RecordStore | str | None = None, window: str = "root",
             budget: int | str | None = None, planner: str = "joint",
             track_memory: bool = False, base_memory: int = 0,
-            calibration_steps: int = 2) -> ReplayEngine:
+            calibration_steps: int = 2, real_peak: bool = False) -> ReplayEngine:
     """Make the given submodules of ``model`` replay exactly under activation recomputation.
 
     Args:
@@ -2043,6 +2094,12 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
             budget is set); ``engine.window_stats()["peak_bytes"]`` reports the step's peak.
         base_memory: bytes outside the engine's view (optimizer state) added to the base.
         calibration_steps: steps per option measured before planning.
+        real_peak: plan for the process's real memory, not only the accountant's figures: the
+            first step of each plan is measured (the CUDA allocator; on CPU torch.profiler's
+            memory events, single process only) and what it held beyond the accountant
+            (backward temporaries, optimizer state via ``engine.track_optimizer``) joins the
+            base (:attr:`ReplayEngine.real_base_memory`), so the plan's predicted peak bounds
+            the real one. Off by default in this release.
 
     Returns:
         The :class:`ReplayEngine`; ``engine.uninstall()`` restores the model.
@@ -2088,4 +2145,5 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
                                 f"{type(records).__name__}")
     return ReplayEngine(model, resolved, pres, on_violation, store, window, budget=budget_bytes,
                         planner=planner, track_memory=track_memory, base_memory=base_memory,
-                        calibration_steps=calibration_steps, plan_min=parsed_budget.min)
+                        calibration_steps=calibration_steps, plan_min=parsed_budget.min,
+                        real_peak=bool(real_peak))

@@ -30,6 +30,7 @@ def live_model_bytes(model: nn.Module, optimizers: list[Any] = ()) -> int:
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor):
+            t = getattr(t, "_local_tensor", t)  # an FSDP2 shard: this rank's bytes
             key = storage_key(t)
             if key is not None:
                 seen[key] = t.untyped_storage().nbytes()

@@ -242,7 +242,7 @@ def test_install_resolves_a_fraction_against_the_models_device() -> None:
     assert engine.budget == engine.plan.budget == physical // 4
     engine.replan(budget="min")
     assert engine.budget is None
-    assert engine.plan.peak_memory == min_feasible_budget(engine.costs, engine.base_memory)
+    assert engine.plan.peak_memory == min_feasible_budget(engine.costs, engine.real_base_memory)
     engine.uninstall()
     with pytest.raises(lr.ReplayConfigError, match=r"budget=0\.5: device 'meta' has no known total memory"):
         lr.install(torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta")), ["0"], budget=0.5)

@@ -215,10 +215,10 @@ def test_checks_under_a_budget_stay_within_it_and_rotate():
     m, make = _sparse()
     e = lr.install(m, m.segments, budget=10**12)
     train_steps(m, make, STEPS_TO_PLAN)
-    e.replan(budget=min_feasible_budget(e.costs, e.base_memory))
+    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory))
     # the engine measures the new plan's first step (real peak, folded into the base)
     train_steps(m, make, 3)
-    lo = min_feasible_budget(e.costs, e.base_memory)
+    lo = min_feasible_budget(e.costs, e.real_base_memory)
     e.replan(budget=lo)
     replayed = [n for n, o in e.plan.choices.items() if o != "retain"]
     by_name = {c.name: c for c in e.costs}
@@ -242,7 +242,7 @@ def test_checks_without_headroom_are_skipped_with_a_warning_and_no_budget_checks
 
     e = lr.install(m, m.segments, budget=10**12)
     train_steps(m, make, STEPS_TO_PLAN)
-    e.replan(budget=min_feasible_budget(e.costs, e.base_memory))
+    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory))
     with pytest.warns(RuntimeWarning, match="derivative check skipped"):
         seen = _checked_steps(m, e, make, 2)
     assert [s["checked"] for s in seen] == [[], []] and e.checks_skipped == 2

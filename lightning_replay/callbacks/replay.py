@@ -40,6 +40,7 @@ from lightning_replay.loggers.wandb import WandbReplayWriter, plan_rows, wandb_r
 from lightning_replay.records import CHECKS as _CHECK_KINDS
 from lightning_replay.records import CONTRACT, RECORDS_DIR, Record, default_records_path
 from lightning_replay.strategies.replay import ReplayStrategy
+from lightning_replay.strategies.replay_fsdp import ReplayFSDPStrategy
 
 CHECKS = ("grad", "bytes")
 REPLAN_ON = ("memory", "violations", "shapes")
@@ -176,7 +177,7 @@ class ReplayCallback(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if not isinstance(strategy, ReplayStrategy):
+        if not isinstance(strategy, (ReplayStrategy, ReplayFSDPStrategy)):
             raise ReplayConfigError(
                 f"ReplayCallback needs Trainer(strategy='replay') (a ReplayStrategy); this "
                 f"trainer uses {type(strategy).__name__}. Add `import lightning_replay` and "
@@ -346,7 +347,9 @@ class ReplayCallback(Callback):
         # A derivative-checked step keeps graphs the plan replays: its peak is not the plan's.
         if "memory" in self.replan_on and budget and cooled and not self._memory_settled \
                 and not checked:
-            predicted = engine.plan.peak_memory
+            # the accounted peak against the plan's prediction in the same terms (the plan's
+            # own figure also holds what a measured step held beyond the accountant's)
+            predicted = engine.plan.peak_memory - getattr(engine, "unaccounted_bytes", 0)
             if peak > budget or abs(peak - predicted) > self.memory_headroom * budget:
                 reasons.add("memory")
         if "shapes" in self.replan_on and cooled and self._plan_shapes is not None and \
