@@ -427,6 +427,7 @@ class _Probe:
         self.changed_attrs: list[str] = []
         self.changed_inputs: list[int] = []  # argument leaves the window changes
         self.written_inputs: list[int] = []  # ... that the segment itself writes
+        self.start_index: StateIndex | None = None  # the model's state names at its start
 
 
 class _ProbeHandle:
@@ -564,6 +565,7 @@ class SegmentRuntime:
         objects = _argument_objects(args, kwargs)
         before = [_object_token(o) for _, o in objects]
         probe = _Probe(mode, slots, leaf_keys, eng.step)
+        probe.start_index = StateIndex(eng.model)  # who held each storage when it began
         saved: dict = {}
         where = f"segment {self.name!r}"
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -699,6 +701,10 @@ class SegmentRuntime:
                 refs = index.lookup(t.key)
                 if not refs and t.is_input:
                     continue  # an argument of this call (see written_inputs), not state
+                if not refs and p.start_index is not None:
+                    # a slot whose tensor got a new storage in the window (resize_, set_,
+                    # ``.data = ...``): the entry follows the slot, not the dead storage
+                    refs = p.start_index.lookup(t.key)
                 entry, b = self._entry_for(t, refs, eng)
                 if entry.name in merged:
                     prev = merged[entry.name]
@@ -749,8 +755,12 @@ class SegmentRuntime:
 
     def _outside_names(self) -> list[str]:
         names = {id(m): n for n, m in self.engine.model.named_modules()}
-        return sorted(f"{names[id(m)]}.{k}" if names.get(id(m)) else k
-                      for m, k in self.outside if id(m) in names)
+        out = []
+        for m, k in self.outside:
+            if id(m) in names:
+                k = k[1] if isinstance(k, tuple) else k
+                out.append(f"{names[id(m)]}.{k}" if names[id(m)] else k)
+        return sorted(out)
 
     def _entry_for(self, touch, refs: list[StateRef], eng: "ReplayEngine"):
         t = touch.tensor

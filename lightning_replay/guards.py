@@ -6,7 +6,8 @@ fingerprinted at each forward, cheaply (identities and plain values, no tensor b
 
 * the training flag of each module (a BatchNorm unfrozen later, a Dropout in eval at step 0);
 * the registered hooks (module and global), and the submodules;
-* the identity of every parameter, buffer and tensor attribute, and of every other attribute
+* the identity of every parameter, buffer (and its storage: ``resize_``, ``.data =``) and
+  tensor attribute, and of every other attribute
   object (a generator replaced by a new one, a tensor rebound instead of written in place,
   parameters substituted by ``torch.func.functional_call``);
 * the value of every plain attribute (a dropout ``p`` warming up from 0, an enum mode).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
@@ -33,6 +35,15 @@ _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
 
 def _hooks_token(dicts: list) -> tuple:
     return tuple((len(d), next(reversed(d), None)) if d else 0 for d in dicts)
+
+
+def _storage_ptr(t: Any) -> int:
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def fingerprint(modules: list[nn.Module], varying: set) -> dict[Hashable, Any]:
@@ -51,7 +62,7 @@ def fingerprint(modules: list[nn.Module], varying: set) -> dict[Hashable, Any]:
         for k, v in d["_buffers"].items():
             key = (i, "b", k)
             if key not in varying:
-                fp[key] = id(v)
+                fp[key] = (id(v), _storage_ptr(v))  # a new storage is a new buffer
         for k, v in d.items():
             if k in MODULE_INTERNALS or k == "training":
                 continue

@@ -337,10 +337,19 @@ def _trace_class(cls: type) -> type:
         reads = d.get("_lightning_replay_reads")
         if reads is not None and name in d and name not in MODULE_INTERNALS and \
                 not isinstance(value, nn.Module):
-            reads.add(name)
+            reads.add((None, name))
+        return value
+
+    def __getattr__(self, name):  # registered buffers (parameters and submodules aside)
+        value = cls.__getattr__(self, name)
+        d = object.__getattribute__(self, "__dict__")
+        reads = d.get("_lightning_replay_reads")
+        if reads is not None and name in d["_buffers"]:
+            reads.add(("_buffers", name))
         return value
 
     new = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                      "__getattr__": __getattr__,
                                       "__module__": cls.__module__,
                                       "__qualname__": cls.__qualname__})
     _TRACE_CLASSES[cls] = new
@@ -372,14 +381,17 @@ class OutsideReads:
         self.reads = []
         for m, cls in zip(self.modules, self.classes):
             m.__class__ = cls
-            for name in sorted(m.__dict__.pop("_lightning_replay_reads", ())):
-                self.reads.append((m, name))
+            for where, name in sorted(m.__dict__.pop("_lightning_replay_reads", ()),
+                                      key=lambda r: (r[0] or "", r[1])):
+                self.reads.append((m, name if where is None else (where, name)))
 
 
-def capture_outside(reads: list[tuple[nn.Module, str]]) -> list[tuple[dict, str, Any]]:
+def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[dict, str, Any]]:
     out = []
     for m, name in reads:
         d = m.__dict__
+        if isinstance(name, tuple):  # a registered buffer: which tensor the slot held
+            d, name = d[name[0]], name[1]
         v = d.get(name, MISSING)
         c = copy_plain(v) if type(v) in (list, dict, set) else v
         out.append((d, name, v if c is MISSING else c))

@@ -136,7 +136,6 @@ def test_fake_quantize_zero_point_written_with_same_bytes(preservation):
     assert _replayed(engine, "blocks.1") >= 4
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: discovery keys state by storage (Touch.tensor = t.detach()); a buffer that gets a new storage in the window (resize_ growth, set_, .data =) leaves the contract on the dead storage (external[i]) and the live buffer unprotected: silent wrong gradients")
 def test_prepare_qat_model_replays_exactly():
     """A whole model prepared by torch.ao.quantization.prepare_qat (weight and activation
     fake-quant modules in every block; zero points written and unchanged at step 0)."""
@@ -264,7 +263,6 @@ def test_data_and_detach_writes_inside_segment(preservation):
     assert all(_replayed(engine, n) >= 4 for n in _names(2))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: discovery keys state by storage (Touch.tensor = t.detach()); a buffer that gets a new storage in the window (resize_ growth, set_, .data =) leaves the contract on the dead storage (external[i]) and the live buffer unprotected: silent wrong gradients")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_data_rebind_inside_segment(preservation):
     engine = _replays_exactly(lambda: Stack([DataRebindBlock(), Mix()]), _names(2),
@@ -309,7 +307,6 @@ def test_fused_fake_quant_activation(preservation):
     assert _replayed(engine, "blocks.0") >= 4
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: discovery keys state by storage (Touch.tensor = t.detach()); a buffer that gets a new storage in the window (resize_ growth, set_, .data =) leaves the contract on the dead storage (external[i]) and the live buffer unprotected: silent wrong gradients")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_fused_fake_quant_weight_and_activation(preservation):
     engine = _replays_exactly(lambda: Stack([FusedFakeQuantBlock(), FusedFakeQuantBlock()]),
@@ -598,17 +595,12 @@ class RebindQueueMoCo(DataQueueMoCo):
         self.queue = torch.cat([F.normalize(h.detach(), dim=1), self.queue])[:self.queue.shape[0]]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: a buffer of a module outside the segment "
-                   "rebound after the segment: the probe saw the old storage unchanged "
-                   "(contract 'recompute') and the replay reads the new tensor: silent wrong "
-                   "gradients")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_buffer_of_outside_module_rebound_after_segment(preservation):
     engine = _replays_exactly(RebindQueueMoCo, _names(2), preservation=preservation)
     assert all(_replayed(engine, n) >= 4 for n in _names(2))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: discovery keys state by storage (Touch.tensor = t.detach()); a buffer that gets a new storage in the window (resize_ growth, set_, .data =) leaves the contract on the dead storage (external[i]) and the live buffer unprotected: silent wrong gradients")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_buffer_grown_with_resize_after_segment(preservation):
     engine = _replays_exactly(GrowingMemoryModel, _names(2), preservation=preservation)
@@ -616,7 +608,6 @@ def test_buffer_grown_with_resize_after_segment(preservation):
     assert all(_replayed(engine, n) >= 4 for n in _names(2))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: discovery keys state by storage (Touch.tensor = t.detach()); a buffer that gets a new storage in the window (resize_ growth, set_, .data =) leaves the contract on the dead storage (external[i]) and the live buffer unprotected: silent wrong gradients")
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_buffer_grown_with_resize_inside_segment(preservation):
     engine = _replays_exactly(lambda: Stack([SelfGrowingBlock(), Mix()]), _names(2),
