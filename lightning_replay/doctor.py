@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_replay.budget import format_bytes
 from lightning_replay.contract import ReplayContract
 from lightning_replay.errors import ReplayConfigError, ReplayError, SegmentError
-from lightning_replay.segments import SegmentSpec, resolve_segments
+from lightning_replay.segments import SegmentSpec, default_segments, resolve_segments
 from lightning_replay.state import PLAIN_TYPES
 
 __all__ = ["CheckpointOutcome", "DoctorReport", "GradientDiff", "ModelRunError",
@@ -647,31 +647,15 @@ def _choose_segments(model: nn.Module, segments: Any,
         return list(resolve_segments(model, segments)), f"segments={segments!r}"
     if existing is not None and existing.segments():
         return existing.segments(), "the modules the model's own checkpointing covers"
-    container, names = _largest_block_list(model)
-    return names, f"children of the largest block list {container!r}"
-
-
-def _largest_block_list(model: nn.Module) -> tuple[str, list[str]]:
-    # The same rule as ReplayStrategy's default_segments (which lives with the Lightning shell).
-    best: tuple[tuple[int, int, int], str, list[str]] | None = None
-    for index, (name, mod) in enumerate(model.named_modules()):
-        if not name or not isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            continue
-        kids = [(f"{name}.{n}", sum(p.numel() for p in c.parameters()))
-                for n, c in mod.named_children()]
-        kids = [(n, k) for n, k in kids if k > 0]
-        if not kids:
-            continue
-        key = (len(kids), sum(k for _, k in kids), -index)
-        if best is None or key > best[0]:
-            best = (key, name, [n for n, _ in kids])
-    if best is None:
+    try:
+        containers, names = default_segments(model)  # the rule strategy="replay" uses
+    except SegmentError:
         raise SegmentError(
             f"{type(model).__name__} has no candidate segments: no ModuleList or Sequential of "
             "parameterized blocks below the root, and no checkpointing of its own. Pass "
             "segments= (names such as 'encoder.layers.0', a glob such as 'encoder.layers.*', or "
-            "a module class).")
-    return best[1], best[2]
+            "a module class).") from None
+    return names, f"the repeated blocks of {containers}"
 
 
 # ------------------------------------------------------------------------------ devices
