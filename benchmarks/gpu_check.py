@@ -1,0 +1,202 @@
+"""The CUDA paths in one prepared run, for the first task that is lent a GPU (a few minutes).
+
+    python benchmarks/gpu_check.py --json benchmarks/results/gpu-check-<date>-<device>.json
+
+Checks, each reported pass/fail with its figures:
+
+1. ``exact_dropout_checked``: a dropout + BatchNorm + queue model under ``lr.install`` with a
+   derivative and byte check on every step: every record a ``match`` (the model device's RNG
+   restored for the checked replay), gradients equal to plain training (deterministic mode).
+2. ``bf16_autocast_checked``: the same under ``torch.autocast("cuda", torch.bfloat16)``; checks
+   within the dtype's tolerance, none a divergence.
+3. ``budget_vs_allocator``: ``budget="min"`` with ``real_peak=True``; the allocator's peak of
+   planned steps against the plan's predicted peak (within 10 %) and the budget.
+4. ``syncs_per_step``: host-device synchronizations per unchecked steady step, counted with the
+   CUDA profiler (``cudaDeviceSynchronize``/``cudaStreamSynchronize``/``cudaMemcpy`` DtoH events):
+   the engine adds none.
+
+Without a GPU it runs the same code on CPU (``--device cpu``) as a smoke test of the script.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import lightning_replay as lr  # noqa: E402
+from lightning_replay.verify import grad_diffs, train_steps  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, owner: nn.Module) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.bn = nn.BatchNorm1d(dim)
+        self.drop = nn.Dropout(0.1)
+        object.__setattr__(self, "owner", owner)
+
+    def forward(self, x):
+        q = self.owner.queue.clone()
+        h = self.drop(F.gelu(self.bn(self.fc(x))))
+        return x + h + torch.softmax(h @ q.t(), dim=1) @ q
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int = 512, blocks: int = 4, rows: int = 4096) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(dim, self) for _ in range(blocks)])
+        self.head = nn.Linear(dim, 1)
+        self.register_buffer("queue", F.normalize(torch.randn(rows, dim), dim=1))
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        k = F.normalize(x.detach()[:64], dim=1)
+        p = int(self.ptr)
+        self.queue[p:p + 64] = k
+        self.ptr.fill_((p + 64) % self.queue.shape[0])
+        return self.head(x)
+
+
+def _make(device: torch.device, batch: int = 256, dim: int = 512):
+    def make_input(step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(batch, dim, generator=g).to(device)
+    return make_input
+
+
+def exact_dropout_checked(device: torch.device, steps: int = 6) -> dict:
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(0)
+    base = Net().to(device)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    make = _make(device)
+    torch.manual_seed(1)
+    g_ref, _ = train_steps(ref, make, steps)
+    engine = lr.install(model, "blocks.*")
+
+    def checked(step: int) -> torch.Tensor:
+        engine.request_check()
+        return make(step)
+
+    torch.manual_seed(1)
+    g, _ = train_steps(model, checked, steps)
+    outcomes = [(r.check, r.outcome) for r in engine.records.read() if r.check in ("grad", "bytes")]
+    ok = grad_diffs(g_ref, g) == [] and outcomes and all(o == "match" for _, o in outcomes)
+    return {"pass": bool(ok), "records": len(outcomes),
+            "divergences": sum(o == "divergence" for _, o in outcomes),
+            "grad_diffs": len(grad_diffs(g_ref, g))}
+
+
+def bf16_autocast_checked(device: torch.device, steps: int = 6) -> dict:
+    torch.use_deterministic_algorithms(False)
+    torch.manual_seed(0)
+    model = Net().to(device)
+    engine = lr.install(model, "blocks.*")
+    make = _make(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        engine.request_check()
+        opt.zero_grad()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(make(step)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+    grads = [r for r in engine.records.read() if r.check == "grad"]
+    return {"pass": bool(grads) and all(r.outcome == "match" for r in grads),
+            "grad_records": len(grads),
+            "divergences": sum(r.outcome == "divergence" for r in grads)}
+
+
+def budget_vs_allocator(device: torch.device, steps: int = 14) -> dict:
+    torch.manual_seed(0)
+    model = Net().to(device)
+    engine = lr.install(model, "blocks.*", budget="min", real_peak=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    engine.track_optimizer(opt)
+    make = _make(device)
+    peaks = []
+    for step in range(steps):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        opt.zero_grad(set_to_none=True)
+        model(make(step)).pow(2).mean().backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            peaks.append(torch.cuda.max_memory_allocated(device))
+    stats = engine.window_stats()
+    predicted = engine.plan.peak_memory if engine.plan else None
+    real = peaks[-1] if peaks else stats["real_peak_bytes"]
+    ratio = predicted / real if predicted and real else None
+    return {"pass": ratio is not None and abs(ratio - 1) <= 0.10,
+            "predicted": predicted, "real": real, "predicted_vs_real": ratio,
+            "reserved": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+            "plan": engine.plan.choices if engine.plan else None}
+
+
+def syncs_per_step(device: torch.device, steps: int = 12) -> dict:
+    if device.type != "cuda":
+        return {"pass": None, "note": "CUDA only"}
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    counts = {}
+    for name, install in (("plain", False), ("replay", True)):
+        model = Net().to(device)
+        if install:
+            lr.install(model, "blocks.*")
+        make = _make(device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for step in range(steps - 2):  # probe and settle
+            opt.zero_grad()
+            model(make(step)).pow(2).mean().backward()
+            opt.step()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for step in range(steps - 2, steps):
+                opt.zero_grad()
+                model(make(step)).pow(2).mean().backward()
+                opt.step()
+        names = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaMemcpy")
+        counts[name] = sum(1 for e in prof.events() if e.name.startswith(names)) / 2
+    return {"pass": counts["replay"] <= counts["plain"], "per_step": counts}
+
+
+CHECKS = {"exact_dropout_checked": exact_dropout_checked,
+          "bf16_autocast_checked": bf16_autocast_checked,
+          "budget_vs_allocator": budget_vs_allocator,
+          "syncs_per_step": syncs_per_step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json")
+    ap.add_argument("--only", default=",".join(CHECKS))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    for name in args.only.split(","):
+        t0 = time.perf_counter()
+        try:
+            out[name] = CHECKS[name](device)
+        except Exception as exc:  # noqa: BLE001 - a report, not a test: record and go on
+            out[name] = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
+        out[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(name, out[name], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
