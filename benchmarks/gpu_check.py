@@ -81,7 +81,7 @@ def exact_dropout_checked(device: torch.device, steps: int = 6) -> dict:
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     make = _make(device)
     torch.manual_seed(1)
-    g_ref, _ = train_steps(ref, make, steps)
+    g_ref, _ = train_steps(ref, make, steps, lr=1e-3)
     engine = lr.install(model, "blocks.*")
 
     def checked(step: int) -> torch.Tensor:
@@ -89,7 +89,7 @@ def exact_dropout_checked(device: torch.device, steps: int = 6) -> dict:
         return make(step)
 
     torch.manual_seed(1)
-    g, _ = train_steps(model, checked, steps)
+    g, _ = train_steps(model, checked, steps, lr=1e-3)
     outcomes = [(r.check, r.outcome) for r in engine.records.read() if r.check in ("grad", "bytes")]
     ok = grad_diffs(g_ref, g) == [] and outcomes and all(o == "match" for _, o in outcomes)
     return {"pass": bool(ok), "records": len(outcomes),

@@ -902,3 +902,20 @@ def test_mutable_argument_object_refused_naming_argument():
         _mse_step(model, 0)
     msg = str(info.value)
     assert "'blocks.0'" in msg and "'past'" in msg and "KVCache" in msg and "use_cache" in msg
+
+
+def test_a_model_that_blew_up_is_no_divergence():
+    """NaN gradients in the reference and the same NaN in the replay are equal bit for bit:
+    the derivative check records a match, not a divergence (NaN != NaN under torch.equal)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    engine = lr.install(model, ["0"])
+    x = torch.randn(8, 4)
+    model(x).sum().backward()  # probe
+    engine.request_check()
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    model(bad).sum().backward()
+    assert torch.isnan(model[0].weight.grad).any()
+    grads = [r for r in engine.records.read() if r.check == "grad"]
+    assert [r.outcome for r in grads] == ["match"]
