@@ -183,9 +183,69 @@ class _TupleState(nn.Module):
         return x + h
 
 
+class _HFAttention(nn.Module):
+    """A pre-norm residual around a Hugging Face attention layer with attention and output
+    dropout on the global RNG, built from a tiny config (nothing downloaded). The batch's rows
+    are the tokens of one sequence: ``(batch, dim) -> (1, batch, dim)``.
+
+    ``"gpt2"``: ``GPT2Attention``, eager softmax + ``nn.functional.dropout``, bidirectional.
+    ``"llama"``: ``LlamaAttention`` with rotary embeddings (a non-persistent ``inv_freq``
+    buffer), grouped-query heads and causal SDPA with ``dropout_p``.
+    """
+
+    def __init__(self, arch, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        if arch == "gpt2":
+            from transformers import GPT2Config
+            from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+            config = GPT2Config(n_embd=dim, n_head=2, n_positions=8, attn_pdrop=0.3,
+                                resid_pdrop=0.2)
+            config._attn_implementation = "eager"
+            self.attn, self.rope = GPT2Attention(config, layer_idx=0), None
+        else:
+            from transformers import LlamaConfig
+            from transformers.models.llama.modeling_llama import (LlamaAttention,
+                                                                  LlamaRotaryEmbedding)
+
+            config = LlamaConfig(hidden_size=dim, intermediate_size=2 * dim,
+                                 num_attention_heads=2, num_key_value_heads=1,
+                                 max_position_embeddings=8, attention_dropout=0.3)
+            config._attn_implementation = "sdpa"
+            self.attn = LlamaAttention(config, layer_idx=0)
+            self.rope = LlamaRotaryEmbedding(config)
+
+    def forward(self, x):
+        h = self.norm(x).unsqueeze(0)
+        if self.rope is None:
+            out = self.attn(h)[0]
+        else:
+            positions = torch.arange(h.shape[1]).unsqueeze(0)
+            out = self.attn(h, position_embeddings=self.rope(h, positions),
+                            attention_mask=None)[0]
+        return x + out.squeeze(0)
+
+
+class _TimmDropPath(nn.Module):
+    """timm's stochastic-depth residual: ``x + DropPath(Mlp(LayerNorm(x)))``, the MLP with
+    dropout; both draw from the global RNG."""
+
+    def __init__(self, dim):
+        super().__init__()
+        from timm.layers import DropPath, Mlp
+
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, hidden_features=2 * dim, drop=0.1)
+        self.drop_path = DropPath(0.4)
+
+    def forward(self, x):
+        return x + self.drop_path(self.mlp(self.norm(x)))
+
+
 class RandomStack(nn.Module):
     KINDS = ("mlp", "bn", "counter", "noise", "flag", "queue", "direct", "late", "inplace",
-             "tuple")
+             "tuple", "gpt2_attn", "llama_attn", "drop_path")
 
     def __init__(self, kinds, dim, rows, write, batch=4):
         super().__init__()
@@ -210,6 +270,10 @@ class RandomStack(nn.Module):
                 blocks.append(_InplaceInput(dim))
             elif k == "tuple":
                 blocks.append(_TupleState(dim, batch))
+            elif k in ("gpt2_attn", "llama_attn"):
+                blocks.append(_HFAttention(k.split("_")[0], dim))
+            elif k == "drop_path":
+                blocks.append(_TimmDropPath(dim))
             else:
                 blocks.append(hz.QueueReader(self, "store.queue", dim))
         self.blocks = nn.ModuleList(blocks)
@@ -243,7 +307,9 @@ def test_random_hazard_stacks_replay_exactly(kinds, dim, batch, rows, write, pre
     """Exact gradients and state, with or without derivative checks on every step; or, for a
     model plain PyTorch rejects (a block saves the queue and the step writes it), an error.
     Blocks include behaviour that starts after the probe step, in-place ops on the segment's
-    input and tuple state; the step's queue write may rebind the buffer instead."""
+    input and tuple state, and real-model blocks that draw from the global RNG (HF GPT-2 and
+    Llama attention with attention dropout, timm DropPath); the step's queue write may rebind
+    the buffer instead."""
     torch.manual_seed(seed)
     base = RandomStack(kinds, dim, rows, write, batch)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
