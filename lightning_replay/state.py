@@ -194,3 +194,13 @@ def tensor_leaves(obj: Any) -> list[torch.Tensor]:
     """Tensors inside a nested structure of tuples, lists and dicts."""
     from torch.utils._pytree import tree_leaves
     return [x for x in tree_leaves(obj) if isinstance(x, torch.Tensor)]
+
+
+def unique_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a storage shared counts once)."""
+    seen = {}
+    for t in tensors:
+        key = storage_key(t)
+        if key is not None:
+            seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())

@@ -1,0 +1,427 @@
+"""The probe of a segment and the contract it makes.
+
+A probed forward runs retained (always exact) under the discovery mode; its window ends at the
+first unpack of a saved tensor in backward, the moment checkpoint would have replayed it. The
+probes of a segment make the next contract version: the current contract extended (union) by
+what they saw, so contracts only grow. A mutable argument object that the segment changes (an
+HF cache) is refused here, at the first step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_replay.accounting import Saved
+from lightning_replay.contract import ReplayContract, StateEntry
+from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
+from lightning_replay.errors import ReplayConfigError
+from lightning_replay.restore import _Bound
+from lightning_replay.slots import (
+    MODULE_INTERNALS,
+    OutsideReads,
+    capture_slots,
+    is_scalar,
+    same_value,
+    slot_tensors,
+)
+from lightning_replay.state import (
+    StateIndex,
+    StateRef,
+    find_generator_name,
+    storage_key,
+    tensor_leaves,
+    unique_generators,
+)
+from lightning_replay.state import unique_bytes as _unique_bytes
+
+if TYPE_CHECKING:  # annotations only: these modules import this one
+    from lightning_replay.engine import ReplayEngine
+    from lightning_replay.runtime import SegmentRuntime
+
+
+
+class _Probe:
+    """One probed invocation, waiting for the moment its replay would have run."""
+
+    def __init__(self, mode: DiscoveryMode, slots: list, leaf_keys: list, step: int):
+        self.mode = mode
+        self.slots = slots
+        self.leaf_keys = leaf_keys  # storage key of each tensor leaf of the call's arguments
+        self.activation_bytes = 0
+        self.step = step
+        self.live = 0  # saved-tensor handles autograd still holds (0: the graph is gone)
+        self.observations: list[Observation] | None = None
+        self.changed_attrs: list[str] = []
+        self.changed_inputs: list[int] = []  # argument leaves the window changes
+        self.written_inputs: list[int] = []  # ... that the segment itself writes
+        self.start_index: StateIndex | None = None  # the model's state names at its start
+
+
+class _ProbeHandle:
+    """A saved tensor of a probed forward. Its first unpack is the moment checkpoint would
+    replay the segment, so the probe's window ends there: writes made in backward before it
+    (a gradient hook on the segment's output) belong to the window."""
+
+    __slots__ = ("inner", "unpack_fn", "probe", "rt")
+
+    def __init__(self, inner: Any, unpack_fn: Callable, probe: _Probe,
+                 rt: "SegmentRuntime") -> None:
+        self.inner = inner
+        self.unpack_fn = unpack_fn
+        self.probe = probe
+        self.rt = rt
+        probe.live += 1
+
+    def unpack(self) -> torch.Tensor:
+        if self.probe.observations is None:
+            self.rt._observe(self.probe)
+        return self.unpack_fn(self.inner)
+
+    def __del__(self) -> None:
+        self.probe.live -= 1
+
+
+
+_MISSING = object()
+
+
+def _argument_objects(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """The call's arguments that are objects with state of their own (not tensors, plain
+    values, or lists/tuples/dicts of those): a mutable object such as an HF ``Cache``."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + \
+        [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    out = []
+    for name, v in named:
+        leaves, _ = tree_flatten(v)
+        if any(not (isinstance(x, torch.Tensor) or is_scalar(x) or callable(x))
+               for x in leaves):
+            out.append((name, v))
+    return out
+
+
+def _object_token(obj: Any, depth: int = 0, out: list | None = None) -> list:
+    """What an argument object holds, by identity, version and shape (no bytes)."""
+    out = [] if out is None else out
+    if len(out) > 1024:
+        return out
+    if isinstance(obj, torch.Tensor):
+        out.append(("t", id(obj), obj._version, tuple(obj.shape)))
+    elif is_scalar(obj):
+        out.append(("v", type(obj).__name__, repr(obj)))
+    elif depth >= 4 or isinstance(obj, nn.Module) or callable(obj):
+        out.append(("o", id(obj)))
+    elif type(obj) in (list, tuple):
+        out.append(("s", len(obj)))
+        for x in obj:
+            _object_token(x, depth + 1, out)
+    elif isinstance(obj, dict):
+        out.append(("m", tuple(map(repr, obj.keys()))))
+        for x in obj.values():
+            _object_token(x, depth + 1, out)
+    else:
+        d = getattr(obj, "__dict__", None)
+        out.append(("o", id(obj), tuple(d) if d is not None else None))
+        for x in (d or {}).values():
+            _object_token(x, depth + 1, out)
+    return out
+
+
+def _mutable_argument_message(segment: str, argname: str, obj: Any) -> str:
+    kind = type(obj).__name__
+    if "cache" in kind.lower():
+        fix = ("This is a key/value cache: turn caching off in training, e.g. "
+               "model.config.use_cache = False or use_cache=False in the forward call, as "
+               "transformers' own gradient checkpointing does.")
+    else:
+        fix = ("Keep that mutation outside the segment, pass the segment what it reads (tensors "
+               "or plain values), or leave this segment out of `segments`.")
+    return (f"segment {segment!r} changed its {argname} (a {kind} object) in its forward. A "
+            "replay in backward runs the forward again: it would change the object a second "
+            "time and read what the step left in it instead of what the forward saw, so this "
+            f"segment cannot be replayed exactly. {fix}")
+
+
+
+def _contract_detail(c: ReplayContract) -> dict[str, Any]:
+    return {"option": c.option,
+            "changing": {s.name: s.preservation for s in c.changing},
+            "generators": c.generators, "global_rng": c.uses_global_rng,
+            "python_attrs": c.python_attrs, "input_aliases": c.input_aliases,
+            "activation_bytes": c.activation_bytes,
+            "preserved_bytes": c.preserved_bytes()}
+
+
+
+class SegmentProbe:
+    """The probe and contract building of one segment (mixed into :class:`~lightning_replay.runtime.SegmentRuntime`)."""
+
+    # ---------------------------------------------------------------- probe
+    def _probe_call(self, args: tuple, kwargs: dict) -> Any:
+        eng = self.engine
+        self.status = "probing"
+        self.guard.accept()  # this forward's preconditions are what the probe will cover
+        leaves = tensor_leaves((args, kwargs))
+        leaf_keys = [storage_key(t) for t in leaves]
+        input_keys = {k for k in leaf_keys if k}
+        params = {k for k in (storage_key(p) for p in eng.model.parameters()) if k is not None}
+        mode = DiscoveryMode(eng.log, input_keys, params - input_keys)
+        slots = capture_slots(self.modules)
+        # State the dispatch mode may never see read (host reads such as .tolist(), reads
+        # after a warm-up) is watched all the same: every buffer and tensor attribute.
+        mode.touch_all([t for _, t in slot_tensors(slots)])
+        objects = _argument_objects(args, kwargs)
+        before = [_object_token(o) for _, o in objects]
+        probe = _Probe(mode, slots, leaf_keys, eng.step)
+        probe.start_index = StateIndex(eng.model)  # who held each storage when it began
+        saved: dict = {}
+        where = f"segment {self.name!r}"
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = top if top is not None else (None, None)
+        unpack_fn = outer_unpack if outer_unpack is not None else Saved.unpack
+
+        def pack(t: torch.Tensor) -> _ProbeHandle:
+            key = storage_key(t)
+            if key is not None:
+                saved[key] = t.untyped_storage().nbytes()
+            inner = outer_pack(t) if outer_pack is not None else Saved(t, where, eng.state_name)
+            return _ProbeHandle(inner, unpack_fn, probe, self)
+
+        ids = {id(m) for m in self.modules}
+        outside = OutsideReads([m for m in eng.model.modules() if id(m) not in ids])
+        eng._segment_depth += 1
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack), mode, \
+                    outside:
+                out = self.orig_forward(*args, **kwargs)
+        finally:
+            eng._segment_depth -= 1
+        known = {(id(m), k) for m, k in self.outside}
+        self.outside += [(m, k) for m, k in outside.reads if (id(m), k) not in known]
+        mode.finish_segment()
+        for (argname, obj), tok in zip(objects, before):
+            if _object_token(obj) != tok:
+                mode.release()
+                self.status = "probe"
+                raise ReplayConfigError(_mutable_argument_message(self.name, argname, obj))
+        probe.activation_bytes = sum(n for k, n in saved.items()
+                                     if k not in mode.touched and k not in input_keys
+                                     and k not in mode.parameter_traffic)
+        self.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
+        self.input_bytes = _unique_bytes(leaves)
+        self.probes.append(probe)
+        eng._pending_probes.add(self)
+        grads = [t for t in tensor_leaves(out) if t.requires_grad]
+        if grads:
+            torch.autograd.graph.register_multi_grad_hook(
+                grads, lambda _g, p=probe: self._grad_arrived(p), mode="any")
+        return out
+
+    def _grad_arrived(self, probe: _Probe) -> None:
+        # The replay point is the first unpack of a saved tensor (see _ProbeHandle); a segment
+        # that saved nothing is concluded when this backward ends.
+        if probe.observations is None:
+            if probe.live == 0:
+                self._observe(probe)
+            else:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self._observe(probe))
+
+    def _observe(self, probe: _Probe) -> None:
+        if probe.observations is not None:
+            return
+        probe.observations = observe_window(probe.mode, self.engine.log)
+        changed = []
+        varying = []
+        for i, s in enumerate(probe.slots):
+            d = s.module.__dict__
+            mname = self.module_names.get(id(s.module), self.name)
+            for kind, saved, live in (("p", s.params, d["_parameters"]),
+                                      ("b", s.buffers, d["_buffers"])):
+                varying += [(i, kind, k) for k, v in saved.items()
+                            if live.get(k, _MISSING) is not v]
+            for k, v in s.attrs.items():
+                if k in MODULE_INTERNALS or k == "training":
+                    continue
+                cur = d.get(k, _MISSING)
+                if cur is v or (is_scalar(v) and same_value(cur, v)):
+                    continue
+                varying.append((i, "a", k))
+                if is_scalar(v):
+                    changed.append(f"{mname}.{k}")
+        probe.changed_attrs = changed
+        # rebound or changed inside the window: the replay puts them back
+        self.guard.learn_varying(varying)
+        for ob in probe.observations:
+            t = ob.touch
+            if t.is_input and ob.changed:
+                leaves = [i for i, k in enumerate(probe.leaf_keys) if k == t.key]
+                probe.changed_inputs.extend(leaves)
+                if t.annotated_write or t.changed_in_segment:
+                    probe.written_inputs.extend(leaves)
+        if all(p.observations is not None for p in self.probes):
+            self._make_contract()
+
+    def finish_stale_probes(self) -> None:
+        """Conclude probes whose graph is gone without a backward (no grad reached them).
+        A probe whose graph is still alive (two forwards sharing one backward) waits."""
+        for p in self.probes:
+            if p.live == 0:
+                self._observe(p)
+
+    def _make_contract(self) -> None:
+        """The new contract version: the current contract extended (union) by the probes.
+
+        Contracts only grow: a re-probe after a precondition changed or a check diverged adds
+        what it saw, so a periodic writer converges after one period.
+        """
+        eng = self.engine
+        probes, self.probes = self.probes, []
+        eng._pending_probes.discard(self)
+        index = StateIndex(eng.model)
+        old = self.contract
+        merged: dict[str, StateEntry] = {}
+        bound: dict[str, _Bound] = {}
+        if old is not None:
+            for b in self.bound:
+                e = dataclasses.replace(b.entry, aliases=list(b.entry.aliases))
+                merged[e.name] = e
+                bound[e.name] = _Bound(e, b.get)
+        gens: dict[int, torch.Generator] = {id(g): g for _, g in self.generators}
+        uses_rng = old.uses_global_rng if old is not None else False
+        changed_attrs: set[str] = set(old.python_attrs) if old is not None else set()
+        aliases: list[str] = list(old.input_aliases) if old is not None else []
+        changed_inputs: set[int] = set(old.changed_inputs) if old is not None else set()
+        written_inputs: set[int] = set(old.written_inputs) if old is not None else set()
+        act = 0
+        self.state_keys = set()
+        eng.meter.activation_bytes.pop(self.name, None)  # the new probe's figure is current
+        for p in probes:
+            act = max(act, p.activation_bytes)
+            self.state_keys.update(p.mode.touched)
+            uses_rng |= p.mode.uses_global_rng
+            gens.update(p.mode.generators)
+            changed_attrs.update(p.changed_attrs)
+            changed_inputs.update(p.changed_inputs)
+            written_inputs.update(p.written_inputs)
+            for ob in p.observations or []:
+                t = ob.touch
+                refs = index.lookup(t.key)
+                if not refs and t.is_input:
+                    continue  # an argument of this call (see written_inputs), not state
+                if not refs and p.start_index is not None:
+                    # a slot whose tensor got a new storage in the window (resize_, set_,
+                    # ``.data = ...``): the entry follows the slot, not the dead storage
+                    refs = p.start_index.lookup(t.key)
+                entry, b = self._entry_for(t, refs, eng)
+                if entry.name in merged:
+                    prev = merged[entry.name]
+                    prev.shape, prev.nbytes = entry.shape, entry.nbytes
+                    entry = prev
+                else:
+                    merged[entry.name] = entry
+                bound[entry.name] = _Bound(entry, b.get)
+                if ob.changed:
+                    entry.regions_ok = ob.regions_ok if not entry.changes_in_window \
+                        else entry.regions_ok and ob.regions_ok
+                    entry.changes_in_window = True
+                wrote = t.annotated_write or t.changed_in_segment
+                entry.written_by_segment |= wrote
+                entry.unannotated_write |= t.changed_in_segment and not t.annotated_write
+                entry.region_bytes = max(entry.region_bytes, ob.region_bytes)
+                if t.is_input and ob.changed and entry.name not in aliases:
+                    aliases.append(entry.name)
+        gen_names = []
+        self.generators = []
+        for g in unique_generators(list(gens.values())):
+            gname = find_generator_name(eng.model, g) or f"generator[{len(eng._external)}]"
+            if gname.startswith("generator["):
+                eng._external.append(g)
+            gen_names.append(gname)
+            self.generators.append((gname, g))
+        self.version += 1
+        if old is not None:
+            act = max(act, old.activation_bytes) if not probes else act
+        c = ReplayContract(segment=self.name, version=self.version,
+                           state=sorted(merged.values(), key=lambda e: e.name),
+                           generators=sorted(gen_names), uses_global_rng=uses_rng,
+                           python_attrs=sorted(changed_attrs), input_aliases=aliases,
+                           outside_attrs=self._outside_names(),
+                           changed_inputs=sorted(changed_inputs),
+                           written_inputs=sorted(written_inputs),
+                           activation_bytes=act,
+                           probed_at_step=probes[0].step if probes else 0)
+        order = {e.name: i for i, e in enumerate(c.state)}
+        self.bound = sorted(bound.values(), key=lambda b: order[b.entry.name])
+        c.apply_option("retain" if self.demoted else self._choose_option(c))
+        self.contract = c
+        self._derive()
+        self.status = "retain" if c.option == "retain" else "active"
+        eng._contracts_changed()
+        eng.records.append(step=eng.step, segment=self.name, contract_version=c.version,
+                           check="contract", outcome="match", detail=_contract_detail(c))
+
+    def _outside_names(self) -> list[str]:
+        names = {id(m): n for n, m in self.engine.model.named_modules()}
+        out = []
+        for m, k in self.outside:
+            if id(m) in names:
+                k = k[1] if isinstance(k, tuple) else k
+                out.append(f"{names[id(m)]}.{k}" if names[id(m)] else k)
+        return sorted(out)
+
+    def _entry_for(self, touch, refs: list[StateRef], eng: "ReplayEngine"):
+        t = touch.tensor
+        nbytes = t.untyped_storage().nbytes()
+        if refs:
+            ref = refs[0]
+            live = ref.get()
+            shape = list(live.shape) if live is not None else list(t.shape)
+            entry = StateEntry(ref.name, ref.kind, shape, str(t.dtype).replace("torch.", ""),
+                               str(t.device), nbytes, aliases=[r.name for r in refs[1:]])
+            return entry, _Bound(entry, ref.get)
+        for i, x in enumerate(eng._external):  # the same outside tensor seen again
+            if x is t or (isinstance(x, torch.Tensor) and storage_key(x) == touch.key):
+                name = f"external[{i}]"
+                break
+        else:
+            name = f"external[{len(eng._external)}]"
+            eng._external.append(t)
+        entry = StateEntry(name, "external", list(t.shape), str(t.dtype).replace("torch.", ""),
+                           str(t.device), nbytes)
+        return entry, _Bound(entry, lambda t=t: t)
+
+    def _choose_option(self, c: ReplayContract) -> str:
+        if self.planned_option is not None and self.planned_option in c.available_options():
+            return self.planned_option
+        p = self.preservation
+        if p == "retain":
+            return "retain"
+        if c.stateless:
+            return "recompute"
+        if p in ("whole", "regions"):
+            return p
+        # auto: the cheapest correct option by memory; whole wins ties (no capture work).
+        opts = [o for o in c.available_options() if o != "retain"]
+        return min(opts, key=lambda o: (c.preserved_bytes(o), o != "whole"))
+
+    def _derive(self) -> None:
+        """Cached lookups the per-step path uses."""
+        c = self.contract
+        self.last_preserved_bytes = c.preserved_bytes() if c else 0
+
+    def set_option(self, option: str) -> None:
+        """Apply a planned option to the current contract (and to future re-probes)."""
+        self.planned_option = option
+        if self.contract is not None:
+            self.contract.apply_option(
+                "retain" if self.demoted else
+                option if option in self.contract.available_options()
+                else self._choose_option(self.contract))
+            self._derive()
+            if self.status in ("active", "retain"):
+                self.status = "retain" if self.contract.option == "retain" else "active"
+            self.engine._contracts_changed()

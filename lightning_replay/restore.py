@@ -1,0 +1,322 @@
+"""Where state is swapped back: one segment call's preserved entry state, and the replay context.
+
+:class:`_Invocation` takes, at a segment's forward, everything its replay needs (the contract's
+choices copied, whole snapshots or region-log marks, the slot objects, generator states, the
+storages each state tensor had). :class:`_ReplayContext` wraps the replay: it checks versions,
+swaps that state in, sandboxes the replay's own writes and swaps the live state back, undoing
+exactly what it did also when the replay stops early or fails.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from lightning_replay.contract import StateEntry
+from lightning_replay.errors import ReplayError
+from lightning_replay.preservation import CaptureMode, RegionLog, redo, undo
+from lightning_replay.slots import (
+    capture_generators,
+    capture_outside,
+    capture_slots,
+    restore_generators,
+    restore_slots,
+    slot_generators,
+    swap_generators,
+    swap_outside,
+    swap_slots,
+)
+from lightning_replay.state import digest, storage_bytes, storage_key, swap_
+
+if TYPE_CHECKING:  # annotations only: these modules import this one
+    from lightning_replay.runtime import SegmentRuntime
+
+
+
+@dataclasses.dataclass
+class _Bound:
+    """A contract state entry bound to the live model."""
+
+    entry: StateEntry
+    get: Callable[[], torch.Tensor | None]
+
+
+class _Invocation:
+    """Everything one segment call needs at its replay, fixed at its forward.
+
+    It copies what it uses of the contract (each state's preservation, the sandboxed storages,
+    the version), so that a re-plan or a re-probe between this forward and its replay changes
+    nothing for it.
+    """
+
+    __slots__ = ("rt", "version", "option", "step", "checked", "tensors", "prs", "versions",
+                 "whole", "metas", "storages", "regions", "gens", "slots", "digests", "preserved_bytes", "replays",
+                 "done", "_token", "held", "t_prep", "sandbox_keys", "subs", "kept", "outside",
+                 "replaying", "__weakref__")
+
+    def __init__(self, rt: "SegmentRuntime", check_bytes: bool) -> None:
+        eng = rt.engine
+        c = rt.contract
+        self.rt = rt
+        self.version = c.version
+        self.option = c.option
+        self.step = eng.step
+        self.held: list = []  # accountant keys this invocation holds until its replay
+        self.t_prep = 0.0
+        self.checked = check_bytes
+        self.tensors: list[tuple[StateEntry, torch.Tensor]] = []
+        self.prs: list[str] = []
+        self.versions: list[int] = []
+        self.whole: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.metas: list[tuple] = []  # each whole snapshot's offset, shape and stride
+        self.storages: list[tuple] = []  # (tensor, storage, offset, shape, stride) at forward
+        self.regions: list[tuple[Any, int]] = []
+        self.sandbox_keys: list = []
+        self.subs: dict[int, torch.Tensor] = {}  # input leaf -> its bytes at forward
+        self.preserved_bytes = 0
+        self.replays = 0
+        self.done = False
+        self.kept = False  # holds preserved bytes that the first replay releases
+        self.replaying = False
+        log = eng.log
+        capturing = eng._capturing
+        with torch.no_grad():
+            for b in rt.bound:
+                t = b.get()
+                if t is None:
+                    continue
+                p = b.entry.preservation
+                self.tensors.append((b.entry, t))
+                self.prs.append(p)
+                self.versions.append(t._version)
+                if b.entry.kind != "parameter":
+                    # its storage, so that a storage swapped in later (``.data = ...``,
+                    # ``set_``: no write, no version bump) is swapped back for the replay
+                    self.storages.append((t, t.untyped_storage(), t.storage_offset(),
+                                          t.shape, t.stride()))
+                if p in ("regions", "guard") and capturing:
+                    key = storage_key(t)
+                    if key is not None:
+                        self.regions.append((key, log.arm(key, t)))
+                        if p == "regions" and b.entry.written_by_segment:
+                            self.sandbox_keys.append(key)
+                elif p in ("whole", "regions"):
+                    snap = storage_bytes(t).clone()
+                    self.whole.append((t, snap))
+                    self.metas.append((t.storage_offset(), t.shape, t.stride()))
+                    self.preserved_bytes += snap.numel()
+                    if eng.accountant is not None:
+                        key = ("snapshot", id(snap))
+                        eng.accountant.hold(key, snap.numel(), rt.name)
+                        self.held.append(key)
+        self.kept = bool(self.whole or self.regions)
+        self._token = {"done": False}
+        if self.regions:
+            # Dropped without replay (graph freed, backward never called): disarm anyway.
+            weakref.finalize(self, _release_keys, log, [k for k, _ in self.regions], self._token)
+        self.slots = capture_slots(rt.modules)
+        self.outside = capture_outside(rt.outside) if rt.outside else None
+        gens = slot_generators(self.slots)
+        ids = {id(g) for g in gens}
+        gens += [g for _, g in rt.generators if id(g) not in ids]
+        self.gens = capture_generators(gens)
+        self.digests = ([digest(t) for _, t in self.tensors] if check_bytes else None)
+        eng._held_bytes += self.preserved_bytes
+
+    def release(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._token["done"] = True
+        eng = self.rt.engine
+        eng._held_bytes -= self.preserved_bytes
+        for key, _ in self.regions:
+            eng.log.release(key)
+        self.whole = []
+        acct = eng.accountant
+        if acct is not None:
+            for key in self.held:
+                acct.drop(key)
+        self.held = []
+
+
+def _release_keys(log: RegionLog, keys: list, token: dict) -> None:
+    if not token["done"]:
+        token["done"] = True
+        for key in keys:
+            log.release(key)
+
+
+class _ReplayContext:
+    """Around a replay: check, swap entry state in, sandbox the replay's writes, swap back.
+
+    ``__exit__`` undoes exactly the steps ``__enter__`` completed, also when the replay stops
+    early (checkpoint's early stop raises through here) or fails.
+    """
+
+    __slots__ = ("inv", "_t0", "_versions", "_regions", "_gens", "_slots", "_sandbox",
+                 "_stage", "_resized")
+
+    def __init__(self, inv: _Invocation) -> None:
+        self.inv = inv
+        self._stage = 0
+
+    def __enter__(self) -> None:
+        inv = self.inv
+        rt = inv.rt
+        eng = rt.engine
+        if inv.done and inv.kept:
+            raise ReplayError(
+                f"segment {rt.name!r} is being replayed a second time for the step {inv.step} "
+                "(backward with retain_graph=True?). Its preserved state is gone after the first "
+                "replay. Use preservation='retain' for segments whose graph is reused.")
+        if eng._sync:
+            torch.cuda.synchronize(eng._cuda_device)
+        self._t0 = time.perf_counter()
+        self._check_versions()
+        self._versions = [t._version for _, t in inv.tensors]
+        self._stage = 1
+        with torch.no_grad():
+            self._resized = []
+            for t, st, *meta in inv.storages:
+                if t.untyped_storage().data_ptr() != st.data_ptr():
+                    self._resized.append((t, (t.untyped_storage(), t.storage_offset(),
+                                              t.shape, t.stride())))
+                    t.set_(st, *meta)
+            for (t, snap), meta in zip(inv.whole, inv.metas):
+                if t.untyped_storage().nbytes() == snap.numel() and \
+                        (t.storage_offset(), t.shape, t.stride()) == meta:
+                    swap_(storage_bytes(t), snap)
+                else:  # resized (resize_, set_) since forward: point it at the old bytes
+                    self._resized.append((t, (t.untyped_storage(), t.storage_offset(),
+                                              t.shape, t.stride())))
+                    t.set_(snap.untyped_storage(), *meta)
+            regions = [eng.log.since(key, mark) for key, mark in inv.regions]
+            if regions:
+                rt.last_preserved_bytes = inv.preserved_bytes + sum(
+                    e.nbytes for entries in regions for e in entries)
+            for entries in reversed(regions):
+                undo(entries)
+            self._regions = regions
+        self._stage = 2
+        # the objects each slot held at forward (rebound tensors, generators, plain values)
+        self._slots = swap_slots(inv.slots)
+        if inv.outside:
+            self._slots += swap_outside(inv.outside)
+        self._gens = swap_generators(inv.gens)
+        self._stage = 3
+        if inv.digests is not None:
+            rt._check_state_digests(inv)
+        self._sandbox = None
+        if inv.sandbox_keys:
+            # The replay's own writes to region-preserved state are logged and undone after it.
+            log = RegionLog()
+            for key in inv.sandbox_keys:
+                log.arm(key)
+            mode = CaptureMode(log)
+            mode.__enter__()
+            self._sandbox = mode
+        self._stage = 4
+        inv.replaying = True
+        eng._segment_depth += 1
+        rt.replays += 1
+        eng._replays_this_step += 1
+        if eng.accountant is not None:
+            eng._replay_started(eng.meter.activation_bytes.get(rt.name,
+                                                               rt.contract.activation_bytes))
+
+    def __exit__(self, *exc) -> bool:
+        inv = self.inv
+        stage = self._stage
+        self._stage = 0
+        if stage >= 4:
+            inv.replaying = False
+            inv.rt.engine._segment_depth -= 1
+            if self._sandbox is not None:
+                self._sandbox.__exit__(None, None, None)
+                for entries in self._sandbox.log.logs.values():
+                    undo(entries)
+        if stage >= 3:
+            restore_generators(self._gens)
+            restore_slots(self._slots)
+        if stage >= 2:
+            with torch.no_grad():
+                for entries in self._regions:
+                    redo(entries)
+                resized = {id(t) for t, _ in self._resized}
+                _restore_live([(t, snap) for t, snap in inv.whole if id(t) not in resized])
+                for t, live in reversed(self._resized):
+                    t.set_(*live)
+        if stage >= 1:
+            _reset_versions([t for _, t in inv.tensors], self._versions)
+            inv.release()
+            eng = inv.rt.engine
+            if eng.measure_costs and stage >= 4 and (eng._sync or not eng._cuda):
+                if eng._sync:
+                    torch.cuda.synchronize(eng._cuda_device)
+                eng._record_replay_time(inv, time.perf_counter() - self._t0)
+        return False
+
+    def _check_versions(self) -> None:
+        inv = self.inv
+        rt = inv.rt
+        log = rt.engine.log
+        marks = dict(inv.regions)
+        for (entry, t), p, v0 in zip(inv.tensors, inv.prs, inv.versions):
+            if p == "whole":
+                continue
+            if p in ("regions", "guard"):
+                key = storage_key(t)
+                if key not in marks:
+                    continue  # no capture in that window: snapshotted whole, or not armed
+                expected = log.expected_version(key, t, marks[key], v0)
+                if expected is None:
+                    continue
+            else:
+                expected = v0
+            if t._version != expected:
+                what = ("was written outside the logged window" if p in ("regions", "guard")
+                        else "was modified in place between the segment's forward and its replay")
+                rt._violation(entry.name, f"{what} (version {v0} at forward, {t._version} at "
+                                          f"replay, expected {expected})", inv)
+
+def _restore_live(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    # After the swap in, each snapshot holds the live bytes and is dropped after the replay:
+    # one copy back (not a second three-pass swap) restores them.
+    with torch.no_grad():
+        for t, snap in pairs:
+            storage_bytes(t).copy_(snap)
+
+
+def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
+    # The replay's own in-place ops bumped versions of live state that is byte-for-byte back
+    # as it was; resetting keeps autograd's saved-tensor checks and our own checks truthful.
+    if tensors:
+        torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+
+
+
+class _BytesSandbox:
+    """Bytes and versions of some tensors, put back by :meth:`restore`."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        seen: set = set()
+        self.items = []
+        with torch.no_grad():
+            for t in tensors:
+                key = storage_key(t)
+                if key is None or key in seen:
+                    continue
+                seen.add(key)
+                self.items.append((t, storage_bytes(t).clone(), t._version))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, snap, _ in self.items:
+                live = storage_bytes(t)
+                if live.numel() == snap.numel():
+                    live.copy_(snap)
+        _reset_versions([t for t, _, _ in self.items], [v for _, _, v in self.items])

@@ -1,0 +1,248 @@
+"""The per-segment runtime: called in place of a segment's forward.
+
+Its dispatch is the contract's lifecycle, one path: guards at every forward (re-probe when a
+precondition changed) -> probe (:mod:`~lightning_replay.probe`) -> contract -> steady replays
+under checkpoint with the entry state preserved (:mod:`~lightning_replay.restore`) -> sampled
+checks and their reaction (:mod:`~lightning_replay.checks`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from lightning_replay.checks import SegmentChecks
+from lightning_replay.contract import ReplayContract
+from lightning_replay.errors import ContractViolation
+from lightning_replay.guards import Guard
+from lightning_replay.probe import SegmentProbe, _Probe
+from lightning_replay.restore import _Bound, _Invocation, _ReplayContext
+from lightning_replay.state import (
+    storage_key,
+)
+from lightning_replay.state import unique_bytes as _unique_bytes
+
+if TYPE_CHECKING:  # annotations only: these modules import this one
+    from lightning_replay.engine import ReplayEngine
+
+
+
+class SegmentRuntime(SegmentProbe, SegmentChecks):
+    """Per-segment state: its contract, mode and counters. Called in place of its forward."""
+
+    def __init__(self, engine: "ReplayEngine", name: str, module: nn.Module,
+                 preservation: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.module = module
+        self.orig_class = type(module)
+        self.orig_forward = functools.partial(self.orig_class.forward, module)
+        self.modules = list(module.modules())
+        self.module_names = {id(m): (f"{name}.{n}" if n else name)
+                             for n, m in module.named_modules()}
+        self.guard = Guard(self.modules)
+        self.outside: list[tuple[nn.Module, str]] = []  # plain attributes read from outside
+        self.preservation = preservation
+        self.contract: ReplayContract | None = None
+        self.status = "probe"  # probe | probing | active | retain
+        self.demoted = False  # retained for good after a second divergence
+        self.version = 0
+        self.bound: list[_Bound] = []
+        self.generators: list[tuple[str, torch.Generator]] = []
+        self.probes: list[_Probe] = []
+        self.forwards = 0
+        self.replays = 0
+        self.violations = 0
+        self.checks = 0
+        self.divergences = 0
+        self.reprobes = 0
+        self.reactions = 0
+        self.last_preserved_bytes = 0
+        self.order = -1
+        self.planned_option: str | None = None
+        self.input_bytes = 0
+        self.input_saved_bytes = 0
+        self.state_keys: set = set()  # storages the probe saw as state (not activations)
+
+    # ---------------------------------------------------------------- dispatch
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        eng = self.engine
+        if not (self.module.training and torch.is_grad_enabled()) or eng._suspended \
+                or eng._segment_depth:
+            # A segment called inside another segment's forward or replay is part of it: the
+            # outer segment's contract covers its state and the outer replay re-runs it.
+            return self.orig_forward(*args, **kwargs)
+        self.forwards += 1
+        if self.order < 0:
+            self.order = eng._next_order()
+        if self.status in ("active", "retain") and not self.demoted:
+            changed = self.guard.changed()
+            if changed:
+                self._reprobe(changed)
+        if eng._window_depth and eng.accountant is None and self.status == "active" and \
+                not eng._check_grad:
+            return self._replay_call(args, kwargs)  # the steady-state fast path
+        with eng._implicit_window(), eng._tagged(self.name):
+            if self.status in ("probe", "probing"):
+                return self._probe_call(args, kwargs)
+            option = self.contract.option if self.contract else "retain"
+            if option == "retain" or self.status == "retain":
+                if eng._check_grad and eng.measure_costs and self.contract is not None:
+                    return self._measured_call(args, kwargs)
+                return self._plain_call(args, kwargs)
+            if eng._check_grad and self.name in eng._checked and \
+                    not self.contract.written_inputs:
+                return self._checked_call(args, kwargs)
+            return self._replay_call(args, kwargs)
+
+    def _plain_call(self, args: tuple, kwargs: dict) -> Any:
+        eng = self.engine
+        eng._segment_depth += 1
+        try:
+            return self.orig_forward(*args, **kwargs)
+        finally:
+            eng._segment_depth -= 1
+
+    def _reprobe(self, changed: list) -> None:
+        """A precondition of the contract changed: probe this forward and extend the contract."""
+        names = [self._field_name(k) for k in changed]
+        self.status = "probe"
+        self.reprobes += 1
+        eng = self.engine
+        eng.records.append(step=eng.step + (0 if eng._window_depth else 1), segment=self.name,
+                           contract_version=self.contract.version if self.contract else 0,
+                           check="guard", outcome="rejection",
+                           detail={"changed": names[:16], "action": "re-probe"})
+        eng._contracts_changed()
+
+    def _field_name(self, key: Any) -> str:
+        if not isinstance(key, tuple):
+            return str(key)
+        mod = self.module_names.get(id(self.modules[key[0]]), self.name)
+        return f"{mod}.{key[1] if len(key) == 2 else key[2]}"
+
+
+    # ---------------------------------------------------------------- steady state
+    def _prepare(self, args: tuple, kwargs: dict, check_bytes: bool):
+        """Take the invocation's entry state; returns it with the call's flattened arguments
+        as checkpoint gets them and their tree spec."""
+        eng = self.engine
+        if eng._sync:
+            torch.cuda.synchronize(eng._cuda_device)
+        t0 = time.perf_counter()
+        inv = _Invocation(self, check_bytes)
+        flat, spec = tree_flatten((args, kwargs))
+        written = self.contract.changed_inputs
+        changing = {k for k in (storage_key(t) for (e, t) in inv.tensors
+                                if e.changes_in_window) if k is not None}
+        if written or changing:
+            # An argument whose bytes the window changes (the segment writes it in place, the
+            # step writes it after the segment, or it is a view of changing state) reaches
+            # checkpoint as a copy of its forward bytes, which the replay computes from; the
+            # forward itself runs on the live tensor, so its in-place writes are seen as in
+            # plain PyTorch.
+            j = -1
+            with torch.no_grad():
+                for i, x in enumerate(flat):
+                    if not isinstance(x, torch.Tensor):
+                        continue
+                    j += 1
+                    if j in written or (changing and storage_key(x) in changing):
+                        snap = x.detach().clone()
+                        inv.subs[i] = (x, snap)
+                        inv.preserved_bytes += snap.untyped_storage().nbytes()
+                        eng._held_bytes += snap.untyped_storage().nbytes()
+            inv.kept = inv.kept or bool(inv.subs)
+        call = [inv.subs[i][1] if i in inv.subs else x for i, x in enumerate(flat)]
+        acct = eng.accountant
+        if acct is not None or eng.measure_costs:
+            leaves = [x for x in call if isinstance(x, torch.Tensor)]
+            if eng.measure_costs:
+                eng.meter.input_bytes[self.name] = _unique_bytes(leaves)
+            if acct is not None:
+                for t in leaves:
+                    key = acct.hold_tensor(t, self.name)
+                    if key is not None:
+                        inv.held.append(key)
+        if eng._sync:
+            torch.cuda.synchronize(eng._cuda_device)
+        inv.t_prep = time.perf_counter() - t0
+        return inv, call, spec
+
+    def _replay_call(self, args: tuple, kwargs: dict) -> Any:
+        inv, call, spec = self._prepare(args, kwargs, self.engine._check_bytes)
+        eng = self.engine
+        forward = self.orig_forward
+
+        def fn(*flat: Any) -> Any:
+            if inv.subs:
+                flat = list(flat)
+                for i, (live, _) in inv.subs.items():
+                    if inv.replaying:  # a fresh copy of the forward bytes (writable)
+                        x = flat[i].detach()
+                        flat[i] = (x.requires_grad_() if live.requires_grad else x).clone()
+                    else:
+                        flat[i] = live
+            a, kw = tree_unflatten(list(flat), spec)
+            if inv.replaying:
+                return forward(*a, **kw)
+            eng._segment_depth += 1
+            try:
+                return forward(*a, **kw)
+            finally:
+                eng._segment_depth -= 1
+
+        # The global RNG is always preserved (torch's default): a segment may draw from it
+        # only later (a dropout warming up from p=0, or put in train mode after the probe).
+        return checkpoint(fn, *call, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv)))
+
+    def _violation(self, state: str, detail: str, inv: _Invocation) -> None:
+        eng = self.engine
+        self.violations += 1
+        eng.records.append(step=inv.step, segment=self.name, contract_version=inv.version,
+                           check="version", outcome="rejection",
+                           detail={"state": state, "seen": detail,
+                                   "action": eng.on_violation})
+        if eng.on_violation == "raise":
+            inv.release()
+            raise ContractViolation(self.name, state, detail, inv.version)
+        warnings.warn(str(ContractViolation(self.name, state, detail, inv.version)) +
+                      " Recorded; this replay used the live value, and the segment runs "
+                      "retained until it is probed again.", RuntimeWarning, stacklevel=2)
+        # Probe again next time; the re-probe extends the contract (next version).
+        if self.status in ("active", "retain"):
+            self.status = "probe"
+        eng._contracts_changed()
+
+    # ---------------------------------------------------------------- reporting
+    def summary(self) -> dict[str, Any]:
+        c = self.contract
+        return {
+            "mode": (c.option if c is not None and self.status in ("active", "retain")
+                     else self.status),
+            "status": self.status,
+            "forwards": self.forwards,
+            "replays": self.replays,
+            "contract_version": c.version if c else 0,
+            "violations": self.violations,
+            "checks": self.checks,
+            "divergences": self.divergences,
+            "activation_bytes": c.activation_bytes if c else 0,
+            "preserved_bytes": self.last_preserved_bytes,
+            "changing_state": [s.name for s in c.changing] if c else [],
+            "options": c.available_options() if c else [],
+        }
+
+
+# Derivative checks compare bit for bit, except on a device whose kernels may be
+# nondeterministic (CUDA without torch.use_deterministic_algorithms(True)): there two runs of
+# the same backward can differ in the last bits (atomic adds), so gradients within this
+# tolerance are a match, recorded with their differences.
