@@ -7,9 +7,11 @@ steady step under ``budget="min"`` beside the plan's predicted peak. The referee
 
     python benchmarks/memory_truth.py [--json OUT.json]
 
-Models: the dense-queue ``QueueModel`` (16384 x 128, 2 blocks), HF GPT-2 (4 layers x 128),
-torchvision resnet18 (batch 8, 64 x 64), each trained with SGD (the queue model also with Adam,
-whose state the plan must count).
+Models: the dense-queue ``QueueModel`` (16384 x 128, 2 blocks), HF GPT-2, Llama and BERT
+(4 layers x 128, batch 4 x 64 tokens), torchvision resnet18 (batch 8, 64 x 64) and a timm ViT
+with drop_path (4 blocks x 128, batch 8, 64 x 64 in 8 x 8 patches), each trained with SGD (the
+queue model also with Adam, whose state the plan must count). The transformers are built from
+configs (nothing downloaded) with dropout on, as they train.
 """
 from __future__ import annotations
 
@@ -47,6 +49,36 @@ def gpt2():
         lambda out: out.logits.float().pow(2).mean()
 
 
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=344,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                      max_position_embeddings=128, attention_dropout=0.1, use_cache=False)
+    m = LlamaForCausalLM(cfg)
+    return m, "model.layers.*", lambda s: (torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(s)),), \
+        lambda out: out.logits.float().pow(2).mean()
+
+
+def bert():
+    from transformers import BertConfig, BertForMaskedLM
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=512,
+                     num_attention_heads=4, vocab_size=1000, max_position_embeddings=128)
+    m = BertForMaskedLM(cfg)
+    return m, "bert.encoder.layer.*", lambda s: (torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(s)),), \
+        lambda out: out.logits.float().pow(2).mean()
+
+
+def vit():
+    from timm.models.vision_transformer import VisionTransformer
+    torch.manual_seed(0)
+    m = VisionTransformer(img_size=64, patch_size=8, embed_dim=128, depth=4, num_heads=4,
+                          num_classes=10, drop_path_rate=0.1)
+    return m, "blocks.*", lambda s: (torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(s)),), \
+        lambda out: out.pow(2).mean()
+
+
 def resnet18():
     import torchvision
     torch.manual_seed(0)
@@ -55,7 +87,8 @@ def resnet18():
         lambda out: out.pow(2).mean()
 
 
-MODELS = {"queue": queue_model, "gpt2": gpt2, "resnet18": resnet18}
+MODELS = {"queue": queue_model, "gpt2": gpt2, "llama": llama, "bert": bert,
+          "resnet18": resnet18, "vit_drop_path": vit}
 
 
 def measure(build, opt_cls=torch.optim.SGD, steps: int = 12) -> dict:
@@ -104,10 +137,10 @@ def main() -> None:
         if name == "queue":
             out["queue_adam"] = measure(MODELS[name], torch.optim.Adam)
     mib = 2 ** 20
-    print(f"{'model':12} {'plain':>9} {'probe':>9} {'probe/plain':>11} {'min pred':>9} "
+    print(f"{'model':14} {'plain':>9} {'probe':>9} {'probe/plain':>11} {'min pred':>9} "
           f"{'min real':>9} {'pred/real':>9}")
     for k, r in out.items():
-        print(f"{k:12} {r['plain_step'] / mib:9.1f} {r['probe_step'] / mib:9.1f} "
+        print(f"{k:14} {r['plain_step'] / mib:9.1f} {r['probe_step'] / mib:9.1f} "
               f"{r['probe_vs_plain']:11.3f} {r['min_predicted'] / mib:9.1f} "
               f"{r['min_real'] / mib:9.1f} {r['predicted_vs_real']:9.3f}")
     if args.json:
