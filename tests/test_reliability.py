@@ -206,8 +206,10 @@ class _HFAttention(nn.Module):
             self.attn, self.rope = GPT2Attention(config, layer_idx=0), None
         else:
             from transformers import LlamaConfig
-            from transformers.models.llama.modeling_llama import (LlamaAttention,
-                                                                  LlamaRotaryEmbedding)
+            from transformers.models.llama.modeling_llama import (
+                LlamaAttention,
+                LlamaRotaryEmbedding,
+            )
 
             config = LlamaConfig(hidden_size=dim, intermediate_size=2 * dim,
                                  num_attention_heads=2, num_key_value_heads=1,
