@@ -13,8 +13,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_map, tree_unflatten
 
+from lightning_replay._compat import top_saved_tensors_hooks, tree_map, tree_unflatten
 from lightning_replay.accounting import Saved
 from lightning_replay.errors import ReplayError
 from lightning_replay.restore import _BytesSandbox, _Invocation, _ReplayContext
@@ -93,7 +93,7 @@ def _saving_counted(saved: dict, exclude: set, where: str, namer: Callable) -> I
     into ``saved``, handing each tensor on to the saved-tensor hooks already active (the
     memory accountant's) or, without any, to a version-checked :class:`Saved` handle."""
     # torch-private, but what torch.utils.checkpoint itself uses to find the active hooks
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = top_saved_tensors_hooks()
     outer_pack, outer_unpack = top if top is not None else (None, None)
 
     def pack(t: torch.Tensor) -> Any:

@@ -14,8 +14,8 @@ from collections import defaultdict, deque
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_replay._compat import TorchDispatchMode
 from lightning_replay.planner import Option, SegmentCost
 
 if TYPE_CHECKING:

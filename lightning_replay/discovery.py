@@ -19,9 +19,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from lightning_replay._compat import TorchDispatchMode, op_arguments, tree_leaves
 from lightning_replay.preservation import RegionLog, redo, undo, write_args
 from lightning_replay.state import StorageKey, storage_bytes, storage_key
 
@@ -100,7 +99,7 @@ class DiscoveryMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         written = {name for _, name in write_args(func)}
-        for i, a in enumerate(func._schema.arguments):
+        for i, a in enumerate(op_arguments(func)):
             v = args[i] if i < len(args) else kwargs.get(a.name)
             if a.name == "generator" and v is not None:
                 self.generators[id(v)] = v

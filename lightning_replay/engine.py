@@ -28,6 +28,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_replay import planner as _planner
+from lightning_replay._compat import at_backward_end
 from lightning_replay.accounting import MemoryAccountant
 from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.checks import GRAD_ATOL, GRAD_RTOL, GRAD_TOLERANCE, grad_tolerance  # noqa: F401
@@ -809,7 +810,7 @@ class ReplayEngine:
         acct = self.accountant
         if acct.replay_bytes == 0:
             # the re-materialized activations are gone when this backward ends
-            torch.autograd.Variable._execution_engine.queue_callback(
+            at_backward_end(
                 lambda: acct.set_replay(0))
         acct.set_replay(activation_bytes)
 

@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_replay._compat import TorchDispatchMode, op_arguments
 from lightning_replay.state import StorageKey, storage_key
 
 _aten = torch.ops.aten
@@ -30,7 +30,7 @@ def write_args(func: Any) -> tuple[tuple[int, str], ...]:
     """(position, name) of the arguments an aten op writes, per its schema (cached)."""
     cached = _WRITE_ARGS.get(func)
     if cached is None:
-        cached = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+        cached = tuple((i, a.name) for i, a in enumerate(op_arguments(func))
                        if a.alias_info is not None and a.alias_info.is_write)
         _WRITE_ARGS[func] = cached
     return cached
@@ -41,7 +41,7 @@ def arg_value(func: Any, args: tuple, kwargs: dict, pos: int, name: str) -> Any:
         return args[pos]
     if name in kwargs:
         return kwargs[name]
-    default = func._schema.arguments[pos].default_value
+    default = op_arguments(func)[pos].default_value
     return default
 
 

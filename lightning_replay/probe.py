@@ -13,8 +13,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
+from lightning_replay._compat import (
+    at_backward_end,
+    top_saved_tensors_hooks,
+    tree_flatten,
+)
 from lightning_replay.accounting import Saved
 from lightning_replay.contract import ReplayContract, StateEntry
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
@@ -179,7 +183,7 @@ class SegmentProbe:
         probe.start_index = StateIndex(eng.model)  # who held each storage when it began
         saved: dict = {}
         where = f"segment {self.name!r}"
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        top = top_saved_tensors_hooks()
         outer_pack, outer_unpack = top if top is not None else (None, None)
         unpack_fn = outer_unpack if outer_unpack is not None else Saved.unpack
 
@@ -227,7 +231,7 @@ class SegmentProbe:
             if probe.live == 0:
                 self._observe(probe)
             else:
-                torch.autograd.Variable._execution_engine.queue_callback(
+                at_backward_end(
                     lambda: self._observe(probe))
 
     def _observe(self, probe: _Probe) -> None:

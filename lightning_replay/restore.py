@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from lightning_replay._compat import set_versions
 from lightning_replay.contract import StateEntry
 from lightning_replay.errors import ReplayError
 from lightning_replay.preservation import CaptureMode, RegionLog, redo, undo
@@ -295,7 +296,7 @@ def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
     # The replay's own in-place ops bumped versions of live state that is byte-for-byte back
     # as it was; resetting keeps autograd's saved-tensor checks and our own checks truthful.
     if tensors:
-        torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+        set_versions(tensors, versions)
 
 
 

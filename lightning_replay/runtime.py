@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from lightning_replay._compat import tree_flatten, tree_unflatten
 from lightning_replay.checks import SegmentChecks
 from lightning_replay.contract import ReplayContract
 from lightning_replay.errors import ContractViolation

@@ -192,7 +192,7 @@ def unique_generators(gens: list[torch.Generator]) -> list[torch.Generator]:
 
 def tensor_leaves(obj: Any) -> list[torch.Tensor]:
     """Tensors inside a nested structure of tuples, lists and dicts."""
-    from torch.utils._pytree import tree_leaves
+    from lightning_replay._compat import tree_leaves
     return [x for x in tree_leaves(obj) if isinstance(x, torch.Tensor)]
 
 

@@ -33,14 +33,12 @@ import time
 import weakref
 from typing import Any, Iterable
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_replay._compat import TorchDispatchMode, tree_leaves
 from lightning_replay.apps.torch_recompute import recompute_counts
 from lightning_replay.records import CHECKS, CONTRACT
 

@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_replay._compat import logger_connector
 from lightning_replay import planner as _planner
 from lightning_replay.budget import format_bytes
 from lightning_replay.errors import ReplayConfigError
@@ -316,7 +317,7 @@ class ReplayCallback(Callback):
         # the loggers (log_every_n_steps; it would drop the others), on the last step, and
         # whenever a rejection, a divergence or a new plan appears.
         events = {k: totals[k] for k in ("rejections", "divergences", "plan_version")}
-        if trainer._logger_connector.should_update_logs or events != self._logged_events \
+        if logger_connector(trainer).should_update_logs or events != self._logged_events \
                 or _is_last_step(trainer, batch_idx):
             self._logged_events = events
             mib = {"peak_memory_mib": totals["peak_memory_bytes"] / _MIB,
@@ -641,7 +642,7 @@ def _reduce(strategy: ReplayStrategy, local: Mapping[str, float],
 
 
 def _shapes(batch: Any) -> tuple:
-    from torch.utils._pytree import tree_leaves
+    from lightning_replay._compat import tree_leaves
     return tuple((tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch)
                  if isinstance(t, torch.Tensor))
 

@@ -37,13 +37,13 @@ import torch
 from torch import nn
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, FSDPPrecision, XLAPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_replay._compat import accelerator_connector, distributed_is_initialized
 from lightning_replay import planner as _planner
 from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.engine import ON_VIOLATION, PRESERVATIONS, ReplayEngine, install
@@ -271,7 +271,7 @@ class ReplayStrategy(DDPStrategy):
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None) if module is not None else None
         if trainer is not None:
-            trainer._accelerator_connector.use_distributed_sampler = False
+            accelerator_connector(trainer).use_distributed_sampler = False
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -419,7 +419,7 @@ class ReplayStrategy(DDPStrategy):
             self._pending_engine_state = engine.state_dict()
             engine.uninstall()
         super().teardown()
-        if self._start_method != "popen" and _distributed_is_initialized() and \
+        if self._start_method != "popen" and distributed_is_initialized() and \
                 multiprocessing.parent_process() is not None:
             # A spawned or forked rank exits right after this. Left to interpreter shutdown,
             # gloo's worker threads sometimes outlive it and abort the process ("terminate
@@ -464,7 +464,7 @@ class ReplayStrategy(DDPStrategy):
     def _sync_plan(self, force: bool = False) -> None:
         """Make every rank run rank 0's plan (one all-reduce per step, more only on change)."""
         engine = self.engine
-        if engine is None or self.world_size <= 1 or not _distributed_is_initialized():
+        if engine is None or self.world_size <= 1 or not distributed_is_initialized():
             return
         changed = engine.plan_version != self._synced_plan_version
         if not self.reduce_boolean_decision(force or changed, all=False):

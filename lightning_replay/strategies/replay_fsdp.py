@@ -43,13 +43,13 @@ from torch import nn
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_replay._compat import distributed_is_initialized
 from lightning_replay import planner as _planner
 from lightning_replay.budget import Budget
 from lightning_replay.engine import ON_VIOLATION, PRESERVATIONS, ReplayEngine
@@ -263,7 +263,7 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
             self._pending_engine_state = engine.state_dict()
             engine.uninstall()
         super().teardown()
-        if self._start_method != "popen" and _distributed_is_initialized() and \
+        if self._start_method != "popen" and distributed_is_initialized() and \
                 multiprocessing.parent_process() is not None:
             # The launcher hands the parent the trained weights after this, with no process
             # group left: gather them now, on every rank (a collective).

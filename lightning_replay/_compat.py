@@ -1,0 +1,79 @@
+"""Every private torch and Lightning access of the package, in one place.
+
+An upgrade that moves one of these breaks here (and in ``tests/test_compat.py``, one test
+each), not deep in the engine. Lightning is never imported here: its accessors take the objects
+they read, so the core stays free of Lightning.
+
+Example:
+    >>> import torch
+    >>> t = torch.zeros(2)
+    >>> t.add_(1); version(t)
+    tensor([1., 1.])
+    1
+    >>> set_versions([t], [0]); version(t)
+    0
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
+
+__all__ = ["TorchDispatchMode", "accelerator_connector", "at_backward_end",
+           "distributed_is_initialized", "logger_connector", "op_arguments",
+           "precision_plugin", "set_versions", "start_method", "top_saved_tensors_hooks",
+           "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "version"]
+
+
+# ------------------------------------------------------------------------------------ torch
+def version(t: torch.Tensor) -> int:
+    """The tensor's version counter (bumped by each in-place write through autograd)."""
+    return t._version
+
+
+def set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
+    """Put version counters back (after a replay's own in-place ops on state that is byte for
+    byte back as it was)."""
+    if tensors:
+        torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+
+
+def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost active saved-tensor hooks (pack, unpack), or None: what
+    ``torch.utils.checkpoint`` itself uses to find them."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def at_backward_end(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the backward now running ends (call it from inside a backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def op_arguments(func: Any) -> list[Any]:
+    """The schema arguments of an aten op overload (``alias_info``, ``name``,
+    ``default_value``)."""
+    return func._schema.arguments
+
+
+# -------------------------------------------------------------------------------- Lightning
+def distributed_is_initialized() -> bool:
+    """Whether a default process group exists (what Lightning's private helper checks)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def accelerator_connector(trainer: Any) -> Any:
+    return trainer._accelerator_connector
+
+
+def logger_connector(trainer: Any) -> Any:
+    return trainer._logger_connector
+
+
+def precision_plugin(strategy: Any) -> Any:
+    return strategy._precision_plugin
+
+
+def start_method(strategy: Any) -> str:
+    return strategy._start_method

@@ -1,0 +1,73 @@
+"""Each private torch / Lightning access the package makes (lightning_replay._compat) still
+works on the installed versions: an upgrade that breaks one fails here, by name."""
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from lightning_replay import _compat
+
+
+def test_version_counters_read_and_put_back():
+    t = torch.zeros(3)
+    t.add_(1)
+    assert _compat.version(t) == 1
+    _compat.set_versions([t], [0])
+    assert _compat.version(t) == 0 and torch.equal(t, torch.ones(3))
+
+
+def test_top_saved_tensors_hooks_finds_the_active_pair():
+    assert _compat.top_saved_tensors_hooks() is None
+
+    def pack(x):
+        return x
+
+    def unpack(x):
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        top = _compat.top_saved_tensors_hooks()
+    assert top is not None and top[0] is pack and top[1] is unpack
+
+
+def test_at_backward_end_runs_after_the_backward():
+    order = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: (_compat.at_backward_end(lambda: order.append("end")),
+                               order.append("hook"))[1])
+    y.sum().backward()
+    assert order == ["hook", "end"]
+
+
+def test_op_arguments_mark_writes():
+    args = _compat.op_arguments(torch.ops.aten.add_.Tensor)
+    assert args[0].name == "self" and args[0].alias_info is not None and args[0].alias_info.is_write
+    assert _compat.op_arguments(torch.ops.aten.add.Tensor)[0].alias_info is None
+
+
+def test_dispatch_mode_and_pytree():
+    seen = []
+
+    class Mode(_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        torch.ones(2) + 1
+    assert torch.ops.aten.add.Tensor in seen
+    flat, spec = _compat.tree_flatten(({"a": torch.ones(1)}, [2]))
+    assert _compat.tree_unflatten(flat, spec)[1] == [2]
+
+
+def test_lightning_accessors(tmp_path):
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path,
+                        enable_checkpointing=False, enable_progress_bar=False)
+    assert hasattr(_compat.accelerator_connector(trainer), "use_distributed_sampler")
+    assert hasattr(_compat.logger_connector(trainer), "should_update_logs")
+    from lightning.pytorch.strategies import DDPStrategy
+    ddp = DDPStrategy(start_method="spawn")
+    assert _compat.start_method(ddp) == "spawn"
+    assert _compat.precision_plugin(trainer.strategy) is not None
+    assert _compat.distributed_is_initialized() is False
