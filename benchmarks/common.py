@@ -1,0 +1,100 @@
+"""Measurement helpers shared by the benchmark sections: one timed step, costs measured once,
+plans run side by side.
+
+Every figure the benchmarks report is either a median over rounds or the median of per-round
+ratios: in one round every model steps once, in a rotating order, so a slow phase of a shared
+machine hits all of them alike.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+import lightning_replay as lr
+
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def timed_step(model: torch.nn.Module, x: torch.Tensor, opt=None,
+               clock: Callable[[], float] = time.perf_counter) -> float:
+    """One forward + backward (+ optimizer step), synchronized on CUDA; seconds of ``clock``."""
+    dev = x.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = clock()
+    loss = model(x).float().pow(2).mean()
+    loss.backward()
+    if opt is not None:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return clock() - t0
+
+
+def measure_costs(make_model: Callable[[], torch.nn.Module], segments: list[str],
+                  make_input: Callable[[int], torch.Tensor],
+                  calibration_steps: int = 5) -> tuple[list, int]:
+    """Probe + calibrate once, as ``install(budget=...)`` does; return (costs, base memory)."""
+    model = make_model()
+    engine = lr.install(model, segments, budget="min", calibration_steps=calibration_steps)
+    step = 0
+    while engine.plan is None:
+        timed_step(model, make_input(step))
+        step += 1
+    costs, base = engine.costs, engine.base_memory
+    engine.uninstall()
+    return costs, base
+
+
+def run_plans(make_model, segments, make_input, plans: dict[str, Any], rounds: int,
+              dev: torch.device, clock: Callable[[], float] = time.perf_counter
+              ) -> dict[str, dict]:
+    """Run each plan on its own model copy, interleaved; median step time, measured peak.
+
+    A copy without lightning_replay (every activation kept, nothing replayed) runs in the same
+    rounds: its median step time plus a plan's predicted extra time is that plan's predicted
+    step time, and ``plain_step_times_s`` lets a caller pair any plan with it round by round.
+    Peaks are the engine's (exact byte accounting on CPU, the CUDA allocator on GPU), the
+    largest over the rounds.
+    """
+    plain = make_model()
+    timed_step(plain, make_input(0))
+    runs = {"__plain__": {"model": plain, "engine": None, "times": [], "peak": 0}}
+    for name, p in plans.items():
+        model = make_model()
+        engine = lr.install(model, segments, track_memory=dev.type == "cpu")
+        timed_step(model, make_input(0))  # the probe
+        engine.set_options(p.choices)
+        timed_step(model, make_input(1))  # warm-up under the plan
+        runs[name] = {"model": model, "engine": engine, "times": [], "peak": 0}
+    names = list(runs)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            run = runs[name]
+            run["times"].append(timed_step(run["model"], make_input(2 + r), clock=clock))
+            if run["engine"] is not None:
+                run["peak"] = max(run["peak"], int(run["engine"].window_stats()["peak_bytes"]))
+    plain_times = runs.pop("__plain__")["times"]
+    plain_time = statistics.median(plain_times)
+    out = {}
+    for name, run in runs.items():
+        out[name] = {"step_time_s": statistics.median(run["times"]),
+                     "step_times_s": run["times"], "peak_bytes": run["peak"],
+                     "choices": plans[name].choices,
+                     "predicted_peak_bytes": plans[name].peak_memory,
+                     "plain_step_time_s": plain_time, "plain_step_times_s": plain_times,
+                     "predicted_step_time_s": plain_time + plans[name].extra_time}
+        run["engine"].uninstall()
+    return out
+
+
+def paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median of the per-round ratios a/b (both stepped in the same round)."""
+    return statistics.median(x / y for x, y in zip(a, b))
