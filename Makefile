@@ -22,7 +22,8 @@ $(STAMP): setup.cfg pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/ruff check lightning_replay benchmarks examples tests
+	$(BIN)/python -m pytest -q tests lightning_replay --doctest-modules
 
 demo: $(STAMP)
 	$(BIN)/python -m lightning_replay.demo

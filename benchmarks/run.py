@@ -32,7 +32,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

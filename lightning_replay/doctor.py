@@ -302,7 +302,7 @@ class DoctorReport:
         lines += ["", f"{method} vs plain training ({self.steps} "
                       f"{_plural(self.steps, 'step')}, identical copies and RNG state):"]
         lines += _outcome_lines(self.torch_checkpoint)
-        lines += ["", f"lightning_replay vs plain training:"]
+        lines += ["", "lightning_replay vs plain training:"]
         lines += _outcome_lines(self.replay)
         return "\n".join(lines)
 

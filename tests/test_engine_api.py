@@ -5,7 +5,6 @@ import copy
 import json
 import pickle
 import sqlite3
-import warnings
 
 import pytest
 import torch

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
-from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_replay import ReplayCallback, ReplayConfigError, ReplayFSDPStrategy
