@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -123,35 +124,64 @@ def _holder_values(v: Any) -> dict:
     return out
 
 
+_PLANS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _needs_more(v: Any) -> bool:
+    """An attribute value that an identity copy of the dict does not cover: containers (copied
+    by value, or which objects they hold), plain holder objects, generators, tensors (sparse
+    ones are copied)."""
+    t = type(v)
+    return t is list or t is dict or t is set or t is tuple or \
+        isinstance(v, (torch.Tensor, torch.Generator)) or is_holder(v)
+
+
+def _attr_plan(module: nn.Module, d: dict) -> tuple:
+    """The attribute keys of ``module`` that need more than an identity copy, cached while the
+    attribute names and value types stay the same (most forwards: nothing to rescan)."""
+    sig = (tuple(d), tuple(map(type, d.values())))
+    cached = _PLANS.get(module)
+    if cached is not None and cached[0] == sig:
+        return cached[1]
+    keys = tuple(k for k, v in d.items() if k not in MODULE_INTERNALS and _needs_more(v))
+    _PLANS[module] = (sig, keys)
+    return keys
+
+
 class ModuleSlots:
     """One module's slots at one moment: parameter, buffer and attribute objects."""
 
     __slots__ = ("module", "params", "buffers", "attrs", "copies", "layout", "dicts",
-                 "holders")
+                 "holders", "gens")
 
     def __init__(self, module: nn.Module) -> None:
         d = module.__dict__
         self.module = module
         self.params = d["_parameters"].copy()
         self.buffers = d["_buffers"].copy()
-        self.attrs = d.copy()
+        self.attrs = attrs = d.copy()
         # Sparse (non-strided) tensors have no storage the engine can preserve in place:
         # each is copied whole, and the copy stands in at replay if it was written since.
         layout = None
-        for which, dd in (("b", self.buffers), ("a", self.attrs)):
-            for k, v in dd.items():
-                if isinstance(v, torch.Tensor) and v.layout != torch.strided:
+        for k, v in self.buffers.items():
+            if v is not None and v.layout != torch.strided:
+                if layout is None:
+                    layout = {}
+                with torch.no_grad():
+                    layout[("b", k)] = (v._version, v.detach().clone())
+        copies = dicts = holders = gens = None
+        for k in _attr_plan(module, d):
+            v = attrs[k]
+            t = type(v)
+            if isinstance(v, torch.Generator):
+                gens = [v] if gens is None else gens + [v]
+            elif isinstance(v, torch.Tensor):
+                if v.layout != torch.strided:
                     if layout is None:
                         layout = {}
                     with torch.no_grad():
-                        layout[(which, k)] = (v._version, v.detach().clone())
-        self.layout = layout
-        copies = dicts = holders = None
-        for k, v in self.attrs.items():
-            if k in MODULE_INTERNALS:
-                continue
-            t = type(v)
-            if t is list or t is dict or t is set:
+                        layout[("a", k)] = (v._version, v.detach().clone())
+            elif t is list or t is dict or t is set:
                 c = copy_plain(v)
                 if c is not MISSING:
                     if copies is None:
@@ -161,15 +191,25 @@ class ModuleSlots:
                     if dicts is None:
                         dicts = {}
                     dicts[k] = dict(v)
+                if t is list:
+                    g = [x for x in v if isinstance(x, torch.Generator)]
+                    if g:
+                        gens = g if gens is None else gens + g
+            elif t is tuple:
+                g = [x for x in v if isinstance(x, torch.Generator)]
+                if g:
+                    gens = g if gens is None else gens + g
             elif is_holder(v):
                 # a plain object the module holds (a config shared with the root...): the
                 # values of its attributes at forward
                 if holders is None:
                     holders = []
                 holders.append((v, _holder_values(v)))
+        self.layout = layout
         self.copies = copies
         self.dicts = dicts
         self.holders = holders
+        self.gens = gens
 
 
 def capture_slots(modules: list[nn.Module]) -> list[ModuleSlots]:
@@ -251,27 +291,20 @@ def restore_slots(live: list[tuple[dict, dict]]) -> None:
 
 
 def slot_generators(slots: list[ModuleSlots]) -> list[torch.Generator]:
-    """Generator objects held as attributes (or in tuples/lists of attributes) of the
-    modules, each once."""
+    """Generator objects held as attributes (directly, in tuples or lists, in dict attributes
+    or on plain holder objects) of the modules, each once."""
     out: list[torch.Generator] = []
     seen: set[int] = set()
     for s in slots:
-        values = list(s.attrs.items())
-        if s.dicts:
-            values += [(k, tuple(v.values())) for k, v in s.dicts.items()]
-        if s.holders:
-            values += [(f"holder{i}", tuple(v.values())) for i, (_, v) in enumerate(s.holders)]
-        for k, v in values:
-            if isinstance(v, torch.Generator):
-                vals = (v,)
-            elif type(v) in (list, tuple) and k not in MODULE_INTERNALS:
-                vals = tuple(x for x in v if isinstance(x, torch.Generator))
-            else:
-                continue
-            for g in vals:
-                if id(g) not in seen:
-                    seen.add(id(g))
-                    out.append(g)
+        found = list(s.gens or ())
+        for v in (s.dicts or {}).values():
+            found += [x for x in v.values() if isinstance(x, torch.Generator)]
+        for _, v in s.holders or ():
+            found += [x for x in v.values() if isinstance(x, torch.Generator)]
+        for g in found:
+            if id(g) not in seen:
+                seen.add(id(g))
+                out.append(g)
     return out
 
 
