@@ -253,3 +253,15 @@ def test_checks_without_headroom_are_skipped_with_a_warning_and_no_budget_checks
     assert e.window_stats()["checked"] == ["blocks.1"]
     with pytest.raises(lr.ReplayConfigError, match="'blocks.9'"):
         e.request_check(segments=["blocks.9"])
+
+
+def test_real_peak_predictions_hold_against_the_profiler():
+    """install(real_peak=True): once the plan's first step is measured, the plan's predicted
+    peak is within 10 % of the real peak that torch.profiler's allocation events show (the
+    referee shares no code with the engine), at the lowest-memory plan."""
+    m = _model()
+    e = lr.install(m, "blocks.*", budget="min", real_peak=True)
+    train_steps(m, _x, STEPS_TO_PLAN + 3)
+    assert e.last_real_peak is not None and e.unaccounted_bytes > 0
+    real = max(_real_peak(m, STEPS_TO_PLAN + 3 + s) for s in range(2))
+    assert abs(e.plan.peak_memory - real) <= 0.10 * real, (e.plan.peak_memory, real)

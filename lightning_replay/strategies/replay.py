@@ -89,6 +89,9 @@ class ReplayStrategy(DDPStrategy):
         records: where records go: ``None`` (memory, unless a :class:`ReplayCallback` names a
             file), a SQLite path, or a :class:`~lightning_replay.RecordStore`.
         calibration_steps: steps each option is timed before the first plan.
+        real_peak: plan for the process's real memory (see ``install(real_peak=...)``): the
+            first step of each plan is measured and what it held beyond the engine's
+            accounting joins the base. One process only on CPU; off by default.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``start_method``, ``timeout``, ...) and what it hands on to
             ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).
@@ -115,6 +118,7 @@ class ReplayStrategy(DDPStrategy):
         on_violation: str = "record",
         records: RecordStore | str | os.PathLike | None = None,
         calibration_steps: int = 2,
+        real_peak: bool = False,
         **kwargs: Any,
     ) -> None:
         _check_known_kwargs(kwargs)
@@ -148,6 +152,7 @@ class ReplayStrategy(DDPStrategy):
         self.preservation = preservation
         self.on_violation = on_violation
         self.calibration_steps = calibration_steps
+        self.real_peak = bool(real_peak)
         self._records_arg = records
         self._records_path: str | None = None
         self.run_id: str | None = None
@@ -309,7 +314,8 @@ class ReplayStrategy(DDPStrategy):
         engine = install(model, spec, preservation=self.preservation,
                          on_violation=self.on_violation, records=self._make_records(),
                          window="manual", budget=budget, planner=self.planner,
-                         track_memory=True, calibration_steps=self.calibration_steps)
+                         track_memory=True, calibration_steps=self.calibration_steps,
+                         real_peak=getattr(self, "real_peak", False))
         if self._pending_engine_state is not None:
             engine.load_state_dict(self._pending_engine_state)
             self._pending_engine_state = None

@@ -459,3 +459,19 @@ def test_one_device_is_the_default_strategy_bit_for_bit(tmp_path):
         assert differing(state(ref), state(model)) == []
     finally:
         torch.set_num_threads(threads)
+
+
+def test_real_peak_plans_with_the_measured_step(tmp_path):
+    """ReplayStrategy(real_peak=True): once the plan's first step is measured, the base the
+    engine plans with holds what the accountant did not count, and window_stats shows the
+    prediction beside the measured peak."""
+    t = trainer(tmp_path, strategy=ReplayStrategy(real_peak=True, calibration_steps=1),
+                max_steps=8)
+    t.fit(HazardNet(), loader(8))
+    engine = t.strategy.engine
+    assert engine.real_peak and engine.last_real_peak is not None
+    assert engine.real_base_memory == engine.base_memory + engine.unaccounted_bytes
+    assert engine.unaccounted_bytes > 0  # a Lightning step holds more than saved tensors
+    stats = engine.window_stats()
+    assert stats["predicted_peak_bytes"] == engine.plan.peak_memory
+    assert stats["real_peak_bytes"] == engine.last_real_peak[1]
