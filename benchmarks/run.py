@@ -14,7 +14,7 @@ Sections (keys of the JSON):
   distinct plan runs on its own model copy, interleaved round by round with a plain model and an
   all-retained one. ``joint_worst_vs_best_baseline`` and ``cells_joint_vs_eager_whole_le_0_82``
   summarize it.
-* ``real_models``: GPT-2, a timm ViT and ResNet-18 (``real_models.py``): replay over
+* ``real_models``: GPT-2, a timm ViT and ResNet-18 (``bench_real_models.py``): replay over
   ``torch.utils.checkpoint`` on the same blocks, saved bytes of each, checks every 50 steps.
 * ``dense_queue``: a MoCo-style dense queue: ``joint`` against ``whole`` on every segment.
 * ``planner``: planning time for 16/64/256 segments and the optimality gap against exhaustive
@@ -41,7 +41,7 @@ sys.path.insert(0, HERE)
 
 import lightning_replay as lr  # noqa: E402
 import sparse_map  # noqa: E402
-from common import device, measure_costs, paired_ratio, run_plans, timed_step  # noqa: E402
+from bench_common import device, measure_costs, paired_ratio, run_plans, timed_step  # noqa: E402
 from lightning_replay.hazards import QueueModel  # noqa: E402
 from lightning_replay.planner import min_feasible_budget, plan  # noqa: E402
 
@@ -114,8 +114,8 @@ def bench_sparse_write_map(cfg: dict) -> dict:
 
 
 def bench_real_models(cfg: dict) -> dict:
-    import real_models
-    return real_models.run(cfg)
+    import bench_real_models
+    return bench_real_models.run(cfg)
 
 
 def bench_dense_queue(cfg: dict) -> dict:

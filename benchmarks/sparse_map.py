@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import device, measure_costs, paired_ratio, run_plans
+from bench_common import device, measure_costs, paired_ratio, run_plans
 from lightning_replay.planner import InfeasibleBudget, costs_to_dict, min_feasible_budget, plan
 
 #: The methods compared in every cell (``retain_all`` only fits at position 1, off the grid).

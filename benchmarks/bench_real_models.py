@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_replay as lr
-from common import device, paired_ratio
+from bench_common import device, paired_ratio
 from lightning_replay.verify import torch_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
