@@ -118,9 +118,7 @@ def _holder_values(v: Any) -> dict:
     out = d.copy()
     for k, x in d.items():
         if type(x) in (list, dict, set):
-            c = copy_plain(x)
-            if c is not MISSING:
-                out[k] = c
+            out[k] = _at_forward(x)
     return out
 
 
@@ -151,7 +149,7 @@ def _attr_plan(module: nn.Module, d: dict) -> tuple:
 class ModuleSlots:
     """One module's slots at one moment: parameter, buffer and attribute objects."""
 
-    __slots__ = ("module", "params", "buffers", "attrs", "copies", "layout", "dicts",
+    __slots__ = ("module", "params", "buffers", "attrs", "copies", "layout", "shallow",
                  "holders", "gens")
 
     def __init__(self, module: nn.Module) -> None:
@@ -169,7 +167,7 @@ class ModuleSlots:
                     layout = {}
                 with torch.no_grad():
                     layout[("b", k)] = (v._version, v.detach().clone())
-        copies = dicts = holders = gens = None
+        copies = shallow = holders = gens = None
         for k in _attr_plan(module, d):
             v = attrs[k]
             t = type(v)
@@ -187,10 +185,10 @@ class ModuleSlots:
                     if copies is None:
                         copies = {}
                     copies[k] = c
-                elif t is dict:  # holds tensors or objects: which object each key held
-                    if dicts is None:
-                        dicts = {}
-                    dicts[k] = dict(v)
+                elif t is not set:  # holds tensors or objects: which object each item held
+                    if shallow is None:
+                        shallow = {}
+                    shallow[k] = t(v)
                 if t is list:
                     g = [x for x in v if isinstance(x, torch.Generator)]
                     if g:
@@ -207,7 +205,7 @@ class ModuleSlots:
                 holders.append((v, _holder_values(v)))
         self.layout = layout
         self.copies = copies
-        self.dicts = dicts
+        self.shallow = shallow
         self.holders = holders
         self.gens = gens
 
@@ -264,14 +262,12 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
             prev = _swap_dict(live, saved, skip, copies, frozen)
             if prev:
                 out.append((live, prev))
-        if s.dicts:
-            for k, saved in s.dicts.items():
+        if s.shallow:
+            for k, saved in s.shallow.items():
                 cur = d.get(k, MISSING)
-                if type(cur) is dict and (cur.keys() != saved.keys() or any(
-                        cur[x] is not y and not same_value(cur[x], y)
-                        for x, y in saved.items())):
+                if type(cur) is type(saved) and not same_value(cur, saved):
                     out.append((d, {k: cur}))
-                    d[k] = dict(saved)  # the objects each key held at forward
+                    d[k] = type(saved)(saved)  # the objects each item held at forward
         if s.holders:
             for obj, saved in s.holders:
                 hd = obj.__dict__
@@ -297,8 +293,8 @@ def slot_generators(slots: list[ModuleSlots]) -> list[torch.Generator]:
     seen: set[int] = set()
     for s in slots:
         found = list(s.gens or ())
-        for v in (s.dicts or {}).values():
-            found += [x for x in v.values() if isinstance(x, torch.Generator)]
+        for v in (s.shallow or {}).values():
+            found += [x for _, x in _items(v) if isinstance(x, torch.Generator)]
         for _, v in s.holders or ():
             found += [x for x in v.values() if isinstance(x, torch.Generator)]
         for g in found:
@@ -341,8 +337,8 @@ def slot_tensors(slots: list[ModuleSlots]) -> list[tuple[str, torch.Tensor]]:
             elif type(v) in (tuple, list):
                 items.extend((f"{k}[{j}]", x) for j, x in enumerate(v)
                              if isinstance(x, torch.Tensor))
-        for k, v in (s.dicts or {}).items():
-            items.extend((f"{k}[{j!r}]", x) for j, x in v.items()
+        for k, v in (s.shallow or {}).items():
+            items.extend((f"{k}[{j!r}]", x) for j, x in _items(v)
                          if isinstance(x, torch.Tensor))
         for j, (_, v) in enumerate(s.holders or ()):
             items.extend((f"holder{j}.{k}", x) for k, x in v.items()
@@ -419,15 +415,30 @@ class OutsideReads:
                 self.reads.append((m, name if where is None else (where, name)))
 
 
+def _items(c: Any) -> Any:
+    return c.items() if type(c) is dict else enumerate(c)
+
+
+def _at_forward(v: Any) -> Any:
+    """What a value must be put back as: a copy of a container of plain values, a shallow
+    copy of a list or dict of objects (which object each item held), else the object."""
+    t = type(v)
+    if t is list or t is dict or t is set:
+        c = copy_plain(v)
+        if c is not MISSING:
+            return c
+        if t is not set:
+            return t(v)
+    return v
+
+
 def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[dict, str, Any]]:
     out = []
     for m, name in reads:
         d = m.__dict__
         if isinstance(name, tuple):  # a registered buffer: which tensor the slot held
             d, name = d[name[0]], name[1]
-        v = d.get(name, MISSING)
-        c = copy_plain(v) if type(v) in (list, dict, set) else v
-        out.append((d, name, v if c is MISSING else c))
+        out.append((d, name, _at_forward(d.get(name, MISSING))))
     return out
 
 
@@ -435,7 +446,7 @@ def swap_outside(saved: list[tuple[dict, str, Any]]) -> list[tuple[dict, dict]]:
     out = []
     for d, name, v in saved:
         cur = d.get(name, MISSING)
-        if cur is v or (is_scalar(v) and same_value(cur, v)):
+        if cur is v or same_value(cur, v):
             continue
         out.append((d, {name: cur}))
         if v is MISSING:

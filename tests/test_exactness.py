@@ -1072,3 +1072,48 @@ def _reset_knob():
     _KNOB["gain"] = 1.0
     yield
     _KNOB["gain"] = 1.0
+
+
+class _ListMemoryBlock(nn.Module):
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        object.__setattr__(self, "owner", owner)  # a back-reference, not a submodule
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x) + self.owner.memory[0])
+
+
+class _ListMemoryRoot(nn.Module):
+    """A tensor kept in a *list* on the root (outside the segments), replaced in the list
+    after the blocks, starting at the third step: outside, rebound, and late at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory = [torch.zeros(D)]
+        self.blocks = nn.ModuleList([_ListMemoryBlock(self) for _ in range(2)])
+        self.calls = 0
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        self.calls += 1
+        if self.calls >= 3:
+            self.memory[0] = x.detach().mean(0)
+        return x
+
+
+@pytest.mark.parametrize("preservation", ["auto", "whole", "regions"])
+def test_tensor_in_a_list_on_the_root_replaced_after_a_warmup(preservation):
+    torch.manual_seed(0)
+    base = _ListMemoryRoot()
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    engine = lr.install(model, "blocks.*", preservation=preservation)
+    for step in range(6):
+        x = torch.randn(5, D, generator=torch.Generator().manual_seed(step))
+        for m in (ref, model):
+            m.zero_grad()
+            m(x).pow(2).sum().backward()
+        for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), (step, n)
+    assert all(s["replays"] >= 4 for s in engine.summary().values())
