@@ -123,31 +123,10 @@ class ReplayStrategy(DDPStrategy):
     ) -> None:
         _check_known_kwargs(kwargs)
         super().__init__(**kwargs)
-        if planner not in _planner.METHODS:
-            raise ReplayConfigError(f"ReplayStrategy(planner={planner!r}) is not known; use one "
-                                    f"of {list(_planner.METHODS)}")
-        if isinstance(preservation, str) and preservation not in PRESERVATIONS:
-            raise ReplayConfigError(f"ReplayStrategy(preservation={preservation!r}) is not known;"
-                                    f" use one of {list(PRESERVATIONS)} or a dict per segment")
-        if not isinstance(preservation, (str, Mapping)):
-            raise ReplayConfigError(f"ReplayStrategy(preservation=...) must be a string or a dict,"
-                                    f" got {type(preservation).__name__}")
-        if on_violation not in ON_VIOLATION:
-            raise ReplayConfigError(f"ReplayStrategy(on_violation={on_violation!r}) is not known; "
-                                    f"use one of {list(ON_VIOLATION)}")
-        if not (records is None or isinstance(records, (str, RecordStore))
-                or hasattr(records, "__fspath__")):
-            raise ReplayConfigError(f"ReplayStrategy(records=...) must be None, a path or a "
-                                    f"RecordStore, got {type(records).__name__}")
-        if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) \
-                or calibration_steps < 1:
-            raise ReplayConfigError(f"ReplayStrategy(calibration_steps={calibration_steps!r}) "
-                                    "must be an int >= 1")
+        self.budget: Budget = _check_replay_args(
+            "ReplayStrategy", budget=budget, planner=planner, preservation=preservation,
+            on_violation=on_violation, records=records, calibration_steps=calibration_steps)
         self.segments_spec = segments
-        try:
-            self.budget: Budget = Budget.parse(budget)
-        except (TypeError, ValueError) as exc:
-            raise ReplayConfigError(f"ReplayStrategy(budget={budget!r}): {exc}") from None
         self.planner = planner
         self.preservation = preservation
         self.on_violation = on_violation
@@ -519,6 +498,36 @@ class ReplayStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register :data:`STRATEGY_NAMES` (not DDP's names) in ``strategy_registry``."""
         register(strategy_registry)
+
+
+def _check_replay_args(name: str, *, budget: Any, planner: Any, preservation: Any,
+                       on_violation: Any, records: Any, calibration_steps: Any) -> Budget:
+    """Validate the replay arguments a replay strategy takes (``name`` is the strategy's class
+    name, for the messages); returns the parsed budget."""
+    if planner not in _planner.METHODS:
+        raise ReplayConfigError(f"{name}(planner={planner!r}) is not known; use one of "
+                                f"{list(_planner.METHODS)}")
+    if isinstance(preservation, str) and preservation not in PRESERVATIONS:
+        raise ReplayConfigError(f"{name}(preservation={preservation!r}) is not known; use one "
+                                f"of {list(PRESERVATIONS)} or a dict per segment")
+    if not isinstance(preservation, (str, Mapping)):
+        raise ReplayConfigError(f"{name}(preservation=...) must be a string or a dict, got "
+                                f"{type(preservation).__name__}")
+    if on_violation not in ON_VIOLATION:
+        raise ReplayConfigError(f"{name}(on_violation={on_violation!r}) is not known; use one "
+                                f"of {list(ON_VIOLATION)}")
+    if not (records is None or isinstance(records, (str, RecordStore))
+            or hasattr(records, "__fspath__")):
+        raise ReplayConfigError(f"{name}(records=...) must be None, a path or a RecordStore, "
+                                f"got {type(records).__name__}")
+    if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) \
+            or calibration_steps < 1:
+        raise ReplayConfigError(f"{name}(calibration_steps={calibration_steps!r}) must be an "
+                                "int >= 1")
+    try:
+        return Budget.parse(budget)
+    except (TypeError, ValueError) as exc:
+        raise ReplayConfigError(f"{name}(budget={budget!r}): {exc}") from None
 
 
 def _valid_kwargs() -> dict[str, list[str]]:

@@ -50,13 +50,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_replay._compat import distributed_is_initialized
-from lightning_replay import planner as _planner
 from lightning_replay.budget import Budget
-from lightning_replay.engine import ON_VIOLATION, PRESERVATIONS, ReplayEngine
+from lightning_replay.engine import ReplayEngine
 from lightning_replay.errors import ReplayConfigError, SegmentError
 from lightning_replay.records import RecordStore
 from lightning_replay.segments import SegmentSpec, resolve_segments
-from lightning_replay.strategies.replay import ReplayStrategy
+from lightning_replay.strategies.replay import ReplayStrategy, _check_replay_args
 
 #: Registered strategy names and their launcher (``start_method``).
 STRATEGY_NAMES: dict[str, str] = {"replay_fsdp": "popen"}
@@ -128,33 +127,12 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         name = type(self).__name__
-        if planner not in _planner.METHODS:
-            raise ReplayConfigError(f"{name}(planner={planner!r}) is not known; use one of "
-                                    f"{list(_planner.METHODS)}")
-        if isinstance(preservation, str) and preservation not in PRESERVATIONS:
-            raise ReplayConfigError(f"{name}(preservation={preservation!r}) is not known; use "
-                                    f"one of {list(PRESERVATIONS)} or a dict per segment")
-        if not isinstance(preservation, (str, Mapping)):
-            raise ReplayConfigError(f"{name}(preservation=...) must be a string or a dict, got "
-                                    f"{type(preservation).__name__}")
-        if on_violation not in ON_VIOLATION:
-            raise ReplayConfigError(f"{name}(on_violation={on_violation!r}) is not known; use "
-                                    f"one of {list(ON_VIOLATION)}")
-        if not (records is None or isinstance(records, (str, RecordStore))
-                or hasattr(records, "__fspath__")):
-            raise ReplayConfigError(f"{name}(records=...) must be None, a path or a "
-                                    f"RecordStore, got {type(records).__name__}")
-        if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) \
-                or calibration_steps < 1:
-            raise ReplayConfigError(f"{name}(calibration_steps={calibration_steps!r}) must be "
-                                    "an int >= 1")
+        self.budget: Budget = _check_replay_args(
+            name, budget=budget, planner=planner, preservation=preservation,
+            on_violation=on_violation, records=records, calibration_steps=calibration_steps)
         if start_method not in _START_METHODS:
             raise ReplayConfigError(f"{name}(start_method={start_method!r}) is not known; use "
                                     f"one of {list(_START_METHODS)}")
-        try:
-            self.budget: Budget = Budget.parse(budget)
-        except (TypeError, ValueError) as exc:
-            raise ReplayConfigError(f"{name}(budget={budget!r}): {exc}") from None
         self.segments_spec = segments
         self.planner = planner
         self.preservation = preservation
