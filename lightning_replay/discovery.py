@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -35,7 +35,6 @@ class Touch:
     tensor: torch.Tensor  # the first tensor seen on this storage (for external state)
     snapshot: torch.Tensor | None  # storage bytes at first touch (None: parameters)
     mark: int  # region-log position at first touch
-    version: int = 0  # version counter at first touch (what parameters are compared by)
     read: bool = False
     annotated_write: bool = False
     changed_in_segment: bool = False
@@ -46,14 +45,15 @@ class DiscoveryMode(TorchDispatchMode):
     """Records reads, writes and generators of one segment invocation."""
 
     def __init__(self, log: RegionLog, input_keys: set[StorageKey],
-                 by_version: set[StorageKey] = frozenset()) -> None:
+                 params: Collection[StorageKey] = frozenset()) -> None:
         super().__init__()
         self.log = log
         self.input_keys = input_keys
-        # Parameters are compared by version counter, not copied: a probe that copied every
-        # parameter it reads would peak above a plain step (the optimizer writes them between
-        # steps, not inside the window).
-        self.by_version = by_version
+        # Parameters are not copied: a probe that copied every parameter it reads would peak
+        # above a plain step. The optimizer writes them between steps, not inside the window;
+        # a write inside it is annotated and logged, and that is what they are compared by
+        # (not their version counters: Lightning may swap parameters with their counters).
+        self.params = params
         self.produced: set[StorageKey] = set()
         self.touched: dict[StorageKey, Touch] = {}
         #: storages of FSDP-managed parameters the segment read: parameter traffic, not state
@@ -76,11 +76,11 @@ class DiscoveryMode(TorchDispatchMode):
                 self.parameter_traffic.add(key)
                 return None
             snap = None
-            if key not in self.by_version:
+            if key not in self.params:
                 with torch.no_grad():
                     snap = storage_bytes(t).clone()
             touch = Touch(key, t.detach(), snap, self.log.arm(key),
-                          is_input=key in self.input_keys, version=t._version)
+                          is_input=key in self.input_keys)
             self.touched[key] = touch
         return touch
 

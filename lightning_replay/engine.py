@@ -107,12 +107,10 @@ def _root_class(cls: type) -> type:
             return cls.forward(self, *args, **kwargs)
         eng._explicit_windows += 1
         eng.begin_window(continuation=not torch.is_grad_enabled())
-        out = None
         try:
-            out = cls.forward(self, *args, **kwargs)
-            return out
+            return cls.forward(self, *args, **kwargs)
         finally:
-            eng.end_forward(out)
+            eng.end_forward()
 
     new = type(cls.__name__, (cls,), {"forward": forward,
                                       "__reduce_ex__": _plain_reduce(cls, lambda: new),
@@ -569,8 +567,8 @@ class ReplayEngine:
             self._capture.__enter__()
             self._capturing = True
 
-    def end_forward(self, outputs: Any = None) -> None:
-        """Close the window's forward part (``outputs``: the step's outputs, unused today)."""
+    def end_forward(self) -> None:
+        """Close the window's forward part."""
         if self._window_depth == 0:
             return
         self._window_depth -= 1

@@ -388,13 +388,11 @@ class ReplayStrategy(DDPStrategy):
         if self.optimizers and not engine.tracked_optimizers:
             engine.track_optimizer(*self.optimizers)  # their state is part of the base
         engine.begin_window()
-        out = None
         try:
             self._sync_plan()
-            out = super().training_step(*args, **kwargs)
-            return out
+            return super().training_step(*args, **kwargs)
         finally:
-            engine.end_forward(out)
+            engine.end_forward()
 
     @override
     def teardown(self) -> None:

@@ -226,13 +226,11 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         if self.optimizers and not engine.tracked_optimizers:
             engine.track_optimizer(*self.optimizers)
         engine.begin_window()
-        out = None
         try:
             self._sync_plan()
-            out = super().training_step(*args, **kwargs)
-            return out
+            return super().training_step(*args, **kwargs)
         finally:
-            engine.end_forward(out)
+            engine.end_forward()
 
     @override
     def teardown(self) -> None:
