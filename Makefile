@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests lightning_replay --doctest-modules
 
 demo: $(STAMP)
-	$(BIN)/python -m lightning_replay.demo
+	$(BIN)/python -m lightning_replay.demos.demo
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py --suite quick --json benchmarks/results/quick-latest.json

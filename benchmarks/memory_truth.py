@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def queue_model():
-    from lightning_replay.hazards import QueueModel
+    from lightning_replay.demos.hazards import QueueModel
     torch.manual_seed(0)
     m = QueueModel(rows=16384, dim=128, write_rows=256)
     return m, "blocks.*", lambda s: (torch.randn(256, 128, generator=torch.Generator().manual_seed(s)),), \

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import lightning_replay as lr
-from lightning_replay.hazards import MLPBlock
+from lightning_replay.demos.hazards import MLPBlock
 from lightning_replay.verify import torch_checkpoint
 
 

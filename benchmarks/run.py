@@ -42,7 +42,7 @@ sys.path.insert(0, HERE)
 import lightning_replay as lr  # noqa: E402
 import sparse_map  # noqa: E402
 from bench_common import device, measure_costs, paired_ratio, run_plans, timed_step  # noqa: E402
-from lightning_replay.hazards import QueueModel  # noqa: E402
+from lightning_replay.demos.hazards import QueueModel  # noqa: E402
 from lightning_replay.planner import min_feasible_budget, plan  # noqa: E402
 
 SUITES = {

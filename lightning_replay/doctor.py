@@ -20,7 +20,7 @@ The core never imports Lightning; ``lightning-replay doctor --config`` is the co
 
 Example:
     >>> import lightning_replay as lr
-    >>> from lightning_replay.hazards import HAZARDS
+    >>> from lightning_replay.demos.hazards import HAZARDS
     >>> h = HAZARDS["batch_norm"]()
     >>> report = lr.diagnose(h.model, h.make_input)
     >>> report.verdict
@@ -380,7 +380,7 @@ def diagnose(model: nn.Module, batch_fn: BatchFn, loss_fn: LossFn | None = None,
 
     Example:
         >>> import torch, lightning_replay as lr
-        >>> from lightning_replay.hazards import HAZARDS
+        >>> from lightning_replay.demos.hazards import HAZARDS
         >>> h = HAZARDS["stateless"]()
         >>> lr.diagnose(h.model, h.make_input, steps=1).verdict
         'torch checkpoint is exact on this model'

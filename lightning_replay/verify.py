@@ -5,7 +5,7 @@ same comparison on their own model before trusting a plan.
 
 Example:
     >>> import copy, lightning_replay as lr
-    >>> from lightning_replay.hazards import HAZARDS
+    >>> from lightning_replay.demos.hazards import HAZARDS
     >>> h = HAZARDS["queue"]()
     >>> ref, model = copy.deepcopy(h.model), copy.deepcopy(h.model)
     >>> engine = lr.install(model, h.segments)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lightning_replay as lr
-from lightning_replay.hazards import HAZARDS
+from lightning_replay.demos.hazards import HAZARDS
 from lightning_replay.planner import InfeasibleBudget, Option, SegmentCost, plan
 
 

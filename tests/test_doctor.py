@@ -11,7 +11,7 @@ from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.doctor import ModelRunError
-from lightning_replay.hazards import HAZARDS, BNBlock, MLPBlock, _Stack
+from lightning_replay.demos.hazards import HAZARDS, BNBlock, MLPBlock, _Stack
 from lightning_replay.verify import (diff_state, grad_diffs, snapshot_state, torch_checkpoint,
                                      train_steps)
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import lightning_replay as lr
-from lightning_replay.hazards import HAZARDS, BNBlock, MLPBlock
+from lightning_replay.demos.hazards import HAZARDS, BNBlock, MLPBlock
 from tests.helpers.compare import (assert_same_grads, assert_same_state, clone_model,
                                    snapshot_state, train_steps)
 
@@ -321,7 +321,7 @@ def test_bad_preservation_and_on_violation():
 
 
 def test_segments_by_class_and_glob():
-    from lightning_replay.hazards import BNBlock
+    from lightning_replay.demos.hazards import BNBlock
     h = HAZARDS["batch_norm"]()
     e = lr.install(h.model, BNBlock)
     assert e.segments == ["blocks.0", "blocks.1"]
@@ -404,7 +404,7 @@ def test_preservation_retain_keeps_activations_and_never_replays():
 
 def test_preservation_per_segment_dict():
     """A dict picks the option per segment; segments it leaves out get "auto"."""
-    from lightning_replay.hazards import QueueModel
+    from lightning_replay.demos.hazards import QueueModel
     torch.manual_seed(0)
     plain = QueueModel(rows=1024, dim=16, write_rows=16)
     model = copy.deepcopy(plain)
@@ -455,7 +455,7 @@ def test_suspended_runs_segments_as_plain_modules():
 def test_checked_steps_do_not_leak_models():
     import gc
     import weakref
-    from lightning_replay.hazards import QueueModel
+    from lightning_replay.demos.hazards import QueueModel
     refs = []
     for _ in range(2):
         m = QueueModel()

@@ -6,7 +6,7 @@ import torch
 from torch.utils.checkpoint import CheckpointError
 
 import lightning_replay as lr
-from lightning_replay.hazards import HAZARDS
+from lightning_replay.demos.hazards import HAZARDS
 from tests.helpers.compare import (assert_same_grads, assert_same_state, clone_model,
                                    diff_state, grad_diffs, snapshot_state, torch_checkpoint,
                                    train_steps)
@@ -119,7 +119,7 @@ def test_recomputation_really_happens():
 
 
 def test_regions_preserve_a_sixteenth_of_whole():
-    from lightning_replay.hazards import QueueModel
+    from lightning_replay.demos.hazards import QueueModel
 
     def preserved(pres):
         m = QueueModel(rows=4096, dim=16, write_rows=64)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lightning_replay as lr
-from lightning_replay.hazards import CombinedModel, QueueModel
+from lightning_replay.demos.hazards import CombinedModel, QueueModel
 from lightning_replay.planner import InfeasibleBudget, Plan, costs_from_dict, costs_to_dict, \
     min_feasible_budget
 from lightning_replay.verify import grad_diffs, train_steps

@@ -8,7 +8,7 @@ PyTorch from an identical deep copy and identical RNG, and asserts bit-identical
 every step and identical state after. Where it is meaningful, the test also states what plain
 ``torch.utils.checkpoint`` does on the same model (exact, wrong, or raises).
 
-The models are written for these tests (none is a copy of :mod:`lightning_replay.hazards`).
+The models are written for these tests (none is a copy of :mod:`lightning_replay.demos.hazards`).
 ``after(h)`` hooks run inside the root's forward, i.e. between a segment's forward and its
 replay in backward: that is where the step changes state the replay must not see.
 """

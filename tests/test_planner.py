@@ -725,7 +725,7 @@ def test_engine_plans_honour_a_preservation_pin_and_name_it_when_infeasible() ->
     import torch
 
     import lightning_replay as lr
-    from lightning_replay.hazards import QueueModel
+    from lightning_replay.demos.hazards import QueueModel
     from lightning_replay.verify import grad_diffs, train_steps
 
     def x(step: int) -> torch.Tensor:

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_replay as lr
-from lightning_replay import hazards as hz
+from lightning_replay.demos import hazards as hz
 from tests.helpers.compare import assert_same_grads, diff_state, snapshot_state, train_steps
 
 _CHILD = textwrap.dedent('''
     import sys, torch, lightning_replay as lr
-    from lightning_replay.hazards import HAZARDS
+    from lightning_replay.demos.hazards import HAZARDS
     h = HAZARDS["combined"]()
     engine = lr.install(h.model, h.segments, records=sys.argv[1])
     for step in range(10_000):

@@ -8,7 +8,7 @@ Trains `DenseQueueModule` (CIFAR ResNet, momentum key encoder, a dense queue of 
 every step, InfoNCE, then a linear probe) with the chosen method and with no recomputation,
 same seed, and prints both test top-1 scores and encoder digests: identical for the state-aware
 methods (whole, regions, eager_whole, joint), different for torch_checkpoint and torch_sac.
-For the full seven-method comparison use `python -m lightning_replay.demo` or
+For the full seven-method comparison use `python -m lightning_replay.demos.demo` or
 `lightning-replay study --config configs/dense_queue_cpu.yaml`.
 """
 from __future__ import annotations

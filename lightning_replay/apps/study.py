@@ -111,7 +111,7 @@ _REPLAY = {"whole": ("whole_all", "whole", False), "regions": ("fixed_regions", 
 _DENSE_QUEUE = "lightning_replay.apps.dense_queue.DenseQueueModule"
 _DENSE_QUEUE_DATA = "lightning_replay.apps.dense_queue.DenseQueueDataModule"
 
-#: The embedded default: ``python -m lightning_replay.demo`` and ``configs/dense_queue_cpu.yaml``.
+#: The embedded default: ``python -m lightning_replay.demos.demo`` and ``configs/dense_queue_cpu.yaml``.
 #: Small sizes for 2 CPU cores: a ResNet with one block per stage at width 16 on a synthetic
 #: CIFAR-100 of 1,000 training and 500 test images, 2 contrastive and 2 probe epochs.
 DEMO_CONFIG = """\

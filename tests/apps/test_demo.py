@@ -1,9 +1,9 @@
-"""`python -m lightning_replay.demo` (make demo) and the hazard table it replaced."""
+"""`python -m lightning_replay.demos.demo` (make demo) and the hazard table it replaced."""
 from __future__ import annotations
 
 import yaml
 
-from lightning_replay import demo, hazard_demo
+from lightning_replay.demos import demo, hazard_demo
 
 from .conftest import tiny_study_config
 

@@ -19,7 +19,7 @@ import lightning_replay
 from lightning_replay import (RecordStore, ReplayCallback, ReplayConfigError, ReplayStrategy,
                               SegmentError)
 from lightning_replay.budget import Budget
-from lightning_replay.hazards import BNBlock, MLPBlock
+from lightning_replay.demos.hazards import BNBlock, MLPBlock
 from lightning_replay.planner import InfeasibleBudget, min_feasible_budget
 from lightning_replay.strategies import STRATEGY_NAMES, default_segments, register
 

@@ -10,7 +10,7 @@ byte-identical test top-1 and encoder weights within each seed; the exit status 
 
 Data: the real CIFAR-100 if ``--data-dir`` holds it, else a synthetic CIFAR-100 written there
 in CIFAR-100's own format (nothing is downloaded). The hazard table of earlier versions is
-``python -m lightning_replay.hazard_demo``.
+``python -m lightning_replay.demos.hazard_demo``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from lightning_replay.apps.study import (DEMO_CONFIG, METHODS, format_markdown,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lightning_replay.demo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m lightning_replay.demos.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-dir", default=None,
                     help="where results, report, records and wandb runs go "

@@ -1,7 +1,7 @@
 """The hazard demo: what torch.utils.checkpoint does to each hazard, and what lightning_replay does.
 
-Run with ``python -m lightning_replay.hazard_demo``. For every model in
-:data:`lightning_replay.hazards.HAZARDS` it trains three copies for a few SGD steps — without
+Run with ``python -m lightning_replay.demos.hazard_demo``. For every model in
+:data:`lightning_replay.demos.hazards.HAZARDS` it trains three copies for a few SGD steps — without
 recomputation (the reference), with plain ``torch.utils.checkpoint`` on the same segments, and
 with :func:`lightning_replay.install` — and compares gradients and final state bit for bit.
 """
@@ -14,7 +14,7 @@ import sys
 import torch
 
 import lightning_replay as lr
-from lightning_replay.hazards import HAZARDS
+from lightning_replay.demos.hazards import HAZARDS
 from lightning_replay.verify import (diff_state, grad_diffs, max_relative_error, snapshot_state,
                                      torch_checkpoint, train_steps)
 
@@ -71,7 +71,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lightning_replay.hazard_demo", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m lightning_replay.demos.hazard_demo", description=__doc__)
     ap.add_argument("--steps", type=int, default=5, help="SGD steps per model (default 5)")
     ap.add_argument("--preservation", default="auto", choices=["auto", "whole", "regions"])
     ap.add_argument("--hazard", action="append", choices=sorted(HAZARDS),
