@@ -34,9 +34,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from lightning_replay.errors import RecordsError, ReplayConfigError, ReplayError
+
 _LIGHTNING_COMMANDS = ("fit", "validate", "test")
-_DENSE_QUEUE = "lightning_replay.apps.dense_queue.DenseQueueModule"
-_DENSE_QUEUE_DATA = "lightning_replay.apps.dense_queue.DenseQueueDataModule"
 
 
 def _cli_class():
@@ -47,8 +47,8 @@ def _cli_class():
 
     import lightning_replay  # noqa: F401  registers strategy="replay"
     from lightning_replay.apps.dense_queue import DenseQueueDataModule, DenseQueueModule
-    from lightning_replay.apps.study import StudySettings
-    from lightning_replay.strategies.replay import STRATEGY_NAMES
+    from lightning_replay.apps.study_config import StudySettings, names_subclass
+    from lightning_replay.strategies.replay import STRATEGY_NAMES, ReplayStrategy
 
     class ReplayCLI(LightningCLI):
         """LightningCLI with the dense-queue defaults and the ``study`` section."""
@@ -81,7 +81,7 @@ def _cli_class():
             trainer = self.config[self.subcommand].trainer
             strategy = trainer.strategy
             name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
-            if name in STRATEGY_NAMES or str(name).endswith("ReplayStrategy"):
+            if name in STRATEGY_NAMES or names_subclass(name, ReplayStrategy):
                 trainer.strategy = "auto"
                 rank_zero_info(f"lightning-replay {self.subcommand}: strategy 'replay' is for "
                                "training; evaluating with strategy='auto'")
@@ -95,8 +95,9 @@ def _cli_class():
     return ReplayCLI
 
 
-class ConfigInstantiationError(ValueError):
-    """A config parsed, but building the trainer, model or data from it failed."""
+class ConfigInstantiationError(ReplayConfigError):
+    """A config parsed, but building the trainer, model or data from it failed (a
+    :class:`ValueError` too, as before the error tree)."""
 
 
 def _concise(message: str) -> str:
@@ -237,7 +238,6 @@ def run_doctor_command(argv: Sequence[str]) -> int:
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
     from lightning_replay.doctor import diagnose
-    from lightning_replay.errors import ReplayError
 
     try:
         cli = parse_doctor_args(argv)
@@ -482,8 +482,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_study_command(argv[1:])
     if argv and argv[0] == "doctor":
         return run_doctor_command(argv[1:])
-    from lightning_replay.errors import RecordsError
-
     ap = _parser()
     args = ap.parse_args(argv)
     if args.command is None:

@@ -44,9 +44,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from lightning_replay.apps.study import METHOD_DESCRIPTIONS, format_top1  # noqa: E402
+from lightning_replay.apps.study_config import METHOD_DESCRIPTIONS  # noqa: E402
+from lightning_replay.apps.study_output import format_top1  # noqa: E402
 from lightning_replay.apps.telemetry import read_telemetry  # noqa: E402
 from lightning_replay.budget import format_bytes  # noqa: E402
+from lightning_replay.errors import ReplayError  # noqa: E402
 from lightning_replay.records import (OUTCOMES, RECORDS_DIR, Record, find_records,  # noqa: E402
                                       query)
 from lightning_replay.records import runs as record_runs  # noqa: E402
@@ -58,9 +60,9 @@ _OPTION_COLOURS = {"probe": "#bbbbbb", "probing": "#bbbbbb", "retain": "#4c72b0"
 _OUTCOME_COLOURS = {"match": "#55a868", "rejection": "#dd8452", "divergence": "#c44e52"}
 
 
-class ReportError(FileNotFoundError):
+class ReportError(ReplayError, FileNotFoundError):
     """The directory holds nothing a report can be made from, or the run asked for is not
-    there."""
+    there. A :class:`FileNotFoundError` too, as callers before the error tree caught it."""
 
 
 def _records(db: Path, run_id: str | None = None) -> list[Record]:

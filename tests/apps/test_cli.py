@@ -9,10 +9,9 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from lightning_replay import cli
-from lightning_replay.apps.study import DEMO_CONFIG
+from lightning_replay.errors import ReplayConfigError
 
 from .conftest import CONFIGS, REPO, TINY_DATA, guard_launcher_env
 
@@ -165,9 +164,17 @@ def test_study_args_from_config_and_overrides(tmp_path):
         "cifar100"
 
 
-def test_cpu_config_is_the_embedded_demo_default():
-    assert yaml.safe_load((CONFIGS / "dense_queue_cpu.yaml").read_text()) == \
-        yaml.safe_load(DEMO_CONFIG)
+def test_a_config_that_fails_to_build_is_a_replay_config_error(capsys):
+    argv = ["--config", str(CONFIGS / "dense_queue_cpu.yaml"),
+            "--trainer.strategy.init_args.budget=lots"]
+    with pytest.raises(cli.ConfigInstantiationError, match="budget='lots'") as info:
+        cli.parse_doctor_args(argv)
+    # under the package's error tree, and still the ValueError callers caught before
+    assert isinstance(info.value, ReplayConfigError) and isinstance(info.value, ValueError)
+    assert cli.main(["fit", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "the config parsed, but building the trainer, model or data from it failed" in err
+    assert "Traceback" not in err and "Namespace(" not in err
 
 
 # ------------------------------------------------------------------------------ README-style run
