@@ -23,7 +23,7 @@ from lightning_replay.slots import (
     slot_tensors,
 )
 from lightning_replay.state import (
-    digest,
+    digests,
     storage_key,
     tensor_leaves,
 )
@@ -221,7 +221,7 @@ class SegmentChecks:
             return out
         box = _CheckBox(self, inv, args2, kwargs2, leaves, params,
                         outs, rng, autocast,
-                        [digest(t) for t in tensor_leaves(out)] if eng._check_bytes else None)
+                        digests(tensor_leaves(out)) if eng._check_bytes else None)
         bridged = _CheckedSegment.apply(box, *in_req, *params)
         by_id = {id(o): b for o, b in zip(outs, bridged)}
         return tree_map(lambda x: by_id.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
@@ -293,7 +293,7 @@ class SegmentChecks:
                            detail=detail)
         diverged = bool(bad)
         if box.out_digests is not None:
-            d2 = [digest(t) for t in tensor_leaves(out2)]
+            d2 = digests(tensor_leaves(out2))
             same = d2 == box.out_digests
             if not same:
                 self.divergences += 1
@@ -334,7 +334,7 @@ class SegmentChecks:
 
     def _check_state_digests(self, inv: _Invocation) -> None:
         eng = self.engine
-        now = [digest(t) for _, t in inv.tensors]
+        now = digests([t for _, t in inv.tensors])
         bad = [e.name for (e, _), a, b in zip(inv.tensors, inv.digests, now) if a != b]
         self.checks += 1
         if bad:

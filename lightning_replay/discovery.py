@@ -39,16 +39,23 @@ class Touch:
     annotated_write: bool = False
     changed_in_segment: bool = False
     is_input: bool = False
+    #: the tensor object the op was given (not a parameter): if it is pointed at another
+    #: storage later (``.data =``, ``set_``), a replayed probe points it back for its replay
+    source: Any = None
 
 
 class DiscoveryMode(TorchDispatchMode):
     """Records reads, writes and generators of one segment invocation."""
 
     def __init__(self, log: RegionLog, input_keys: set[StorageKey],
-                 params: Collection[StorageKey] = frozenset()) -> None:
+                 params: Collection[StorageKey] = frozenset(),
+                 uncopied: Collection[StorageKey] = frozenset()) -> None:
         super().__init__()
         self.log = log
         self.input_keys = input_keys
+        #: storages compared by their logged writes, as parameters are, not copied (a
+        #: replayed probe's arguments that are no model state: its activations)
+        self.uncopied = uncopied
         # Parameters are not copied: a probe that copied every parameter it reads would peak
         # above a plain step. The optimizer writes them between steps, not inside the window;
         # a write inside it is annotated and logged, and that is what they are compared by
@@ -59,6 +66,9 @@ class DiscoveryMode(TorchDispatchMode):
         #: storages of FSDP-managed parameters the segment read: parameter traffic, not state
         self.parameter_traffic: set[StorageKey] = set()
         self.generators: dict[int, torch.Generator] = {}
+        #: each generator's state when the segment first used it (a replayed probe's replay
+        #: draws from there again)
+        self.generator_states: dict[int, torch.Tensor] = {}
         self.uses_global_rng = False
 
     def _touch(self, t: torch.Tensor) -> Touch | None:
@@ -76,11 +86,12 @@ class DiscoveryMode(TorchDispatchMode):
                 self.parameter_traffic.add(key)
                 return None
             snap = None
-            if key not in self.params:
+            if key not in self.params and key not in self.uncopied:
                 with torch.no_grad():
                     snap = storage_bytes(t).clone()
             touch = Touch(key, t.detach(), snap, self.log.arm(key),
-                          is_input=key in self.input_keys)
+                          is_input=key in self.input_keys,
+                          source=weakref.ref(t) if key not in self.params else None)
             self.touched[key] = touch
         return touch
 
@@ -102,7 +113,9 @@ class DiscoveryMode(TorchDispatchMode):
         for i, a in enumerate(op_arguments(func)):
             v = args[i] if i < len(args) else kwargs.get(a.name)
             if a.name == "generator" and v is not None:
-                self.generators[id(v)] = v
+                if id(v) not in self.generators:
+                    self.generators[id(v)] = v
+                    self.generator_states[id(v)] = v.get_state()
             for t in _tensors(v):
                 touch = self._touch(t)
                 if touch is not None:
@@ -198,20 +211,29 @@ class Observation:
     changed: bool
     regions_ok: bool
     region_bytes: int
+    #: a parameter's logged writes in the window, kept for a replayed probe's replay (it
+    #: undoes them, as parameters are not copied)
+    entries: list | None = None
 
 
-def observe_window(mode: DiscoveryMode, log: RegionLog) -> list[Observation]:
-    """Compare every touched storage with its first-touch bytes, then release the log arms."""
+def observe_window(mode: DiscoveryMode, log: RegionLog,
+                   keep_changed: bool = False) -> list[Observation]:
+    """Compare every touched storage with its first-touch bytes, then release the log arms.
+
+    The first-touch copies go, except (``keep_changed``) those of storages the window changed:
+    a replayed probe's replay puts those back.
+    """
     out = []
     with torch.no_grad():
         for key, touch in mode.touched.items():
             entries = log.since(key, touch.mark)
             if touch.snapshot is None:
-                # a parameter: its writes in the window are annotated and logged (the optimizer
+                # a parameter (or an uncopied argument): its writes in the window are annotated and logged (the optimizer
                 # writes it between steps); a version counter is no help here, as parameters
                 # may be swapped (swap_tensors) with their counters between forward and backward
                 changed = bool(entries) or touch.annotated_write
-                out.append(Observation(touch, changed, False, sum(e.nbytes for e in entries)))
+                out.append(Observation(touch, changed, False, sum(e.nbytes for e in entries),
+                                       entries if keep_changed and entries else None))
                 log.release(key)
                 continue
             live = storage_bytes(touch.tensor)
@@ -228,5 +250,6 @@ def observe_window(mode: DiscoveryMode, log: RegionLog) -> list[Observation]:
             out.append(Observation(touch, changed, regions_ok,
                                    sum(e.nbytes for e in entries)))
             log.release(key)
-            touch.snapshot = touch.snapshot.new_empty(0)  # the probe's copies go now
+            if not (keep_changed and changed):
+                touch.snapshot = touch.snapshot.new_empty(0)  # the probe's copies go now
     return out

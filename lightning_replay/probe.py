@@ -8,35 +8,52 @@ HF cache) is refused here, at the first step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
 from lightning_replay._compat import (
     at_backward_end,
+    set_versions,
     top_saved_tensors_hooks,
     tree_flatten,
 )
 from lightning_replay.accounting import Saved
 from lightning_replay.contract import ReplayContract, StateEntry
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
-from lightning_replay.errors import ReplayConfigError
+from lightning_replay.errors import ReplayConfigError, ReplayError
+from lightning_replay.preservation import redo, undo
 from lightning_replay.restore import _Bound
 from lightning_replay.slots import (
     MODULE_INTERNALS,
     OutsideReads,
+    capture_generators,
+    capture_outside,
     capture_slots,
     is_scalar,
+    restore_generators,
+    restore_slots,
     same_value,
+    slot_generators,
     slot_tensors,
+    swap_generators,
+    swap_outside,
+    swap_slots,
 )
 from lightning_replay.state import (
     StateIndex,
     StateRef,
+    digests,
     find_generator_name,
+    storage_bytes,
     storage_key,
+    swap_,
     tensor_leaves,
     unique_generators,
 )
@@ -60,6 +77,9 @@ class _Probe:
         self.live = 0  # saved-tensor handles autograd still holds (0: the graph is gone)
         self.observations: list[Observation] | None = None
         self.changed_attrs: list[str] = []
+        self.replayed = False  # its forward kept no activations; its replay restores
+        self.gens: list = []  # (generator, state) at its start (replayed probes)
+        self.outside: list | None = None  # outside attributes read, as at forward (replayed)
         self.changed_inputs: list[int] = []  # argument leaves the window changes
         self.written_inputs: list[int] = []  # ... that the segment itself writes
         self.start_index: StateIndex | None = None  # the model's state names at its start
@@ -165,6 +185,10 @@ class SegmentProbe:
 
     # ---------------------------------------------------------------- probe
     def _probe_call(self, args: tuple, kwargs: dict) -> Any:
+        """The probe: this forward runs retained (always exact) under the discovery mode."""
+        return self._probe_forward(args, kwargs, replayed=False)
+
+    def _probe_forward(self, args: tuple, kwargs: dict, replayed: bool) -> Any:
         eng = self.engine
         self.status = "probing"
         self.guard.accept()  # this forward's preconditions are what the probe will cover
@@ -172,7 +196,9 @@ class SegmentProbe:
         leaf_keys = [storage_key(t) for t in leaves]
         input_keys = {k for k in leaf_keys if k}
         params = {k for k in (storage_key(p) for p in eng.model.parameters()) if k is not None}
-        mode = DiscoveryMode(eng.log, input_keys, params - input_keys)
+        start_index = StateIndex(eng.model)  # who held each storage when it began
+        uncopied = {k for k in input_keys if not start_index.lookup(k)} if replayed else ()
+        mode = DiscoveryMode(eng.log, input_keys, params - input_keys, uncopied)
         slots = capture_slots(self.modules)
         # State the dispatch mode may never see read (host reads such as .tolist(), reads
         # after a warm-up) is watched all the same: every buffer and tensor attribute.
@@ -180,7 +206,10 @@ class SegmentProbe:
         objects = _argument_objects(args, kwargs)
         before = [_object_token(o) for _, o in objects]
         probe = _Probe(mode, slots, leaf_keys, eng.step)
-        probe.start_index = StateIndex(eng.model)  # who held each storage when it began
+        probe.replayed = replayed
+        if replayed:  # where the replay draws from (generators the mode meets are added)
+            probe.gens = capture_generators(slot_generators(slots))
+        probe.start_index = start_index
         saved: dict = {}
         where = f"segment {self.name!r}"
         top = top_saved_tensors_hooks()
@@ -205,6 +234,8 @@ class SegmentProbe:
             eng._segment_depth -= 1
         known = {(id(m), k) for m, k in self.outside}
         self.outside += [(m, k) for m, k in outside.reads if (id(m), k) not in known]
+        if replayed and outside.reads:
+            probe.outside = capture_outside(outside.reads)
         mode.finish_segment()
         for (argname, obj), tok in zip(objects, before):
             if _object_token(obj) != tok:
@@ -217,12 +248,52 @@ class SegmentProbe:
         self.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
         self.input_bytes = _unique_bytes(leaves)
         self.probes.append(probe)
+        self._last_probe = probe
         eng._pending_probes.add(self)
         grads = [t for t in tensor_leaves(out) if t.requires_grad]
         if grads:
             torch.autograd.graph.register_multi_grad_hook(
                 grads, lambda _g, p=probe: self._grad_arrived(p), mode="any")
         return out
+
+    def _replayed_probe_call(self, args: tuple, kwargs: dict) -> Any:
+        """The probe when the step must not keep its activations (a memory budget is set).
+
+        The forward is probed as in :meth:`_probe_call` but runs under checkpoint, so it keeps
+        no activations. Its replay in backward, at the moment the window ends, puts back every
+        storage the window changed (its first-touch bytes), the slot objects, the generators'
+        states and the outside attributes it read, as the forward saw them; the global RNG is
+        checkpoint's. The replay's outputs are then compared, byte for byte, with the
+        forward's: a difference is recorded as a divergence and the segment's next probe runs
+        retained (see :class:`_ProbeReplay`).
+        """
+        box: dict[str, Any] = {}
+        eng = self.engine
+
+        # The arguments reach the replay through this closure, not as checkpoint's inputs:
+        # checkpoint would save them and refuse one written in place since (a view of state
+        # written after the segment, an input the segment writes itself). Their bytes as the
+        # forward saw them are the probe's first-touch copies, put back for the replay.
+        def fn() -> Any:
+            replay = box.get("replay")
+            if replay is None:
+                out = self._probe_forward(args, kwargs, replayed=True)
+                box["probe"] = self._last_probe
+                box["digests"] = digests(tensor_leaves(out))
+                return out
+            eng._segment_depth += 1
+            try:
+                out = self.orig_forward(*args, **kwargs)
+            finally:
+                eng._segment_depth -= 1
+            replay.compare(out)
+            return out
+
+        # The replay runs to the end (no early stop): its outputs are compared.
+        with set_checkpoint_early_stop(False):
+            return checkpoint(fn, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=lambda: (contextlib.nullcontext(),
+                                                  _ProbeReplay(self, box)))
 
     def _grad_arrived(self, probe: _Probe) -> None:
         # The replay point is the first unpack of a saved tensor (see _ProbeHandle); a segment
@@ -237,7 +308,8 @@ class SegmentProbe:
     def _observe(self, probe: _Probe) -> None:
         if probe.observations is not None:
             return
-        probe.observations = observe_window(probe.mode, self.engine.log)
+        probe.observations = observe_window(probe.mode, self.engine.log,
+                                            keep_changed=probe.replayed)
         changed = []
         varying = []
         for i, s in enumerate(probe.slots):
@@ -429,3 +501,124 @@ class SegmentProbe:
             if self.status in ("active", "retain"):
                 self.status = "retain" if self.contract.option == "retain" else "active"
             self.engine._contracts_changed()
+
+
+class _ProbeReplay:
+    """Around a replayed probe's replay: the window's changes swapped out, the forward's state
+    swapped in, the replay's outputs compared with the forward's, and the live state put back.
+
+    What is put back is everything the probe saw: every storage it touched that the window
+    changed (first-touch bytes; parameters are compared by their logged writes, so a changed
+    parameter cannot be put back and the comparison of outputs is what catches it), the slot
+    objects and plain values, every generator's state as the forward first drew from it and
+    the outside attributes it read. Writes the replay makes are undone with the swap.
+    """
+
+    def __init__(self, rt: "SegmentRuntime", box: dict[str, Any]) -> None:
+        self.rt = rt
+        self.box = box
+        self.active = False
+
+    def __enter__(self) -> None:
+        probe: _Probe = self.box["probe"]
+        rt = self.rt
+        if probe.observations is None:
+            rt._observe(probe)  # the window ends here if no saved tensor was unpacked first
+        self.swapped = []
+        self.undone = []
+        self.repointed = []
+        with torch.no_grad():
+            for ob in probe.observations:
+                t = ob.touch
+                if ob.entries:  # a parameter written in the window: its logged writes undone
+                    undo(ob.entries)
+                    self.undone.append(ob.entries)
+                    continue
+                src = t.source() if t.source is not None else None
+                if src is not None and _storage_id(src) != _storage_id(t.tensor):
+                    # the object the forward read now has another storage: point it back
+                    self.repointed.append((src, (src.untyped_storage(), src.storage_offset(),
+                                                 src.shape, src.stride()), src._version))
+                    src.set_(t.tensor.untyped_storage(), t.tensor.storage_offset(),
+                             t.tensor.shape, t.tensor.stride())
+                if not ob.changed or t.snapshot is None or not t.snapshot.numel():
+                    continue
+                live = storage_bytes(t.tensor)
+                if live.numel() != t.snapshot.numel():
+                    continue  # resized since: the output comparison says if it mattered
+                self.swapped.append((t.tensor, t.snapshot, t.tensor._version))
+                swap_(live, t.snapshot)
+        self.slots = swap_slots(probe.slots)
+        if probe.outside:
+            self.slots += swap_outside(probe.outside)
+        gens = list(probe.gens)
+        known = {id(g) for g, _ in gens}
+        gens += [(g, probe.mode.generator_states[i]) for i, g in probe.mode.generators.items()
+                 if i not in known]
+        self.gens = swap_generators(gens)
+        self.box["replay"] = self
+        rt.replays += 1
+        rt.engine._replays_this_step += 1
+
+    def compare(self, out: Any) -> None:
+        """The replay's outputs against the forward's digests."""
+        rt = self.rt
+        eng = rt.engine
+        mine = digests(tensor_leaves(out))
+        expected = self.box["digests"]
+        differ = [i for i, (a, b) in enumerate(zip(mine, expected)) if a != b]
+        if len(mine) != len(expected):
+            differ.append(min(len(mine), len(expected)))
+        probe = self.box["probe"]
+        detail = {"what": "replayed probe: outputs of the replay against the forward's",
+                  "outputs": len(expected)}
+        if not differ:
+            eng.records.append(step=probe.step, segment=rt.name,
+                               contract_version=rt.version, check="bytes", outcome="match",
+                               detail=detail)
+            return
+        detail["differing_outputs"] = differ[:16]
+        detail["action"] = "next probe retained"
+        eng.records.append(step=probe.step, segment=rt.name, contract_version=rt.version,
+                           check="bytes", outcome="divergence", detail=detail)
+        rt.divergences += 1
+        rt.retained_probe = True
+        if rt.status in ("active", "retain"):
+            rt.status = "probe"
+        eng._contracts_changed()
+        message = (f"segment {rt.name!r}: the replay of its probe (step {probe.step}) did not "
+                   f"reproduce the forward's outputs {differ[:16]}: that step's gradients "
+                   "through it differ from plain PyTorch's. Something the probe could not "
+                   "restore changed between its forward and backward (a parameter written in "
+                   "the window, a storage resized or swapped); recorded as a divergence. Its "
+                   "next probe runs retained.")
+        if eng.on_violation == "raise":
+            raise ReplayError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def __exit__(self, *exc) -> bool:
+        self.box.pop("replay", None)
+        restore_generators(self.gens)
+        restore_slots(self.slots)
+        with torch.no_grad():
+            for t, snap, _ in self.swapped:
+                storage_bytes(t).copy_(snap)  # the live bytes the swap left in the copy
+            for entries in reversed(self.undone):
+                redo(entries)
+            for src, live, _ in reversed(self.repointed):
+                src.set_(*live)
+        set_versions([src for src, _, _ in self.repointed], [v for _, _, v in self.repointed])
+        set_versions([t for t, _, _ in self.swapped], [v for _, _, v in self.swapped])
+        probe = self.box.get("probe")
+        for ob in (probe.observations or []) if probe is not None else []:
+            if ob.touch.snapshot is not None and ob.touch.snapshot.numel():
+                ob.touch.snapshot = ob.touch.snapshot.new_empty(0)
+        self.swapped = []
+        self.undone = []
+        self.repointed = []
+        return False
+
+
+def _storage_id(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()

@@ -53,6 +53,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.contract: ReplayContract | None = None
         self.status = "probe"  # probe | probing | active | retain
         self.demoted = False  # retained for good after a second divergence
+        self.retained_probe = False  # a replayed probe diverged: probe retained from now on
         self.version = 0
         self.bound: list[_Bound] = []
         self.generators: list[tuple[str, torch.Generator]] = []
@@ -91,6 +92,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             return self._replay_call(args, kwargs)  # the steady-state fast path
         with eng._implicit_window(), eng._tagged(self.name):
             if self.status in ("probe", "probing"):
+                if self._probe_replays():
+                    return self._replayed_probe_call(args, kwargs)
                 return self._probe_call(args, kwargs)
             option = self.contract.option if self.contract else "retain"
             if option == "retain" or self.status == "retain":
@@ -101,6 +104,15 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                     not self.contract.written_inputs:
                 return self._checked_call(args, kwargs)
             return self._replay_call(args, kwargs)
+
+    def _probe_replays(self) -> bool:
+        """Whether this probe keeps no activations: under a memory budget a probe step that
+        kept every segment's activations would peak above a plain step. A segment pinned to
+        ``retain``, demoted, or whose replayed probe diverged is probed retained, and so is
+        every probe of a derivative-checked step (its reference keeps the graphs anyway)."""
+        eng = self.engine
+        return (eng.budget is not None and not self.retained_probe and not self.demoted
+                and self.preservation != "retain" and not eng._check_grad)
 
     def _plain_call(self, args: tuple, kwargs: dict) -> Any:
         eng = self.engine

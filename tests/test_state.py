@@ -47,3 +47,25 @@ def test_swap_exchanges_storage_bytes_in_place():
     a0, b0 = a.clone(), b.clone()
     swap_(storage_bytes(a), storage_bytes(b))
     assert torch.equal(a, b0) and torch.equal(b, a0)
+
+
+def test_device_digests_read_back_once_for_many_tensors(monkeypatch):
+    """On an accelerator a checked step's digests cost one host sync per device, not one per
+    tensor (CPU stands in for the device here: its word-sum path is the device code)."""
+    from lightning_replay import state as st
+    tensors = [torch.randn(n) for n in (3, 17, 1024)] + [torch.arange(5, dtype=torch.int8)]
+    monkeypatch.setattr(st, "_on_host", lambda b: False)
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        reads.append(tuple(self.shape))
+        return real_tolist(self)
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    batched = st.digests(tensors)
+    assert reads == [(4, 3)]
+    one_by_one = [st._word_digest(t.contiguous().view(-1).view(torch.uint8)) for t in tensors]
+    assert batched == one_by_one
+    flipped = tensors[1].clone()
+    flipped.view(torch.int32)[5] ^= 1
+    assert st.digests([flipped])[0] != batched[1]

@@ -1,0 +1,254 @@
+"""Under a memory budget the probe step keeps no activations (replayed probes), and stays exact.
+
+A probe that kept every segment's activations would peak above a plain step: the user who set a
+budget because plain training does not fit would run out of memory on step one. Under a byte
+budget each probed forward runs under checkpoint instead; its replay in backward puts back what
+the window changed and is compared with the forward's outputs (a ``bytes`` record). The memory
+referee here is ``torch.profiler``'s allocation events (tests/helpers/torch_memory.py), which
+share no code with the engine.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_replay as lr
+from lightning_replay.demos.hazards import HAZARDS
+from tests.helpers.compare import (assert_same_grads, assert_same_state, clone_model,
+                                   snapshot_state, train_steps)
+from tests.helpers.torch_memory import allocation_peak, live_bytes
+
+STEPS = 4
+HUGE = 1 << 40  # a byte budget that every plan meets: only the probe's kind changes
+
+
+def _bytes_records(engine, outcome=None):
+    return [r for r in engine.records.read(check="bytes")
+            if json.loads(r.detail).get("what", "").startswith("replayed probe")
+            and (outcome is None or r.outcome == outcome)]
+
+
+@pytest.mark.parametrize("preservation", ["auto", "whole", "regions"])
+@pytest.mark.parametrize("hazard", list(HAZARDS))
+def test_replayed_probe_is_exact_on_every_hazard(hazard, preservation):
+    h = HAZARDS[hazard]()
+    ref = clone_model(h.model)
+    g_ref, _ = train_steps(ref, h.make_input, STEPS)
+    model = clone_model(h.model)
+    engine = lr.install(model, h.segments, preservation=preservation, budget=HUGE)
+    g_rep, _ = train_steps(model, h.make_input, STEPS)
+    assert_same_grads(g_ref, g_rep, hazard)
+    summary = engine.summary()
+    matches = _bytes_records(engine, "match")
+    assert not _bytes_records(engine, "divergence")
+    engine.uninstall()
+    assert_same_state(snapshot_state(ref), snapshot_state(model), hazard)
+    for name, s in summary.items():
+        # the probe step replays too (its forward kept no activations), and so does every
+        # later step; each probe's replay was compared with its forward and matched
+        assert s["replays"] == STEPS, (name, s)
+        assert s["violations"] == 0 and s["divergences"] == 0
+    assert {r.segment for r in matches} == set(summary)
+    assert all(r.step == 1 for r in matches)
+
+
+D = 256
+
+
+class Wide(nn.Module):
+    """A block whose activations are large next to its parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, 4 * D)
+        self.down = nn.Linear(4 * D, D)
+        self.norm = nn.BatchNorm1d(D)  # state written in the forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class WideStack(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Wide() for _ in range(n))
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    model(x).pow(2).mean().backward()
+
+
+def test_probe_step_under_a_budget_stays_below_a_plain_step_and_within_the_budget():
+    x = torch.randn(512, D, generator=torch.Generator().manual_seed(1))
+    base = WideStack()
+    plain = copy.deepcopy(base)
+    static = live_bytes(list(plain.parameters()) + list(plain.buffers()))
+    plain_peak = static + allocation_peak(lambda: _step(plain, x))
+    model = copy.deepcopy(base)
+    # a budget a plain step does not meet, that recomputing the blocks meets
+    budget = static + int(0.7 * (plain_peak - static))
+    engine = lr.install(model, "blocks.*", budget=budget)
+    probe_peak = static + allocation_peak(lambda: _step(model, x))
+    assert all(s["contract_version"] == 1 for s in engine.summary().values())
+    assert probe_peak <= budget < plain_peak, (probe_peak, budget, plain_peak)
+    # without a budget the probe keeps activations (within 10 % of a plain step)
+    other = copy.deepcopy(base)
+    lr.install(other, "blocks.*")
+    assert static + allocation_peak(lambda: _step(other, x)) <= 1.1 * plain_peak
+
+
+class Scaled(nn.Module):
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        object.__setattr__(self, "_owner", owner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) + self._owner.shift)
+
+
+class ShiftedNet(nn.Module):
+    """Blocks read a parameter of the root (by addition: autograd saves nothing of it) that
+    the step changes in place between the forward and the backward, as an EMA of weights or a
+    parameter rescaled in a hook would: parameters are not copied by the probe, their logged
+    writes are undone for its replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shift = nn.Parameter(torch.zeros(16))
+        self.blocks = nn.ModuleList(Scaled(self) for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        out = self.head(x)
+        with torch.no_grad():
+            self.shift.add_(0.25)
+        return out
+
+
+def test_parameter_written_after_the_forward_is_put_back_for_the_probe_replay():
+    make = lambda s: torch.randn(8, 16, generator=torch.Generator().manual_seed(s))  # noqa: E731
+    ref = ShiftedNet()
+    g_ref, _ = train_steps(ref, make, STEPS)
+    model = ShiftedNet()
+    engine = lr.install(model, "blocks.*", budget=HUGE)
+    g_rep, _ = train_steps(model, make, STEPS)
+    assert_same_grads(g_ref, g_rep)
+    assert len(_bytes_records(engine, "match")) == 2
+    assert not _bytes_records(engine, "divergence")
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.t = torch.full((16,), 0.5)
+
+
+class ReadsHolder(nn.Module):
+    def __init__(self, holder: Holder) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        object.__setattr__(self, "_holder", holder)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) * self._holder.t)
+
+
+class RepointedNet(nn.Module):
+    """A tensor outside the model's modules, read by the blocks, is pointed at new bytes
+    (``.data = ...``: no write, no version bump) after the blocks at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.holder = Holder()
+        self.blocks = nn.ModuleList(ReadsHolder(self.holder) for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        self.holder.t.data = self.holder.t.data * 1.5
+        return self.head(x)
+
+
+def test_tensor_repointed_after_the_forward_is_pointed_back_for_the_probe_replay():
+    make = lambda s: torch.randn(8, 16, generator=torch.Generator().manual_seed(s))  # noqa: E731
+    ref = RepointedNet()
+    g_ref, _ = train_steps(ref, make, 1)
+    model = RepointedNet()
+    engine = lr.install(model, "blocks.*", budget=HUGE)
+    g_rep, _ = train_steps(model, make, 1)
+    assert_same_grads(g_ref, g_rep)
+    assert len(_bytes_records(engine, "match")) == 2
+
+
+#: a module-level setting: no slot, attribute or tensor of the model holds it
+SETTING = {"scale": 1.0}
+
+
+class ReadsGlobal(nn.Module):
+    """Reads a module-level setting that the step changes after the forward: nothing of the
+    model holds it, so no probe can put it back; its replay's outputs differ from the
+    forward's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) * SETTING["scale"])
+
+
+def test_a_probe_replay_that_differs_is_a_recorded_divergence_never_silent():
+    SETTING["scale"] = 1.0
+    torch.manual_seed(0)
+    model = nn.Sequential(ReadsGlobal(), nn.Linear(16, 1))
+    engine = lr.install(model, ["0"], budget=HUGE, on_violation="record")
+    x = torch.randn(8, 16)
+    out = model(x)
+    SETTING["scale"] = 2.0
+    try:
+        with pytest.warns(RuntimeWarning, match="did not reproduce the forward's outputs"):
+            out.pow(2).mean().backward()
+    finally:
+        SETTING["scale"] = 1.0
+    (div,) = _bytes_records(engine, "divergence")
+    assert div.segment == "0" and json.loads(div.detail)["action"] == "next probe retained"
+    # the next probe keeps its activations: retained probes are exact by construction
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).pow(2).mean().backward()
+    assert engine.summary()["0"]["divergences"] == 1
+
+
+def test_divergence_raises_under_on_violation_raise():
+    SETTING["scale"] = 1.0
+    torch.manual_seed(0)
+    model = nn.Sequential(ReadsGlobal(), nn.Linear(16, 1))
+    engine = lr.install(model, ["0"], budget=HUGE, on_violation="raise")
+    out = model(torch.randn(8, 16))
+    SETTING["scale"] = 3.0
+    try:
+        with pytest.raises(lr.ReplayError, match="segment '0'"):
+            out.pow(2).mean().backward()
+    finally:
+        SETTING["scale"] = 1.0
+    assert len(_bytes_records(engine, "divergence")) == 1
