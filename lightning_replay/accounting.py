@@ -5,11 +5,15 @@ storage once: tensors autograd saves outside replayed segments (a saved-tensors 
 packed handle gives its bytes back when autograd frees it), checkpoint inputs and preserved
 snapshots and region logs held by the engine, and, while a segment replays, the activations it
 re-materializes (its probe-measured ``A(s)``, until the next replay or the end of backward).
-Parameters and buffers are static and belong to the base.
+Parameters and buffers are static and belong to the base. So do storages the caller counts
+elsewhere (:attr:`MemoryAccountant.counted_elsewhere`): under FSDP2 a segment saves the
+*gathered* parameters it multiplies by, whose memory FSDP allocates and frees on its own schedule
+whatever the plan does; the strategy counts them in the base, and the probe's activation bytes
+leave them out too, so the plan's costs and the accountant's figures agree.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -30,6 +34,9 @@ class MemoryAccountant:
         self.replay_bytes = 0
         self.extra: Any = None  # callable returning bytes held elsewhere (the region log)
         self.namer: Any = None  # tensor -> the model's name for it (for error messages)
+        #: ``None`` or a callable ``tensor -> bool``: saved tensors whose storage is counted
+        #: in the base by someone else (FSDP's gathered parameters), held here as nothing.
+        self.counted_elsewhere: Callable[[torch.Tensor], bool] | None = None
 
     def reset_peak(self) -> None:
         self.peak = self.current + self.replay_bytes + (self.extra() if self.extra else 0)
@@ -58,6 +65,8 @@ class MemoryAccountant:
     def hold_tensor(self, t: torch.Tensor, tag: str | None = None) -> Hashable | None:
         key = storage_key(t)
         if key is None or key in self.static:
+            return None
+        if self.counted_elsewhere is not None and self.counted_elsewhere(t):
             return None
         self.hold(key, t.untyped_storage().nbytes(), tag)
         return key

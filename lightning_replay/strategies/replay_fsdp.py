@@ -16,6 +16,16 @@ of it is snapshotted, and it is never a violation.
 
 Every rank runs rank 0's plan (as :class:`ReplayStrategy` does) and writes its own records.
 
+Memory, per rank: the base holds this rank's parameter shards, their gradients, the optimizer's
+state (its shards) and FSDP's gathered parameters at their most (every unit that keeps its
+parameters gathered from forward to backward: the root, and any unit with
+``reshard_after_forward=False``; plus the two largest of the units that reshard, one running and
+one prefetched). A segment saves the gathered parameters it multiplies by, but FSDP frees and
+refills them on its own schedule whatever the plan does: they are never a segment's cost (the
+probe leaves them out of its activation bytes, and the accountant counts them in the base only),
+so the plan's predicted peak and the accounted peak agree. Backward's transient buffers (FSDP's
+all-gather and reduce-scatter buffers, unsharded gradients) are not counted.
+
 ``import lightning_replay`` registers ``"replay_fsdp"`` (the ``popen`` launcher, for scripts);
 ``ReplayFSDPStrategy(start_method="spawn" | "fork")`` runs the ranks in child processes.
 
@@ -53,6 +63,7 @@ from lightning_replay._compat import distributed_is_initialized
 from lightning_replay.budget import Budget
 from lightning_replay.engine import ReplayEngine
 from lightning_replay.errors import ReplayConfigError, SegmentError
+from lightning_replay.memory import live_model_bytes
 from lightning_replay.records import RecordStore
 from lightning_replay.segments import SegmentSpec, resolve_segments
 from lightning_replay.strategies.replay import ReplayStrategy, _check_replay_args
@@ -151,6 +162,9 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         #: Each segment's FSDP unit (the segment itself, or the unit it lies in).
         self.fsdp_units: dict[str, str] = {}
         self._full_state_dict: dict[str, Any] | None = None
+        self._gathered: _GatheredParameters | None = None
+        #: Bytes of gathered parameters FSDP holds at its most on this rank (0 until setup).
+        self.gathered_bytes = 0
 
     # The replay half is ReplayStrategy's own code (the same functions, not copies): records,
     # segment resolution, budget, install, the one plan for all ranks, and resumable state.
@@ -209,6 +223,20 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         spec, _ = self._resolve_spec(model)
         self.fsdp_units = _fsdp_units(model, list(resolve_segments(model, spec)))
         ReplayStrategy._install(self, model)
+        self._gathered = _GatheredParameters(model)
+        self.gathered_bytes = self._gathered.held_bytes()
+        self._base_given = _base_memory(self.engine)
+        self._count_base()
+
+    def _count_base(self) -> None:
+        """The engine's extra base on this rank: gathered parameters and optimizer state."""
+        engine = self.engine
+        base = (self._base_given + self.gathered_bytes
+                + live_model_bytes(nn.Module(), list(self.optimizers)))
+        if base != _base_memory(engine):
+            _set_base_memory(engine, base)
+        if engine.accountant is not None:
+            engine.accountant.counted_elsewhere = self._gathered
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -225,6 +253,7 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         # window begins, so agree on rank 0's before any segment runs.
         if self.optimizers and not engine.tracked_optimizers:
             engine.track_optimizer(*self.optimizers)
+        self._count_base()  # before a plan is made: the optimizer's state exists from step 2
         engine.begin_window()
         try:
             self._sync_plan()
@@ -288,6 +317,90 @@ def _full_state_dict(module: nn.Module | None) -> dict[str, Any] | None:
 def _is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _base_memory(engine: ReplayEngine) -> int:
+    # The engine keeps install's base_memory in its ReplayConfig (H-core's refactor, not yet
+    # committed when this was written), before that as extra_base_memory.
+    config = getattr(engine, "config", None)
+    return config.base_memory if config is not None else engine.extra_base_memory
+
+
+def _set_base_memory(engine: ReplayEngine, nbytes: int) -> None:
+    config = getattr(engine, "config", None)
+    if config is not None:
+        engine.config = config.replace(base_memory=nbytes)
+    else:
+        engine.extra_base_memory = nbytes
+
+
+class _GatheredParameters:
+    """FSDP2's gathered (unsharded) parameters of a model, on this rank.
+
+    Called on a tensor, says whether its storage is one of them (how the accountant leaves
+    them to the base). FSDP creates each gathered parameter at its first all-gather and
+    afterwards frees and refills the same storage, so the set is complete after one step.
+    FSDP2 has no public view of them: its states are read (private, hence the torch pin).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.units = _fsdp_param_groups(model)
+        self._storages: set[int] = set()
+        self._complete = False
+
+    def __call__(self, t: torch.Tensor) -> bool:
+        if not self._complete:
+            self._refresh()
+        return t.untyped_storage()._cdata in self._storages
+
+    def _refresh(self) -> None:
+        params = [getattr(fp, "_unsharded_param", None)
+                  for _, _, group in self.units for fp in group.fsdp_params]
+        self._storages = {getattr(p, "_local_tensor", p).untyped_storage()._cdata
+                          for p in params if p is not None}
+        self._complete = all(p is not None for p in params)
+
+    def held_bytes(self) -> int:
+        """The most bytes of gathered parameters FSDP holds at once on this rank: every unit
+        that keeps them from its forward to its backward (the root, ``reshard_after_forward=
+        False``), plus the two largest units that reshard (one running, one prefetched)."""
+        kept, resharded = 0, []
+        for _, root, group in self.units:
+            nbytes = sum(_unsharded_bytes(fp, group) for fp in group.fsdp_params)
+            reshards = group.post_forward_mesh_info is not None and \
+                group.post_forward_mesh_info == group.mesh_info
+            if root or not reshards:  # FSDP never reshards the root after forward
+                kept += nbytes
+            else:
+                resharded.append(nbytes)
+        return kept + sum(sorted(resharded, reverse=True)[:2])
+
+
+def _fsdp_param_groups(model: nn.Module) -> list[tuple[str, bool, Any]]:
+    """``(unit name, is a root unit, parameter group)`` for each FSDP2 unit of ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    out = []
+    for name in units:
+        root = not any(u != name and (u == "" or name.startswith(u + ".")) for u in units)
+        state = model.get_submodule(name)._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch before 2.8: one group per unit
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        out += [(name, root, g) for g in groups]
+    return out
+
+
+def _unsharded_bytes(fsdp_param: Any, group: Any) -> int:
+    """Bytes of one gathered parameter: the padded shard times the shard group's size, in the
+    mixed-precision policy's parameter dtype if it has one (FSDP sets its own dtype attributes
+    only at the first forward)."""
+    policy = getattr(group, "mp_policy", None)
+    dtype = getattr(policy, "param_dtype", None) or fsdp_param.sharded_param.dtype
+    return (fsdp_param.padded_sharded_param_size.numel() * fsdp_param.mesh_info.shard_mesh_size
+            * dtype.itemsize)
 
 
 def _fsdp_units(model: nn.Module, segments: list[str]) -> dict[str, str]:
