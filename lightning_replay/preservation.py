@@ -2,7 +2,10 @@
 
 Two ways to keep what the forward saw:
 
-* ``whole``: a copy of the state's storage taken at the segment's forward.
+* ``whole``: a copy of the state's storage taken at the segment's forward. All of one call's
+  copies live in one flat buffer per device (:class:`WholeSnapshot`): a segment with many small
+  state tensors (three batch-norm statistics per norm layer) costs one allocation and a few
+  batched copies per forward and replay, not three small ops per tensor.
 * ``regions``: an undo log. While the window runs, a dispatch mode sees every write to an armed
   storage and saves the old bytes of exactly the region written (a slice view, or the rows of an
   ``index_copy_`` / ``index_put_`` / ``scatter_``) before the write happens.
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 
 from lightning_replay._compat import TorchDispatchMode, op_arguments
-from lightning_replay.state import StorageKey, storage_key
+from lightning_replay.state import _SWAP_CHUNK, StorageKey, storage_bytes, storage_key, swap_
 
 _aten = torch.ops.aten
 _WRITE_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}
@@ -228,3 +231,95 @@ def undo(entries: list[RegionEntry]) -> None:
 def redo(entries: list[RegionEntry]) -> None:
     for e in entries:
         e.swap()
+
+
+class WholeSnapshot:
+    """Whole copies of the storages of some tensors, taken at once, swapped in and out as one.
+
+    The copies are the bytes of each tensor's entire storage (``storage_bytes``), whatever its
+    dtype, strides or offset, concatenated into one flat ``uint8`` buffer per device; each
+    tensor's copy is a view of it. :meth:`swap_in` exchanges the live bytes with the copies (the
+    copies then hold the live bytes), :meth:`swap_out` copies the live bytes back. A tensor
+    whose storage changed size or whose view changed since the snapshot (``resize_``,
+    ``set_``) is pointed at a private copy of its old bytes for the replay instead, and
+    re-pointed at its live storage afterwards.
+
+    The swap goes through a temporary of at most ``_SWAP_CHUNK`` bytes, like :func:`swap_`:
+    small copies are swapped in batches (one ``cat`` of the live bytes and two batched copies
+    per batch), a copy larger than that alone, in chunks.
+    """
+
+    __slots__ = ("tensors", "metas", "views", "snaps", "buffers", "nbytes", "_batches",
+                 "_moved")
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.metas = [(t.storage_offset(), t.shape, t.stride()) for t in tensors]
+        # flat byte views of the live storages, reused at replay while the storage is the same
+        views = self.views = [storage_bytes(t) for t in tensors]
+        sizes = [v.numel() for v in views]
+        snaps: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
+        by_device: dict[torch.device, list[int]] = {}
+        for i, v in enumerate(views):
+            by_device.setdefault(v.device, []).append(i)
+        self.buffers = []
+        with torch.no_grad():
+            for idx in by_device.values():
+                flat = torch.cat([views[i] for i in idx])
+                self.buffers.append(flat)
+                for i, snap in zip(idx, flat.split([sizes[i] for i in idx])):
+                    snaps[i] = snap
+        self.snaps = snaps
+        self.nbytes = sum(sizes)
+        self._batches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._moved: list[tuple[torch.Tensor, tuple]] = []
+
+    def swap_in(self) -> None:
+        """Put the snapshot's bytes into the live storages; the snapshot keeps the live ones."""
+        pairs = []
+        moved = self._moved
+        with torch.no_grad():
+            for t, view, snap, meta in zip(self.tensors, self.views, self.snaps, self.metas):
+                st = t.untyped_storage()
+                if st.nbytes() == snap.numel() and \
+                        (t.storage_offset(), t.shape, t.stride()) == meta:
+                    if view.untyped_storage()._cdata != st._cdata:
+                        view = storage_bytes(t)  # a storage swapped in (same size): write it
+                    pairs.append((view, snap))
+                else:  # resized (resize_, set_) since forward: point it at the old bytes
+                    moved.append((t, (st, t.storage_offset(), t.shape, t.stride())))
+                    t.set_(snap.clone().untyped_storage(), *meta)
+            batch: tuple[list, list] = ([], [])
+            room = _SWAP_CHUNK
+            for live, snap in pairs:
+                n = snap.numel()
+                if n > room and batch[0]:
+                    self._swap_batch(*batch)
+                    batch, room = ([], []), _SWAP_CHUNK
+                if n > _SWAP_CHUNK:
+                    swap_(live, snap)
+                    self._batches.append(([live], [snap]))
+                    continue
+                batch[0].append(live)
+                batch[1].append(snap)
+                room -= n
+            if batch[0]:
+                self._swap_batch(*batch)
+
+    def _swap_batch(self, live: list[torch.Tensor], snaps: list[torch.Tensor]) -> None:
+        tmp = torch.cat(live)
+        torch._foreach_copy_(live, snaps)
+        torch._foreach_copy_(snaps, tmp.split([s.numel() for s in snaps]))
+        self._batches.append((live, snaps))
+
+    def swap_out(self) -> None:
+        """Put the live bytes back (after :meth:`swap_in`); the snapshot is spent."""
+        with torch.no_grad():
+            # newest batch first: were two copies of one storage swapped in different batches,
+            # the first one holds the live bytes
+            for live, snaps in reversed(self._batches):
+                torch._foreach_copy_(live, snaps)
+            for t, live_meta in reversed(self._moved):
+                t.set_(*live_meta)
+        self._batches = []
+        self._moved = []

@@ -18,7 +18,7 @@ import torch
 from lightning_replay._compat import set_versions
 from lightning_replay.contract import StateEntry
 from lightning_replay.errors import ReplayError
-from lightning_replay.preservation import CaptureMode, RegionLog, redo, undo
+from lightning_replay.preservation import CaptureMode, RegionLog, WholeSnapshot, redo, undo
 from lightning_replay.slots import (
     capture_generators,
     capture_outside,
@@ -30,7 +30,7 @@ from lightning_replay.slots import (
     swap_outside,
     swap_slots,
 )
-from lightning_replay.state import digest, storage_bytes, storage_key, swap_
+from lightning_replay.state import digest, storage_bytes, storage_key
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.runtime import SegmentRuntime
@@ -54,7 +54,7 @@ class _Invocation:
     """
 
     __slots__ = ("rt", "version", "option", "step", "checked", "tensors", "prs", "versions",
-                 "whole", "metas", "storages", "regions", "gens", "slots", "digests", "preserved_bytes", "replays",
+                 "whole", "storages", "regions", "gens", "slots", "digests", "preserved_bytes", "replays",
                  "done", "_token", "held", "t_prep", "sandbox_keys", "subs", "kept", "outside",
                  "replaying", "__weakref__")
 
@@ -71,8 +71,7 @@ class _Invocation:
         self.tensors: list[tuple[StateEntry, torch.Tensor]] = []
         self.prs: list[str] = []
         self.versions: list[int] = []
-        self.whole: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.metas: list[tuple] = []  # each whole snapshot's offset, shape and stride
+        self.whole: WholeSnapshot | None = None
         self.storages: list[tuple] = []  # (tensor, storage, offset, shape, stride) at forward
         self.regions: list[tuple[Any, int]] = []
         self.sandbox_keys: list = []
@@ -84,6 +83,7 @@ class _Invocation:
         self.replaying = False
         log = eng.log
         capturing = eng._capturing
+        whole: list[torch.Tensor] = []
         with torch.no_grad():
             for b in rt.bound:
                 t = b.get()
@@ -105,15 +105,15 @@ class _Invocation:
                         if p == "regions" and b.entry.written_by_segment:
                             self.sandbox_keys.append(key)
                 elif p in ("whole", "regions"):
-                    snap = storage_bytes(t).clone()
-                    self.whole.append((t, snap))
-                    self.metas.append((t.storage_offset(), t.shape, t.stride()))
-                    self.preserved_bytes += snap.numel()
-                    if eng.accountant is not None:
-                        key = ("snapshot", id(snap))
-                        eng.accountant.hold(key, snap.numel(), rt.name)
-                        self.held.append(key)
-        self.kept = bool(self.whole or self.regions)
+                    whole.append(t)
+            if whole:
+                snap = self.whole = WholeSnapshot(whole)
+                self.preserved_bytes += snap.nbytes
+                if eng.accountant is not None:
+                    key = ("snapshot", id(snap))
+                    eng.accountant.hold(key, snap.nbytes, rt.name)
+                    self.held.append(key)
+        self.kept = bool(whole or self.regions)
         self._token = {"done": False}
         if self.regions:
             # Dropped without replay (graph freed, backward never called): disarm anyway.
@@ -136,7 +136,7 @@ class _Invocation:
         eng._held_bytes -= self.preserved_bytes
         for key, _ in self.regions:
             eng.log.release(key)
-        self.whole = []
+        self.whole = None
         acct = eng.accountant
         if acct is not None:
             for key in self.held:
@@ -187,14 +187,8 @@ class _ReplayContext:
                     self._resized.append((t, (t.untyped_storage(), t.storage_offset(),
                                               t.shape, t.stride())))
                     t.set_(st, *meta)
-            for (t, snap), meta in zip(inv.whole, inv.metas):
-                if t.untyped_storage().nbytes() == snap.numel() and \
-                        (t.storage_offset(), t.shape, t.stride()) == meta:
-                    swap_(storage_bytes(t), snap)
-                else:  # resized (resize_, set_) since forward: point it at the old bytes
-                    self._resized.append((t, (t.untyped_storage(), t.storage_offset(),
-                                              t.shape, t.stride())))
-                    t.set_(snap.untyped_storage(), *meta)
+            if inv.whole is not None:
+                inv.whole.swap_in()
             regions = [eng.log.since(key, mark) for key, mark in inv.regions]
             if regions:
                 rt.last_preserved_bytes = inv.preserved_bytes + sum(
@@ -247,8 +241,8 @@ class _ReplayContext:
             with torch.no_grad():
                 for entries in self._regions:
                     redo(entries)
-                resized = {id(t) for t, _ in self._resized}
-                _restore_live([(t, snap) for t, snap in inv.whole if id(t) not in resized])
+                if inv.whole is not None:
+                    inv.whole.swap_out()
                 for t, live in reversed(self._resized):
                     t.set_(*live)
         if stage >= 1:
@@ -283,14 +277,6 @@ class _ReplayContext:
                         else "was modified in place between the segment's forward and its replay")
                 rt._violation(entry.name, f"{what} (version {v0} at forward, {t._version} at "
                                           f"replay, expected {expected})", inv)
-
-def _restore_live(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    # After the swap in, each snapshot holds the live bytes and is dropped after the replay:
-    # one copy back (not a second three-pass swap) restores them.
-    with torch.no_grad():
-        for t, snap in pairs:
-            storage_bytes(t).copy_(snap)
-
 
 def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
     # The replay's own in-place ops bumped versions of live state that is byte-for-byte back

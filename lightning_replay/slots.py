@@ -146,15 +146,30 @@ def _attr_plan(module: nn.Module, d: dict) -> tuple:
     return keys
 
 
+def _identities(d: dict) -> tuple:
+    """Which object each slot of a module holds, in order, with the slot names: equal for two
+    moments exactly when every parameter, buffer and attribute slot holds the same object (the
+    objects are kept alive by the captured slots, so their ids are not reused)."""
+    p, b = d["_parameters"], d["_buffers"]
+    return (tuple(d), tuple(map(id, d.values())), tuple(p), tuple(map(id, p.values())),
+            tuple(b), tuple(map(id, b.values())))
+
+
 class ModuleSlots:
-    """One module's slots at one moment: parameter, buffer and attribute objects."""
+    """One module's slots at one moment: parameter, buffer and attribute objects.
+
+    ``plain`` is true when the slots are all there is to put back (no container contents,
+    holder values or sparse copies, which can change while the slots hold the same objects):
+    such a capture stands for any later moment whose :func:`_identities` are the same.
+    """
 
     __slots__ = ("module", "params", "buffers", "attrs", "copies", "layout", "shallow",
-                 "holders", "gens")
+                 "holders", "gens", "ids", "plain")
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, ids: tuple | None = None) -> None:
         d = module.__dict__
         self.module = module
+        self.ids = _identities(d) if ids is None else ids
         self.params = d["_parameters"].copy()
         self.buffers = d["_buffers"].copy()
         self.attrs = attrs = d.copy()
@@ -208,10 +223,30 @@ class ModuleSlots:
         self.shallow = shallow
         self.holders = holders
         self.gens = gens
+        self.plain = layout is None and copies is None and shallow is None and holders is None
+
+
+# The last capture of each module whose slots have so far always held the same objects, or
+# None once they were seen to change (rebound state, annealed values): those are captured
+# afresh at every forward, so that no stale capture keeps old objects alive between steps.
+_LAST: "weakref.WeakKeyDictionary[nn.Module, ModuleSlots | None]" = weakref.WeakKeyDictionary()
 
 
 def capture_slots(modules: list[nn.Module]) -> list[ModuleSlots]:
-    return [ModuleSlots(m) for m in modules]
+    """The slots of ``modules`` now. A module whose slots hold the same objects as at its last
+    capture, with nothing else to put back, shares that capture (captures are never mutated):
+    the forward of a steady model copies no dicts."""
+    out = []
+    for m in modules:
+        ids = _identities(m.__dict__)
+        last = _LAST.get(m, MISSING)
+        if last is not None and last is not MISSING and last.ids == ids:
+            out.append(last)
+            continue
+        s = ModuleSlots(m, ids)
+        _LAST[m] = s if s.plain and last is MISSING else None
+        out.append(s)
+    return out
 
 
 def _swap_dict(live: dict, saved: dict, skip: frozenset = frozenset(),
@@ -252,6 +287,8 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
     out = []
     for s in slots:
         d = s.module.__dict__
+        if s.plain and _identities(d) == s.ids:
+            continue  # every slot holds the object it held at forward: nothing to swap
         lay = s.layout
         fb = {k: v for (w, k), v in lay.items() if w == "b"} if lay else None
         fa = {k: v for (w, k), v in lay.items() if w == "a"} if lay else None
