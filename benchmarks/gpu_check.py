@@ -97,6 +97,45 @@ def exact_dropout_checked(device: torch.device, steps: int = 6) -> dict:
             "grad_diffs": len(grad_diffs(g_ref, g))}
 
 
+def budgeted_probe(device: torch.device, steps: int = 4) -> dict:
+    """Under a byte budget the probe step keeps no activations (replayed probes): exact with
+    dropout (the replay must draw the device RNG as the forward did), and its allocator peak
+    below a plain step's."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(0)
+    base = Net().to(device)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    make = _make(device)
+
+    def peak_of_first_step(m: torch.nn.Module) -> int | None:
+        if device.type != "cuda":
+            return None
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        m(make(0)).pow(2).mean().backward()
+        m.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+
+    torch.manual_seed(1)
+    g_ref, _ = train_steps(ref, make, steps, lr=1e-3)
+    engine = lr.install(model, "blocks.*", budget=1 << 40)  # any byte budget: replayed probes
+    torch.manual_seed(1)
+    g, _ = train_steps(model, make, steps, lr=1e-3)
+    probes = [r for r in engine.records.read(check="bytes")
+              if "replayed probe" in json.loads(r.detail).get("what", "")]
+    plain_peak = peak_of_first_step(copy.deepcopy(base))
+    fresh = copy.deepcopy(base)
+    lr.install(fresh, "blocks.*", budget=1 << 40)
+    probe_peak = peak_of_first_step(fresh)
+    ok = grad_diffs(g_ref, g) == [] and probes and all(r.outcome == "match" for r in probes)
+    if plain_peak is not None:
+        ok = ok and probe_peak <= plain_peak
+    return {"pass": bool(ok), "grad_diffs": len(grad_diffs(g_ref, g)),
+            "probe_records": [r.outcome for r in probes],
+            "plain_first_step_peak": plain_peak, "budgeted_probe_step_peak": probe_peak}
+
+
 def bf16_autocast_checked(device: torch.device, steps: int = 6) -> dict:
     torch.use_deterministic_algorithms(False)
     torch.manual_seed(0)
@@ -171,6 +210,7 @@ def syncs_per_step(device: torch.device, steps: int = 12) -> dict:
 
 
 CHECKS = {"exact_dropout_checked": exact_dropout_checked,
+          "budgeted_probe": budgeted_probe,
           "bf16_autocast_checked": bf16_autocast_checked,
           "budget_vs_allocator": budget_vs_allocator,
           "syncs_per_step": syncs_per_step}

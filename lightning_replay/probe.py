@@ -274,7 +274,7 @@ class SegmentProbe:
         # checkpoint would save them and refuse one written in place since (a view of state
         # written after the segment, an input the segment writes itself). Their bytes as the
         # forward saw them are the probe's first-touch copies, put back for the replay.
-        def fn() -> Any:
+        def fn(*_device: Any) -> Any:
             replay = box.get("replay")
             if replay is None:
                 out = self._probe_forward(args, kwargs, replayed=True)
@@ -289,9 +289,14 @@ class SegmentProbe:
             replay.compare(out)
             return out
 
+        # Checkpoint preserves the RNG of the devices of its inputs: an empty tensor on the
+        # accelerator the segment runs on names it (its arguments do not reach checkpoint).
+        dev = next((t.device for t in tensor_leaves((args, kwargs)) if t.device.type != "cpu"),
+                   eng._cuda_device)
+        device = (torch.empty(0, device=dev),) if dev is not None else ()
         # The replay runs to the end (no early stop): its outputs are compared.
         with set_checkpoint_early_stop(False):
-            return checkpoint(fn, use_reentrant=False, preserve_rng_state=True,
+            return checkpoint(fn, *device, use_reentrant=False, preserve_rng_state=True,
                               context_fn=lambda: (contextlib.nullcontext(),
                                                   _ProbeReplay(self, box)))
 
