@@ -233,6 +233,34 @@ def redo(entries: list[RegionEntry]) -> None:
         e.swap()
 
 
+_POOL_LIMIT = 1 << 16  # bytes: snapshots up to this size reuse their buffers (SnapshotPool)
+
+
+class SnapshotPool:
+    """What one segment's whole snapshots can reuse from call to call, while they are small.
+
+    The flat byte views of the live storages (valid while each tensor has the same storage of
+    the same size), and up to two spare buffers of the same layout: the snapshot and the swap's
+    temporary of the last replay, recycled when it ended. A steady segment's snapshot is then
+    one batched copy at forward and three at replay, with no allocation and no view made.
+    Idle spares are at most ``2 * _POOL_LIMIT`` bytes per segment, held between steps.
+    """
+
+    __slots__ = ("key", "views", "sizes", "spare")
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.views: list[torch.Tensor] = []
+        self.sizes: list[int] = []
+        self.spare: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+
+    def buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.spare:
+            return self.spare.pop()
+        flat = torch.empty(sum(self.sizes), dtype=torch.uint8, device=self.views[0].device)
+        return flat, list(flat.split(self.sizes))
+
+
 class WholeSnapshot:
     """Whole copies of the storages of some tensors, taken at once, swapped in and out as one.
 
@@ -246,15 +274,39 @@ class WholeSnapshot:
 
     The swap goes through a temporary of at most ``_SWAP_CHUNK`` bytes, like :func:`swap_`:
     small copies are swapped in batches (one ``cat`` of the live bytes and two batched copies
-    per batch), a copy larger than that alone, in chunks.
+    per batch), a copy larger than that alone, in chunks. With a :class:`SnapshotPool` (one per
+    segment), a snapshot of at most ``_POOL_LIMIT`` bytes on one device reuses the pool's views
+    and buffers instead.
     """
 
     __slots__ = ("tensors", "metas", "views", "snaps", "buffers", "nbytes", "_batches",
-                 "_moved")
+                 "_moved", "_pool", "_spent")
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], pool: SnapshotPool | None = None) -> None:
         self.tensors = tensors
         self.metas = [(t.storage_offset(), t.shape, t.stride()) for t in tensors]
+        self._batches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self._moved: list[tuple[torch.Tensor, tuple]] = []
+        self._pool = None
+        self._spent: tuple | None = None
+        if pool is not None:
+            sts = [t.untyped_storage() for t in tensors]
+            key = tuple((st._cdata, st.nbytes(), st.device) for st in sts)
+            if key != pool.key:
+                pool.key, pool.spare = key, []
+                pool.views = [storage_bytes(t) for t in tensors]
+                pool.sizes = [v.numel() for v in pool.views]
+            if sum(pool.sizes) <= _POOL_LIMIT and len({k[2] for k in key}) == 1:
+                self._pool = pool
+                self.views = pool.views
+                buf = pool.buffer()
+                self.buffers = [buf]
+                self.snaps = buf[1]
+                self.nbytes = buf[0].numel()
+                with torch.no_grad():
+                    torch._foreach_copy_(self.snaps, self.views)
+                return
+            pool.key, pool.views, pool.spare = None, [], []  # too large: keep nothing
         # flat byte views of the live storages, reused at replay while the storage is the same
         views = self.views = [storage_bytes(t) for t in tensors]
         sizes = [v.numel() for v in views]
@@ -266,18 +318,17 @@ class WholeSnapshot:
         with torch.no_grad():
             for idx in by_device.values():
                 flat = torch.cat([views[i] for i in idx])
-                self.buffers.append(flat)
+                self.buffers.append((flat, None))
                 for i, snap in zip(idx, flat.split([sizes[i] for i in idx])):
                     snaps[i] = snap
         self.snaps = snaps
         self.nbytes = sum(sizes)
-        self._batches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        self._moved: list[tuple[torch.Tensor, tuple]] = []
 
     def swap_in(self) -> None:
         """Put the snapshot's bytes into the live storages; the snapshot keeps the live ones."""
         pairs = []
         moved = self._moved
+        same = True  # every tensor on the storage it had at forward, unchanged
         with torch.no_grad():
             for t, view, snap, meta in zip(self.tensors, self.views, self.snaps, self.metas):
                 st = t.untyped_storage()
@@ -285,10 +336,23 @@ class WholeSnapshot:
                         (t.storage_offset(), t.shape, t.stride()) == meta:
                     if view.untyped_storage()._cdata != st._cdata:
                         view = storage_bytes(t)  # a storage swapped in (same size): write it
+                        same = False
                     pairs.append((view, snap))
                 else:  # resized (resize_, set_) since forward: point it at the old bytes
                     moved.append((t, (st, t.storage_offset(), t.shape, t.stride())))
                     t.set_(snap.clone().untyped_storage(), *meta)
+                    same = False
+            pool = self._pool
+            if same and pool is not None and pool.views is self.views:
+                # the live bytes into a spare buffer, the snapshot into the live storages
+                spare = pool.buffer()
+                torch._foreach_copy_(spare[1], self.views)
+                torch._foreach_copy_(self.views, self.snaps)
+                self._spent = self.buffers[0]
+                self.buffers = [spare]
+                self.snaps = spare[1]
+                self._batches.append((self.views, self.snaps))
+                return
             batch: tuple[list, list] = ([], [])
             room = _SWAP_CHUNK
             for live, snap in pairs:
@@ -323,3 +387,7 @@ class WholeSnapshot:
                 t.set_(*live_meta)
         self._batches = []
         self._moved = []
+        pool = self._pool
+        if self._spent is not None and pool is not None and pool.views is self.views:
+            pool.spare = [self._spent, self.buffers[0]]  # both spent: the next call's buffers
+        self._spent = None

@@ -18,7 +18,14 @@ import torch
 from lightning_replay._compat import set_versions
 from lightning_replay.contract import StateEntry
 from lightning_replay.errors import ReplayError
-from lightning_replay.preservation import CaptureMode, RegionLog, WholeSnapshot, redo, undo
+from lightning_replay.preservation import (
+    CaptureMode,
+    RegionLog,
+    SnapshotPool,
+    WholeSnapshot,
+    redo,
+    undo,
+)
 from lightning_replay.slots import (
     capture_generators,
     capture_outside,
@@ -35,6 +42,10 @@ from lightning_replay.state import digest, storage_bytes, storage_key
 if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.runtime import SegmentRuntime
 
+
+
+# Per segment runtime: the views and spare buffers its small whole snapshots reuse.
+_POOLS: "weakref.WeakKeyDictionary[SegmentRuntime, SnapshotPool]" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -107,7 +118,10 @@ class _Invocation:
                 elif p in ("whole", "regions"):
                     whole.append(t)
             if whole:
-                snap = self.whole = WholeSnapshot(whole)
+                pool = _POOLS.get(rt)
+                if pool is None:
+                    pool = _POOLS[rt] = SnapshotPool()
+                snap = self.whole = WholeSnapshot(whole, pool)
                 self.preserved_bytes += snap.nbytes
                 if eng.accountant is not None:
                     key = ("snapshot", id(snap))

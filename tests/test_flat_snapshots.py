@@ -108,3 +108,21 @@ class Rebinder(Stack):
 
 def test_storage_replaced_and_resized_between_forward_and_replay():
     assert_exact(lambda: Rebinder([MixedState(), MixedState()]), SEGS2, "whole")
+
+
+class Twice(Stack):
+    """The first block runs twice per step: two calls of one segment wait for backward at once,
+    each with its own snapshot (and the step writes the state between and after them)."""
+
+    def forward(self, x):
+        b0, b1 = self.blocks
+        x = b0(x)
+        with torch.no_grad():
+            b0.f64.add_(1.0)
+        x = b1(b0(x))
+        self.after(x)
+        return self.head(x)
+
+
+def test_one_segment_called_twice_per_step_with_state_written_between():
+    assert_exact(lambda: Twice([MixedState(), MixedState()]), SEGS2, "whole", min_replays=3)
