@@ -265,3 +265,26 @@ def test_real_peak_predictions_hold_against_the_profiler():
     assert e.last_real_peak is not None and e.unaccounted_bytes > 0
     real = max(_real_peak(m, STEPS_TO_PLAN + 3 + s) for s in range(2))
     assert abs(e.plan.peak_memory - real) <= 0.10 * real, (e.plan.peak_memory, real)
+
+
+def test_every_step_holds_a_real_budget_from_the_probe_on():
+    """With ``real_peak=True`` the budget is the process's real memory: refereed by the
+    profiler on the probe step and the calibration steps (the probe keeps no activations under
+    a budget) and on planned steps, with a budget that a plain step does not meet. The engine
+    measures the first steps of each plan with the profiler itself: the referee, a profiler
+    too, stays off on those."""
+    plain = max(_real_peak(_model(), s) for s in range(2))
+    m = _model()
+    lr.install(m, "blocks.*", budget="min", real_peak=True)
+    train_steps(m, _x, STEPS_TO_PLAN + 4)
+    lowest = _real_peak(m, STEPS_TO_PLAN + 4)
+    assert lowest < plain
+    budget = (lowest + plain) // 2
+    m = _model()
+    e = lr.install(m, "blocks.*", budget=budget, real_peak=True)
+    early = [_real_peak(m, s) for s in range(STEPS_TO_PLAN - 1)]  # probe and calibration
+    assert e.plan is None and all(s["contract_version"] == 1 for s in e.summary().values())
+    train_steps(m, _x, 4)  # the plan's first steps, measured by the engine
+    late = [_real_peak(m, s) for s in range(2)]
+    assert e.plan is not None and e.last_real_peak is not None
+    assert max(early + late) <= budget < plain, (early, late, budget, plain)
