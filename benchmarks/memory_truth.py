@@ -1,7 +1,9 @@
 """Real peak memory vs the engine's figures, measured by an independent referee (CPU).
 
 For each model: the real peak of a plain step (no recomputation), of the probe step, and of a
-steady step under ``budget="min"`` beside the plan's predicted peak. The referee is
+steady step under ``budget="min"`` beside the plan's predicted peak; then, under a byte budget
+halfway between that steady step and a plain step, the probe step's and a steady step's real
+peak against the budget. The referee is
 ``torch.profiler`` memory events (every CPU allocation and free), through
 ``lightning_replay.memory.StepPeak`` — code that shares nothing with the accountant.
 
@@ -119,11 +121,25 @@ def measure(build, opt_cls=torch.optim.SGD, steps: int = 12) -> dict:
             predicted.append(engine.plan.peak_memory if engine.plan else None)
     assert engine.last_real_peak is not None, "the engine measured no step"
     last_pred = next(p for p in reversed(predicted) if p is not None)
+    # A byte budget halfway between the lowest-memory plan and a plain step: its probe step
+    # keeps no activations (replayed probes), and every step must stay within it.
+    budget = (peaks[-1] + plain_peaks[-1]) // 2
+    model = copy.deepcopy(plain)
+    engine = lr.install(model, segs, budget=budget, real_peak=True)
+    engine.track_optimizer(opt := opt_cls(model.parameters(), lr=1e-3))
+    budgeted = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in range(steps):
+            budgeted.append(run(model, s, opt, referee=s == 0 or s >= steps - 2))
     return {"plain_step": plain_peaks[-1], "probe_step": peaks[0],
             "probe_vs_plain": peaks[0] / plain_peaks[-1],
             "min_predicted": last_pred, "min_real": peaks[-1],
             "predicted_vs_real": last_pred / peaks[-1],
-            "plan": engine.plan.choices if engine.plan else None}
+            "plan": engine.plan.choices if engine.plan else None,
+            "budget": budget, "budgeted_probe_step": budgeted[0],
+            "budgeted_probe_vs_budget": budgeted[0] / budget,
+            "budgeted_steady_vs_budget": budgeted[-1] / budget}
 
 
 def main() -> None:
@@ -138,11 +154,13 @@ def main() -> None:
             out["queue_adam"] = measure(MODELS[name], torch.optim.Adam)
     mib = 2 ** 20
     print(f"{'model':14} {'plain':>9} {'probe':>9} {'probe/plain':>11} {'min pred':>9} "
-          f"{'min real':>9} {'pred/real':>9}")
+          f"{'min real':>9} {'pred/real':>9} {'budget':>9} {'probe/bud':>9} {'steady/bud':>10}")
     for k, r in out.items():
         print(f"{k:14} {r['plain_step'] / mib:9.1f} {r['probe_step'] / mib:9.1f} "
               f"{r['probe_vs_plain']:11.3f} {r['min_predicted'] / mib:9.1f} "
-              f"{r['min_real'] / mib:9.1f} {r['predicted_vs_real']:9.3f}")
+              f"{r['min_real'] / mib:9.1f} {r['predicted_vs_real']:9.3f} "
+              f"{r['budget'] / mib:9.1f} {r['budgeted_probe_vs_budget']:9.3f} "
+              f"{r['budgeted_steady_vs_budget']:10.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
