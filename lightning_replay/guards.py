@@ -53,10 +53,13 @@ def _identity_signature(modules: list[nn.Module]) -> tuple:
     out = [_hooks_token([getattr(_module, h, {}) for h in _GLOBAL_HOOKS])]
     for m in modules:
         d = m.__dict__
-        b = d["_buffers"]
+        b = d["_buffers"].values()
+        try:  # plain strided buffers (nearly always): no per-buffer Python call
+            ptrs = tuple([t.untyped_storage().data_ptr() for t in b])
+        except (AttributeError, RuntimeError, NotImplementedError):  # None, sparse, wrapper
+            ptrs = tuple(map(_storage_ptr, b))
         out.append((tuple(map(id, d.values())), tuple(map(id, d["_parameters"].values())),
-                    tuple(map(id, b.values())), tuple(map(_storage_ptr, b.values())),
-                    tuple(map(id, d["_modules"].values())),
+                    tuple(map(id, b)), ptrs, tuple(map(id, d["_modules"].values())),
                     _hooks_token([d.get(h) for h in _HOOK_DICTS])))
     return tuple(out)
 

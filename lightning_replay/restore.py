@@ -191,8 +191,10 @@ class _ReplayContext:
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
         self._t0 = time.perf_counter()
-        self._check_versions()
-        self._versions = [t._version for _, t in inv.tensors]
+        now = [t._version for _, t in inv.tensors]
+        if inv.regions or now != inv.versions:  # else every version is as at forward
+            self._check_versions()
+        self._versions = now
         self._stage = 1
         with torch.no_grad():
             self._resized = []
