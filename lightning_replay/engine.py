@@ -1,37 +1,41 @@
-"""The replay engine: installs segments on a model and runs their windows.
+"""The replay engine: one model's windows, plan and accounting.
 
-:func:`install` resolves the segments and swaps each segment module's class for one whose
-forward goes through its :class:`~lightning_replay.runtime.SegmentRuntime` (and, with
-``window="root"``, the root's for one that opens a window per forward); copies of an
-installed model are plain models. :class:`ReplayEngine` owns what spans segments: windows and
-steps, the region log and its capture mode, memory accounting and the real-peak measurement,
-calibration and the plan, check selection, records, and resumable state.
+:func:`~lightning_replay.installation.install` validates the arguments once (a
+:class:`~lightning_replay.config.ReplayConfig`, kept as ``engine.config``), resolves the segments
+and builds the :class:`ReplayEngine`, which routes the model's forwards through itself by class
+swaps (:mod:`~lightning_replay.installation`); copies of an installed model are plain models.
+:class:`ReplayEngine` owns what spans segments: windows and steps, the region log and its
+capture mode, memory accounting and the real-peak measurement, calibration and where the plan
+is made (:meth:`ReplayEngine.replan`, :meth:`ReplayEngine.adopt_plan`), check selection,
+records, and resumable state. After install, its configuration and plan change only through
+its own methods (:meth:`ReplayEngine.reconfigure`, :meth:`ReplayEngine.replan`,
+:meth:`ReplayEngine.adopt_plan`, :meth:`ReplayEngine.load_state_dict`). When to re-plan is
+:mod:`~lightning_replay.replan`'s.
 
 A segment's own life (guards, probe, contract, preserved replays, checks and their reaction)
 is in :mod:`~lightning_replay.runtime`, :mod:`~lightning_replay.probe`,
-:mod:`~lightning_replay.restore` and :mod:`~lightning_replay.checks`. This module is long
-because the engine's window bookkeeping, planning and accounting share their state; it holds no
-per-segment logic.
+:mod:`~lightning_replay.restore` and :mod:`~lightning_replay.checks`. This module is over 600
+lines because the window bookkeeping, calibration, planning and accounting read and write the
+same per-step state (the accountant, the step counter, the real-peak residual, the plan); it
+holds no per-segment logic.
 """
 from __future__ import annotations
 
 import contextlib
-import copyreg
 import dataclasses
 import warnings
-import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.nn.modules.lazy import LazyModuleMixin
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_replay import planner as _planner
 from lightning_replay._compat import at_backward_end
 from lightning_replay.accounting import MemoryAccountant
 from lightning_replay.budget import Budget, format_bytes
-from lightning_replay.checks import GRAD_ATOL, GRAD_RTOL, GRAD_TOLERANCE, grad_tolerance  # noqa: F401
+from lightning_replay.config import PIN_OPTIONS
+from lightning_replay.config import ReplayConfig
 from lightning_replay.contract import OPTIONS, ReplayContract
 from lightning_replay.costs import CostMeter, dispatch_overhead
 from lightning_replay.errors import ReplayConfigError
@@ -39,97 +43,18 @@ from lightning_replay.memory import StepPeak, live_model_bytes, profiler_busy
 from lightning_replay.planner import InfeasibleBudget
 from lightning_replay.preservation import CaptureMode, RegionLog
 from lightning_replay.records import RecordStore
-from lightning_replay.restore import _BytesSandbox, _Invocation, _ReplayContext  # noqa: F401
+from lightning_replay.replan import ReplanPolicy, input_shapes
+from lightning_replay.restore import _Invocation
+from lightning_replay import installation as _installation
+from lightning_replay.installation import _new_plain  # noqa: F401  (named by older pickles)
 from lightning_replay.runtime import SegmentRuntime
-from lightning_replay.segments import SegmentSpec, resolve_segments
 from lightning_replay.state import (
     StateIndex,
     storage_key,
 )
 from lightning_replay.state import unique_bytes as _unique_bytes
 
-PRESERVATIONS = ("auto", "whole", "regions", "retain")
-#: The options a per-segment preservation pin leaves the planner (``auto``: all of them).
-PIN_OPTIONS = {"retain": {"retain"}, "whole": {"whole", "recompute"},
-               "regions": {"regions", "recompute"}}
-_KEEP = object()
-ON_VIOLATION = ("raise", "record")
-
-# module -> its runtime. Weak, so a deepcopy or unpickled copy of a module is a plain module.
-_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, SegmentRuntime]" = weakref.WeakKeyDictionary()
-_REPLAY_CLASSES: dict[type, type] = {}
-
-
-def _new_plain(cls: type, *args: Any) -> Any:
-    """Unpickle/deep-copy target: a plain instance of the original class."""
-    return cls.__new__(cls, *args)
-
-
-def _replay_class(cls: type) -> type:
-    """A subclass of ``cls`` whose forward goes through the segment runtime.
-
-    It keeps the name of ``cls`` (reprs and state_dict keys don't change) and pickles and
-    deep-copies as ``cls``, so copies of an installed model are plain models.
-    """
-    if cls in _REPLAY_CLASSES:
-        return _REPLAY_CLASSES[cls]
-
-    def forward(self, *args, **kwargs):
-        rt = _RUNTIMES.get(self)
-        if rt is None:
-            return cls.forward(self, *args, **kwargs)
-        return rt(args, kwargs)
-
-    new = type(cls.__name__, (cls,), {"forward": forward,
-                                      "__reduce_ex__": _plain_reduce(cls, lambda: new),
-                                      "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__,
-                                      "_lightning_replay_base": cls})
-    _REPLAY_CLASSES[cls] = new
-    return new
-
-
-_ROOTS: "weakref.WeakKeyDictionary[nn.Module, ReplayEngine]" = weakref.WeakKeyDictionary()
-_ROOT_CLASSES: dict[type, type] = {}
-
-
-def _root_class(cls: type) -> type:
-    """A subclass of ``cls`` whose forward is one engine window (``install(window="root")``).
-
-    Like :func:`_replay_class`, it keeps the name of ``cls`` and copies as ``cls``.
-    """
-    if cls in _ROOT_CLASSES:
-        return _ROOT_CLASSES[cls]
-
-    def forward(self, *args, **kwargs):
-        eng = _ROOTS.get(self)
-        if eng is None:
-            return cls.forward(self, *args, **kwargs)
-        eng._explicit_windows += 1
-        eng.begin_window(continuation=not torch.is_grad_enabled())
-        try:
-            return cls.forward(self, *args, **kwargs)
-        finally:
-            eng.end_forward()
-
-    new = type(cls.__name__, (cls,), {"forward": forward,
-                                      "__reduce_ex__": _plain_reduce(cls, lambda: new),
-                                      "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__,
-                                      "_lightning_replay_base": cls})
-    _ROOT_CLASSES[cls] = new
-    return new
-
-
-def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
-    def __reduce_ex__(self, protocol):
-        rv = cls.__reduce_ex__(self, protocol)
-        if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and \
-                rv[1][0] is swapped():
-            rv = (_new_plain, (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
-        return rv
-    return __reduce_ex__
-
+_UNCHANGED = object()  # an argument left out: keep the current value
 
 def _rank_count() -> int:
     """Processes in the default group (1 without one). The CPU real-peak measurement runs only
@@ -138,12 +63,6 @@ def _rank_count() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return 1
-
-
-def _rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
 
 
 def _model_cuda_device(model: nn.Module) -> torch.device | None:
@@ -165,26 +84,23 @@ class ReplayEngine:
     """State-aware replay for the segments of one model. Made by :func:`install`."""
 
     def __init__(self, model: nn.Module, segments: Mapping[str, nn.Module],
-                 preservation: str | Mapping[str, str], on_violation: str,
-                 records: RecordStore, window: str, budget: int | None = None,
-                 planner: str = "joint", track_memory: bool = False, base_memory: int = 0,
-                 calibration_steps: int = 2, plan_min: bool = False,
-                 real_peak: bool = False) -> None:
+                 config: ReplayConfig, records: RecordStore) -> None:
         self.model = model
-        self.on_violation = on_violation
+        #: What the engine was installed with; :meth:`reconfigure` and :meth:`replan` keep its
+        #: budget and planner current.
+        self.config = config
         self.records = records
         self.log = RegionLog()
         self.step = 0
-        self.budget = budget
-        self.planner = planner
-        self.extra_base_memory = base_memory
-        self.calibration_steps = calibration_steps
-        self.real_peak = real_peak
+        self._budget = _resolve_budget(config, model)
         self.plan: _planner.Plan | None = None
         self.plan_version = 0
         self.plan_transform: Callable[[_planner.Plan], _planner.Plan] | None = None
         self.meter = CostMeter()
-        self.measure_costs = budget is not None or plan_min
+        self.measure_costs = bool(config.measure_costs) or self._budget is not None or \
+            config.budget.min
+        #: The re-plan policy the engine runs between windows (``None``: ``replan_on=()``).
+        self.replan_policy = ReplanPolicy(config.replan) if config.replan.replan_on else None
         self.accountant: MemoryAccountant | None = None
         self._acct_hooks: Any = None
         self._calibration: list[str] = []
@@ -196,7 +112,7 @@ class ReplayEngine:
         # the allocator.
         self._cuda = _first_param_is_cuda(model)
         self._sync = False
-        if track_memory or self.measure_costs:
+        if config.track_memory or self.measure_costs:
             self.track_memory(True)
         self._external: list[Any] = []
         self._pending_probes: set[SegmentRuntime] = set()
@@ -232,28 +148,44 @@ class ReplayEngine:
         self._hooks: list = []
         self.runtimes: dict[str, SegmentRuntime] = {}
         for name, mod in segments.items():
-            p = preservation.get(name, "auto") if isinstance(preservation, Mapping) \
-                else preservation
-            rt = SegmentRuntime(self, name, mod, p)
-            self.runtimes[name] = rt
-        for name, rt in self.runtimes.items():
-            _RUNTIMES[rt.module] = rt
-            rt.module.__class__ = _replay_class(rt.orig_class)
-            become = getattr(rt.module, "cls_to_become", None)
-            if isinstance(rt.module, LazyModuleMixin) and become is not None:
-                # A lazy module turns into ``cls_to_become`` at its first forward: into the
-                # replaying subclass of it, so it keeps replaying afterwards.
-                rt.module.cls_to_become = _replay_class(become)
-        self._root_class: type | None = None
-        if window == "root":
-            # The root's forward opens the window through a class swap, not hooks: a copy
-            # (deepcopy, pickle) of the model is then a plain model, with no engine attached.
-            self._root_class = type(model)
-            _ROOTS[model] = self
-            model.__class__ = _root_class(self._root_class)
+            self.runtimes[name] = SegmentRuntime(self, name, mod, config.preservation_of(name))
+        self._root_class = _installation.attach(self)
         self.installed = True
 
     # ---------------------------------------------------------------- public
+    @property
+    def budget(self) -> int | None:
+        """The budget in bytes plans are made for (``None``: the lowest-memory correct plan,
+        or no planning). Setting it is :meth:`reconfigure` with ``budget=``."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: int | str | None) -> None:
+        self.reconfigure(budget=value)
+
+    @property
+    def planner(self) -> str:
+        """The planner method (:data:`lightning_replay.planner.METHODS`)."""
+        return self.config.planner
+
+    @property
+    def on_violation(self) -> str:
+        return self.config.on_violation
+
+    @property
+    def calibration_steps(self) -> int:
+        return self.config.calibration_steps
+
+    @property
+    def real_peak(self) -> bool:
+        return self.config.real_peak
+
+    @property
+    def ready_to_plan(self) -> bool:
+        """Costs have been measured (every segment probed at least once): :meth:`replan` can
+        plan. Before that it raises."""
+        return bool(self.costs)
+
     @property
     def contracts(self) -> dict[str, ReplayContract]:
         """Current contract of each probed segment."""
@@ -307,7 +239,7 @@ class ReplayEngine:
                 static[key] = local.untyped_storage().nbytes()
                 if t.requires_grad:
                     grads[key] = static[key]
-        return sum(static.values()) + sum(grads.values()) + self.extra_base_memory
+        return sum(static.values()) + sum(grads.values()) + self.config.base_memory
 
     def state_name(self, t: torch.Tensor) -> str | None:
         """The model's name for the storage of ``t`` (a parameter, buffer or attribute)."""
@@ -370,7 +302,7 @@ class ReplayEngine:
                 "preserved_bytes": sum(rt.last_preserved_bytes for rt in self.runtimes.values()),
                 "plan_version": self.plan_version}
 
-    def replan(self, budget: int | str | None | object = _KEEP, method: str | None = None
+    def replan(self, budget: int | str | None | object = _UNCHANGED, method: str | None = None
                ) -> _planner.Plan:
         """Plan again from the measured costs (optionally with a new budget or method).
 
@@ -388,13 +320,11 @@ class ReplayEngine:
             InfeasibleBudget: the budget is below what the method can reach (with the
                 preservation pins, which the error names); the error says the smallest
                 feasible budget.
-            ReplayConfigError: no costs measured yet (no segment probed), or a pin that none
-                of the segment's measured options honours.
+            ReplayConfigError: no costs measured yet (no segment probed: see
+                :attr:`ready_to_plan`), or a pin that none of the segment's measured options
+                honours.
         """
-        if budget is not _KEEP:
-            self.budget = _check_budget(budget, self.model)[1]
-        if method is not None:
-            self.planner = _check_planner(method)
+        self.reconfigure(budget=budget, planner=method)
         costs = self.costs
         if not costs:
             raise ReplayConfigError("replan() needs measured costs: run at least one training "
@@ -426,6 +356,42 @@ class ReplayEngine:
         self._apply_plan(p)
         return p
 
+    def reconfigure(self, *, budget: int | str | None | object = _UNCHANGED,
+                    planner: str | None = None) -> None:
+        """Change the budget or the planner the next plan is made with (the plan in force
+        stays until :meth:`replan`).
+
+        Args:
+            budget: bytes, a string such as ``"2GiB"``, a fraction of the model's device, or
+                ``"min"``/``None`` for the lowest-memory correct plan; omitted keeps it.
+            planner: a planner method; omitted keeps it.
+
+        Raises:
+            ReplayConfigError: a budget or method outside the grammar.
+        """
+        changes: dict[str, Any] = {}
+        if budget is not _UNCHANGED:
+            changes["budget"] = Budget(min=True) if budget is None else budget
+        if planner is not None:
+            changes["planner"] = planner
+        if not changes:
+            return
+        config = self.config.replace(caller="replan", **changes)
+        self._budget = _resolve_budget(config, self.model)
+        self.config = config.replace(caller=self.config.caller)
+
+    def adopt_plan(self, plan: _planner.Plan, version: int, from_rank: int = 0) -> None:
+        """Run ``plan``, made by rank ``from_rank``, as plan ``version`` (a strategy makes every
+        rank run rank 0's plan), and record it."""
+        if self.plan is None or self.plan.choices != plan.choices:
+            self.set_options(plan.choices)
+        self.plan = plan
+        self.plan_version = version
+        self.records.append(step=self.step, segment="*", contract_version=version,
+                            check="plan", outcome="match",
+                            detail={"plan_version": version, "adopted_from_rank": from_rank,
+                                    **plan.to_dict()})
+
     def _apply_plan(self, p: _planner.Plan) -> None:
         if self.plan is not None and p.choices == self.plan.choices:
             self.plan = p  # same choices: no new plan version, no re-plan record
@@ -453,12 +419,18 @@ class ReplayEngine:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`: contracts are re-probed on the next step and get
-        the next version; the plan is re-applied once they exist."""
+        the next version; the plan is re-applied once they exist. The checkpoint's budget and
+        planner replace this engine's (:meth:`reconfigure` afterwards to override them)."""
         self.step = int(state["step"])
         self.plan_version = int(state["plan_version"])
-        self.budget = state.get("budget", self.budget)
-        self.planner = state.get("planner", self.planner)
         self.plan = _planner.Plan.from_dict(state["plan"]) if state.get("plan") else None
+        if "budget" in state:
+            b = state["budget"]
+            self._budget = b
+            self.config = self.config.replace(budget=Budget(bytes=b) if b is not None else
+                                              Budget(min=True) if self.plan else Budget())
+        if state.get("planner"):
+            self.config = self.config.replace(planner=state["planner"])
         for n, d in state.get("segments", {}).items():
             rt = self.runtimes.get(n)
             if rt is None:
@@ -468,7 +440,7 @@ class ReplayEngine:
             rt.violations, rt.checks = int(d["violations"]), int(d["checks"])
             rt.divergences = int(d["divergences"])
             rt.planned_option = d.get("planned_option")
-        if self.plan is not None:
+        if self.plan is not None and not self.config.measure_costs:
             self.measure_costs = False
 
     def summary(self) -> dict[str, dict[str, Any]]:
@@ -515,11 +487,12 @@ class ReplayEngine:
         finally:
             self.end_forward()
 
-    def begin_window(self, continuation: bool = False) -> None:
+    def begin_window(self, continuation: bool = False, inputs: Any = None) -> None:
         """Open a window (a training step's forward part), or, with ``continuation``, reopen
         the current one: a no-grad forward of the root inside the step (a momentum encoder
         that enqueues) or a segment called after the root's forward belongs to the step whose
-        backward is still to come, so its writes must be logged like the rest of the window."""
+        backward is still to come, so its writes must be logged like the rest of the window.
+        ``inputs``: the step's inputs, whose shapes the re-plan policy watches."""
         self._window_depth += 1
         if self._window_depth > 1:
             return
@@ -535,6 +508,16 @@ class ReplayEngine:
         self._last_step = self.step
         self._preserved_last_step = sum(rt.last_preserved_bytes for rt in self.runtimes.values())
         self._settle_real_peak()
+        policy = self.replan_policy
+        if policy is not None:  # install(replan_on=...): judge the step just trained
+            if self.step > 0:
+                policy.after_step(self)
+            if inputs is not None and "shapes" in policy.settings.replan_on and \
+                    policy.observe_shapes(input_shapes(inputs)):
+                # the re-plan needs activation bytes at the new shapes: a checked step
+                # measures them (the probe's figures are for the old shapes)
+                asked = self._check_next or (True, False, None)
+                self._check_next = (True, asked[1], asked[2])
         self._maybe_plan()
         if self._truth_pending and self.accountant is not None:
             self._truth_pending = False
@@ -598,20 +581,8 @@ class ReplayEngine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if self._root_class is not None:
-            if _ROOTS.get(self.model) is self:
-                del _ROOTS[self.model]
-            self.model.__class__ = self._root_class
-            self._root_class = None
-        for rt in self.runtimes.values():
-            if _RUNTIMES.get(rt.module) is rt:
-                del _RUNTIMES[rt.module]
-            base = getattr(type(rt.module), "_lightning_replay_base", None)
-            rt.module.__class__ = base if base is not None else rt.orig_class
-            become = getattr(rt.module, "cls_to_become", None)
-            if become is not None and getattr(become, "_lightning_replay_base", None):
-                if "cls_to_become" in rt.module.__dict__:
-                    del rt.module.__dict__["cls_to_become"]
+        _installation.detach(self, self._root_class)
+        self._root_class = None
         self.log.clear()
         self.installed = False
 
@@ -849,131 +820,16 @@ class ReplayEngine:
             for rt in self.runtimes.values())
 
 
-def _normalize_preservation(preservation: Any, names: Iterable[str]) -> str | dict[str, str]:
-    names = list(names)
-    if isinstance(preservation, str):
-        if preservation not in PRESERVATIONS:
-            raise ReplayConfigError(
-                f"preservation={preservation!r} is not known; use one of {PRESERVATIONS} or a "
-                "dict from segment name to one of them")
-        return preservation
-    if isinstance(preservation, Mapping):
-        out = {}
-        for k, v in preservation.items():
-            if k not in names:
-                raise ReplayConfigError(
-                    f"preservation names segment {k!r}, which is not among the installed "
-                    f"segments {names}")
-            if v not in PRESERVATIONS:
-                raise ReplayConfigError(
-                    f"preservation[{k!r}]={v!r} is not known; use one of {PRESERVATIONS}")
-            out[k] = v
-        return out
-    raise ReplayConfigError(f"preservation must be a string or a dict, got "
-                            f"{type(preservation).__name__} {preservation!r}")
-
-
-def _check_budget(budget: Any, model: nn.Module) -> tuple[Budget, int | None]:
-    """Parse ``budget`` in the one budget grammar and resolve it against ``model``'s device
-    (its first parameter or buffer; CPU without either). Bytes are ``None`` for ``"min"``
-    and for no budget."""
+def _resolve_budget(config: ReplayConfig, model: nn.Module) -> int | None:
+    """``config.budget`` in bytes for ``model``'s device (its first parameter or buffer; CPU
+    without either); ``None`` for ``"min"`` and for no budget."""
+    device = next((t.device for t in model.parameters()),
+                  next((t.device for t in model.buffers()), torch.device("cpu")))
     try:
-        parsed = Budget.parse(budget)
-        device = next((t.device for t in model.parameters()),
-                      next((t.device for t in model.buffers()), torch.device("cpu")))
-        return parsed, parsed.resolve(device)
+        return config.budget.resolve(device)
     except ValueError as exc:
-        raise ReplayConfigError(str(exc)) from None
+        raise ReplayConfigError(f"{config.caller}(budget={config.budget}): {exc}") from None
 
 
-def _check_planner(planner: Any) -> str:
-    if planner not in _planner.METHODS:
-        raise ReplayConfigError(f"planner={planner!r} is not known; use one of "
-                                f"{list(_planner.METHODS)}")
-    return planner
-
-
-def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
-            preservation: str | Mapping[str, str] = "auto", on_violation: str = "raise",
-            records: RecordStore | str | None = None, window: str = "root",
-            budget: int | str | None = None, planner: str = "joint",
-            track_memory: bool = False, base_memory: int = 0,
-            calibration_steps: int = 2, real_peak: bool = False) -> ReplayEngine:
-    """Make the given submodules of ``model`` replay exactly under activation recomputation.
-
-    Args:
-        model: the root module; the window is its forward plus backward.
-        segments: submodule names, glob patterns, module classes, or a callable
-            ``(name, module) -> bool`` (see :func:`~lightning_replay.segments.resolve_segments`).
-        preservation: ``"auto"`` (cheapest correct option by memory), ``"whole"``, ``"regions"``,
-            ``"retain"``, or a dict from segment name to one of these.
-        on_violation: ``"raise"`` raises :class:`ContractViolation`; ``"record"`` warns, records,
-            and re-probes the segment.
-        records: ``None`` (in memory), a SQLite path, or a :class:`RecordStore`.
-        window: ``"root"`` (the window starts with each forward of ``model``) or ``"manual"``
-            (the caller wraps each step in :meth:`ReplayEngine.window`).
-        budget: peak-memory budget (bytes, ``"2GiB"``, or a fraction of CUDA memory), or
-            ``"min"`` for the lowest-memory correct plan. With a budget, the steps after the
-            probe calibrate each option (``calibration_steps`` each), then ``planner`` chooses
-            one option per segment from the measured costs; ``engine.plan`` is the plan and
-            ``engine.replan()`` makes a new one. ``None``: no planning (``preservation``
-            decides).
-        planner: ``"joint"`` (optimal), ``"eager_whole"``, ``"fixed_regions"``,
-            ``"retain_all"`` or ``"whole_all"``.
-        track_memory: count saved-tensor and snapshot bytes exactly every step (on whenever a
-            budget is set); ``engine.window_stats()["peak_bytes"]`` reports the step's peak.
-        base_memory: bytes outside the engine's view (optimizer state) added to the base.
-        calibration_steps: steps per option measured before planning.
-        real_peak: plan for the process's real memory, not only the accountant's figures: the
-            first step of each plan is measured (the CUDA allocator; on CPU torch.profiler's
-            memory events, single process only) and what it held beyond the accountant
-            (backward temporaries, optimizer state via ``engine.track_optimizer``) joins the
-            base (:attr:`ReplayEngine.real_base_memory`), so the plan's predicted peak bounds
-            the real one. Off by default in this release.
-
-    Returns:
-        The :class:`ReplayEngine`; ``engine.uninstall()`` restores the model.
-
-    Example:
-        >>> import torch, lightning_replay as lr
-        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
-        ...                             torch.nn.Linear(4, 1))
-        >>> engine = lr.install(model, segments=["0", "1"])
-        >>> for _ in range(2):
-        ...     model(torch.randn(8, 4)).sum().backward()
-        >>> engine.summary()["1"]["replays"]
-        1
-        >>> engine.uninstall()
-    """
-    if not isinstance(model, nn.Module):
-        raise ReplayConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    for mod in model.modules():
-        if mod in _RUNTIMES:
-            raise ReplayConfigError(
-                f"model already has lightning_replay installed (segment "
-                f"{_RUNTIMES[mod].name!r}); call engine.uninstall() before installing again")
-    if on_violation not in ON_VIOLATION:
-        raise ReplayConfigError(f"on_violation={on_violation!r} is not known; use one of "
-                                f"{ON_VIOLATION}")
-    if window not in ("root", "manual"):
-        raise ReplayConfigError(f"window={window!r} is not known; use 'root' or 'manual'")
-    resolved = resolve_segments(model, segments)
-    pres = _normalize_preservation(preservation, resolved)
-    parsed_budget, budget_bytes = _check_budget(budget, model)
-    _check_planner(planner)
-    if isinstance(base_memory, bool) or not isinstance(base_memory, int) or base_memory < 0:
-        raise ReplayConfigError(f"base_memory={base_memory!r} must be a non-negative int (bytes)")
-    if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) or \
-            calibration_steps < 1:
-        raise ReplayConfigError(f"calibration_steps={calibration_steps!r} must be an int >= 1")
-    if records is None or isinstance(records, (str, bytes)) or hasattr(records, "__fspath__"):
-        store = RecordStore(records, rank=_rank())
-    elif isinstance(records, RecordStore):
-        store = records
-    else:
-        raise ReplayConfigError(f"records must be None, a path or a RecordStore, got "
-                                f"{type(records).__name__}")
-    return ReplayEngine(model, resolved, pres, on_violation, store, window, budget=budget_bytes,
-                        planner=planner, track_memory=track_memory, base_memory=base_memory,
-                        calibration_steps=calibration_steps, plan_min=parsed_budget.min,
-                        real_peak=bool(real_peak))
+# The entry points live with the class swaps they make; their old home still names them.
+from lightning_replay.installation import install, install_config  # noqa: E402,F401

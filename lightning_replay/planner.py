@@ -47,7 +47,7 @@ from lightning_replay.errors import ReplayError
 __all__ = [
     "OPTION_NAMES",
     "METHODS",
-    "SCHEMA_VERSION",
+    "PLANNER_SCHEMA_VERSION",
     "Option",
     "SegmentCost",
     "Plan",
@@ -67,7 +67,7 @@ OPTION_NAMES: tuple[str, ...] = ("retain", "recompute", "whole", "regions")
 METHODS: tuple[str, ...] = ("joint", "eager_whole", "fixed_regions", "retain_all", "whole_all")
 
 #: Version of the JSON layout written by :func:`costs_to_dict` and :meth:`Plan.to_dict`.
-SCHEMA_VERSION = 1
+PLANNER_SCHEMA_VERSION = 1
 
 # Byte counts live in int64 arrays inside the joint solver; keep well clear of overflow.
 _MAX_BYTES = 2**62
@@ -225,7 +225,7 @@ class Plan:
             {'b0': 'retain'}
         """
         return {
-            "schema": SCHEMA_VERSION,
+            "schema": PLANNER_SCHEMA_VERSION,
             "method": self.method,
             "budget": self.budget,
             "base_memory": self.base_memory,
@@ -239,8 +239,8 @@ class Plan:
         """Rebuild a plan written by :meth:`to_dict`.
 
         Raises:
-            ValueError: If the schema is not :data:`SCHEMA_VERSION` or a field is missing or
-                malformed.
+            ValueError: If the schema is not :data:`PLANNER_SCHEMA_VERSION` or a field is
+                missing or malformed.
 
         Example:
             >>> Plan.from_dict({"schema": 1, "method": "joint", "budget": 10, "base_memory": 0,
@@ -989,10 +989,11 @@ def _check_schema(what: str, data: object) -> None:
     if not isinstance(data, Mapping):
         raise ValueError(f"{what} dict must be a mapping, got {type(data).__name__}")
     schema = data.get("schema")
-    if schema != SCHEMA_VERSION:
+    if schema != PLANNER_SCHEMA_VERSION:
         raise ValueError(
             f"{what} dict has schema {schema!r}, but this version of lightning_replay reads "
-            f"schema {SCHEMA_VERSION}; re-measure the costs or load them with a matching version"
+            f"schema {PLANNER_SCHEMA_VERSION}; re-measure the costs or load them with a "
+            "matching version"
         )
 
 
@@ -1007,7 +1008,7 @@ def costs_to_dict(costs: Sequence[SegmentCost]) -> dict[str, Any]:
     """
     _table(costs)  # the same validation as planning: a table that saves can be planned
     return {
-        "schema": SCHEMA_VERSION,
+        "schema": PLANNER_SCHEMA_VERSION,
         "segments": [
             {
                 "name": seg.name,
@@ -1023,7 +1024,7 @@ def costs_from_dict(data: Mapping[str, Any]) -> list[SegmentCost]:
     """Rebuild a cost table written by :func:`costs_to_dict`.
 
     Raises:
-        ValueError: If the schema is not :data:`SCHEMA_VERSION`, or a segment or option is
+        ValueError: If the schema is not :data:`PLANNER_SCHEMA_VERSION`, or a segment or option is
             missing a field or holds a bad value; the message says which.
 
     Example:

@@ -36,15 +36,16 @@ from typing_extensions import override
 from lightning_replay._compat import logger_connector
 from lightning_replay import planner as _planner
 from lightning_replay.budget import format_bytes
+from lightning_replay.config import REPLAN_ON, ReplanSettings, check_choices, check_count
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.loggers.wandb import WandbReplayWriter, plan_rows, wandb_runs
 from lightning_replay.records import CHECKS as _CHECK_KINDS
 from lightning_replay.records import CONTRACT, RECORDS_DIR, Record, default_records_path
+from lightning_replay.replan import ReplanPolicy, input_shapes, settled
 from lightning_replay.strategies.replay import ReplayStrategy
 from lightning_replay.strategies.replay_fsdp import ReplayFSDPStrategy
 
 CHECKS = ("grad", "bytes")
-REPLAN_ON = ("memory", "violations", "shapes")
 
 _SUM_KEYS = ("replays", "matches", "rejections", "divergences")
 _MAX_KEYS = ("peak_memory_bytes", "step_time_ms", "preserved_bytes", "plan_version",
@@ -124,10 +125,16 @@ class ReplayCallback(Callback):
         progress_bar: bool = False,
         summary: bool = True,
     ) -> None:
-        self.check_every_n_steps = _check_positive_or_none("check_every_n_steps",
-                                                           check_every_n_steps)
-        self.checks = _check_choices("checks", checks, CHECKS, allow_empty=False)
-        self.replan_on = _check_choices("replan_on", replan_on, REPLAN_ON, allow_empty=True)
+        call = "ReplayCallback"
+        self.check_every_n_steps = check_count(call, "check_every_n_steps", check_every_n_steps,
+                                               none="no checks")
+        self.checks = check_choices(call, "checks", checks, CHECKS, allow_empty=False,
+                                    empty_hint=", or check_every_n_steps=None for no checks")
+        #: When to re-plan (validated here; the policy itself is the core's).
+        self.replan_settings = ReplanSettings(
+            replan_on=replan_on, replan_cooldown_steps=replan_cooldown_steps,
+            memory_headroom=memory_headroom, shape_patience=shape_patience, caller=call)
+        self._policy = ReplanPolicy(self.replan_settings)
         self.records_path = None if records_path is None else _check_records_path(records_path)
         if not isinstance(log_records, bool):
             raise ReplayConfigError(f"ReplayCallback(log_records={log_records!r}) must be a bool")
@@ -137,29 +144,13 @@ class ReplayCallback(Callback):
                 raise ReplayConfigError(f"ReplayCallback({name}={flag!r}) must be a bool")
         self.progress_bar = progress_bar
         self.summary = summary
-        if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, (int, float)) \
-                or not 0 < memory_headroom < 1:
-            raise ReplayConfigError(f"ReplayCallback(memory_headroom={memory_headroom!r}) must "
-                                    "be a fraction strictly between 0 and 1")
-        self.memory_headroom = float(memory_headroom)
-        self.replan_cooldown_steps = _check_positive_or_none(
-            "replan_cooldown_steps", replan_cooldown_steps, allow_none=False)
-        self.shape_patience = _check_positive_or_none("shape_patience", shape_patience,
-                                                      allow_none=False)
         self.counters: dict[str, int] = dict.fromkeys(("matches", "rejections", "divergences"), 0)
         self.record_seq = 0
-        self.replans = 0
         self.last_metrics: dict[str, float] = {}
         self._strategy: ReplayStrategy | None = None
         self._loaded: dict[str, Any] | None = None
         self._t0 = 0.0
         self._replays_total = 0
-        self._batch_shapes: tuple | None = None
-        self._plan_shapes: tuple | None = None
-        self._shape_streak = 0
-        self._last_replan_step = -10**9
-        self._memory_settled = False
-        self._violation_pending = False
         self._logged_events: dict[str, float] = {}
         self._writers: list[WandbReplayWriter] = []
         self._logged_plan_version = -1
@@ -171,6 +162,16 @@ class ReplayCallback(Callback):
         self._retain_all_peak: int | None = None
         self.fit_summary: dict[str, Any] | None = None
         """What the end-of-fit summary says, as data (set at the end of fit)."""
+
+    replan_on = property(lambda self: self.replan_settings.replan_on)
+    memory_headroom = property(lambda self: self.replan_settings.memory_headroom)
+    replan_cooldown_steps = property(lambda self: self.replan_settings.replan_cooldown_steps)
+    shape_patience = property(lambda self: self.replan_settings.shape_patience)
+
+    @property
+    def replans(self) -> int:
+        """Re-plans made so far (across resumes)."""
+        return self._policy.replans
 
     # ------------------------------------------------------------------ setup
     @override
@@ -250,15 +251,11 @@ class ReplayCallback(Callback):
         engine = self._require_strategy().engine
         if self.check_every_n_steps and (
                 (engine.step + 1) % self.check_every_n_steps == 0
-                or (not self._checked_first and _settled(engine))):
+                or (not self._checked_first and settled(engine))):
             # the first settled step too: a run shorter than check_every_n_steps still checks
             self._checked_first = True
             engine.request_check(grad="grad" in self.checks, bytes="bytes" in self.checks)
-        shapes = _shapes(batch)
-        self._shape_streak = self._shape_streak + 1 if shapes == self._batch_shapes else 1
-        self._batch_shapes = shapes
-        if "shapes" in self.replan_on and self._plan_shapes is not None and \
-                shapes != self._plan_shapes and self._shape_streak == self.shape_patience:
+        if self._policy.observe_shapes(input_shapes(batch)):
             # The re-plan at this step's end needs activation bytes at the new shapes: a
             # checked step measures them (the probe's figures are for the old shapes).
             engine.request_check(grad=True, bytes="bytes" in self.checks)
@@ -284,7 +281,10 @@ class ReplayCallback(Callback):
         for k, v in _count(mine).items():
             self.counters[k] += v
 
-        wants = self._replan_reasons(engine, mine, peak, bool(stats["checked"]))
+        wants = self._policy.reasons(
+            engine, violations=any(r.is_check and r.outcome in ("rejection", "divergence")
+                                   for r in mine),
+            peak=peak, checked=bool(stats["checked"]))
         local = {"replays": replays, **self.counters,
                  "peak_memory_bytes": peak, "step_time_ms": step_ms,
                  "preserved_bytes": sum(s["preserved_bytes"] for s in summary.values()),
@@ -300,8 +300,7 @@ class ReplayCallback(Callback):
         checked = bool(stats["checked"]) or any(r.check in _CHECK_KINDS for r in mine)
         self._checked_steps += checked
         retain_all = self._retain_all(engine)
-        settled = engine.plan is not None and _settled(engine)
-        if settled and not checked and peak:
+        if settled(engine) and not checked and peak:
             self._steady_peak = max(self._steady_peak or 0, peak)
         if self._telemetry is not None:
             self._write_telemetry(trainer, engine, stats, peak, step_ms, replays, new,
@@ -330,61 +329,15 @@ class ReplayCallback(Callback):
         if self._writers:
             self._log_wandb(trainer, engine, new)
 
-    def _replan_reasons(self, engine: Any, mine: list[Record], peak: int,
-                        checked: bool) -> set[str]:
-        reasons: set[str] = set()
-        if "violations" in self.replan_on and any(
-                r.is_check and r.outcome in ("rejection", "divergence") for r in mine):
-            # The segment is probed again (a rejection, or the engine's reaction to a
-            # divergence): plan once its new contract is in force.
-            self._violation_pending = True
-        if engine.plan is None or not _costs_ready(engine) or any(
-                s["status"] in ("probe", "probing") for s in engine.summary().values()):
-            return reasons
-        if self._violation_pending:
-            reasons.add("violations")
-        cooled = engine.step - self._last_replan_step >= self.replan_cooldown_steps
-        budget = engine.budget
-        # A derivative-checked step keeps graphs the plan replays: its peak is not the plan's.
-        if "memory" in self.replan_on and budget and cooled and not self._memory_settled \
-                and not checked:
-            # the accounted peak against the plan's prediction in the same terms (the plan's
-            # own figure also holds what a measured step held beyond the accountant's)
-            predicted = engine.plan.peak_memory - getattr(engine, "unaccounted_bytes", 0)
-            if peak > budget or abs(peak - predicted) > self.memory_headroom * budget:
-                reasons.add("memory")
-        if "shapes" in self.replan_on and cooled and self._plan_shapes is not None and \
-                self._batch_shapes != self._plan_shapes and \
-                self._shape_streak >= self.shape_patience:
-            reasons.add("shapes")
-        if self._plan_shapes is None:
-            self._plan_shapes = self._batch_shapes
-        return reasons
-
     def _replan(self, trainer: pl.Trainer, strategy: ReplayStrategy, reasons: list[str]) -> None:
         engine = strategy.engine
-        before = dict(engine.plan.choices) if engine.plan is not None else None
-        try:
-            plan = strategy.replan()
-        except _planner.InfeasibleBudget as exc:
-            engine.records.record_plan(step=engine.step, plan_version=engine.plan_version,
-                                       detail={"reasons": reasons, "error": str(exc)},
-                                       failed=True)
+        out = self._policy.replan(engine, reasons, replan=strategy.replan)
+        if out.error is not None:
             rank_zero_warn(f"ReplayCallback: re-plan ({', '.join(reasons)}) failed, keeping "
-                           f"plan v{engine.plan_version}: {exc}")
-            self._memory_settled = True
-            return
-        self.replans += 1
-        self._violation_pending = False
-        self._last_replan_step = engine.step
-        self._plan_shapes = self._batch_shapes
-        # Costs that give the same plan again will keep giving it: stop asking until
-        # something else changes the plan.
-        self._memory_settled = plan is not None and before == plan.choices and \
-            reasons == ["memory"]
-        if plan is not None and before != plan.choices:
+                           f"plan v{engine.plan_version}: {out.error}")
+        elif out.changed:
             rank_zero_info(f"ReplayCallback: re-planned ({', '.join(reasons)}) at step "
-                           f"{engine.step}: plan v{engine.plan_version} {plan.choices}")
+                           f"{engine.step}: plan v{engine.plan_version} {out.plan.choices}")
 
     def _log_wandb(self, trainer: pl.Trainer, engine: Any, new: list[Record]) -> None:
         step = trainer.global_step
@@ -505,7 +458,7 @@ class ReplayCallback(Callback):
         self._loaded = dict(state_dict)
         self.record_seq = int(state_dict["record_seq"])
         self.counters = {k: int(state_dict["counters"].get(k, 0)) for k in self.counters}
-        self.replans = int(state_dict.get("replans", 0))
+        self._policy.replans = int(state_dict.get("replans", 0))
         if self._strategy is not None:
             self._apply_loaded()
 
@@ -580,12 +533,6 @@ def format_fit_summary(s: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _settled(engine: Any) -> bool:
-    """Every segment has a contract (none is being probed) and a plan is in force."""
-    return engine.plan is not None and not any(
-        s["status"] in ("probe", "probing") for s in engine.summary().values())
-
-
 def _count(records: Iterable[Record]) -> dict[str, int]:
     out = {"matches": 0, "rejections": 0, "divergences": 0}
     for r in records:
@@ -609,21 +556,6 @@ def _is_last_step(trainer: pl.Trainer, batch_idx: int) -> bool:
             and batch_idx + 1 >= trainer.num_training_batches)
 
 
-def _costs_ready(engine: Any) -> bool:
-    """Every segment that can be replayed has a measured replay option to plan with."""
-    costs = engine.costs
-    if not costs:
-        return False
-    contracts = engine.contracts
-    for c in costs:
-        contract = contracts.get(c.name)
-        replayable = contract is not None and any(o != "retain"
-                                                  for o in contract.available_options())
-        if replayable and not any(o != "retain" for o in c.options):
-            return False
-    return True
-
-
 def _reduce(strategy: ReplayStrategy, local: Mapping[str, float],
             votes: list[bool]) -> tuple[dict[str, float], list[bool]]:
     """Sum counts and votes, max sizes and times, across ranks (two all-reduces)."""
@@ -639,39 +571,6 @@ def _reduce(strategy: ReplayStrategy, local: Mapping[str, float],
     out = dict(zip(_SUM_KEYS, sums.tolist()))
     out.update(zip(_MAX_KEYS, maxes.tolist()))
     return out, [v > 0 for v in sums.tolist()[len(_SUM_KEYS):]]
-
-
-def _shapes(batch: Any) -> tuple:
-    from lightning_replay._compat import tree_leaves
-    return tuple((tuple(t.shape), str(t.dtype)) for t in tree_leaves(batch)
-                 if isinstance(t, torch.Tensor))
-
-
-def _check_positive_or_none(name: str, value: Any, allow_none: bool = True) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        allowed = "a positive int or None (no checks)" if allow_none else "a positive int"
-        raise ReplayConfigError(f"ReplayCallback({name}={value!r}) must be {allowed}")
-    return value
-
-
-def _check_choices(name: str, value: Any, allowed: tuple[str, ...],
-                   allow_empty: bool) -> tuple[str, ...]:
-    items = (value,) if isinstance(value, str) else value
-    try:
-        items = tuple(items)
-    except TypeError:
-        raise ReplayConfigError(f"ReplayCallback({name}={value!r}) must be a sequence of "
-                                f"{list(allowed)}") from None
-    unknown = [v for v in items if v not in allowed]
-    if unknown:
-        raise ReplayConfigError(f"ReplayCallback({name}=...) has unknown entries {unknown}; "
-                                f"allowed: {list(allowed)}")
-    if not items and not allow_empty:
-        raise ReplayConfigError(f"ReplayCallback({name}=()) is empty; pass at least one of "
-                                f"{list(allowed)}, or check_every_n_steps=None for no checks")
-    return tuple(dict.fromkeys(items))
 
 
 def _check_records_path(path: Any) -> str:

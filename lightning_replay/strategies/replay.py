@@ -46,7 +46,9 @@ from typing_extensions import override
 from lightning_replay._compat import accelerator_connector, distributed_is_initialized
 from lightning_replay import planner as _planner
 from lightning_replay.budget import Budget, format_bytes
-from lightning_replay.engine import ON_VIOLATION, PRESERVATIONS, ReplayEngine, install
+from lightning_replay.config import ReplayConfig
+from lightning_replay.engine import ReplayEngine
+from lightning_replay.installation import install_config
 from lightning_replay.errors import ReplayConfigError, SegmentError
 from lightning_replay.records import RecordStore
 from lightning_replay.segments import SegmentSpec, default_segments, resolve_segments
@@ -123,16 +125,12 @@ class ReplayStrategy(DDPStrategy):
     ) -> None:
         _check_known_kwargs(kwargs)
         super().__init__(**kwargs)
-        self.budget: Budget = _check_replay_args(
-            "ReplayStrategy", budget=budget, planner=planner, preservation=preservation,
-            on_violation=on_violation, records=records, calibration_steps=calibration_steps)
-        self.segments_spec = segments
-        self.planner = planner
-        self.preservation = preservation
-        self.on_violation = on_violation
-        self.calibration_steps = calibration_steps
-        self.real_peak = bool(real_peak)
-        self._records_arg = records
+        #: The replay arguments, validated (what the engine is installed with, once the
+        #: segments and the budget are resolved for the model and its device).
+        self.config = strategy_config(
+            "ReplayStrategy", segments=segments, budget=budget, planner=planner,
+            preservation=preservation, on_violation=on_violation, records=records,
+            calibration_steps=calibration_steps, real_peak=real_peak)
         self._records_path: str | None = None
         self.run_id: str | None = None
         self.engine: ReplayEngine | None = None
@@ -142,6 +140,16 @@ class ReplayStrategy(DDPStrategy):
         #: Each segment's share of the segments' activation bytes, measured on the probe step
         #: (empty until then).
         self.activation_shares: dict[str, float] = {}
+
+    # The arguments as given (read-only: they are :attr:`config`'s).
+    segments_spec = property(lambda self: self.config.segments)
+    budget = property(lambda self: self.config.budget, doc="The budget as given (a Budget).")
+    planner = property(lambda self: self.config.planner)
+    preservation = property(lambda self: self.config.preservation)
+    on_violation = property(lambda self: self.config.on_violation)
+    calibration_steps = property(lambda self: self.config.calibration_steps)
+    real_peak = property(lambda self: self.config.real_peak)
+    _records_arg = property(lambda self: self.config.records)
 
     # ------------------------------------------------------------------ records
     def configure_records(self, path: str | os.PathLike | None, run_id: str | None = None, *,
@@ -286,29 +294,23 @@ class ReplayStrategy(DDPStrategy):
     def _install(self, model: nn.Module) -> None:
         if self.engine is not None and self.engine.installed:
             self.engine.uninstall()
+        config = _config_of(self)
         spec, origin = self._resolve_spec(model)
         names = list(resolve_segments(model, spec))
         self._check_segments(model, names)
         budget = self._resolve_budget()
-        engine = install(model, spec, preservation=self.preservation,
-                         on_violation=self.on_violation, records=self._make_records(),
-                         window="manual", budget=budget, planner=self.planner,
-                         track_memory=True, calibration_steps=self.calibration_steps,
-                         real_peak=getattr(self, "real_peak", False))
+        engine = install_config(model, config.replace(segments=spec, budget=budget,
+                                                      records=self._make_records()))
         if self._pending_engine_state is not None:
             engine.load_state_dict(self._pending_engine_state)
             self._pending_engine_state = None
-            # What this run was given wins over what the checkpoint's run was given; the
-            # loaded plan stays until a re-plan (ReplayCallback's "memory" notices a misfit).
-            engine.planner = self.planner
-            if isinstance(budget, int):
-                engine.budget = budget
-            elif self.budget.min:
-                engine.budget = None  # the lowest-memory correct plan
-        # Measure costs always: without a budget (CPU) the plan is the lowest-memory correct one
-        # from measured costs, and after a resume the loaded plan's options keep being timed so
-        # a later re-plan has costs to work from.
-        engine.measure_costs = True
+            # What this run was given wins over what the checkpoint's run was given (a run
+            # given no budget on CPU keeps the checkpoint's); the loaded plan stays until a
+            # re-plan (ReplayCallback's "memory" notices a misfit).
+            if isinstance(budget, int) or config.budget.min:
+                engine.reconfigure(planner=config.planner, budget=budget)
+            else:
+                engine.reconfigure(planner=config.planner)
         self.engine = engine
         self.segment_names = names
         self.activation_shares = {}
@@ -428,15 +430,17 @@ class ReplayStrategy(DDPStrategy):
         """
         engine = self._require_engine()
         error: BaseException | None = None
-        try:
-            if budget is None:
-                engine.replan()
-            else:
-                engine.replan(budget=budget)
-        except ReplayConfigError:
-            pass  # nothing measured yet: keep what there is
-        except _planner.InfeasibleBudget as exc:
-            error = exc
+        if not engine.ready_to_plan:  # nothing measured yet: keep what there is
+            if budget is not None:
+                engine.reconfigure(budget=budget)
+        else:
+            try:
+                if budget is None:
+                    engine.replan()
+                else:
+                    engine.replan(budget=budget)
+            except _planner.InfeasibleBudget as exc:
+                error = exc
         if self.world_size > 1:
             error = self.broadcast(error)
             self._sync_plan(force=True)
@@ -456,15 +460,7 @@ class ReplayStrategy(DDPStrategy):
                     engine.plan_version) if self.global_rank == 0 else None)
         plan_dict, version = self.broadcast(payload)
         if plan_dict is not None and self.global_rank != 0:
-            plan = _planner.Plan.from_dict(plan_dict)
-            if engine.plan is None or engine.plan.choices != plan.choices:
-                engine.set_options(plan.choices)
-            engine.plan = plan
-            engine.plan_version = version
-            engine.records.append(step=engine.step, segment="*", contract_version=version,
-                                  check="plan", outcome="match",
-                                  detail={"plan_version": version, "adopted_from_rank": 0,
-                                          **plan.to_dict()})
+            engine.adopt_plan(_planner.Plan.from_dict(plan_dict), version, from_rank=0)
         self._synced_plan_version = engine.plan_version
 
     # ------------------------------------------------------------------ resumable state
@@ -498,34 +494,46 @@ class ReplayStrategy(DDPStrategy):
         register(strategy_registry)
 
 
+def strategy_config(name: str, *, segments: Any = None, budget: Any = None,
+                    planner: Any = "joint", preservation: Any = "auto",
+                    on_violation: Any = "record", records: Any = None,
+                    calibration_steps: Any = 2, real_peak: Any = False) -> ReplayConfig:
+    """The :class:`~lightning_replay.config.ReplayConfig` of a replay strategy named ``name``
+    (for the messages): manual windows (each ``training_step`` is one), memory always tracked,
+    and costs always measured (without a budget the plan is the lowest-memory correct one,
+    and after a resume the loaded plan's options keep being timed so a re-plan has costs).
+
+    Raises:
+        ReplayConfigError: a bad argument, named as ``name(argument=value)``.
+    """
+    return ReplayConfig(segments=segments, budget=budget, planner=planner,
+                        preservation=preservation, on_violation=on_violation, records=records,
+                        calibration_steps=calibration_steps, real_peak=real_peak,
+                        window="manual", track_memory=True, measure_costs=True, caller=name)
+
+
 def _check_replay_args(name: str, *, budget: Any, planner: Any, preservation: Any,
                        on_violation: Any, records: Any, calibration_steps: Any) -> Budget:
-    """Validate the replay arguments a replay strategy takes (``name`` is the strategy's class
-    name, for the messages); returns the parsed budget."""
-    if planner not in _planner.METHODS:
-        raise ReplayConfigError(f"{name}(planner={planner!r}) is not known; use one of "
-                                f"{list(_planner.METHODS)}")
-    if isinstance(preservation, str) and preservation not in PRESERVATIONS:
-        raise ReplayConfigError(f"{name}(preservation={preservation!r}) is not known; use one "
-                                f"of {list(PRESERVATIONS)} or a dict per segment")
-    if not isinstance(preservation, (str, Mapping)):
-        raise ReplayConfigError(f"{name}(preservation=...) must be a string or a dict, got "
-                                f"{type(preservation).__name__}")
-    if on_violation not in ON_VIOLATION:
-        raise ReplayConfigError(f"{name}(on_violation={on_violation!r}) is not known; use one "
-                                f"of {list(ON_VIOLATION)}")
-    if not (records is None or isinstance(records, (str, RecordStore))
-            or hasattr(records, "__fspath__")):
-        raise ReplayConfigError(f"{name}(records=...) must be None, a path or a RecordStore, "
-                                f"got {type(records).__name__}")
-    if isinstance(calibration_steps, bool) or not isinstance(calibration_steps, int) \
-            or calibration_steps < 1:
-        raise ReplayConfigError(f"{name}(calibration_steps={calibration_steps!r}) must be an "
-                                "int >= 1")
-    try:
-        return Budget.parse(budget)
-    except (TypeError, ValueError) as exc:
-        raise ReplayConfigError(f"{name}(budget={budget!r}): {exc}") from None
+    """Validate the replay arguments of a strategy that keeps them as attributes; returns the
+    parsed budget. Kept for :class:`ReplayFSDPStrategy`; new code keeps
+    :func:`strategy_config` as ``self.config``."""
+    return strategy_config(name, budget=budget, planner=planner, preservation=preservation,
+                           on_violation=on_violation, records=records,
+                           calibration_steps=calibration_steps).budget
+
+
+def _config_of(strategy: Any) -> ReplayConfig:
+    """A strategy's config: its ``config``, or one built from the argument attributes of a
+    strategy that keeps them so (``ReplayFSDPStrategy``, which shares ``_install``)."""
+    config = getattr(strategy, "config", None)
+    if isinstance(config, ReplayConfig):
+        return config
+    return strategy_config(type(strategy).__name__, segments=strategy.segments_spec,
+                           budget=strategy.budget, planner=strategy.planner,
+                           preservation=strategy.preservation,
+                           on_violation=strategy.on_violation, records=strategy._records_arg,
+                           calibration_steps=strategy.calibration_steps,
+                           real_peak=getattr(strategy, "real_peak", False))
 
 
 def _valid_kwargs() -> dict[str, list[str]]:

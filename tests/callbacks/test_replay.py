@@ -231,7 +231,7 @@ def test_a_lowered_budget_replans_and_the_measured_peak_holds_it(tmp_path):
         engine = t.strategy.engine
         budgets["new"] = min_feasible_budget(engine.costs, engine.real_base_memory)
         budgets["peak_before"] = int(cb.last_metrics["peak_memory_bytes"])
-        engine.budget = budgets["new"]
+        engine.reconfigure(budget=budgets["new"])
 
     cb = ReplayCallback(check_every_n_steps=None, replan_on=("memory",),
                         replan_cooldown_steps=1)
@@ -264,7 +264,7 @@ def test_checked_steps_stay_within_the_budget_and_trigger_no_memory_replan(tmp_p
 
     def lower(t):
         engine = t.strategy.engine
-        engine.budget = min_feasible_budget(engine.costs, engine.real_base_memory)
+        engine.reconfigure(budget=min_feasible_budget(engine.costs, engine.real_base_memory))
 
     def record(t):
         engine = t.strategy.engine
@@ -283,9 +283,9 @@ def test_checked_steps_stay_within_the_budget_and_trigger_no_memory_replan(tmp_p
 
 def test_an_infeasible_budget_is_recorded_and_the_plan_kept(tmp_path):
     cb = ReplayCallback(check_every_n_steps=None, replan_on=("memory",))
+    lower = _At([7], lambda t: t.strategy.engine.reconfigure(budget=1024))
     t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
-                max_steps=8, callbacks=[_At([7], lambda t: setattr(t.strategy.engine,
-                                                                   "budget", 1024)), cb])
+                max_steps=8, callbacks=[lower, cb])
     with pytest.warns(UserWarning, match="re-plan \\(memory\\) failed, keeping plan v1"):
         t.fit(HazardNet(), loader(16))
     engine = t.strategy.engine

@@ -1,0 +1,257 @@
+"""Installing replay on a model: :func:`install`, and how the model's forwards reach the engine.
+
+:func:`install` checks the arguments once (a :class:`~lightning_replay.config.ReplayConfig`),
+resolves the segments against the model and builds the
+:class:`~lightning_replay.engine.ReplayEngine`. The engine :func:`attach`-es itself through class
+swaps, not hooks: each segment module's class becomes a
+subclass whose ``forward`` goes through the segment's
+:class:`~lightning_replay.runtime.SegmentRuntime`, and, with ``window="root"``, the root's class
+for one whose ``forward`` is one engine window. The subclasses keep the original name (reprs and
+``state_dict`` keys do not change) and pickle and deep-copy as the original class, so a copy of
+an installed model is a plain model with no engine attached. Uninstalling puts the classes back.
+"""
+from __future__ import annotations
+
+import copyreg
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from lightning_replay.config import ReplanSettings, ReplayConfig
+from lightning_replay.errors import ReplayConfigError
+from lightning_replay.records import RecordStore
+from lightning_replay.segments import SegmentSpec, resolve_segments
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_replay.engine import ReplayEngine
+    from lightning_replay.runtime import SegmentRuntime
+
+# module -> its runtime. Weak, so a deepcopy or unpickled copy of a module is a plain module.
+_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, SegmentRuntime]" = weakref.WeakKeyDictionary()
+_REPLAY_CLASSES: dict[type, type] = {}
+
+
+def _new_plain(cls: type, *args: Any) -> Any:
+    """Unpickle/deep-copy target: a plain instance of the original class."""
+    return cls.__new__(cls, *args)
+
+
+def _replay_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward goes through the segment runtime.
+
+    It keeps the name of ``cls`` (reprs and state_dict keys don't change) and pickles and
+    deep-copies as ``cls``, so copies of an installed model are plain models.
+    """
+    if cls in _REPLAY_CLASSES:
+        return _REPLAY_CLASSES[cls]
+
+    def forward(self, *args, **kwargs):
+        rt = _RUNTIMES.get(self)
+        if rt is None:
+            return cls.forward(self, *args, **kwargs)
+        return rt(args, kwargs)
+
+    new = type(cls.__name__, (cls,), {"forward": forward,
+                                      "__reduce_ex__": _plain_reduce(cls, lambda: new),
+                                      "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__,
+                                      "_lightning_replay_base": cls})
+    _REPLAY_CLASSES[cls] = new
+    return new
+
+
+_ROOTS: "weakref.WeakKeyDictionary[nn.Module, ReplayEngine]" = weakref.WeakKeyDictionary()
+_ROOT_CLASSES: dict[type, type] = {}
+
+
+def _root_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward is one engine window (``install(window="root")``).
+
+    Like :func:`_replay_class`, it keeps the name of ``cls`` and copies as ``cls``.
+    """
+    if cls in _ROOT_CLASSES:
+        return _ROOT_CLASSES[cls]
+
+    def forward(self, *args, **kwargs):
+        eng = _ROOTS.get(self)
+        if eng is None:
+            return cls.forward(self, *args, **kwargs)
+        eng._explicit_windows += 1
+        eng.begin_window(continuation=not torch.is_grad_enabled(), inputs=(args, kwargs))
+        try:
+            return cls.forward(self, *args, **kwargs)
+        finally:
+            eng.end_forward()
+
+    new = type(cls.__name__, (cls,), {"forward": forward,
+                                      "__reduce_ex__": _plain_reduce(cls, lambda: new),
+                                      "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__,
+                                      "_lightning_replay_base": cls})
+    _ROOT_CLASSES[cls] = new
+    return new
+
+
+def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
+    def __reduce_ex__(self, protocol):
+        rv = cls.__reduce_ex__(self, protocol)
+        if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and \
+                rv[1][0] is swapped():
+            rv = (_new_plain, (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
+        return rv
+    return __reduce_ex__
+
+
+def attach(engine: "ReplayEngine") -> type | None:
+    """Route the forwards of ``engine``'s segments (and, with ``window="root"``, of its model)
+    through it. Returns the root's own class (``None`` for manual windows), for
+    :func:`detach`."""
+    for rt in engine.runtimes.values():
+        _RUNTIMES[rt.module] = rt
+        rt.module.__class__ = _replay_class(rt.orig_class)
+        become = getattr(rt.module, "cls_to_become", None)
+        if isinstance(rt.module, LazyModuleMixin) and become is not None:
+            # A lazy module turns into ``cls_to_become`` at its first forward: into the
+            # replaying subclass of it, so it keeps replaying afterwards.
+            rt.module.cls_to_become = _replay_class(become)
+    if engine.config.window != "root":
+        return None
+    # The root's forward opens the window through a class swap, not hooks: a copy (deepcopy,
+    # pickle) of the model is then a plain model, with no engine attached.
+    root_class = type(engine.model)
+    _ROOTS[engine.model] = engine
+    engine.model.__class__ = _root_class(root_class)
+    return root_class
+
+
+def detach(engine: "ReplayEngine", root_class: type | None) -> None:
+    """Undo :func:`attach`: every module gets its own class back."""
+    if root_class is not None:
+        if _ROOTS.get(engine.model) is engine:
+            del _ROOTS[engine.model]
+        engine.model.__class__ = root_class
+    for rt in engine.runtimes.values():
+        if _RUNTIMES.get(rt.module) is rt:
+            del _RUNTIMES[rt.module]
+        base = getattr(type(rt.module), "_lightning_replay_base", None)
+        rt.module.__class__ = base if base is not None else rt.orig_class
+        become = getattr(rt.module, "cls_to_become", None)
+        if become is not None and getattr(become, "_lightning_replay_base", None):
+            if "cls_to_become" in rt.module.__dict__:
+                del rt.module.__dict__["cls_to_become"]
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
+            preservation: str | Mapping[str, str] = "auto", on_violation: str = "raise",
+            records: RecordStore | str | None = None, window: str = "root",
+            budget: int | str | None = None, planner: str = "joint",
+            track_memory: bool = False, base_memory: int = 0,
+            calibration_steps: int = 2, real_peak: bool = False,
+            replan_on: Iterable[str] = (), replan_cooldown_steps: int = 10) -> ReplayEngine:
+    """Make the given submodules of ``model`` replay exactly under activation recomputation.
+
+    Args:
+        model: the root module; the window is its forward plus backward.
+        segments: submodule names, glob patterns, module classes, or a callable
+            ``(name, module) -> bool`` (see :func:`~lightning_replay.segments.resolve_segments`).
+        preservation: ``"auto"`` (cheapest correct option by memory), ``"whole"``, ``"regions"``,
+            ``"retain"``, or a dict from segment name to one of these.
+        on_violation: ``"raise"`` raises :class:`ContractViolation`; ``"record"`` warns, records,
+            and re-probes the segment.
+        records: ``None`` (in memory), a SQLite path, or a :class:`RecordStore`.
+        window: ``"root"`` (the window starts with each forward of ``model``) or ``"manual"``
+            (the caller wraps each step in :meth:`ReplayEngine.window`).
+        budget: peak-memory budget (bytes, ``"2GiB"``, or a fraction of the model's device:
+            of the CUDA device's memory, or of physical memory on CPU), or ``"min"`` for the
+            lowest-memory correct plan. With a budget, the steps after the probe calibrate
+            each option (``calibration_steps`` each), then ``planner`` chooses one option per
+            segment from the measured costs; ``engine.plan`` is the plan and
+            ``engine.replan()`` makes a new one. ``None``: no planning (``preservation``
+            decides).
+        planner: ``"joint"`` (optimal), ``"eager_whole"``, ``"fixed_regions"``,
+            ``"retain_all"`` or ``"whole_all"``.
+        track_memory: count saved-tensor and snapshot bytes exactly every step (on whenever a
+            budget is set); ``engine.window_stats()["peak_bytes"]`` reports the step's peak.
+        base_memory: bytes outside the engine's view (optimizer state) added to the base.
+        calibration_steps: steps per option measured before planning.
+        real_peak: plan for the process's real memory, not only the accountant's figures: the
+            first step of each plan is measured (the CUDA allocator; on CPU torch.profiler's
+            memory events, single process only) and what it held beyond the accountant
+            (backward temporaries, optimizer state via ``engine.track_optimizer``) joins the
+            base (:attr:`ReplayEngine.real_base_memory`), so the plan's predicted peak bounds
+            the real one. Off by default.
+        replan_on: with a budget, when the engine plans again by itself, as each window
+            begins (:class:`~lightning_replay.replan.ReplanPolicy`): ``"violations"`` (a
+            rejection or a check's divergence, once the segment's new contract is in force),
+            ``"memory"`` (the last step's peak above the budget or off the plan's prediction),
+            ``"shapes"`` (the root's input shapes changed and stayed changed; ``window="root"``
+            only). Off (``()``) by default; pass e.g. ``replan_on=("violations", "memory")`` to
+            turn it on. Under ``Trainer(strategy="replay")``, ``ReplayCallback`` does this.
+        replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
+
+    Returns:
+        The :class:`ReplayEngine`; ``engine.uninstall()`` restores the model.
+
+    Raises:
+        ReplayConfigError: a bad argument (the message names it, the value, and what to use).
+        SegmentError: ``segments`` does not resolve to valid, non-nested submodules.
+
+    Example:
+        >>> import torch, lightning_replay as lr
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
+        ...                             torch.nn.Linear(4, 1))
+        >>> engine = lr.install(model, segments=["0", "1"])
+        >>> for _ in range(2):
+        ...     model(torch.randn(8, 4)).sum().backward()
+        >>> engine.summary()["1"]["replays"]
+        1
+        >>> engine.uninstall()
+    """
+    if not isinstance(model, nn.Module):
+        raise ReplayConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    replan = ReplanSettings(replan_on=replan_on, replan_cooldown_steps=replan_cooldown_steps,
+                            caller="install")
+    config = ReplayConfig(
+        segments=segments, preservation=preservation, on_violation=on_violation,
+        records=records, window=window, budget=budget, planner=planner,
+        track_memory=track_memory, base_memory=base_memory,
+        calibration_steps=calibration_steps, real_peak=real_peak, replan=replan,
+        caller="install")
+    return install_config(model, config)
+
+
+def install_config(model: nn.Module, config: ReplayConfig) -> ReplayEngine:
+    """:func:`install` from a :class:`~lightning_replay.config.ReplayConfig` (what the
+    strategies call). The checks that need the model happen here: the segments and the pins
+    naming them resolve, the budget resolves against the model's device.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> engine = install_config(model, ReplayConfig(segments=["0"], budget="min"))
+        >>> engine.config.budget, engine.budget
+        (Budget('min'), None)
+        >>> engine.uninstall()
+    """
+    if not isinstance(model, nn.Module):
+        raise ReplayConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for mod in model.modules():
+        if mod in _RUNTIMES:
+            raise ReplayConfigError(
+                f"model already has lightning_replay installed (segment "
+                f"{_RUNTIMES[mod].name!r}); call engine.uninstall() before installing again")
+    resolved = resolve_segments(model, config.segments)
+    config.pins(resolved)
+    from lightning_replay.engine import ReplayEngine, _resolve_budget
+
+    _resolve_budget(config, model)  # a fraction that cannot resolve fails before any change
+    return ReplayEngine(model, resolved, config, config.make_records(rank=_rank()))
