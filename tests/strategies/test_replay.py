@@ -475,3 +475,24 @@ def test_real_peak_plans_with_the_measured_step(tmp_path):
     stats = engine.window_stats()
     assert stats["predicted_peak_bytes"] == engine.plan.peak_memory
     assert stats["real_peak_bytes"] == engine.last_real_peak[1]
+
+
+class _ReplanBeforeTheProbe(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        engine = trainer.strategy.engine
+        assert not engine.ready_to_plan  # nothing probed yet
+        self.plan = trainer.strategy.replan(budget="64MiB")  # kept for the first plan
+        self.budget = engine.budget
+        with pytest.raises(ReplayConfigError, match="budget='lots'"):
+            trainer.strategy.replan(budget="lots")  # refused, not taken for "not ready"
+
+
+def test_replan_before_the_probe_answers_none_and_keeps_the_new_budget(tmp_path):
+    """Issue 11: not ready to plan is the engine's explicit answer (``ready_to_plan``), not a
+    swallowed ReplayConfigError, so a bad budget still raises."""
+    seen = _ReplanBeforeTheProbe()
+    t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
+                max_steps=6, callbacks=[seen])
+    t.fit(HazardNet(), loader(6))
+    assert seen.plan is None and seen.budget == 64 * 2**20
+    assert t.strategy.engine.plan.budget == 64 * 2**20  # the first plan used it
