@@ -98,6 +98,11 @@ class ReplayCallback(Callback):
         ReplayConfigError: on a bad argument (the message names it and what is allowed), or at
             setup when the trainer's strategy is not a :class:`ReplayStrategy`.
 
+    When to re-plan is decided by the core's :class:`~lightning_replay.replan.ReplanPolicy`
+    (what ``install(replan_on=...)`` runs without Lightning); this callback feeds it the step's
+    records and peak, has every rank agree on its reasons, and re-plans through the strategy
+    (rank 0 plans, every rank adopts its plan).
+
     Checks run on the first step once every segment has a contract and a plan is in force,
     then on every ``check_every_n_steps``-th step, so that even a short run checks its replays.
 
