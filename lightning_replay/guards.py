@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from lightning_replay.slots import MODULE_INTERNALS, is_scalar
+from lightning_replay.slots import MODULE_INTERNALS, identities, is_scalar
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
@@ -47,9 +47,10 @@ def _storage_ptr(t: Any) -> int:
 
 
 def _identity_signature(modules: list[nn.Module]) -> tuple:
-    """Which object every slot holds (and each buffer's storage, the hooks and the training
-    flags), cheaply: if it is the same as at the last forward, no field can have changed. The
-    objects behind it are alive (the slots hold them), so equal ids are the same objects."""
+    """Which object every slot holds (:func:`~lightning_replay.slots.identities`; and each
+    buffer's storage, the submodules, the hooks), cheaply: if it is the same as at the last
+    forward, no field can have changed. The objects behind it are alive (the slots hold them),
+    so equal ids are the same objects."""
     out = [_hooks_token([getattr(_module, h, {}) for h in _GLOBAL_HOOKS])]
     for m in modules:
         d = m.__dict__
@@ -58,9 +59,9 @@ def _identity_signature(modules: list[nn.Module]) -> tuple:
             ptrs = tuple([t.untyped_storage().data_ptr() for t in b])
         except (AttributeError, RuntimeError, NotImplementedError):  # None, sparse, wrapper
             ptrs = tuple(map(_storage_ptr, b))
-        out.append((tuple(map(id, d.values())), tuple(map(id, d["_parameters"].values())),
-                    tuple(map(id, b)), ptrs, tuple(map(id, d["_modules"].values())),
-                    _hooks_token([d.get(h) for h in _HOOK_DICTS])))
+        hooks = [d.get(h) for h in _HOOK_DICTS]
+        out.append((identities(d), ptrs, tuple(map(id, d["_modules"].values())),
+                    _hooks_token(hooks) if any(hooks) else 0))
     return tuple(out)
 
 
@@ -128,10 +129,18 @@ class Guard:
         self.base: dict[Hashable, Any] | None = None
         self._pending: list = []
         self._fast: tuple | None = None
+        self._now: tuple | None = None
+
+    def take_identities(self) -> list[tuple] | None:
+        """Each module's slot identities as :meth:`changed` read them in this forward, once
+        (``None`` if it has not run since the last take): the slot capture that follows in the
+        same forward reuses them instead of reading every module's slots again."""
+        now, self._now = self._now, None
+        return None if now is None else [m[0] for m in now[1:]]
 
     def changed(self) -> list[Hashable]:
         """Fields that differ from every value the contract has seen (empty: replay on)."""
-        fast = _identity_signature(self.modules)
+        fast = self._now = _identity_signature(self.modules)
         if fast == self._fast and self.base is not None:
             self._pending = []
             return []  # the same objects in every slot as last time: nothing can differ

@@ -132,7 +132,7 @@ class _Invocation:
         if self.regions:
             # Dropped without replay (graph freed, backward never called): disarm anyway.
             weakref.finalize(self, _release_keys, log, [k for k, _ in self.regions], self._token)
-        self.slots = capture_slots(rt.modules)
+        self.slots = capture_slots(rt.modules, rt.guard.take_identities())
         self.outside = capture_outside(rt.outside) if rt.outside else None
         gens = slot_generators(self.slots)
         ids = {id(g) for g in gens}

@@ -146,7 +146,7 @@ def _attr_plan(module: nn.Module, d: dict) -> tuple:
     return keys
 
 
-def _identities(d: dict) -> tuple:
+def identities(d: dict) -> tuple:
     """Which object each slot of a module holds, in order, with the slot names: equal for two
     moments exactly when every parameter, buffer and attribute slot holds the same object (the
     objects are kept alive by the captured slots, so their ids are not reused)."""
@@ -160,7 +160,7 @@ class ModuleSlots:
 
     ``plain`` is true when the slots are all there is to put back (no container contents,
     holder values or sparse copies, which can change while the slots hold the same objects):
-    such a capture stands for any later moment whose :func:`_identities` are the same.
+    such a capture stands for any later moment whose :func:`identities` are the same.
     """
 
     __slots__ = ("module", "params", "buffers", "attrs", "copies", "layout", "shallow",
@@ -169,7 +169,7 @@ class ModuleSlots:
     def __init__(self, module: nn.Module, ids: tuple | None = None) -> None:
         d = module.__dict__
         self.module = module
-        self.ids = _identities(d) if ids is None else ids
+        self.ids = identities(d) if ids is None else ids
         self.params = d["_parameters"].copy()
         self.buffers = d["_buffers"].copy()
         self.attrs = attrs = d.copy()
@@ -232,13 +232,15 @@ class ModuleSlots:
 _LAST: "weakref.WeakKeyDictionary[nn.Module, ModuleSlots | None]" = weakref.WeakKeyDictionary()
 
 
-def capture_slots(modules: list[nn.Module]) -> list[ModuleSlots]:
+def capture_slots(modules: list[nn.Module], ids_now: list[tuple] | None = None
+                  ) -> list[ModuleSlots]:
     """The slots of ``modules`` now. A module whose slots hold the same objects as at its last
     capture, with nothing else to put back, shares that capture (captures are never mutated):
-    the forward of a steady model copies no dicts."""
+    the forward of a steady model copies no dicts. ``ids_now``: each module's
+    :func:`identities` just read (by the guard of the same forward), if at hand."""
     out = []
-    for m in modules:
-        ids = _identities(m.__dict__)
+    for i, m in enumerate(modules):
+        ids = identities(m.__dict__) if ids_now is None else ids_now[i]
         last = _LAST.get(m, MISSING)
         if last is not None and last is not MISSING and last.ids == ids:
             out.append(last)
@@ -287,7 +289,7 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
     out = []
     for s in slots:
         d = s.module.__dict__
-        if s.plain and _identities(d) == s.ids:
+        if s.plain and identities(d) == s.ids:
             continue  # every slot holds the object it held at forward: nothing to swap
         lay = s.layout
         fb = {k: v for (w, k), v in lay.items() if w == "b"} if lay else None
