@@ -167,7 +167,7 @@ class ReplayConfig:
     track_memory: bool = False
     base_memory: int = 0
     calibration_steps: int = 2
-    real_peak: bool = False
+    real_peak: bool = True
     measure_costs: bool | None = None
     replan: ReplanSettings = ReplanSettings()
     caller: str = field(default="ReplayConfig", compare=False, repr=False)

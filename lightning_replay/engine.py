@@ -222,6 +222,12 @@ class ReplayEngine:
         return self._residual
 
     @property
+    def peak_is_allocator(self) -> bool:
+        """Whether ``window_stats()["peak_bytes"]`` is the allocator's real peak (CUDA), not
+        the accountant's (CPU)."""
+        return self._cuda
+
+    @property
     def real_base_memory(self) -> int:
         """:attr:`base_memory` plus what a measured step held beyond the accountant's figures
         (backward temporaries, optimizer state; see :mod:`lightning_replay.memory`): the base

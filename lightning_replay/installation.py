@@ -155,7 +155,7 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
             records: RecordStore | str | None = None, window: str = "root",
             budget: int | str | None = None, planner: str = "joint",
             track_memory: bool = False, base_memory: int = 0,
-            calibration_steps: int = 2, real_peak: bool = False,
+            calibration_steps: int = 2, real_peak: bool = True,
             replan_on: Iterable[str] = (), replan_cooldown_steps: int = 10) -> ReplayEngine:
     """Make the given submodules of ``model`` replay exactly under activation recomputation.
 
@@ -188,7 +188,8 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
             memory events, single process only) and what it held beyond the accountant
             (backward temporaries, optimizer state via ``engine.track_optimizer``) joins the
             base (:attr:`ReplayEngine.real_base_memory`), so the plan's predicted peak bounds
-            the real one. Off by default.
+            the real one. On by default; ``False`` holds the budget in the accountant's terms
+            only (saved tensors, snapshots, region logs, parameters and gradients).
         replan_on: with a budget, when the engine plans again by itself, as each window
             begins (:class:`~lightning_replay.replan.ReplanPolicy`): ``"violations"`` (a
             rejection or a check's divergence, once the segment's new contract is in force),

@@ -138,10 +138,12 @@ class ReplanPolicy:
         budget = engine.budget
         if "memory" in s.replan_on and budget and cooled and peak and \
                 not self._memory_settled and not checked:
-            # the measured peak against the plan's prediction in the same terms (the plan's
-            # own figure also holds what a measured step held beyond the accountant's)
-            predicted = engine.plan.peak_memory - engine.unaccounted_bytes
-            if peak > budget or abs(peak - predicted) > s.memory_headroom * budget:
+            # the step's peak in the budget's terms: the CUDA allocator's is real; the
+            # accountant's (CPU) plus what a measured step held beyond it (0 without
+            # real_peak), the residual the plan's own prediction holds in its base
+            real = peak if engine.peak_is_allocator else peak + engine.unaccounted_bytes
+            predicted = engine.plan.peak_memory
+            if real > budget or abs(real - predicted) > s.memory_headroom * budget:
                 out.add("memory")
         if "shapes" in s.replan_on and cooled and self._plan_shapes is not None and \
                 self._batch_shapes != self._plan_shapes and \

@@ -13,7 +13,6 @@ Failures known today are ``xfail(strict=True)`` with the reason.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import random

@@ -146,7 +146,7 @@ def test_the_policy_waits_while_a_segment_is_probed_and_honours_the_cooldown():
     """The pure policy: reasons from a stand-in engine, no training."""
 
     class Engine:
-        step, budget, unaccounted_bytes = 10, 1000, 0
+        step, budget, unaccounted_bytes, peak_is_allocator = 10, 1000, 0, False
         plan = type("P", (), {"peak_memory": 500, "choices": {"a": "whole"}})()
         costs = [type("C", (), {"name": "a", "options": {"whole": 1}})()]
         contracts = {}

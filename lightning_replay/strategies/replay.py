@@ -93,7 +93,8 @@ class ReplayStrategy(DDPStrategy):
         calibration_steps: steps each option is timed before the first plan.
         real_peak: plan for the process's real memory (see ``install(real_peak=...)``): the
             first step of each plan is measured and what it held beyond the engine's
-            accounting joins the base. One process only on CPU; off by default.
+            accounting joins the base. Measured on CPU in one process only, and on CUDA;
+            on by default.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``start_method``, ``timeout``, ...) and what it hands on to
             ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).
@@ -120,7 +121,7 @@ class ReplayStrategy(DDPStrategy):
         on_violation: str = "record",
         records: RecordStore | str | os.PathLike | None = None,
         calibration_steps: int = 2,
-        real_peak: bool = False,
+        real_peak: bool = True,
         **kwargs: Any,
     ) -> None:
         _check_known_kwargs(kwargs)
@@ -497,7 +498,7 @@ class ReplayStrategy(DDPStrategy):
 def strategy_config(name: str, *, segments: Any = None, budget: Any = None,
                     planner: Any = "joint", preservation: Any = "auto",
                     on_violation: Any = "record", records: Any = None,
-                    calibration_steps: Any = 2, real_peak: Any = False) -> ReplayConfig:
+                    calibration_steps: Any = 2, real_peak: Any = True) -> ReplayConfig:
     """The :class:`~lightning_replay.config.ReplayConfig` of a replay strategy named ``name``
     (for the messages): manual windows (each ``training_step`` is one), memory always tracked,
     and costs always measured (without a budget the plan is the lowest-memory correct one,
@@ -533,7 +534,7 @@ def _config_of(strategy: Any) -> ReplayConfig:
                            preservation=strategy.preservation,
                            on_violation=strategy.on_violation, records=strategy._records_arg,
                            calibration_steps=strategy.calibration_steps,
-                           real_peak=getattr(strategy, "real_peak", False))
+                           real_peak=getattr(strategy, "real_peak", True))
 
 
 def _valid_kwargs() -> dict[str, list[str]]:
