@@ -5,6 +5,10 @@ retained segment and the input bytes it saves, checkpoint inputs, and snapshot o
 bytes. Time (extra seconds per step over ``retain``) is the median of what the engine timed on
 the segment's own replays under each option: capture at forward (snapshots, input copies, the
 region log's share of the capture mode), swap in, recompute, swap out.
+
+Times are taken with :func:`clock`: on a CPU running one intra-op thread, this thread's CPU
+time (the calling thread does the whole step, and other processes' time slices on a shared
+machine are not counted); otherwise wall time.
 """
 from __future__ import annotations
 
@@ -22,6 +26,15 @@ if TYPE_CHECKING:
     from lightning_replay.engine import ReplayEngine
 
 _KEEP = 16  # samples kept per segment and option
+
+
+def clock(cuda: bool = False) -> float:
+    """Seconds for cost timing: this thread's CPU time on a CPU with one intra-op thread (the
+    step runs on the calling thread; a shared machine's load is not counted), else wall time
+    (several threads, or a device the CPU only waits for)."""
+    if not cuda and torch.get_num_threads() == 1:
+        return time.thread_time()
+    return time.perf_counter()
 
 
 class CostMeter:
@@ -91,10 +104,10 @@ def dispatch_overhead() -> float:
         n = 400
 
         def loop():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(n):
                 torch.add(x, 1.0)
-            return time.perf_counter() - t0
+            return clock() - t0
         loop()
         plain = min(loop() for _ in range(3))
         with _Passthrough():

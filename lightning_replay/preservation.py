@@ -17,12 +17,12 @@ counter moves.
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from lightning_replay._compat import TorchDispatchMode, op_arguments
+from lightning_replay.costs import clock
 from lightning_replay.state import _SWAP_CHUNK, StorageKey, storage_bytes, storage_key, swap_
 
 _aten = torch.ops.aten
@@ -195,13 +195,13 @@ class CaptureMode(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     key = storage_key(t)
                     if key in armed:
-                        t0 = time.perf_counter()
+                        t0 = clock(t.is_cuda)
                         owner = log.owners.get(key)
                         if owner is not None and owner._version != log.after.get(key):
                             log.broken.add(key)
                         log.record(key, RegionEntry(func, args, kwargs, t))
                         self.entry_time[key] = self.entry_time.get(key, 0.0) + \
-                            time.perf_counter() - t0
+                            clock(t.is_cuda) - t0
                         written = [key] if written is None else written + [key]
         self._written = written
         return func(*args, **kwargs)

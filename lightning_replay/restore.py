@@ -9,7 +9,6 @@ exactly what it did also when the replay stops early or fails.
 from __future__ import annotations
 
 import dataclasses
-import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -17,6 +16,7 @@ import torch
 
 from lightning_replay._compat import set_versions
 from lightning_replay.contract import StateEntry
+from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
 from lightning_replay.preservation import (
     CaptureMode,
@@ -190,7 +190,7 @@ class _ReplayContext:
                 "replay. Use preservation='retain' for segments whose graph is reused.")
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
-        self._t0 = time.perf_counter()
+        self._t0 = clock(eng._cuda)
         now = [t._version for _, t in inv.tensors]
         if inv.regions or now != inv.versions:  # else every version is as at forward
             self._check_versions()
@@ -268,7 +268,7 @@ class _ReplayContext:
             if eng.measure_costs and stage >= 4 and (eng._sync or not eng._cuda):
                 if eng._sync:
                     torch.cuda.synchronize(eng._cuda_device)
-                eng._record_replay_time(inv, time.perf_counter() - self._t0)
+                eng._record_replay_time(inv, clock(eng._cuda) - self._t0)
         return False
 
     def _check_versions(self) -> None:
