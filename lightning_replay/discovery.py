@@ -22,7 +22,7 @@ import torch
 
 from lightning_replay._compat import TorchDispatchMode, op_arguments, tree_leaves
 from lightning_replay.preservation import RegionLog, redo, undo, write_args
-from lightning_replay.state import StorageKey, storage_bytes, storage_key
+from lightning_replay.state import StorageKey, same_generator, storage_bytes, storage_key
 
 _SEEDED = torch.Tag.nondeterministic_seeded
 
@@ -115,7 +115,8 @@ class DiscoveryMode(TorchDispatchMode):
             if a.name == "generator" and v is not None:
                 if id(v) not in self.generators:
                     self.generators[id(v)] = v
-                    self.generator_states[id(v)] = v.get_state()
+                    if not _is_default_generator(v):  # checkpoint restores those itself
+                        self.generator_states[id(v)] = v.get_state()
             for t in _tensors(v):
                 touch = self._touch(t)
                 if touch is not None:
@@ -143,6 +144,16 @@ class DiscoveryMode(TorchDispatchMode):
                 else:
                     touch.changed_in_segment = not torch.equal(storage_bytes(touch.tensor),
                                                                touch.snapshot)
+
+
+def _is_default_generator(g: torch.Generator) -> bool:
+    """Whether ``g`` drives the CPU default generator or its device's default generator."""
+    if g.device.type == "cpu":
+        return same_generator(g, torch.default_generator)
+    if g.device.type == "cuda" and torch.cuda.is_initialized():
+        index = g.device.index if g.device.index is not None else torch.cuda.current_device()
+        return same_generator(g, torch.cuda.default_generators[index])
+    return False
 
 
 _FSDP_PARAMETERS: dict[int, Any] = {}  # id -> weakref of each FSDP2 unsharded parameter

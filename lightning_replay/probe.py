@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import CheckpointError, checkpoint, set_checkpoint_early_stop
 
 from lightning_replay._compat import (
     at_backward_end,
@@ -27,14 +27,14 @@ from lightning_replay._compat import (
 from lightning_replay.accounting import Saved
 from lightning_replay.contract import ReplayContract, StateEntry
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
-from lightning_replay.errors import ReplayConfigError, ReplayError
+from lightning_replay.errors import ReplayConfigError, ReplayError, SavedTensorModified
 from lightning_replay.preservation import redo, undo
 from lightning_replay.restore import _Bound
 from lightning_replay.slots import (
+    MISSING,
     MODULE_INTERNALS,
     OutsideReads,
     capture_generators,
-    capture_outside,
     capture_slots,
     is_scalar,
     restore_generators,
@@ -43,17 +43,18 @@ from lightning_replay.slots import (
     slot_generators,
     slot_tensors,
     swap_generators,
-    swap_outside,
     swap_slots,
 )
 from lightning_replay.state import (
     StateIndex,
     StateRef,
+    digest_token,
     digests,
     find_generator_name,
     storage_bytes,
     storage_key,
     swap_,
+    resolve_tokens,
     tensor_leaves,
     unique_generators,
 )
@@ -80,6 +81,8 @@ class _Probe:
         self.replayed = False  # its forward kept no activations; its replay restores
         self.gens: list = []  # (generator, state) at its start (replayed probes)
         self.outside: list | None = None  # outside attributes read, as at forward (replayed)
+        self.saved_tokens: list = []  # digest tokens of the tensors its forward saved (replayed)
+        self.saved_state: dict = {}  # storage key -> (alias, version) of saved state (replayed)
         self.changed_inputs: list[int] = []  # argument leaves the window changes
         self.written_inputs: list[int] = []  # ... that the segment itself writes
         self.start_index: StateIndex | None = None  # the model's state names at its start
@@ -103,7 +106,12 @@ class _ProbeHandle:
     def unpack(self) -> torch.Tensor:
         if self.probe.observations is None:
             self.rt._observe(self.probe)
-        return self.unpack_fn(self.inner)
+        if not self.probe.replayed:
+            return self.unpack_fn(self.inner)
+        try:
+            return self.unpack_fn(self.inner)
+        except CheckpointError as exc:
+            raise self.rt._replay_path_error(self.probe, exc) from exc
 
     def __del__(self) -> None:
         self.probe.live -= 1
@@ -220,6 +228,14 @@ class SegmentProbe:
             key = storage_key(t)
             if key is not None:
                 saved[key] = t.untyped_storage().nbytes()
+            if replayed and key not in params:
+                # what the replay must save again, byte for byte (a value that only the
+                # gradient reads leaves the outputs alike), and the version it was saved at
+                probe.saved_tokens.append(digest_token(t))
+                if key not in probe.saved_state and start_index.lookup(key):
+                    # model state autograd saved: an alias that shares its version counter
+                    # (its storage lives on anyway), to refuse a backward plain PyTorch refuses
+                    probe.saved_state[key] = (t.detach(), t._version)
             inner = outer_pack(t) if outer_pack is not None else Saved(t, where, eng.state_name)
             return _ProbeHandle(inner, unpack_fn, probe, self)
 
@@ -235,7 +251,7 @@ class SegmentProbe:
         known = {(id(m), k) for m, k in self.outside}
         self.outside += [(m, k) for m, k in outside.reads if (id(m), k) not in known]
         if replayed and outside.reads:
-            probe.outside = capture_outside(outside.reads)
+            probe.outside = outside.first  # values as first read, before the segment wrote
         mode.finish_segment()
         for (argname, obj), tok in zip(objects, before):
             if _object_token(obj) != tok:
@@ -281,9 +297,19 @@ class SegmentProbe:
                 box["probe"] = self._last_probe
                 box["digests"] = digests(tensor_leaves(out))
                 return out
+            top = top_saved_tensors_hooks()  # checkpoint's recomputation hooks
+            pack_next, unpack_next = top if top is not None else (lambda t: t, lambda t: t)
+            params = replay.params
+
+            def pack(t: torch.Tensor) -> Any:
+                if storage_key(t) not in params:
+                    replay.saved_tokens.append(digest_token(t))
+                return pack_next(t)
+
             eng._segment_depth += 1
             try:
-                out = self.orig_forward(*args, **kwargs)
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next):
+                    out = self.orig_forward(*args, **kwargs)
             finally:
                 eng._segment_depth -= 1
             replay.compare(out)
@@ -299,6 +325,24 @@ class SegmentProbe:
             return checkpoint(fn, *device, use_reentrant=False, preserve_rng_state=True,
                               context_fn=lambda: (contextlib.nullcontext(),
                                                   _ProbeReplay(self, box)))
+
+    def _replay_path_error(self, probe: _Probe, exc: Exception) -> ReplayError:
+        """The replay of a replayed probe took another path than its forward (checkpoint saw
+        a different number or kind of saved tensors): recorded as a divergence."""
+        eng = self.engine
+        self.divergences += 1
+        self.retained_probe = True
+        eng.records.append(step=probe.step, segment=self.name, contract_version=self.version,
+                           check="bytes", outcome="divergence",
+                           detail={"what": "replayed probe: the replay took another path",
+                                   "error": str(exc)[:300], "action": "next probe retained"})
+        return ReplayError(
+            f"segment {self.name!r}: the replay of its probe (step {probe.step}) took another "
+            "path than its forward (torch.utils.checkpoint saw different saved tensors): the "
+            "forward depends on something no probe can put back, such as Python's `random`, "
+            "numpy's RNG or a module-level setting. Draw randomness from torch (a "
+            "torch.Generator, or the global RNG), keep such values on the model, or leave this "
+            f"segment out of `segments`. Recorded as a divergence. ({exc})")
 
     def _grad_arrived(self, probe: _Probe) -> None:
         # The replay point is the first unpack of a saved tensor (see _ProbeHandle); a segment
@@ -522,13 +566,23 @@ class _ProbeReplay:
     def __init__(self, rt: "SegmentRuntime", box: dict[str, Any]) -> None:
         self.rt = rt
         self.box = box
-        self.active = False
+        self.saved_tokens: list = []
+        self.params: set = set()
 
     def __enter__(self) -> None:
         probe: _Probe = self.box["probe"]
         rt = self.rt
         if probe.observations is None:
             rt._observe(probe)  # the window ends here if no saved tensor was unpacked first
+        self.params = {k for k in (storage_key(p) for p in rt.engine.model.parameters())
+                       if k is not None}
+        self.saved_tokens = []
+        for alias, v0 in probe.saved_state.values():
+            if alias._version > v0:
+                # autograd saved it and it was written in place since: plain PyTorch refuses
+                # the backward, and so does the retained probe
+                raise SavedTensorModified(alias, v0, f"segment {rt.name!r}",
+                                          rt.engine.state_name(alias))
         self.swapped = []
         self.undone = []
         self.repointed = []
@@ -554,12 +608,14 @@ class _ProbeReplay:
                 self.swapped.append((t.tensor, t.snapshot, t.tensor._version))
                 swap_(live, t.snapshot)
         self.slots = swap_slots(probe.slots)
-        if probe.outside:
-            self.slots += swap_outside(probe.outside)
+        # every outside attribute it read, as first read; all put back after (the replay's own
+        # writes to them must not leak, even where they equal the value at forward)
+        self.outside = [(d, name, d.get(name, MISSING)) for d, name, _ in probe.outside or ()]
+        _set_all(probe.outside or ())
         gens = list(probe.gens)
         known = {id(g) for g, _ in gens}
         gens += [(g, probe.mode.generator_states[i]) for i, g in probe.mode.generators.items()
-                 if i not in known]
+                 if i not in known and i in probe.mode.generator_states]
         self.gens = swap_generators(gens)
         self.box["replay"] = self
         rt.replays += 1
@@ -575,8 +631,18 @@ class _ProbeReplay:
         if len(mine) != len(expected):
             differ.append(min(len(mine), len(expected)))
         probe = self.box["probe"]
-        detail = {"what": "replayed probe: outputs of the replay against the forward's",
-                  "outputs": len(expected)}
+        # the tensors saved for backward too: a value only the gradient reads (a gradient
+        # scale) leaves the outputs alike
+        ours, theirs = resolve_tokens(self.saved_tokens), resolve_tokens(probe.saved_tokens)
+        saved_differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+        if len(ours) != len(theirs):
+            saved_differ.append(min(len(ours), len(theirs)))
+        detail = {"what": "replayed probe: outputs and saved tensors of the replay against "
+                          "the forward's",
+                  "outputs": len(expected), "saved_tensors": len(theirs)}
+        if saved_differ:
+            detail["differing_saved_tensors"] = saved_differ[:16]
+            differ = differ or [f"saved tensor {saved_differ[0]}"]
         if not differ:
             eng.records.append(step=probe.step, segment=rt.name,
                                contract_version=rt.version, check="bytes", outcome="match",
@@ -592,7 +658,8 @@ class _ProbeReplay:
             rt.status = "probe"
         eng._contracts_changed()
         message = (f"segment {rt.name!r}: the replay of its probe (step {probe.step}) did not "
-                   f"reproduce the forward's outputs {differ[:16]}: that step's gradients "
+                   f"reproduce the forward's outputs {differ[:16]} (or the tensors it saved "
+                   f"for backward {saved_differ[:16]}): that step's gradients "
                    "through it differ from plain PyTorch's. Something the probe could not "
                    "restore changed between its forward and backward (a parameter written in "
                    "the window, a storage resized or swapped); recorded as a divergence. Its "
@@ -604,6 +671,7 @@ class _ProbeReplay:
     def __exit__(self, *exc) -> bool:
         self.box.pop("replay", None)
         restore_generators(self.gens)
+        _set_all(reversed(self.outside))
         restore_slots(self.slots)
         with torch.no_grad():
             for t, snap, _ in self.swapped:
@@ -622,6 +690,15 @@ class _ProbeReplay:
         self.undone = []
         self.repointed = []
         return False
+
+
+def _set_all(items: Any) -> None:
+    """Set each ``(dict, name, value)``; ``MISSING`` removes the name."""
+    for d, name, v in items:
+        if v is MISSING:
+            d.pop(name, None)
+        else:
+            d[name] = v
 
 
 def _storage_id(t: torch.Tensor) -> tuple[int, int]:

@@ -404,16 +404,16 @@ def _trace_class(cls: type) -> type:
         d = object.__getattribute__(self, "__dict__")
         reads = d.get("_lightning_replay_reads")
         if reads is not None and name in d and name not in MODULE_INTERNALS and \
-                not isinstance(value, nn.Module):
-            reads.add((None, name))
+                not isinstance(value, nn.Module) and (None, name) not in reads:
+            reads[None, name] = _at_forward(value)  # as first read (before any write)
         return value
 
     def __getattr__(self, name):  # registered buffers (parameters and submodules aside)
         value = cls.__getattr__(self, name)
         d = object.__getattribute__(self, "__dict__")
         reads = d.get("_lightning_replay_reads")
-        if reads is not None and name in d["_buffers"]:
-            reads.add(("_buffers", name))
+        if reads is not None and name in d["_buffers"] and ("_buffers", name) not in reads:
+            reads["_buffers", name] = value
         return value
 
     new = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
@@ -441,17 +441,20 @@ class OutsideReads:
         for m in self.modules:
             cls = type(m)
             self.classes.append(cls)
-            m.__dict__["_lightning_replay_reads"] = set()
+            m.__dict__["_lightning_replay_reads"] = {}
             m.__class__ = _trace_class(cls)
         return self
 
     def __exit__(self, *exc) -> None:
         self.reads = []
+        self.first: list[tuple[dict, str, Any]] = []  # (dict, name, value as first read)
         for m, cls in zip(self.modules, self.classes):
             m.__class__ = cls
-            for where, name in sorted(m.__dict__.pop("_lightning_replay_reads", ()),
-                                      key=lambda r: (r[0] or "", r[1])):
+            reads = m.__dict__.pop("_lightning_replay_reads", {})
+            for where, name in sorted(reads, key=lambda r: (r[0] or "", r[1])):
                 self.reads.append((m, name if where is None else (where, name)))
+                d = m.__dict__ if where is None else m.__dict__[where]
+                self.first.append((d, name, reads[where, name]))
 
 
 def _items(c: Any) -> Any:

@@ -6,6 +6,7 @@ attributes, in ``named_modules`` order); storage nobody in the model names is ``
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import zlib
 from typing import Any, Iterator
@@ -75,7 +76,7 @@ def digest(t: torch.Tensor) -> int:
         if n == 0:
             return 0
         if b.device.type == "cpu":
-            return zlib.crc32(memoryview(b.numpy())) ^ (n << 32)
+            return zlib.crc32(_host_view(b)) ^ (n << 32)
         return _word_digest(b)
 
 
@@ -95,7 +96,7 @@ def digests(tensors: list[torch.Tensor]) -> list[int]:
             if b.numel() == 0:
                 out[i] = 0
             elif _on_host(b):
-                out[i] = zlib.crc32(memoryview(b.numpy())) ^ (b.numel() << 32)
+                out[i] = zlib.crc32(_host_view(b)) ^ (b.numel() << 32)
             else:
                 pending.setdefault(b.device, []).append((i, b.numel(), _word_sums(b)))
         for items in pending.values():
@@ -103,6 +104,40 @@ def digests(tensors: list[torch.Tensor]) -> list[int]:
             for (i, n, _), (h1, h2, h3) in zip(items, sums):
                 out[i] = _mix(h1, h2, h3, n)
     return out  # type: ignore[return-value]
+
+
+def digest_token(t: torch.Tensor) -> Any:
+    """The digest of ``t`` now, without a host sync: an ``int`` on the host, a small device
+    tensor on an accelerator; :func:`resolve_tokens` turns a list of them into digests with
+    one read back per device."""
+    with torch.no_grad():
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if b.numel() == 0:
+            return 0
+        if _on_host(b):
+            return zlib.crc32(_host_view(b)) ^ (b.numel() << 32)
+        return (b.numel(), _word_sums(b))
+
+
+def resolve_tokens(tokens: list) -> list[int]:
+    """:func:`digest_token` results as digests (equal to :func:`digest`'s)."""
+    out: list[int | None] = [t if isinstance(t, int) else None for t in tokens]
+    pending: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
+    for i, tok in enumerate(tokens):
+        if not isinstance(tok, int):
+            pending.setdefault(tok[1].device, []).append((i, tok[0], tok[1]))
+    for items in pending.values():
+        sums = torch.stack([acc for _, _, acc in items]).tolist()
+        for (i, n, _), (h1, h2, h3) in zip(items, sums):
+            out[i] = _mix(h1, h2, h3, n)
+    return out  # type: ignore[return-value]
+
+
+def _host_view(b: torch.Tensor) -> Any:
+    """The bytes of a contiguous CPU uint8 tensor as a buffer, without copying them. Not
+    ``b.numpy()``: that marks the storage non-resizable, and a queue grown by ``resize_``
+    after a digest of it would fail."""
+    return (ctypes.c_char * b.numel()).from_address(b.data_ptr())
 
 
 def _on_host(b: torch.Tensor) -> bool:

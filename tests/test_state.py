@@ -69,3 +69,14 @@ def test_device_digests_read_back_once_for_many_tensors(monkeypatch):
     flipped = tensors[1].clone()
     flipped.view(torch.int32)[5] ^= 1
     assert st.digests([flipped])[0] != batched[1]
+
+
+def test_a_digested_tensor_can_still_be_resized():
+    """A checked step digests the state; a queue grown with ``resize_`` afterwards must still
+    grow (``Tensor.numpy()`` would have marked its storage non-resizable)."""
+    from lightning_replay.state import digest, digests
+    q = torch.randn(4, 8)
+    before = digest(q)
+    digests([q])
+    q.resize_(6, 8)
+    assert q.shape == (6, 8) and digest(q[:4].contiguous()) == before
