@@ -676,6 +676,17 @@ class ReplayEngine:
             f"temporaries, optimizer state), and no plan fits with that ({exc}). Raise the "
             "budget; the current plan stays.", RuntimeWarning, stacklevel=3)
 
+    @property
+    def steps_to_first_plan(self) -> int:
+        """Training steps from the first (probe) step to the one that runs the first plan: the
+        probe, then per calibration phase (replay; regions where a contract offers it) a
+        warm-up step and ``calibration_steps`` timed ones, then the plan's step. Before every
+        segment is probed, both phases are counted."""
+        probed = all(rt.contract is not None for rt in self.runtimes.values())
+        phases = 1 + (not probed or any("regions" in rt.contract.available_options()
+                                        for rt in self.runtimes.values()))
+        return 1 + phases * (self.calibration_steps + 1) + 1
+
     def _maybe_plan(self) -> None:
         """Between windows: calibrate each option for a few steps, then plan."""
         if not self.measure_costs or self._pending_probes or any(

@@ -288,3 +288,13 @@ def test_every_step_holds_a_real_budget_from_the_probe_on():
     late = [_real_peak(m, s) for s in range(2)]
     assert e.plan is not None and e.last_real_peak is not None
     assert max(early + late) <= budget < plain, (early, late, budget, plain)
+
+
+def test_steps_to_first_plan_is_when_the_first_plan_runs():
+    m = _model()
+    e = lr.install(m, "blocks.*", budget=10**12, real_peak=False)
+    assert e.steps_to_first_plan == STEPS_TO_PLAN  # both phases counted before the probe
+    train_steps(m, _x, STEPS_TO_PLAN - 1)
+    assert e.plan is None and e.steps_to_first_plan == STEPS_TO_PLAN
+    train_steps(m, _x, 1)
+    assert e.plan is not None

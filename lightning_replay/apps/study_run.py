@@ -63,14 +63,14 @@ class _CaptureCosts(Callback):
     def __init__(self) -> None:
         self.costs: list | None = None
         self.base = 0
-        self.calibration_steps = 2
+        self.steps_to_first_plan = 0
         self.options: dict[str, list[str]] = {}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = trainer.strategy.engine
         self.costs = engine.costs
         self.base = engine.base_memory
-        self.calibration_steps = engine.calibration_steps
+        self.steps_to_first_plan = engine.steps_to_first_plan
         self.options = {n: c.available_options() for n, c in engine.contracts.items()}
 
 
@@ -299,7 +299,7 @@ def measure_budget(base: dict[str, Any], settings: StudySettings, out: Path,
     if not costs or unmeasured:
         raise RuntimeError(f"study.measure_steps={settings.measure_steps} was too short to "
                            f"measure every option (unmeasured: {unmeasured[:4]}); use "
-                           f"{_steps_to_first_plan(cap.calibration_steps)} or more")
+                           f"{cap.steps_to_first_plan} or more")
     mins = {m: _planner.min_feasible_budget(costs, basemem, m)
             for m in ("joint", "eager_whole", "retain_all")}
     lo = max(mins["joint"], mins["eager_whole"])
@@ -311,15 +311,3 @@ def measure_budget(base: dict[str, Any], settings: StudySettings, out: Path,
     return {"bytes": budget, "fraction": settings.budget_fraction,
             "explicit": settings.budget is not None, "base_memory": basemem,
             "min_feasible": mins, "costs": _planner.costs_to_dict(costs)}
-
-
-def _steps_to_first_plan(calibration_steps: int) -> int:
-    """Training steps until the engine's first plan, for the hint of a too-short measurement.
-
-    The engine does not expose this number, so it is worked out here from its schedule (a
-    probe step; per calibration phase, replay and regions, a warm-up step plus
-    ``calibration_steps``; the plan's step): keep it in step with
-    ``ReplayEngine._maybe_plan``. Whether the measurement was long enough is decided from what
-    the engine did measure (its costs against its contracts' options), never from this.
-    """
-    return 2 + 2 * (calibration_steps + 1)
