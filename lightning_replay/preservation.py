@@ -191,8 +191,11 @@ class CaptureMode(TorchDispatchMode):
         written = None
         if armed:
             for pos, name in write_args(func):
-                t = arg_value(func, args, kwargs, pos, name)
-                if isinstance(t, torch.Tensor):
+                v = arg_value(func, args, kwargs, pos, name)
+                # a Tensor(a!)[] argument (the _foreach_ ops) writes each of its tensors
+                for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if not isinstance(t, torch.Tensor):
+                        continue
                     key = storage_key(t)
                     if key in armed:
                         t0 = clock(t.is_cuda)

@@ -564,8 +564,6 @@ XFAIL = {
         "steady replay takes the other branch: raw CheckpointError",
     ("parameter_repointed_after_segment", "retained"):
         "a parameter repointed by .data = in the window: steady replays silent",
-    ("parameters_foreach_written_after", "retained"):
-        "foreach writes to parameters in the window: steady replays silent",
 }
 
 
