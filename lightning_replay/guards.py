@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from lightning_replay.slots import MODULE_INTERNALS, identities, is_scalar
+from lightning_replay.slots import MISSING, MODULE_INTERNALS, identities, is_scalar
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
@@ -130,6 +130,9 @@ class Guard:
         self._pending: list = []
         self._fast: tuple | None = None
         self._now: tuple | None = None
+        #: per module, its last slot capture while steady (``capture_slots``'s ``last``); held
+        #: here so that it lives and dies with the segment, never keeps a model alive
+        self.captures: list = [MISSING] * len(modules)
 
     def take_identities(self) -> list[tuple] | None:
         """Each module's slot identities as :meth:`changed` read them in this forward, once

@@ -27,6 +27,7 @@ from lightning_replay.preservation import (
     undo,
 )
 from lightning_replay.slots import (
+    MISSING,
     capture_generators,
     capture_outside,
     capture_slots,
@@ -132,7 +133,10 @@ class _Invocation:
         if self.regions:
             # Dropped without replay (graph freed, backward never called): disarm anyway.
             weakref.finalize(self, _release_keys, log, [k for k, _ in self.regions], self._token)
-        self.slots = capture_slots(rt.modules, rt.guard.take_identities())
+        g = rt.guard
+        if len(g.captures) != len(rt.modules):
+            g.captures = [MISSING] * len(rt.modules)
+        self.slots = capture_slots(rt.modules, g.take_identities(), g.captures)
         self.outside = capture_outside(rt.outside) if rt.outside else None
         gens = slot_generators(self.slots)
         ids = {id(g) for g in gens}

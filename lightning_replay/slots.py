@@ -226,27 +226,28 @@ class ModuleSlots:
         self.plain = layout is None and copies is None and shallow is None and holders is None
 
 
-# The last capture of each module whose slots have so far always held the same objects, or
-# None once they were seen to change (rebound state, annealed values): those are captured
-# afresh at every forward, so that no stale capture keeps old objects alive between steps.
-_LAST: "weakref.WeakKeyDictionary[nn.Module, ModuleSlots | None]" = weakref.WeakKeyDictionary()
+def capture_slots(modules: list[nn.Module], ids_now: list[tuple] | None = None,
+                  last: list | None = None) -> list[ModuleSlots]:
+    """The slots of ``modules`` now.
 
-
-def capture_slots(modules: list[nn.Module], ids_now: list[tuple] | None = None
-                  ) -> list[ModuleSlots]:
-    """The slots of ``modules`` now. A module whose slots hold the same objects as at its last
-    capture, with nothing else to put back, shares that capture (captures are never mutated):
-    the forward of a steady model copies no dicts. ``ids_now``: each module's
-    :func:`identities` just read (by the guard of the same forward), if at hand."""
+    ``ids_now``: each module's :func:`identities` just read (by the guard of the same forward),
+    if at hand. ``last``: per module, its last capture while its slots have always held the
+    same objects (``MISSING`` before the first one, ``None`` once they were seen to change:
+    rebound state, annealed values); updated in place. A module whose slots hold the same
+    objects as at that capture, with nothing else to put back, shares it (captures are never
+    mutated): the forward of a steady model copies no dicts. Modules seen to change are
+    captured afresh every time, so no stale capture keeps old objects alive between steps.
+    """
     out = []
     for i, m in enumerate(modules):
         ids = identities(m.__dict__) if ids_now is None else ids_now[i]
-        last = _LAST.get(m, MISSING)
-        if last is not None and last is not MISSING and last.ids == ids:
-            out.append(last)
+        prev = MISSING if last is None else last[i]
+        if prev is not None and prev is not MISSING and prev.ids == ids:
+            out.append(prev)
             continue
         s = ModuleSlots(m, ids)
-        _LAST[m] = s if s.plain and last is MISSING else None
+        if last is not None:
+            last[i] = s if s.plain and prev is MISSING else None
         out.append(s)
     return out
 

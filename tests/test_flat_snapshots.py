@@ -126,3 +126,20 @@ class Twice(Stack):
 
 def test_one_segment_called_twice_per_step_with_state_written_between():
     assert_exact(lambda: Twice([MixedState(), MixedState()]), SEGS2, "whole", min_replays=3)
+
+
+def test_snapshot_pools_and_slot_captures_do_not_keep_a_model_alive():
+    import gc
+    import weakref
+
+    import lightning_replay as lr
+    model = ShiftAfter([MixedState(), MixedState()])
+    engine = lr.install(model, SEGS2, preservation="whole")
+    for _ in range(3):  # probe, then steady steps that reuse the pools and captures
+        model(torch.randn(4, D)).pow(2).mean().backward()
+    assert all(s["replays"] for s in engine.summary().values())
+    engine.uninstall()
+    ref = weakref.ref(model)
+    del model, engine
+    gc.collect()
+    assert ref() is None
