@@ -212,7 +212,7 @@ class SegmentChecks:
                 in_req.append(live)
                 leaves.append(leaf)
                 ref_flat[i] = leaf
-        args2, kwargs2 = tree_unflatten(ref_flat, spec)
+        args2, kwargs2 = (ref_flat, {}) if spec is None else tree_unflatten(ref_flat, spec)
         out = self._measured_call(args2, kwargs2)  # the reference forward keeps its graph
         outs = _grad_outputs(out)
         params = [p for p in self.module.parameters() if p.requires_grad]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_replay._compat import tree_flatten, tree_unflatten
 from lightning_replay.checks import SegmentChecks
 from lightning_replay.contract import ReplayContract
+from lightning_replay.costs import clock
 from lightning_replay.errors import ContractViolation
 from lightning_replay.guards import Guard
 from lightning_replay.probe import SegmentProbe, _Probe
@@ -148,9 +148,12 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         eng = self.engine
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
-        t0 = time.perf_counter()
+        t0 = clock(eng._cuda)
         inv = _Invocation(self, check_bytes)
-        flat, spec = tree_flatten((args, kwargs))
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            flat, spec = list(args), None  # the common call: tensors only, nothing to flatten
+        else:
+            flat, spec = tree_flatten((args, kwargs))
         written = self.contract.changed_inputs
         changing = {k for k in (storage_key(t) for (e, t) in inv.tensors
                                 if e.changes_in_window) if k is not None}
@@ -185,7 +188,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                         inv.held.append(key)
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
-        inv.t_prep = time.perf_counter() - t0
+        inv.t_prep = clock(eng._cuda) - t0
         return inv, call, spec
 
     def _replay_call(self, args: tuple, kwargs: dict) -> Any:
@@ -202,7 +205,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                         flat[i] = (x.requires_grad_() if live.requires_grad else x).clone()
                     else:
                         flat[i] = live
-            a, kw = tree_unflatten(list(flat), spec)
+            a, kw = (flat, {}) if spec is None else tree_unflatten(list(flat), spec)
             if inv.replaying:
                 return forward(*a, **kw)
             eng._segment_depth += 1
