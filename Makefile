@@ -23,6 +23,7 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check lightning_replay benchmarks examples tests
+	$(BIN)/ruff format --check lightning_replay benchmarks examples tests
 	$(BIN)/python -m pytest -q tests lightning_replay --doctest-modules
 
 demo: $(STAMP)

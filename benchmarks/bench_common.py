@@ -5,6 +5,7 @@ Every figure the benchmarks report is either a median over rounds or the median 
 ratios: in one round every model steps once, in a rotating order, so a slow phase of a shared
 machine hits all of them alike.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -20,8 +21,12 @@ def device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def timed_step(model: torch.nn.Module, x: torch.Tensor, opt=None,
-               clock: Callable[[], float] = time.perf_counter) -> float:
+def timed_step(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    opt=None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """One forward + backward (+ optimizer step), synchronized on CUDA; seconds of ``clock``."""
     dev = x.device
     if dev.type == "cuda":
@@ -37,9 +42,12 @@ def timed_step(model: torch.nn.Module, x: torch.Tensor, opt=None,
     return clock() - t0
 
 
-def measure_costs(make_model: Callable[[], torch.nn.Module], segments: list[str],
-                  make_input: Callable[[int], torch.Tensor],
-                  calibration_steps: int = 5) -> tuple[list, int]:
+def measure_costs(
+    make_model: Callable[[], torch.nn.Module],
+    segments: list[str],
+    make_input: Callable[[int], torch.Tensor],
+    calibration_steps: int = 5,
+) -> tuple[list, int]:
     """Probe + calibrate once, as ``install(budget=...)`` does; return (costs, base memory)."""
     model = make_model()
     engine = lr.install(model, segments, budget="min", calibration_steps=calibration_steps)
@@ -52,9 +60,15 @@ def measure_costs(make_model: Callable[[], torch.nn.Module], segments: list[str]
     return costs, base
 
 
-def run_plans(make_model, segments, make_input, plans: dict[str, Any], rounds: int,
-              dev: torch.device, clock: Callable[[], float] = time.perf_counter
-              ) -> dict[str, dict]:
+def run_plans(
+    make_model,
+    segments,
+    make_input,
+    plans: dict[str, Any],
+    rounds: int,
+    dev: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, dict]:
     """Run each plan on its own model copy, interleaved; median step time, measured peak.
 
     A copy without lightning_replay (every activation kept, nothing replayed) runs in the same
@@ -75,7 +89,7 @@ def run_plans(make_model, segments, make_input, plans: dict[str, Any], rounds: i
         runs[name] = {"model": model, "engine": engine, "times": [], "peak": 0}
     names = list(runs)
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             run = runs[name]
             run["times"].append(timed_step(run["model"], make_input(2 + r), clock=clock))
@@ -85,12 +99,16 @@ def run_plans(make_model, segments, make_input, plans: dict[str, Any], rounds: i
     plain_time = statistics.median(plain_times)
     out = {}
     for name, run in runs.items():
-        out[name] = {"step_time_s": statistics.median(run["times"]),
-                     "step_times_s": run["times"], "peak_bytes": run["peak"],
-                     "choices": plans[name].choices,
-                     "predicted_peak_bytes": plans[name].peak_memory,
-                     "plain_step_time_s": plain_time, "plain_step_times_s": plain_times,
-                     "predicted_step_time_s": plain_time + plans[name].extra_time}
+        out[name] = {
+            "step_time_s": statistics.median(run["times"]),
+            "step_times_s": run["times"],
+            "peak_bytes": run["peak"],
+            "choices": plans[name].choices,
+            "predicted_peak_bytes": plans[name].peak_memory,
+            "plain_step_time_s": plain_time,
+            "plain_step_times_s": plain_times,
+            "predicted_step_time_s": plain_time + plans[name].extra_time,
+        }
         run["engine"].uninstall()
     return out
 

@@ -19,6 +19,7 @@ code (no downloads). Per model:
 On CPU the steps run on one intra-op thread, timed by this thread's CPU time (the machine may be
 shared; see ``sparse_map._clock``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,8 +44,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def _gpt2(size: dict) -> tuple[nn.Module, str, Callable, Callable]:
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(n_layer=size["layers"], n_embd=size["width"], n_head=4, vocab_size=1000,
-                     n_positions=size["seq"], use_cache=False)  # dropout 0.1 (GPT-2's default)
+
+    cfg = GPT2Config(
+        n_layer=size["layers"],
+        n_embd=size["width"],
+        n_head=4,
+        vocab_size=1000,
+        n_positions=size["seq"],
+        use_cache=False,
+    )  # dropout 0.1 (GPT-2's default)
     model = GPT2LMHeadModel(cfg)
 
     def batch(step: int) -> tuple[torch.Tensor, ...]:
@@ -56,22 +64,33 @@ def _gpt2(size: dict) -> tuple[nn.Module, str, Callable, Callable]:
 
 def _vit(size: dict) -> tuple[nn.Module, str, Callable, Callable]:
     from timm.models.vision_transformer import VisionTransformer
-    model = VisionTransformer(img_size=size["image"], patch_size=8, embed_dim=size["width"],
-                              depth=size["layers"], num_heads=4, num_classes=10,
-                              drop_path_rate=0.1)
+
+    model = VisionTransformer(
+        img_size=size["image"],
+        patch_size=8,
+        embed_dim=size["width"],
+        depth=size["layers"],
+        num_heads=4,
+        num_classes=10,
+        drop_path_rate=0.1,
+    )
     return model, "blocks.*", _images(size), _classify
 
 
 def _resnet18(size: dict) -> tuple[nn.Module, str, Callable, Callable]:
     import torchvision
+
     return torchvision.models.resnet18(num_classes=10), "layer*.*", _images(size), _classify
 
 
 def _images(size: dict) -> Callable[[int], tuple[torch.Tensor, ...]]:
     def batch(step: int) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(step)
-        return (torch.randn(size["batch"], 3, size["image"], size["image"], generator=g),
-                torch.randint(0, 10, (size["batch"],), generator=g))
+        return (
+            torch.randn(size["batch"], 3, size["image"], size["image"], generator=g),
+            torch.randint(0, 10, (size["batch"],), generator=g),
+        )
+
     return batch
 
 
@@ -83,8 +102,11 @@ BUILDERS = {"gpt2": _gpt2, "vit": _vit, "resnet18": _resnet18}
 
 
 def _segments(model: nn.Module, pattern: str) -> list[str]:
-    return [n for n, _ in model.named_modules() if n and fnmatch.fnmatchcase(n, pattern)
-            and "." not in n[len(pattern.rstrip("*")):]]
+    return [
+        n
+        for n, _ in model.named_modules()
+        if n and fnmatch.fnmatchcase(n, pattern) and "." not in n[len(pattern.rstrip("*")) :]
+    ]
 
 
 def _step(model: nn.Module, loss_fn, batch, clock=time.perf_counter) -> tuple[float, int]:
@@ -94,6 +116,7 @@ def _step(model: nn.Module, loss_fn, batch, clock=time.perf_counter) -> tuple[fl
     def pack(t):
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
+
     dev = batch[0].device
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -125,18 +148,23 @@ def run_model(name: str, size: dict, rounds: int, check_blocks: int, every: int 
     t_naive, t_replay = [], []
     for r in range(rounds):
         order = [(naive, t_naive), (replay, t_replay)]
-        for model, times in (order if r % 2 else order[::-1]):
+        for model, times in order if r % 2 else order[::-1]:
             times.append(_step(model, loss_fn, batch(3 + r), clock)[0])
     _, torch_bytes = _step(naive, loss_fn, batch(0), clock)
     _, replay_bytes = _step(replay, loss_fn, batch(0), clock)
     preserved = int(engine.window_stats()["preserved_bytes"])
     modes = sorted({s["mode"] for s in engine.summary().values()})
     out: dict[str, Any] = {
-        "segments": len(names), "size": size, "rounds": rounds,
+        "segments": len(names),
+        "size": size,
+        "rounds": rounds,
         "ratio_vs_torch_checkpoint": paired_ratio(t_replay, t_naive),
-        "replay_step_s": statistics.median(t_replay), "torch_step_s": statistics.median(t_naive),
-        "replay_saved_bytes": replay_bytes, "torch_saved_bytes": torch_bytes,
-        "replay_preserved_bytes": preserved, "modes": modes,
+        "replay_step_s": statistics.median(t_replay),
+        "torch_step_s": statistics.median(t_naive),
+        "replay_saved_bytes": replay_bytes,
+        "torch_saved_bytes": torch_bytes,
+        "replay_preserved_bytes": preserved,
+        "modes": modes,
     }
     engine.uninstall()
     out.update(_checks(proto, names, loss_fn, batch, clock, check_blocks, every))
@@ -155,7 +183,7 @@ def _checks(proto, names, loss_fn, batch, clock, blocks: int, every: int) -> dic
         for _ in range(blocks):
             total = {k: 0.0 for k in models}
             for step in range(every):
-                for k in (("checked", "plain") if step % 2 else ("plain", "checked")):
+                for k in ("checked", "plain") if step % 2 else ("plain", "checked"):
                     if k == "checked" and step == every // 2:
                         engines[k].request_check()
                     total[k] += _step(models[k], loss_fn, batch(step), clock)[0]
@@ -163,8 +191,12 @@ def _checks(proto, names, loss_fn, batch, clock, blocks: int, every: int) -> dic
     counts = engines["checked"].records.counts()
     for e in engines.values():
         e.uninstall()
-    return {"checks_ratio_every_50": statistics.median(ratios), "checks_block_ratios": ratios,
-            "checks_every": every, "check_records": counts}
+    return {
+        "checks_ratio_every_50": statistics.median(ratios),
+        "checks_block_ratios": ratios,
+        "checks_every": every,
+        "check_records": counts,
+    }
 
 
 def run(cfg: dict) -> dict:
@@ -174,8 +206,9 @@ def run(cfg: dict) -> dict:
     if device().type == "cpu":
         torch.set_num_threads(1)
     try:
-        return {name: run_model(name, size, cfg["rounds"], cfg["check_blocks"],
-                                cfg.get("every", 50))
-                for name, size in cfg["models"].items()}
+        return {
+            name: run_model(name, size, cfg["rounds"], cfg["check_blocks"], cfg.get("every", 50))
+            for name, size in cfg["models"].items()
+        }
     finally:
         torch.set_num_threads(threads)

@@ -17,6 +17,7 @@ Checks, each reported pass/fail with its figures:
 
 Without a GPU it runs the same code on CPU (``--device cpu``) as a smoke test of the script.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,7 +63,7 @@ class Net(nn.Module):
             x = b(x)
         k = F.normalize(x.detach()[:64], dim=1)
         p = int(self.ptr)
-        self.queue[p:p + 64] = k
+        self.queue[p : p + 64] = k
         self.ptr.fill_((p + 64) % self.queue.shape[0])
         return self.head(x)
 
@@ -71,6 +72,7 @@ def _make(device: torch.device, batch: int = 256, dim: int = 512):
     def make_input(step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(step)
         return torch.randn(batch, dim, generator=g).to(device)
+
     return make_input
 
 
@@ -92,9 +94,12 @@ def exact_dropout_checked(device: torch.device, steps: int = 6) -> dict:
     g, _ = train_steps(model, checked, steps, lr=1e-3)
     outcomes = [(r.check, r.outcome) for r in engine.records.read() if r.check in ("grad", "bytes")]
     ok = grad_diffs(g_ref, g) == [] and outcomes and all(o == "match" for _, o in outcomes)
-    return {"pass": bool(ok), "records": len(outcomes),
-            "divergences": sum(o == "divergence" for _, o in outcomes),
-            "grad_diffs": len(grad_diffs(g_ref, g))}
+    return {
+        "pass": bool(ok),
+        "records": len(outcomes),
+        "divergences": sum(o == "divergence" for _, o in outcomes),
+        "grad_diffs": len(grad_diffs(g_ref, g)),
+    }
 
 
 def budgeted_probe(device: torch.device, steps: int = 4) -> dict:
@@ -122,8 +127,11 @@ def budgeted_probe(device: torch.device, steps: int = 4) -> dict:
     engine = lr.install(model, "blocks.*", budget=1 << 40)  # any byte budget: replayed probes
     torch.manual_seed(1)
     g, _ = train_steps(model, make, steps, lr=1e-3)
-    probes = [r for r in engine.records.read(check="bytes")
-              if "replayed probe" in json.loads(r.detail).get("what", "")]
+    probes = [
+        r
+        for r in engine.records.read(check="bytes")
+        if "replayed probe" in json.loads(r.detail).get("what", "")
+    ]
     plain_peak = peak_of_first_step(copy.deepcopy(base))
     fresh = copy.deepcopy(base)
     lr.install(fresh, "blocks.*", budget=1 << 40)
@@ -131,9 +139,13 @@ def budgeted_probe(device: torch.device, steps: int = 4) -> dict:
     ok = grad_diffs(g_ref, g) == [] and probes and all(r.outcome == "match" for r in probes)
     if plain_peak is not None:
         ok = ok and probe_peak <= plain_peak
-    return {"pass": bool(ok), "grad_diffs": len(grad_diffs(g_ref, g)),
-            "probe_records": [r.outcome for r in probes],
-            "plain_first_step_peak": plain_peak, "budgeted_probe_step_peak": probe_peak}
+    return {
+        "pass": bool(ok),
+        "grad_diffs": len(grad_diffs(g_ref, g)),
+        "probe_records": [r.outcome for r in probes],
+        "plain_first_step_peak": plain_peak,
+        "budgeted_probe_step_peak": probe_peak,
+    }
 
 
 def bf16_autocast_checked(device: torch.device, steps: int = 6) -> dict:
@@ -151,9 +163,11 @@ def bf16_autocast_checked(device: torch.device, steps: int = 6) -> dict:
         loss.backward()
         opt.step()
     grads = [r for r in engine.records.read() if r.check == "grad"]
-    return {"pass": bool(grads) and all(r.outcome == "match" for r in grads),
-            "grad_records": len(grads),
-            "divergences": sum(r.outcome == "divergence" for r in grads)}
+    return {
+        "pass": bool(grads) and all(r.outcome == "match" for r in grads),
+        "grad_records": len(grads),
+        "divergences": sum(r.outcome == "divergence" for r in grads),
+    }
 
 
 def budget_vs_allocator(device: torch.device, steps: int = 14) -> dict:
@@ -177,16 +191,21 @@ def budget_vs_allocator(device: torch.device, steps: int = 14) -> dict:
     predicted = engine.plan.peak_memory if engine.plan else None
     real = peaks[-1] if peaks else stats["real_peak_bytes"]
     ratio = predicted / real if predicted and real else None
-    return {"pass": ratio is not None and abs(ratio - 1) <= 0.10,
-            "predicted": predicted, "real": real, "predicted_vs_real": ratio,
-            "reserved": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
-            "plan": engine.plan.choices if engine.plan else None}
+    return {
+        "pass": ratio is not None and abs(ratio - 1) <= 0.10,
+        "predicted": predicted,
+        "real": real,
+        "predicted_vs_real": ratio,
+        "reserved": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+        "plan": engine.plan.choices if engine.plan else None,
+    }
 
 
 def syncs_per_step(device: torch.device, steps: int = 12) -> dict:
     if device.type != "cuda":
         return {"pass": None, "note": "CUDA only"}
     from torch.profiler import ProfilerActivity, profile
+
     torch.manual_seed(0)
     counts = {}
     for name, install in (("plain", False), ("replay", True)):
@@ -209,11 +228,13 @@ def syncs_per_step(device: torch.device, steps: int = 12) -> dict:
     return {"pass": counts["replay"] <= counts["plain"], "per_step": counts}
 
 
-CHECKS = {"exact_dropout_checked": exact_dropout_checked,
-          "budgeted_probe": budgeted_probe,
-          "bf16_autocast_checked": bf16_autocast_checked,
-          "budget_vs_allocator": budget_vs_allocator,
-          "syncs_per_step": syncs_per_step}
+CHECKS = {
+    "exact_dropout_checked": exact_dropout_checked,
+    "budgeted_probe": budgeted_probe,
+    "bf16_autocast_checked": bf16_autocast_checked,
+    "budget_vs_allocator": budget_vs_allocator,
+    "syncs_per_step": syncs_per_step,
+}
 
 
 def main() -> None:
@@ -223,8 +244,11 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(CHECKS))
     args = ap.parse_args()
     device = torch.device(args.device)
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    out = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     for name in args.only.split(","):
         t0 = time.perf_counter()
         try:

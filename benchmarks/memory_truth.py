@@ -15,6 +15,7 @@ with drop_path (4 blocks x 128, batch 8, 64 x 64 in 8 x 8 patches), each trained
 queue model also with Adam, whose state the plan must count). The transformers are built from
 configs (nothing downloaded) with dropout on, as they train.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,62 +36,120 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def queue_model():
     from lightning_replay.demos.hazards import QueueModel
+
     torch.manual_seed(0)
     m = QueueModel(rows=16384, dim=128, write_rows=256)
-    return m, "blocks.*", lambda s: (torch.randn(256, 128, generator=torch.Generator().manual_seed(s)),), \
-        lambda out: out.pow(2).mean()
+    return (
+        m,
+        "blocks.*",
+        lambda s: (torch.randn(256, 128, generator=torch.Generator().manual_seed(s)),),
+        lambda out: out.pow(2).mean(),
+    )
 
 
 def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,
-                     use_cache=False)
+    cfg = GPT2Config(
+        n_layer=4, n_embd=128, n_head=4, vocab_size=1000, n_positions=128, use_cache=False
+    )
     m = GPT2LMHeadModel(cfg)
-    return m, "transformer.h.*", lambda s: (torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(s)),), \
-        lambda out: out.logits.float().pow(2).mean()
+    return (
+        m,
+        "transformer.h.*",
+        lambda s: (torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(s)),),
+        lambda out: out.logits.float().pow(2).mean(),
+    )
 
 
 def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=344,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                      max_position_embeddings=128, attention_dropout=0.1, use_cache=False)
+    cfg = LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=128,
+        intermediate_size=344,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        attention_dropout=0.1,
+        use_cache=False,
+    )
     m = LlamaForCausalLM(cfg)
-    return m, "model.layers.*", lambda s: (torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(s)),), \
-        lambda out: out.logits.float().pow(2).mean()
+    return (
+        m,
+        "model.layers.*",
+        lambda s: (torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(s)),),
+        lambda out: out.logits.float().pow(2).mean(),
+    )
 
 
 def bert():
     from transformers import BertConfig, BertForMaskedLM
+
     torch.manual_seed(0)
-    cfg = BertConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=512,
-                     num_attention_heads=4, vocab_size=1000, max_position_embeddings=128)
+    cfg = BertConfig(
+        num_hidden_layers=4,
+        hidden_size=128,
+        intermediate_size=512,
+        num_attention_heads=4,
+        vocab_size=1000,
+        max_position_embeddings=128,
+    )
     m = BertForMaskedLM(cfg)
-    return m, "bert.encoder.layer.*", lambda s: (torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(s)),), \
-        lambda out: out.logits.float().pow(2).mean()
+    return (
+        m,
+        "bert.encoder.layer.*",
+        lambda s: (torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(s)),),
+        lambda out: out.logits.float().pow(2).mean(),
+    )
 
 
 def vit():
     from timm.models.vision_transformer import VisionTransformer
+
     torch.manual_seed(0)
-    m = VisionTransformer(img_size=64, patch_size=8, embed_dim=128, depth=4, num_heads=4,
-                          num_classes=10, drop_path_rate=0.1)
-    return m, "blocks.*", lambda s: (torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(s)),), \
-        lambda out: out.pow(2).mean()
+    m = VisionTransformer(
+        img_size=64,
+        patch_size=8,
+        embed_dim=128,
+        depth=4,
+        num_heads=4,
+        num_classes=10,
+        drop_path_rate=0.1,
+    )
+    return (
+        m,
+        "blocks.*",
+        lambda s: (torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(s)),),
+        lambda out: out.pow(2).mean(),
+    )
 
 
 def resnet18():
     import torchvision
+
     torch.manual_seed(0)
     m = torchvision.models.resnet18(num_classes=10)
-    return m, "layer*.*", lambda s: (torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(s)),), \
-        lambda out: out.pow(2).mean()
+    return (
+        m,
+        "layer*.*",
+        lambda s: (torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(s)),),
+        lambda out: out.pow(2).mean(),
+    )
 
 
-MODELS = {"queue": queue_model, "gpt2": gpt2, "llama": llama, "bert": bert,
-          "resnet18": resnet18, "vit_drop_path": vit}
+MODELS = {
+    "queue": queue_model,
+    "gpt2": gpt2,
+    "llama": llama,
+    "bert": bert,
+    "resnet18": resnet18,
+    "vit_drop_path": vit,
+}
 
 
 def measure(build, opt_cls=torch.optim.SGD, steps: int = 12) -> dict:
@@ -132,14 +191,19 @@ def measure(build, opt_cls=torch.optim.SGD, steps: int = 12) -> dict:
         warnings.simplefilter("ignore")
         for s in range(steps):
             budgeted.append(run(model, s, opt, referee=s == 0 or s >= steps - 2))
-    return {"plain_step": plain_peaks[-1], "probe_step": peaks[0],
-            "probe_vs_plain": peaks[0] / plain_peaks[-1],
-            "min_predicted": last_pred, "min_real": peaks[-1],
-            "predicted_vs_real": last_pred / peaks[-1],
-            "plan": engine.plan.choices if engine.plan else None,
-            "budget": budget, "budgeted_probe_step": budgeted[0],
-            "budgeted_probe_vs_budget": budgeted[0] / budget,
-            "budgeted_steady_vs_budget": budgeted[-1] / budget}
+    return {
+        "plain_step": plain_peaks[-1],
+        "probe_step": peaks[0],
+        "probe_vs_plain": peaks[0] / plain_peaks[-1],
+        "min_predicted": last_pred,
+        "min_real": peaks[-1],
+        "predicted_vs_real": last_pred / peaks[-1],
+        "plan": engine.plan.choices if engine.plan else None,
+        "budget": budget,
+        "budgeted_probe_step": budgeted[0],
+        "budgeted_probe_vs_budget": budgeted[0] / budget,
+        "budgeted_steady_vs_budget": budgeted[-1] / budget,
+    }
 
 
 def main() -> None:
@@ -152,15 +216,19 @@ def main() -> None:
         out[name] = measure(MODELS[name])
         if name == "queue":
             out["queue_adam"] = measure(MODELS[name], torch.optim.Adam)
-    mib = 2 ** 20
-    print(f"{'model':14} {'plain':>9} {'probe':>9} {'probe/plain':>11} {'min pred':>9} "
-          f"{'min real':>9} {'pred/real':>9} {'budget':>9} {'probe/bud':>9} {'steady/bud':>10}")
+    mib = 2**20
+    print(
+        f"{'model':14} {'plain':>9} {'probe':>9} {'probe/plain':>11} {'min pred':>9} "
+        f"{'min real':>9} {'pred/real':>9} {'budget':>9} {'probe/bud':>9} {'steady/bud':>10}"
+    )
     for k, r in out.items():
-        print(f"{k:14} {r['plain_step'] / mib:9.1f} {r['probe_step'] / mib:9.1f} "
-              f"{r['probe_vs_plain']:11.3f} {r['min_predicted'] / mib:9.1f} "
-              f"{r['min_real'] / mib:9.1f} {r['predicted_vs_real']:9.3f} "
-              f"{r['budget'] / mib:9.1f} {r['budgeted_probe_vs_budget']:9.3f} "
-              f"{r['budgeted_steady_vs_budget']:10.3f}")
+        print(
+            f"{k:14} {r['plain_step'] / mib:9.1f} {r['probe_step'] / mib:9.1f} "
+            f"{r['probe_vs_plain']:11.3f} {r['min_predicted'] / mib:9.1f} "
+            f"{r['min_real'] / mib:9.1f} {r['predicted_vs_real']:9.3f} "
+            f"{r['budget'] / mib:9.1f} {r['budgeted_probe_vs_budget']:9.3f} "
+            f"{r['budgeted_steady_vs_budget']:10.3f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -5,6 +5,7 @@ Same model, same segments, interleaved runs, medians. Prints the step-time ratio
 
     python benchmarks/overhead.py [--width 1024 --blocks 6 --batch 256 --repeats 15]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,7 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[float, int]:
     def pack(t):
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
+
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(x).pow(2).mean()
@@ -50,8 +52,9 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[float, int]:
     return dt, sum(saved.values())
 
 
-def run(width: int = 1024, blocks: int = 6, batch: int = 256, repeats: int = 15,
-        warmup: int = 3) -> dict:
+def run(
+    width: int = 1024, blocks: int = 6, batch: int = 256, repeats: int = 15, warmup: int = 3
+) -> dict:
     torch.manual_seed(0)
     base = Stack(width, blocks)
     names = [f"blocks.{i}" for i in range(blocks)]
@@ -76,14 +79,23 @@ def run(width: int = 1024, blocks: int = 6, batch: int = 256, repeats: int = 15,
                 b_replay = b + engine.preserved_bytes
     assert all(s["mode"] == "recompute" for s in engine.summary().values())
     med_n, med_r = statistics.median(t_naive), statistics.median(t_replay)
-    return {"ratio": med_r / med_n, "replay_step_s": med_r, "torch_step_s": med_n,
-            "replay_saved_bytes": b_replay, "torch_saved_bytes": b_naive,
-            "width": width, "blocks": blocks, "batch": batch, "repeats": repeats}
+    return {
+        "ratio": med_r / med_n,
+        "replay_step_s": med_r,
+        "torch_step_s": med_n,
+        "replay_saved_bytes": b_replay,
+        "torch_saved_bytes": b_naive,
+        "width": width,
+        "blocks": blocks,
+        "batch": batch,
+        "repeats": repeats,
+    }
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--batch", type=int, default=256)
@@ -91,10 +103,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the figures to this file")
     a = ap.parse_args(argv)
     r = run(a.width, a.blocks, a.batch, a.repeats)
-    print(f"stateless {a.blocks}x MLP width {a.width}, batch {a.batch}, {a.repeats} interleaved "
-          f"pairs: replay {r['replay_step_s'] * 1e3:.1f} ms, torch.utils.checkpoint "
-          f"{r['torch_step_s'] * 1e3:.1f} ms, ratio {r['ratio']:.3f}; saved bytes "
-          f"{r['replay_saved_bytes']} vs {r['torch_saved_bytes']}")
+    print(
+        f"stateless {a.blocks}x MLP width {a.width}, batch {a.batch}, {a.repeats} interleaved "
+        f"pairs: replay {r['replay_step_s'] * 1e3:.1f} ms, torch.utils.checkpoint "
+        f"{r['torch_step_s'] * 1e3:.1f} ms, ratio {r['ratio']:.3f}; saved bytes "
+        f"{r['replay_saved_bytes']} vs {r['torch_saved_bytes']}"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=2)

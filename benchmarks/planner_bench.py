@@ -26,10 +26,22 @@ from pathlib import Path
 import numpy as np
 
 try:
-    from lightning_replay.planner import InfeasibleBudget, Option, SegmentCost, min_feasible_budget, plan
+    from lightning_replay.planner import (
+        InfeasibleBudget,
+        Option,
+        SegmentCost,
+        min_feasible_budget,
+        plan,
+    )
 except ModuleNotFoundError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from lightning_replay.planner import InfeasibleBudget, Option, SegmentCost, min_feasible_budget, plan
+    from lightning_replay.planner import (
+        InfeasibleBudget,
+        Option,
+        SegmentCost,
+        min_feasible_budget,
+        plan,
+    )
 
 MiB = 2**20
 SIZES = (16, 64, 256)
@@ -56,9 +68,16 @@ def random_costs(n: int, rng: random.Random) -> list[SegmentCost]:
                 activation_bytes=activations,
                 options={
                     "retain": Option(activations + inputs, 0.0),
-                    "recompute": Option(inputs + rng.randint(0, activations // 4), forward * rng.uniform(1.0, 1.3)),
-                    "whole": Option(inputs + rng.randint(activations // 10, activations // 2), forward * rng.uniform(1.0, 1.2)),
-                    "regions": Option(inputs + rng.randint(0, activations // 8), forward * rng.uniform(1.1, 1.6)),
+                    "recompute": Option(
+                        inputs + rng.randint(0, activations // 4), forward * rng.uniform(1.0, 1.3)
+                    ),
+                    "whole": Option(
+                        inputs + rng.randint(activations // 10, activations // 2),
+                        forward * rng.uniform(1.0, 1.2),
+                    ),
+                    "regions": Option(
+                        inputs + rng.randint(0, activations // 8), forward * rng.uniform(1.1, 1.6)
+                    ),
                 },
             )
         )
@@ -67,7 +86,9 @@ def random_costs(n: int, rng: random.Random) -> list[SegmentCost]:
 
 def _feasible_range(costs: list[SegmentCost], base: int) -> tuple[int, int]:
     low = min_feasible_budget(costs, base)
-    high = base + sum(c.options["retain"].memory for c in costs)  # above this, retain all is optimal
+    high = base + sum(
+        c.options["retain"].memory for c in costs
+    )  # above this, retain all is optimal
     return low, high
 
 
@@ -92,9 +113,20 @@ def _exhaustive(costs: list[SegmentCost], base: int) -> tuple[np.ndarray, np.nda
     names = [list(c.options) for c in costs]
     grids = np.meshgrid(*[np.arange(len(o)) for o in names], indexing="ij")
     picks = np.stack([g.ravel() for g in grids], axis=1)  # (combinations, n)
-    mem = np.stack([np.array([c.options[o].memory for o in names[s]])[picks[:, s]] for s, c in enumerate(costs)], 1)
-    times = np.stack([np.array([c.options[o].time for o in names[s]])[picks[:, s]] for s, c in enumerate(costs)], 1)
-    replayed = np.stack([np.array([o != "retain" for o in names[s]])[picks[:, s]] for s in range(n)], 1)
+    mem = np.stack(
+        [
+            np.array([c.options[o].memory for o in names[s]])[picks[:, s]]
+            for s, c in enumerate(costs)
+        ],
+        1,
+    )
+    times = np.stack(
+        [np.array([c.options[o].time for o in names[s]])[picks[:, s]] for s, c in enumerate(costs)],
+        1,
+    )
+    replayed = np.stack(
+        [np.array([o != "retain" for o in names[s]])[picks[:, s]] for s in range(n)], 1
+    )
     acts = np.array([c.activation_bytes for c in costs])
     prefix = np.cumsum(mem, axis=1)
     replay_peak = np.where(replayed, prefix + acts, 0).max(axis=1)
@@ -161,7 +193,9 @@ def run(seed: int = 0) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the figures to this JSON file"
+    )
     args = parser.parse_args(argv)
 
     result, timings, (gap, feasible, infeasible) = _measure(args.seed)

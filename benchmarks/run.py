@@ -21,6 +21,7 @@ Sections (keys of the JSON):
   search.
 * ``checks``: step time with derivative + byte checks every 50 steps over without.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,38 +50,79 @@ SUITES = {
     "quick": {
         "overhead": dict(width=1024, blocks=6, batch=256, repeats=21),
         # 18 cells (sparse_map.QUICK_GRID); about two minutes on 2 cores
-        "sparse_write_map": dict(blocks=6, dim=128, hidden=2048, batch=256, rounds=15,
-                                 calibration_steps=7, grid=sparse_map.QUICK_GRID),
-        "real_models": dict(rounds=15, check_blocks=2, every=50, models={
-            "gpt2": dict(layers=4, width=128, seq=64, batch=8),
-            "vit": dict(layers=4, width=128, image=64, batch=16),
-            "resnet18": dict(image=64, batch=8)}),
+        "sparse_write_map": dict(
+            blocks=6,
+            dim=128,
+            hidden=2048,
+            batch=256,
+            rounds=15,
+            calibration_steps=7,
+            grid=sparse_map.QUICK_GRID,
+        ),
+        "real_models": dict(
+            rounds=15,
+            check_blocks=2,
+            every=50,
+            models={
+                "gpt2": dict(layers=4, width=128, seq=64, batch=8),
+                "vit": dict(layers=4, width=128, image=64, batch=16),
+                "resnet18": dict(image=64, batch=8),
+            },
+        ),
         "dense_queue": dict(rows=16384, dim=128, write_rows=128, batch=256, rounds=15),
         "checks": dict(steps=500, every=50),
     },
     "full": {
         "overhead": dict(width=2048, blocks=8, batch=512, repeats=21),
         # the whole grid: 75 cells, 15 cost measurements (about 10 times the quick map)
-        "sparse_write_map": dict(blocks=8, dim=128, hidden=2048, batch=256, rounds=21,
-                                 calibration_steps=9, grid=sparse_map.GRID),
-        "real_models": dict(rounds=31, check_blocks=6, every=50, models={
-            "gpt2": dict(layers=6, width=256, seq=128, batch=8),
-            "vit": dict(layers=6, width=192, image=96, batch=16),
-            "resnet18": dict(image=96, batch=16)}),
+        "sparse_write_map": dict(
+            blocks=8,
+            dim=128,
+            hidden=2048,
+            batch=256,
+            rounds=21,
+            calibration_steps=9,
+            grid=sparse_map.GRID,
+        ),
+        "real_models": dict(
+            rounds=31,
+            check_blocks=6,
+            every=50,
+            models={
+                "gpt2": dict(layers=6, width=256, seq=128, batch=8),
+                "vit": dict(layers=6, width=192, image=96, batch=16),
+                "resnet18": dict(image=96, batch=16),
+            },
+        ),
         "dense_queue": dict(rows=65536, dim=128, write_rows=256, batch=512, rounds=9),
         "checks": dict(steps=1000, every=50),
     },
     # seconds, for the test that keeps this script working (figures meaningless)
     "smoke": {
         "overhead": dict(width=32, blocks=2, batch=8, repeats=3),
-        "sparse_write_map": dict(blocks=2, dim=16, hidden=32, batch=8, rounds=2,
-                                 calibration_steps=1,
-                                 grid={"state_ratio": (1 / 2, 4), "write_fraction": (1 / 8,),
-                                       "budget_position": (0.1, 0.9)}),
-        "real_models": dict(rounds=2, check_blocks=1, every=2, models={
-            "gpt2": dict(layers=1, width=16, seq=8, batch=2),
-            "vit": dict(layers=1, width=16, image=16, batch=2),
-            "resnet18": dict(image=16, batch=2)}),
+        "sparse_write_map": dict(
+            blocks=2,
+            dim=16,
+            hidden=32,
+            batch=8,
+            rounds=2,
+            calibration_steps=1,
+            grid={
+                "state_ratio": (1 / 2, 4),
+                "write_fraction": (1 / 8,),
+                "budget_position": (0.1, 0.9),
+            },
+        ),
+        "real_models": dict(
+            rounds=2,
+            check_blocks=1,
+            every=2,
+            models={
+                "gpt2": dict(layers=1, width=16, seq=8, batch=2),
+                "vit": dict(layers=1, width=16, image=16, batch=2),
+                "resnet18": dict(image=16, batch=2),
+            },
+        ),
         "dense_queue": dict(rows=64, dim=16, write_rows=4, batch=8, rounds=2),
         "checks": dict(steps=4, every=2),
     },
@@ -100,14 +142,21 @@ def _ratio(methods: dict, a: str, b: str, key: str = "step_time_s") -> float | N
 # ------------------------------------------------------------------------------- sections
 def bench_overhead(cfg: dict) -> dict:
     from overhead import run
+
     r = run(**cfg)
-    return {"ratio": r["ratio"], "replay_saved_bytes": r["replay_saved_bytes"],
-            "torch_saved_bytes": r["torch_saved_bytes"], "replay_step_s": r["replay_step_s"],
-            "torch_step_s": r["torch_step_s"], "config": cfg}
+    return {
+        "ratio": r["ratio"],
+        "replay_saved_bytes": r["replay_saved_bytes"],
+        "torch_saved_bytes": r["torch_saved_bytes"],
+        "replay_step_s": r["replay_step_s"],
+        "torch_step_s": r["torch_step_s"],
+        "config": cfg,
+    }
 
 
 def bench_sparse_write_map(cfg: dict) -> dict:
     import sparse_map
+
     cfg = dict(cfg)
     grid = cfg.pop("grid")
     return sparse_map.run(cfg, grid)
@@ -115,6 +164,7 @@ def bench_sparse_write_map(cfg: dict) -> dict:
 
 def bench_real_models(cfg: dict) -> dict:
     import bench_real_models
+
     return bench_real_models.run(cfg)
 
 
@@ -127,24 +177,36 @@ def bench_dense_queue(cfg: dict) -> dict:
     torch.manual_seed(0)
     proto = QueueModel(**cfg).to(dev)
     make_model = lambda: copy.deepcopy(proto)
-    make_input = lambda s: torch.randn(batch, cfg["dim"], generator=torch.Generator()
-                                       .manual_seed(s)).to(dev)
+    make_input = lambda s: torch.randn(
+        batch, cfg["dim"], generator=torch.Generator().manual_seed(s)
+    ).to(dev)
     segments = ["blocks.0", "blocks.1"]
     costs, base = measure_costs(make_model, segments, make_input)
     whole = plan(costs, budget=10**18, base_memory=base, method="whole_all")
     joint = plan(costs, budget=whole.peak_memory, base_memory=base, method="joint")
     joint_min = plan(costs, budget=min_feasible_budget(costs, base, "joint"), base_memory=base)
-    measured = run_plans(make_model, segments, make_input,
-                          {"whole": whole, "joint": joint, "joint_min": joint_min}, rounds, dev)
-    return {"config": {**cfg, "batch": batch, "rounds": rounds}, "runs": measured,
-            "joint_vs_whole_time": _ratio({k: {"feasible": True, **v}
-                                           for k, v in measured.items()}, "joint", "whole"),
-            "joint_vs_whole_memory": measured["joint_min"]["peak_bytes"]
-            / measured["whole"]["peak_bytes"]}
+    measured = run_plans(
+        make_model,
+        segments,
+        make_input,
+        {"whole": whole, "joint": joint, "joint_min": joint_min},
+        rounds,
+        dev,
+    )
+    return {
+        "config": {**cfg, "batch": batch, "rounds": rounds},
+        "runs": measured,
+        "joint_vs_whole_time": _ratio(
+            {k: {"feasible": True, **v} for k, v in measured.items()}, "joint", "whole"
+        ),
+        "joint_vs_whole_memory": measured["joint_min"]["peak_bytes"]
+        / measured["whole"]["peak_bytes"],
+    }
 
 
 def bench_planner() -> dict:
     from planner_bench import run
+
     return run(seed=0)
 
 
@@ -170,17 +232,21 @@ def bench_checks(cfg: dict) -> dict:
     for _ in range(cfg["steps"] // every):
         block = {k: 0.0 for k in models}
         for step in range(every):
-            for k in (("checked", "plain") if step % 2 else ("plain", "checked")):
+            for k in ("checked", "plain") if step % 2 else ("plain", "checked"):
                 if k == "checked" and step == every // 2:
                     engines[k].request_check()
                 block[k] += timed_step(models[k], x)
         blocks.append(block)
     records = engines["checked"].records.counts()
     ratios = [b["checked"] / b["plain"] for b in blocks]
-    return {"overhead_ratio_every_50": statistics.median(ratios),
-            "block_ratios": ratios,
-            "total_ratio": sum(b["checked"] for b in blocks) / sum(b["plain"] for b in blocks),
-            "steps": len(blocks) * every, "every": every, "records": records}
+    return {
+        "overhead_ratio_every_50": statistics.median(ratios),
+        "block_ratios": ratios,
+        "total_ratio": sum(b["checked"] for b in blocks) / sum(b["plain"] for b in blocks),
+        "steps": len(blocks) * every,
+        "every": every,
+        "records": records,
+    }
 
 
 # ------------------------------------------------------------------------------- driver
@@ -198,9 +264,12 @@ def run_suite(suite: str, only: list[str] | None = None) -> dict:
     out: dict[str, Any] = {
         "suite": suite,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else
-        f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        "torch": torch.__version__, "malloc": _malloc_setting(), "seconds": {},
+        "device": torch.cuda.get_device_name(0)
+        if dev.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "malloc": _malloc_setting(),
+        "seconds": {},
         # other work on the machine (1-minute load average) when the run began and ended
         "load_average": {"start": os.getloadavg()[0]},
     }
@@ -221,49 +290,79 @@ def targets(r: dict) -> list[tuple[str, Any, str, bool]]:
 
     def add(name, value, target, ok):
         rows.append((name, value, target, bool(ok) if value is not None else False))
+
     if "overhead" in r:
         o = r["overhead"]
-        add("overhead.ratio", round(o["ratio"], 3), "<= 1.03 and equal saved bytes",
-            o["ratio"] <= 1.03 and o["replay_saved_bytes"] == o["torch_saved_bytes"])
+        add(
+            "overhead.ratio",
+            round(o["ratio"], 3),
+            "<= 1.03 and equal saved bytes",
+            o["ratio"] <= 1.03 and o["replay_saved_bytes"] == o["torch_saved_bytes"],
+        )
     if "sparse_write_map" in r:
         m = r["sparse_write_map"]
         v = m["joint_worst_vs_best_baseline"]
-        add("sparse_write_map.joint_worst_vs_best_baseline", v and round(v, 3),
-            "<= 1.02 in every cell", v is not None and v <= 1.02)
+        add(
+            "sparse_write_map.joint_worst_vs_best_baseline",
+            v and round(v, 3),
+            "<= 1.02 in every cell",
+            v is not None and v <= 1.02,
+        )
         feasible = [d for c in m["cells"] for d in c["methods"].values() if d["feasible"]]
         over = sum(not d["within_budget"] for d in feasible)
         add("sparse_write_map: feasible plans over budget", over, "0", over == 0)
         v = m["step_time_error_max"]
-        add("sparse_write_map.step_time_error_max", v and round(v, 3),
-            "<= 0.06 (predicted vs measured)", v is not None and v <= 0.06)
+        add(
+            "sparse_write_map.step_time_error_max",
+            v and round(v, 3),
+            "<= 0.06 (predicted vs measured)",
+            v is not None and v <= 0.06,
+        )
         v = m["step_time_error_median"]
-        add("sparse_write_map.step_time_error_median", v and round(v, 3), "(report)",
-            v is not None)
-        add("sparse_write_map.cells_joint_vs_eager_whole_le_0_82",
-            len(m["cells_joint_vs_eager_whole_le_0_82"]), f"(report, of {len(m['cells'])})",
-            True)
+        add("sparse_write_map.step_time_error_median", v and round(v, 3), "(report)", v is not None)
+        add(
+            "sparse_write_map.cells_joint_vs_eager_whole_le_0_82",
+            len(m["cells_joint_vs_eager_whole_le_0_82"]),
+            f"(report, of {len(m['cells'])})",
+            True,
+        )
     if "real_models" in r:
         for name, d in r["real_models"].items():
             v = d["ratio_vs_torch_checkpoint"]
-            add(f"real_models.{name}.ratio_vs_torch_checkpoint", round(v, 3),
+            add(
+                f"real_models.{name}.ratio_vs_torch_checkpoint",
+                round(v, 3),
                 "<= 1.03 and equal saved bytes",
-                v <= 1.03 and d["replay_saved_bytes"] == d["torch_saved_bytes"])
+                v <= 1.03 and d["replay_saved_bytes"] == d["torch_saved_bytes"],
+            )
             v = d["checks_ratio_every_50"]
             add(f"real_models.{name}.checks_ratio_every_50", round(v, 3), "<= 1.03", v <= 1.03)
     if "planner" in r:
         p = r["planner"]
         add("planner.ms_256", round(p["ms_256"], 1), "<= 1000", p["ms_256"] <= 1000)
-        add("planner.optimality_gap_max", p["optimality_gap_max"], "= 0",
-            p["optimality_gap_max"] == 0)
+        add(
+            "planner.optimality_gap_max",
+            p["optimality_gap_max"],
+            "= 0",
+            p["optimality_gap_max"] == 0,
+        )
     if "checks" in r:
         v = r["checks"]["overhead_ratio_every_50"]
         add("checks.overhead_ratio_every_50", round(v, 3), "<= 1.03", v <= 1.03)
     if "dense_queue" in r:
         d = r["dense_queue"]
-        add("dense_queue.joint_vs_whole_memory", round(d["joint_vs_whole_memory"], 3),
-            "< 1 (report)", d["joint_vs_whole_memory"] < 1)
-        add("dense_queue.joint_vs_whole_time", round(d["joint_vs_whole_time"], 3),
-            "<= 1 (report)", d["joint_vs_whole_time"] <= 1.0)
+        add(
+            "dense_queue.joint_vs_whole_memory",
+            round(d["joint_vs_whole_memory"], 3),
+            "< 1 (report)",
+            d["joint_vs_whole_memory"] < 1,
+        )
+        add(
+            "dense_queue.joint_vs_whole_time",
+            round(d["joint_vs_whole_time"], 3),
+            "<= 1 (report)",
+            d["joint_vs_whole_time"] <= 1.0,
+        )
     return rows
 
 
@@ -272,38 +371,53 @@ def targets(r: dict) -> list[tuple[str, Any, str, bool]]:
 # whichever allocation comes next, so it blurs per-option timings. Keeping freed memory in the
 # process (what PyTorch's CPU tuning guide gets from jemalloc/tcmalloc, and what the CUDA caching
 # allocator does on GPU) removes it. Applied by re-executing once; --system-malloc opts out.
-RECYCLING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
-                    "MALLOC_TOP_PAD_": str(1 << 29)}
+RECYCLING_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 34),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
+    "MALLOC_TOP_PAD_": str(1 << 29),
+}
 
 
 def _malloc_setting() -> str:
     if all(os.environ.get(k) == v for k, v in RECYCLING_MALLOC.items()):
-        return "glibc, freed memory kept in the process (" + ", ".join(
-            f"{k}={v}" for k, v in RECYCLING_MALLOC.items()) + ")"
+        return (
+            "glibc, freed memory kept in the process ("
+            + ", ".join(f"{k}={v}" for k, v in RECYCLING_MALLOC.items())
+            + ")"
+        )
     return "system default"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--suite", choices=sorted(SUITES), default="quick")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--only", action="append", help="run only this section (repeatable)")
-    ap.add_argument("--system-malloc", action="store_true",
-                    help="CPU: keep glibc's defaults (large frees go back to the OS)")
+    ap.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="CPU: keep glibc's defaults (large frees go back to the OS)",
+    )
     a = ap.parse_args(argv)
-    if (argv is None and not a.system_malloc and not torch.cuda.is_available()
-            and sys.platform.startswith("linux")
-            and any(os.environ.get(k) != v for k, v in RECYCLING_MALLOC.items())):
-        os.execve(sys.executable, [sys.executable, *sys.argv],
-                  {**os.environ, **RECYCLING_MALLOC})
+    if (
+        argv is None
+        and not a.system_malloc
+        and not torch.cuda.is_available()
+        and sys.platform.startswith("linux")
+        and any(os.environ.get(k) != v for k, v in RECYCLING_MALLOC.items())
+    ):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **RECYCLING_MALLOC})
     torch.set_num_threads(max(1, min(os.cpu_count() or 1, 16)))
     r = run_suite(a.suite, a.only)
     r["targets"] = [dict(zip(("name", "value", "target", "met"), t)) for t in targets(r)]
     print(f"\n{'target':<52} {'value':>12}  {'wanted':<34} met")
     for t in r["targets"]:
-        print(f"{t['name']:<52} {str(t['value']):>12}  {t['target']:<34} "
-              f"{'yes' if t['met'] else 'NO'}")
+        print(
+            f"{t['name']:<52} {str(t['value']):>12}  {t['target']:<34} "
+            f"{'yes' if t['met'] else 'NO'}"
+        )
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:

@@ -22,6 +22,7 @@ measures them; every method plans from those costs at each budget; every distinc
 its own copy of the model, all copies and a plain model (no lightning_replay) stepping in the
 same rounds. A plan two methods share is one run: their ratio is 1 by construction.
 """
+
 from __future__ import annotations
 
 import copy
@@ -76,7 +77,7 @@ class MapBlock(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
-        self.register_buffer("memory", torch.randn(rows, dim) / dim ** 0.5)
+        self.register_buffer("memory", torch.randn(rows, dim) / dim**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.memory.mean(0)
@@ -116,8 +117,9 @@ class MapModel(nn.Module):
         n = self.blocks[0].memory.shape[0]
         start = int((h[0, 0].abs() * 1e4).long()) % n
         idx = (torch.arange(self.write_rows, device=h.device) * 7919 + start) % n
-        rows = F.normalize(h[: self.write_rows].repeat(-(-self.write_rows // len(h)), 1)
-                           [: self.write_rows], dim=1)
+        rows = F.normalize(
+            h[: self.write_rows].repeat(-(-self.write_rows // len(h)), 1)[: self.write_rows], dim=1
+        )
         for b in self.blocks:
             b.memory.index_copy_(0, idx, rows)
 
@@ -134,8 +136,9 @@ def _cell_shape(cfg: dict, state_ratio: float, write_fraction: float) -> tuple[i
     return rows, max(1, min(rows, round(rows * write_fraction)))
 
 
-def run_pair(cfg: dict, state_ratio: float, write_fraction: float,
-             positions: tuple[float, ...]) -> tuple[list[dict], dict]:
+def run_pair(
+    cfg: dict, state_ratio: float, write_fraction: float, positions: tuple[float, ...]
+) -> tuple[list[dict], dict]:
     """Every cell of one (state_ratio, write_fraction) pair: costs once, all plans side by side."""
     dev = device()
     rows, write_rows = _cell_shape(cfg, state_ratio, write_fraction)
@@ -143,13 +146,15 @@ def run_pair(cfg: dict, state_ratio: float, write_fraction: float,
     proto = MapModel(cfg["blocks"], cfg["dim"], cfg["hidden"], rows, write_rows).to(dev)
     make_model = lambda: copy.deepcopy(proto)  # noqa: E731
     make_input = lambda s: torch.randn(  # noqa: E731
-        cfg["batch"], cfg["dim"], generator=torch.Generator().manual_seed(s)).to(dev)
-    costs, base = measure_costs(make_model, proto.segments, make_input,
-                                calibration_steps=cfg.get("calibration_steps", 5))
+        cfg["batch"], cfg["dim"], generator=torch.Generator().manual_seed(s)
+    ).to(dev)
+    costs, base = measure_costs(
+        make_model, proto.segments, make_input, calibration_steps=cfg.get("calibration_steps", 5)
+    )
     mins = {m: min_feasible_budget(costs, base, m) for m in (*METHODS, "retain_all")}
     lo, hi = min(mins[m] for m in METHODS), mins["retain_all"]
 
-    plans: dict[str, Any] = {}      # distinct plans by id
+    plans: dict[str, Any] = {}  # distinct plans by id
     cells: list[dict] = []
     for pos in positions:
         budget = int(lo + pos * (hi - lo))
@@ -162,11 +167,23 @@ def run_pair(cfg: dict, state_ratio: float, write_fraction: float,
                 continue
             pid = "|".join(f"{k}={v}" for k, v in p.choices.items())
             plans.setdefault(pid, p)
-            methods[m] = {"feasible": True, "plan_id": pid, "choices": p.choices,
-                          "predicted_peak_bytes": p.peak_memory}
-        cells.append({"state_ratio": state_ratio, "write_fraction": write_fraction,
-                      "budget_position": pos, "budget_bytes": budget, "buffer_rows": rows,
-                      "write_rows": write_rows, "methods": methods})
+            methods[m] = {
+                "feasible": True,
+                "plan_id": pid,
+                "choices": p.choices,
+                "predicted_peak_bytes": p.peak_memory,
+            }
+        cells.append(
+            {
+                "state_ratio": state_ratio,
+                "write_fraction": write_fraction,
+                "budget_position": pos,
+                "budget_bytes": budget,
+                "buffer_rows": rows,
+                "write_rows": write_rows,
+                "methods": methods,
+            }
+        )
 
     ids = {pid: f"p{i}" for i, pid in enumerate(plans)}
     # Option times are extra seconds over ``retain``: the reference a plan's predicted step time
@@ -174,9 +191,15 @@ def run_pair(cfg: dict, state_ratio: float, write_fraction: float,
     # replayed: guards, accounting, hooks; the same for every plan, so no plan choice depends on
     # it). It runs in the same rounds, beside the plain model (no lightning_replay).
     ref = plan(costs, budget=hi, base_memory=base, method="retain_all")
-    measured = run_plans(make_model, proto.segments, make_input,
-                         {**{ids[pid]: p for pid, p in plans.items()}, "retain_all": ref},
-                         cfg["rounds"], dev, clock=_clock(dev))
+    measured = run_plans(
+        make_model,
+        proto.segments,
+        make_input,
+        {**{ids[pid]: p for pid, p in plans.items()}, "retain_all": ref},
+        cfg["rounds"],
+        dev,
+        clock=_clock(dev),
+    )
     retained = measured.pop("retain_all")
     for cell in cells:
         ms = cell["methods"]
@@ -185,11 +208,15 @@ def run_pair(cfg: dict, state_ratio: float, write_fraction: float,
                 continue
             r = measured[ids[d["plan_id"]]]
             predicted = retained["step_time_s"] + plans[d["plan_id"]].extra_time
-            d.update(step_time_s=r["step_time_s"], step_times_s=r["step_times_s"],
-                     predicted_step_time_s=predicted, peak_bytes=r["peak_bytes"],
-                     vs_plain=paired_ratio(r["step_times_s"], r["plain_step_times_s"]),
-                     within_budget=r["peak_bytes"] <= cell["budget_bytes"],
-                     step_time_error=(predicted - r["step_time_s"]) / r["step_time_s"])
+            d.update(
+                step_time_s=r["step_time_s"],
+                step_times_s=r["step_times_s"],
+                predicted_step_time_s=predicted,
+                peak_bytes=r["peak_bytes"],
+                vs_plain=paired_ratio(r["step_times_s"], r["plain_step_times_s"]),
+                within_budget=r["peak_bytes"] <= cell["budget_bytes"],
+                step_time_error=(predicted - r["step_time_s"]) / r["step_time_s"],
+            )
         cell["plain_step_time_s"] = retained["plain_step_time_s"]
         cell["retain_all_step_time_s"] = retained["step_time_s"]
         cell["joint_vs_eager_whole"] = _joint_vs(ms, "eager_whole")
@@ -200,18 +227,28 @@ def run_pair(cfg: dict, state_ratio: float, write_fraction: float,
         # what the measured costs predict for the same pair (the cost model's own view)
         cell["predicted_joint_vs_eager_whole"] = (
             ms["joint"]["predicted_step_time_s"] / ms["eager_whole"]["predicted_step_time_s"]
-            if ms["joint"]["feasible"] and ms["eager_whole"]["feasible"] else None)
+            if ms["joint"]["feasible"] and ms["eager_whole"]["feasible"]
+            else None
+        )
     act = costs[0].activation_bytes
-    pair = {"state_ratio": state_ratio, "write_fraction": write_fraction, "buffer_rows": rows,
-            "write_rows": write_rows, "activation_bytes": act,
-            "measured_state_ratio": rows * cfg["dim"] * 4 / act if act else None,
-            "base_bytes": base, "min_feasible_bytes": mins, "costs": costs_to_dict(costs),
-            "distinct_plans": len(plans),
-            "plain_step_time_s": retained["plain_step_time_s"],
-            "retain_all_step_time_s": retained["step_time_s"],
-            # the engine's fixed cost per step (nothing replayed) over the plain model
-            "retain_all_vs_plain": paired_ratio(retained["step_times_s"],
-                                                retained["plain_step_times_s"])}
+    pair = {
+        "state_ratio": state_ratio,
+        "write_fraction": write_fraction,
+        "buffer_rows": rows,
+        "write_rows": write_rows,
+        "activation_bytes": act,
+        "measured_state_ratio": rows * cfg["dim"] * 4 / act if act else None,
+        "base_bytes": base,
+        "min_feasible_bytes": mins,
+        "costs": costs_to_dict(costs),
+        "distinct_plans": len(plans),
+        "plain_step_time_s": retained["plain_step_time_s"],
+        "retain_all_step_time_s": retained["step_time_s"],
+        # the engine's fixed cost per step (nothing replayed) over the plain model
+        "retain_all_vs_plain": paired_ratio(
+            retained["step_times_s"], retained["plain_step_times_s"]
+        ),
+    }
     return cells, pair
 
 
@@ -247,26 +284,46 @@ def run(cfg: dict, grid: dict) -> dict:
                 pairs.append(p)
     finally:
         torch.set_num_threads(threads)
-    joint_vs_best = [c["joint_vs_best_baseline"] for c in cells
-                     if c["joint_vs_best_baseline"] is not None]
+    joint_vs_best = [
+        c["joint_vs_best_baseline"] for c in cells if c["joint_vs_best_baseline"] is not None
+    ]
     feasible = [m for c in cells for m in c["methods"].values() if m["feasible"]]
     return {
-        "config": cfg, "clock": "thread CPU time, 1 intra-op thread" if device().type == "cpu"
-        else "wall, synchronized", "grid": {k: list(v) for k, v in grid.items()}, "pairs": pairs,
+        "config": cfg,
+        "clock": "thread CPU time, 1 intra-op thread"
+        if device().type == "cpu"
+        else "wall, synchronized",
+        "grid": {k: list(v) for k, v in grid.items()},
+        "pairs": pairs,
         "cells": cells,
         "joint_worst_vs_best_baseline": max(joint_vs_best, default=None),
         "cells_joint_vs_eager_whole_le_0_82": [
-            {k: c[k] for k in ("state_ratio", "write_fraction", "budget_position",
-                               "joint_vs_eager_whole")}
-            for c in cells if c["joint_vs_eager_whole"] is not None
-            and c["joint_vs_eager_whole"] <= 0.82],
-        "cells_eager_whole_infeasible": sum(not c["methods"]["eager_whole"]["feasible"]
-                                            for c in cells),
+            {
+                k: c[k]
+                for k in (
+                    "state_ratio",
+                    "write_fraction",
+                    "budget_position",
+                    "joint_vs_eager_whole",
+                )
+            }
+            for c in cells
+            if c["joint_vs_eager_whole"] is not None and c["joint_vs_eager_whole"] <= 0.82
+        ],
+        "cells_eager_whole_infeasible": sum(
+            not c["methods"]["eager_whole"]["feasible"] for c in cells
+        ),
         "peaks_within_budget": all(m["within_budget"] for m in feasible),
-        "peak_error_max": max((abs(m["peak_bytes"] - m["predicted_peak_bytes"])
-                               / m["predicted_peak_bytes"] for m in feasible), default=None),
+        "peak_error_max": max(
+            (
+                abs(m["peak_bytes"] - m["predicted_peak_bytes"]) / m["predicted_peak_bytes"]
+                for m in feasible
+            ),
+            default=None,
+        ),
         "step_time_error_max": max((abs(m["step_time_error"]) for m in feasible), default=None),
         "step_time_error_median": statistics.median(abs(m["step_time_error"]) for m in feasible)
-        if feasible else None,
+        if feasible
+        else None,
         "retain_all_vs_plain_median": statistics.median(p["retain_all_vs_plain"] for p in pairs),
     }

@@ -8,14 +8,21 @@ Example:
     >>> sorted(engine.contracts)
     ['0']
 """
+
 from lightning_replay.budget import Budget, format_bytes, parse_budget
 from lightning_replay.config import ReplanSettings, ReplayConfig
 from lightning_replay.contract import SCHEMA_VERSION, ReplayContract, StateEntry
 from lightning_replay.doctor import diagnose
 from lightning_replay.engine import ReplayEngine
-from lightning_replay.errors import (ContractSchemaError, ContractViolation, RecordsError,
-                                     ReplayConfigError, ReplayError, SavedTensorModified,
-                                     SegmentError)
+from lightning_replay.errors import (
+    ContractSchemaError,
+    ContractViolation,
+    RecordsError,
+    ReplayConfigError,
+    ReplayError,
+    SavedTensorModified,
+    SegmentError,
+)
 from lightning_replay.installation import install, install_config
 from lightning_replay.planner import InfeasibleBudget
 from lightning_replay.records import Record, RecordStore
@@ -23,10 +30,27 @@ from lightning_replay.records import Record, RecordStore
 __version__ = "0.1.0"
 
 __all__ = [
-    "Budget", "ContractSchemaError", "ContractViolation", "InfeasibleBudget", "Record",
-    "RecordStore", "RecordsError", "ReplanSettings", "ReplayConfig", "ReplayConfigError",
-    "ReplayContract", "ReplayEngine", "ReplayError", "SCHEMA_VERSION", "SavedTensorModified",
-    "SegmentError", "StateEntry", "diagnose", "format_bytes", "install", "install_config",
+    "Budget",
+    "ContractSchemaError",
+    "ContractViolation",
+    "InfeasibleBudget",
+    "Record",
+    "RecordStore",
+    "RecordsError",
+    "ReplanSettings",
+    "ReplayConfig",
+    "ReplayConfigError",
+    "ReplayContract",
+    "ReplayEngine",
+    "ReplayError",
+    "SCHEMA_VERSION",
+    "SavedTensorModified",
+    "SegmentError",
+    "StateEntry",
+    "diagnose",
+    "format_bytes",
+    "install",
+    "install_config",
     "parse_budget",
 ]
 

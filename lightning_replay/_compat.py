@@ -13,6 +13,7 @@ Example:
     >>> set_versions([t], [0]); version(t)
     0
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -21,10 +22,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
 
-__all__ = ["TorchDispatchMode", "accelerator_connector", "at_backward_end",
-           "distributed_is_initialized", "logger_connector", "op_arguments",
-           "precision_plugin", "set_versions", "start_method", "top_saved_tensors_hooks",
-           "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten", "version"]
+__all__ = [
+    "TorchDispatchMode",
+    "accelerator_connector",
+    "at_backward_end",
+    "distributed_is_initialized",
+    "logger_connector",
+    "op_arguments",
+    "precision_plugin",
+    "set_versions",
+    "start_method",
+    "top_saved_tensors_hooks",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+    "version",
+]
 
 
 # ------------------------------------------------------------------------------------ torch

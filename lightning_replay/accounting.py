@@ -11,6 +11,7 @@ elsewhere (:attr:`MemoryAccountant.counted_elsewhere`): under FSDP2 a segment sa
 whatever the plan does; the strategy counts them in the base, and the probe's activation bytes
 leave them out too, so the plan's costs and the accountant's figures agree.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Hashable

@@ -63,7 +63,9 @@ _DeviceLike = Union["torch.device", str, int, None]
 
 
 def _reject(value: object, why: str) -> ValueError:
-    return ValueError(f"budget={value!r} is not a valid memory budget: {why}. Accepted: {ACCEPTED_FORMS}.")
+    return ValueError(
+        f"budget={value!r} is not a valid memory budget: {why}. Accepted: {ACCEPTED_FORMS}."
+    )
 
 
 def parse_budget(value: int | float | str, device: _DeviceLike = None) -> int:
@@ -144,8 +146,10 @@ def _fraction_of_device(fraction: float, device: _DeviceLike) -> int:
     try:
         total = device_memory(device)
     except ValueError as exc:
-        raise ValueError(f"budget={fraction!r}: {exc} Pass the budget in bytes instead, e.g. "
-                         f"'40GiB'. Accepted: {ACCEPTED_FORMS}.") from None
+        raise ValueError(
+            f"budget={fraction!r}: {exc} Pass the budget in bytes instead, e.g. "
+            f"'40GiB'. Accepted: {ACCEPTED_FORMS}."
+        ) from None
     # Exact rational arithmetic so 0.5 of an even total is exactly half, never one byte off.
     budget = math.floor(Fraction(fraction) * total)
     if budget <= 0:
@@ -225,8 +229,11 @@ class Budget:
             return cls()
         if isinstance(value, str) and value.strip().lower() == "min":
             return cls(min=True)
-        if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)) \
-                and 0 < float(value) <= 1:
+        if (
+            isinstance(value, numbers.Real)
+            and not isinstance(value, (bool, numbers.Integral))
+            and 0 < float(value) <= 1
+        ):
             return cls(fraction=float(value))
         return cls(bytes=parse_budget(value))
 

@@ -6,6 +6,7 @@ a nondeterministic device; byte checks compare digests of contract state and out
 divergence makes the segment react (re-probe, then retain). Training always uses the
 reference gradients.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,11 @@ GRAD_ATOL = 1e-8
 #: (rtol, atol) per gradient dtype: a few units in the last place of each (one bf16 ulp is
 #: 7.8e-3 relative, so float32's rtol would call every last-bit difference a divergence).
 GRAD_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-10, 1e-14), torch.float32: (GRAD_RTOL, GRAD_ATOL),
-    torch.float16: (4e-3, 1e-5), torch.bfloat16: (3.2e-2, 1e-5)}
+    torch.float64: (1e-10, 1e-14),
+    torch.float32: (GRAD_RTOL, GRAD_ATOL),
+    torch.float16: (4e-3, 1e-5),
+    torch.bfloat16: (3.2e-2, 1e-5),
+}
 
 
 def grad_tolerance(dtype: torch.dtype) -> tuple[float, float]:
@@ -52,9 +56,6 @@ def grad_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return GRAD_TOLERANCE.get(dtype, (GRAD_RTOL, GRAD_ATOL))
 
 
-
-
-
 def _rng_states(device: torch.device | None) -> tuple:
     """The global CPU RNG state and, on CUDA, that of the model's device only."""
     cuda = torch.cuda.get_rng_state(device) if device is not None else None
@@ -64,8 +65,7 @@ def _rng_states(device: torch.device | None) -> tuple:
 @contextlib.contextmanager
 def _forked_rng(states: tuple) -> Iterator[None]:
     cpu, cuda, device = states
-    with torch.random.fork_rng(devices=[device] if device is not None else [],
-                               device_type="cuda"):
+    with torch.random.fork_rng(devices=[device] if device is not None else [], device_type="cuda"):
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
@@ -154,7 +154,8 @@ class _CheckedSegment(torch.autograd.Function):
             raise ReplayError(
                 "a derivative-checked segment's backward ran a second time (backward with "
                 "retain_graph=True?). Checked steps free their reference graph after the first "
-                "backward; use preservation='retain' for segments whose graph is reused.")
+                "backward; use preservation='retain' for segments whose graph is reused."
+            )
         ref = box.rt._compare_grads(box, list(grads))
         return (None, *ref)
 
@@ -166,7 +167,6 @@ def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
         if torch.amp.is_autocast_available(dev):
             out.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
     return out
-
 
 
 class SegmentChecks:
@@ -219,28 +219,38 @@ class SegmentChecks:
         if not outs:
             inv.release()
             return out
-        box = _CheckBox(self, inv, args2, kwargs2, leaves, params,
-                        outs, rng, autocast,
-                        digests(tensor_leaves(out)) if eng._check_bytes else None)
+        box = _CheckBox(
+            self,
+            inv,
+            args2,
+            kwargs2,
+            leaves,
+            params,
+            outs,
+            rng,
+            autocast,
+            digests(tensor_leaves(out)) if eng._check_bytes else None,
+        )
         bridged = _CheckedSegment.apply(box, *in_req, *params)
         by_id = {id(o): b for o, b in zip(outs, bridged)}
         return tree_map(lambda x: by_id.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
 
-    def _compare_grads(self, box: "_CheckBox", grads: list[torch.Tensor]
-                       ) -> list[torch.Tensor | None]:
+    def _compare_grads(
+        self, box: "_CheckBox", grads: list[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
         """Reference and replayed gradients of one checked call; returns the reference."""
         eng = self.engine
         inv = box.inv
         grads = [torch.zeros_like(o) if g is None else g for o, g in zip(box.outs, grads)]
         with torch.enable_grad():
-            ref = torch.autograd.grad(box.outs, box.inputs + box.params, grads,
-                                      allow_unused=True)
+            ref = torch.autograd.grad(box.outs, box.inputs + box.params, grads, allow_unused=True)
             box.outs = []  # the reference graph is freed
             in2 = [a.detach().requires_grad_() for a in box.inputs]
             swap = {id(a): b for a, b in zip(box.inputs, in2)}
-            args2, kwargs2 = tree_map(lambda x: swap.get(id(x), x)
-                                      if isinstance(x, torch.Tensor) else x,
-                                      (box.args, box.kwargs))
+            args2, kwargs2 = tree_map(
+                lambda x: swap.get(id(x), x) if isinstance(x, torch.Tensor) else x,
+                (box.args, box.kwargs),
+            )
             # A checked replay leaks nothing into the model, whatever the contract missed:
             # every buffer and tensor attribute of the segment is put back byte for byte
             # (slots, generators and the global RNG are put back by the replay context and
@@ -255,18 +265,20 @@ class SegmentChecks:
             finally:
                 sandbox.restore()
             outs2 = _grad_outputs(out2)
-            if len(outs2) == len(grads) and all(a.shape == b.shape
-                                                for a, b in zip(outs2, grads)):
+            if len(outs2) == len(grads) and all(a.shape == b.shape for a, b in zip(outs2, grads)):
                 rep = torch.autograd.grad(outs2, in2 + box.params, grads, allow_unused=True)
             else:
                 rep = None
-        names = [f"input[{i}]" for i in range(len(box.inputs))] + \
-            [f"{self.name}.{n}" for n, p in self.module.named_parameters() if p.requires_grad]
+        names = [f"input[{i}]" for i in range(len(box.inputs))] + [
+            f"{self.name}.{n}" for n, p in self.module.named_parameters() if p.requires_grad
+        ]
         bad = []
         if rep is None:
-            bad.append(f"outputs: the replay produced {len(outs2)} differentiable outputs "
-                       f"{[tuple(t.shape) for t in outs2]}, the forward "
-                       f"{[tuple(g.shape) for g in grads]}")
+            bad.append(
+                f"outputs: the replay produced {len(outs2)} differentiable outputs "
+                f"{[tuple(t.shape) for t in outs2]}, the forward "
+                f"{[tuple(g.shape) for g in grads]}"
+            )
         tolerated = []
         tol = (GRAD_RTOL, GRAD_ATOL)
         if rep is not None:
@@ -286,11 +298,15 @@ class SegmentChecks:
             self.divergences += 1
         detail = {"compared": len(names), "differ": bad[:16]}
         if tolerated:
-            detail["within_tolerance"] = {"rtol": tol[0], "atol": tol[1],
-                                          "tensors": tolerated[:16]}
-        eng.records.append(step=inv.step, segment=self.name, contract_version=inv.version,
-                           check="grad", outcome="divergence" if bad else "match",
-                           detail=detail)
+            detail["within_tolerance"] = {"rtol": tol[0], "atol": tol[1], "tensors": tolerated[:16]}
+        eng.records.append(
+            step=inv.step,
+            segment=self.name,
+            contract_version=inv.version,
+            check="grad",
+            outcome="divergence" if bad else "match",
+            detail=detail,
+        )
         diverged = bool(bad)
         if box.out_digests is not None:
             d2 = digests(tensor_leaves(out2))
@@ -298,9 +314,14 @@ class SegmentChecks:
             if not same:
                 self.divergences += 1
                 diverged = True
-            eng.records.append(step=inv.step, segment=self.name, contract_version=inv.version,
-                               check="bytes", outcome="match" if same else "divergence",
-                               detail={"what": "replayed outputs", "outputs": len(d2)})
+            eng.records.append(
+                step=inv.step,
+                segment=self.name,
+                contract_version=inv.version,
+                check="bytes",
+                outcome="match" if same else "divergence",
+                detail={"what": "replayed outputs", "outputs": len(d2)},
+            )
         if diverged:
             self._diverged(inv)
         return list(ref)
@@ -327,9 +348,14 @@ class SegmentChecks:
                 self._derive()
             if self.status in ("active", "retain"):
                 self.status = "retain"
-        eng.records.append(step=inv.step, segment=self.name, contract_version=inv.version,
-                           check="reaction", outcome="rejection",
-                           detail={"action": action, "divergences": self.divergences})
+        eng.records.append(
+            step=inv.step,
+            segment=self.name,
+            contract_version=inv.version,
+            check="reaction",
+            outcome="rejection",
+            detail={"action": action, "divergences": self.divergences},
+        )
         eng._contracts_changed()
 
     def _check_state_digests(self, inv: _Invocation) -> None:
@@ -339,10 +365,13 @@ class SegmentChecks:
         self.checks += 1
         if bad:
             self.divergences += 1
-        eng.records.append(step=inv.step, segment=self.name,
-                           contract_version=inv.version, check="bytes",
-                           outcome="divergence" if bad else "match",
-                           detail={"what": "contract state at replay", "compared": len(now),
-                                   "differ": bad[:16]})
+        eng.records.append(
+            step=inv.step,
+            segment=self.name,
+            contract_version=inv.version,
+            check="bytes",
+            outcome="divergence" if bad else "match",
+            detail={"what": "contract state at replay", "compared": len(now), "differ": bad[:16]},
+        )
         if bad:
             self._diverged(inv)

@@ -15,6 +15,9 @@ There is no ``predict``: replay only changes training (prediction runs no backwa
 is recomputed), and a trained model's weights and ``state_dict`` keys are plain. Predict with
 any ``Trainer``, or ``lightning-replay test`` for the configured test metrics.
 
+It is long (over 600 lines once ruff-formatted) because each subcommand (fit, study, doctor,
+report, records) parses and checks its own arguments here.
+
 Examples::
 
     lightning-replay fit --config configs/dense_queue_cpu.yaml --trainer.max_epochs=2
@@ -22,6 +25,7 @@ Examples::
     lightning-replay report runs/dense_queue_study
     lightning-replay records runs/dense_queue_study --outcome divergence --format json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +58,12 @@ def _cli_class():
         """LightningCLI with the dense-queue defaults and the ``study`` section."""
 
         def add_arguments_to_parser(self, parser: Any) -> None:
-            parser.set_defaults({"model": lazy_instance(DenseQueueModule),
-                                 "data": lazy_instance(DenseQueueDataModule)})
+            parser.set_defaults(
+                {
+                    "model": lazy_instance(DenseQueueModule),
+                    "data": lazy_instance(DenseQueueDataModule),
+                }
+            )
             parser.add_class_arguments(StudySettings, "study")
 
         def before_fit(self) -> None:
@@ -83,8 +91,10 @@ def _cli_class():
             name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
             if name in STRATEGY_NAMES or names_subclass(name, ReplayStrategy):
                 trainer.strategy = "auto"
-                rank_zero_info(f"lightning-replay {self.subcommand}: strategy 'replay' is for "
-                               "training; evaluating with strategy='auto'")
+                rank_zero_info(
+                    f"lightning-replay {self.subcommand}: strategy 'replay' is for "
+                    "training; evaluating with strategy='auto'"
+                )
 
         def instantiate_classes(self) -> None:
             try:
@@ -103,8 +113,9 @@ class ConfigInstantiationError(ReplayConfigError):
 def _concise(message: str) -> str:
     # jsonargparse appends the whole parsed namespace ("Given value: Namespace(...)", dozens of
     # defaults): keep the lines that say what is wrong.
-    keep = [ln for ln in message.splitlines()
-            if not ln.strip().startswith(("Given value", "Subtypes:"))]
+    keep = [
+        ln for ln in message.splitlines() if not ln.strip().startswith(("Given value", "Subtypes:"))
+    ]
     return "\n".join(keep).strip()
 
 
@@ -136,17 +147,29 @@ def run_lightning(argv: Sequence[str]) -> int:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
         try:
-            cli_cls(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
-                    subclass_mode_data=True, args=list(argv),
-                    save_config_kwargs={"overwrite": True},
-                    parser_kwargs={"prog": "lightning-replay", "description": _LIGHTNING_HELP,
-                                   "formatter_class": _raw_formatter(),
-                                   **{c: {"description": _LIGHTNING_HELP,
-                                          "formatter_class": _raw_formatter()}
-                                      for c in _LIGHTNING_COMMANDS}})
+            cli_cls(
+                L.LightningModule,
+                L.LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                args=list(argv),
+                save_config_kwargs={"overwrite": True},
+                parser_kwargs={
+                    "prog": "lightning-replay",
+                    "description": _LIGHTNING_HELP,
+                    "formatter_class": _raw_formatter(),
+                    **{
+                        c: {"description": _LIGHTNING_HELP, "formatter_class": _raw_formatter()}
+                        for c in _LIGHTNING_COMMANDS
+                    },
+                },
+            )
         except ConfigInstantiationError as exc:
-            print(f"lightning-replay {argv[0]}: error: the config parsed, but building the "
-                  f"trainer, model or data from it failed:\n{exc}", file=sys.stderr)
+            print(
+                f"lightning-replay {argv[0]}: error: the config parsed, but building the "
+                f"trainer, model or data from it failed:\n{exc}",
+                file=sys.stderr,
+            )
             return 2
     return 0
 
@@ -167,14 +190,21 @@ def parse_study_args(argv: Sequence[str]) -> dict[str, Any]:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-        cli = StudyArgs(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
-                        subclass_mode_data=True, args=list(argv), run=False,
-                        parser_kwargs={"prog": "lightning-replay study",
-                                       "description": _STUDY_HELP,
-                                       "formatter_class": _raw_formatter()})
+        cli = StudyArgs(
+            L.LightningModule,
+            L.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=list(argv),
+            run=False,
+            parser_kwargs={
+                "prog": "lightning-replay study",
+                "description": _STUDY_HELP,
+                "formatter_class": _raw_formatter(),
+            },
+        )
     cfg = yaml.safe_load(cli.parser.dump(cli.config, skip_check=True))
-    return {k: cfg[k] for k in ("seed_everything", "trainer", "model", "data", "study")
-            if k in cfg}
+    return {k: cfg[k] for k in ("seed_everything", "trainer", "model", "data", "study") if k in cfg}
 
 
 _STUDY_HELP = """Run the seven-method comparison (none, torch_checkpoint, torch_sac, whole,
@@ -216,17 +246,26 @@ def parse_doctor_args(argv: Sequence[str]) -> Any:
     class DoctorCLI(cli_cls):
         def add_arguments_to_parser(self, parser: Any) -> None:
             super().add_arguments_to_parser(parser)
-            parser.add_argument("--steps", type=int, default=2,
-                                help="training steps per compared run (default 2)")
+            parser.add_argument(
+                "--steps", type=int, default=2, help="training steps per compared run (default 2)"
+            )
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
-        return DoctorCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
-                         subclass_mode_data=True, args=list(argv), run=False,
-                         save_config_callback=None,
-                         parser_kwargs={"prog": "lightning-replay doctor",
-                                        "description": _DOCTOR_HELP,
-                                        "formatter_class": _raw_formatter()})
+        return DoctorCLI(
+            L.LightningModule,
+            L.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=list(argv),
+            run=False,
+            save_config_callback=None,
+            parser_kwargs={
+                "prog": "lightning-replay doctor",
+                "description": _DOCTOR_HELP,
+                "formatter_class": _raw_formatter(),
+            },
+        )
 
 
 def run_doctor_command(argv: Sequence[str]) -> int:
@@ -242,15 +281,21 @@ def run_doctor_command(argv: Sequence[str]) -> int:
     try:
         cli = parse_doctor_args(argv)
     except ConfigInstantiationError as exc:
-        print(f"lightning-replay doctor: error: the config parsed, but building the trainer, "
-              f"model or data from it failed:\n{exc}", file=sys.stderr)
+        print(
+            f"lightning-replay doctor: error: the config parsed, but building the trainer, "
+            f"model or data from it failed:\n{exc}",
+            file=sys.stderr,
+        )
         return 2
     module, trainer, steps = cli.model, cli.trainer, cli.config["steps"]
     if not module.automatic_optimization:
-        print(f"lightning-replay doctor: error: {type(module).__name__} uses manual "
-              "optimization (automatic_optimization=False); doctor calls training_step and "
-              "backward itself. Call lightning_replay.diagnose(model, batch_fn, loss_fn) "
-              "with a loss_fn that runs your step's forward.", file=sys.stderr)
+        print(
+            f"lightning-replay doctor: error: {type(module).__name__} uses manual "
+            "optimization (automatic_optimization=False); doctor calls training_step and "
+            "backward itself. Call lightning_replay.diagnose(model, batch_fn, loss_fn) "
+            "with a loss_fn that runs your step's forward.",
+            file=sys.stderr,
+        )
         return 2
     device = trainer.strategy.root_device
     module.configure_model()
@@ -266,13 +311,19 @@ def run_doctor_command(argv: Sequence[str]) -> int:
             if len(batches) == steps:
                 break
     except (OSError, ValueError, RuntimeError) as exc:
-        print(f"lightning-replay doctor: error: loading the training data from "
-              f"{type(source).__name__}.train_dataloader() failed: {type(exc).__name__}: "
-              f"{exc}", file=sys.stderr)
+        print(
+            f"lightning-replay doctor: error: loading the training data from "
+            f"{type(source).__name__}.train_dataloader() failed: {type(exc).__name__}: "
+            f"{exc}",
+            file=sys.stderr,
+        )
         return 2
     if len(batches) < steps:
-        print(f"lightning-replay doctor: error: the training data has {len(batches)} batches; "
-              f"--steps {steps} needs {steps}", file=sys.stderr)
+        print(
+            f"lightning-replay doctor: error: the training data has {len(batches)} batches; "
+            f"--steps {steps} needs {steps}",
+            file=sys.stderr,
+        )
         return 2
     # training_step may use self.trainer (world size, epoch) and self.log: a barebones trainer
     # answers those (and ignores logging) on each copy diagnose trains.
@@ -306,7 +357,8 @@ def run_doctor_command(argv: Sequence[str]) -> int:
     (out / "doctor.json").write_text(json.dumps(report.to_dict(), indent=1))
     (out / "doctor.html").write_text(
         "<!doctype html><html><head><meta charset='utf-8'><title>lightning-replay doctor"
-        "</title></head><body>\n" + report.to_html() + "\n</body></html>\n")
+        "</title></head><body>\n" + report.to_html() + "\n</body></html>\n"
+    )
     print(f"\n{'json':>6}: {out / 'doctor.json'}\n{'html':>6}: {out / 'doctor.html'}")
     return 0
 
@@ -327,8 +379,11 @@ def _skipped_checks(run_dir: str) -> dict[str, int]:
     root = Path(run_dir)
     if (root / "results.json").is_file():
         rows = json.loads((root / "results.json").read_text()).get("rows", [])
-        return {r["run_id"]: r["checks_skipped"] for r in rows
-                if r.get("run_id") and r.get("checks_skipped")}
+        return {
+            r["run_id"]: r["checks_skipped"]
+            for r in rows
+            if r.get("run_id") and r.get("checks_skipped")
+        }
     from lightning_replay.apps.telemetry import read_telemetry
     from lightning_replay.records import RECORDS_DIR
 
@@ -354,8 +409,15 @@ def _print_rows(rows: list[dict[str, Any]], fmt: str, width: int = 60) -> None:
         w.writerows(rows)
         print(buf.getvalue(), end="")
         return
-    cells = [[str(r[c]) if c != "detail" or len(str(r[c])) <= width else
-              str(r[c])[:width - 3] + "..." for c in cols] for r in rows]
+    cells = [
+        [
+            str(r[c])
+            if c != "detail" or len(str(r[c])) <= width
+            else str(r[c])[: width - 3] + "..."
+            for c in cols
+        ]
+        for r in rows
+    ]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for x in cells:
@@ -374,9 +436,14 @@ def run_records(args: argparse.Namespace) -> int:
         if not match:
             listing = "\n".join(
                 f"  {r['run_id']}  {labels.get(r['run_id'], '')}  {r['records']} records, "
-                f"steps {r['first_step']}-{r['last_step']}" for r in known)
-            print(f"lightning-replay records: error: no run {run_id!r} in {db}; its runs "
-                  f"(oldest first):\n{listing or '  (none)'}", file=sys.stderr)
+                f"steps {r['first_step']}-{r['last_step']}"
+                for r in known
+            )
+            print(
+                f"lightning-replay records: error: no run {run_id!r} in {db}; its runs "
+                f"(oldest first):\n{listing or '  (none)'}",
+                file=sys.stderr,
+            )
             return 2
         run_id = match[0]
     if args.summary:
@@ -385,16 +452,27 @@ def run_records(args: argparse.Namespace) -> int:
             for r in rows:
                 r["run"] = labels.get(r["run_id"], "")
         _print_rows(rows, args.format, args.detail_width)
-        skipped = {k: v for k, v in _skipped_checks(args.run_dir).items()
-                   if run_id is None or k == run_id}
+        skipped = {
+            k: v for k, v in _skipped_checks(args.run_dir).items() if run_id is None or k == run_id
+        }
         if skipped and args.format == "table":
-            print("derivative checks skipped under the budget (keeping a segment's graph would "
-                  "have exceeded it; byte checks still ran): " + ", ".join(
-                      f"{labels.get(k, k)} {v}" for k, v in skipped.items()))
+            print(
+                "derivative checks skipped under the budget (keeping a segment's graph would "
+                "have exceeded it; byte checks still ran): "
+                + ", ".join(f"{labels.get(k, k)} {v}" for k, v in skipped.items())
+            )
         return 0
-    found = rec.query(db, run_id=run_id, outcome=args.outcome, segment=args.segment,
-                      check=args.check, kind=args.kind, step_from=args.step_from,
-                      step_to=args.step_to, limit=args.limit or None)
+    found = rec.query(
+        db,
+        run_id=run_id,
+        outcome=args.outcome,
+        segment=args.segment,
+        check=args.check,
+        kind=args.kind,
+        step_from=args.step_from,
+        step_to=args.step_to,
+        limit=args.limit or None,
+    )
     if args.format == "table":
         rows = [{k: v for k, v in r.to_dict().items() if k != "created_at"} for r in found]
         rows = [{"seq": r.pop("seq"), **r} for r in rows]
@@ -422,54 +500,98 @@ def run_report(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ main
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="lightning-replay", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="lightning-replay",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    for name, what in (("fit", "train (LightningCLI; `lightning-replay fit --help`)"),
-                       ("validate", "validate (LightningCLI)"), ("test", "test (LightningCLI)")):
+    for name, what in (
+        ("fit", "train (LightningCLI; `lightning-replay fit --help`)"),
+        ("validate", "validate (LightningCLI)"),
+        ("test", "test (LightningCLI)"),
+    ):
         sub.add_parser(name, help=what, add_help=False)
-    sub.add_parser("study", help="the seven-method comparison from a config "
-                                 "(`lightning-replay study --help`)", add_help=False)
-    sub.add_parser("doctor", help="what checkpointing does to the configured model, measured "
-                                  "(`lightning-replay doctor --help`)", add_help=False)
-    rp = sub.add_parser("report", help="write RUN_DIR/report.html with plots",
-                        description="Write an HTML report with PNG plots (memory per step "
-                                    "against the budget, step time, plan per segment over "
-                                    "time, record outcomes) for a study's output_dir or a fit "
-                                    "run's default_root_dir.")
+    sub.add_parser(
+        "study",
+        help="the seven-method comparison from a config (`lightning-replay study --help`)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "doctor",
+        help="what checkpointing does to the configured model, measured "
+        "(`lightning-replay doctor --help`)",
+        add_help=False,
+    )
+    rp = sub.add_parser(
+        "report",
+        help="write RUN_DIR/report.html with plots",
+        description="Write an HTML report with PNG plots (memory per step "
+        "against the budget, step time, plan per segment over "
+        "time, record outcomes) for a study's output_dir or a fit "
+        "run's default_root_dir.",
+    )
     rp.add_argument("run_dir", metavar="RUN_DIR", help="study output_dir or fit run directory")
-    rp.add_argument("--run", "--run-id", dest="run_id", default=None,
-                    help="a fit run directory that several fits appended to: the run id to "
-                         "show (default: the latest; the report lists the others)")
-    qp = sub.add_parser("records", help="query execution records",
-                        description="Query the execution records (one row per check or contract "
-                                    "event; outcome match, rejection or divergence) of a study "
-                                    "(RUN_DIR/records.sqlite), a fit run "
-                                    "(RUN_DIR/replay/records.sqlite) or a .sqlite file.",
-                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                        epilog="examples:\n  lightning-replay records runs/dense_queue_study "
-                               "--summary\n  lightning-replay records runs/dense_queue_study "
-                               "--run joint-seed0 --check grad --limit 5")
+    rp.add_argument(
+        "--run",
+        "--run-id",
+        dest="run_id",
+        default=None,
+        help="a fit run directory that several fits appended to: the run id to "
+        "show (default: the latest; the report lists the others)",
+    )
+    qp = sub.add_parser(
+        "records",
+        help="query execution records",
+        description="Query the execution records (one row per check or contract "
+        "event; outcome match, rejection or divergence) of a study "
+        "(RUN_DIR/records.sqlite), a fit run "
+        "(RUN_DIR/replay/records.sqlite) or a .sqlite file.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  lightning-replay records runs/dense_queue_study "
+        "--summary\n  lightning-replay records runs/dense_queue_study "
+        "--run joint-seed0 --check grad --limit 5",
+    )
     qp.add_argument("run_dir", metavar="RUN_DIR", help="study dir, fit run dir or .sqlite file")
-    qp.add_argument("--run", "--run-id", dest="run_id", default=None,
-                    help="a run id, or in a study a run name such as joint-seed0")
+    qp.add_argument(
+        "--run",
+        "--run-id",
+        dest="run_id",
+        default=None,
+        help="a run id, or in a study a run name such as joint-seed0",
+    )
     qp.add_argument("--outcome", choices=["match", "rejection", "divergence"], default=None)
-    qp.add_argument("--segment", default=None, help="segment name (\"*\" for plan events)")
-    qp.add_argument("--check", default=None,
-                    help="record kind: grad, bytes, version (checks); contract, plan (events)")
-    qp.add_argument("--kind", choices=["check", "event"], default=None,
-                    help="checks only, or contract and plan events only (their outcome "
-                         "'match' means 'came into force', not a matched check)")
+    qp.add_argument("--segment", default=None, help='segment name ("*" for plan events)')
+    qp.add_argument(
+        "--check",
+        default=None,
+        help="record kind: grad, bytes, version (checks); contract, plan (events)",
+    )
+    qp.add_argument(
+        "--kind",
+        choices=["check", "event"],
+        default=None,
+        help="checks only, or contract and plan events only (their outcome "
+        "'match' means 'came into force', not a matched check)",
+    )
     qp.add_argument("--step-from", type=int, default=None, help="first step (inclusive)")
     qp.add_argument("--step-to", type=int, default=None, help="last step (inclusive)")
-    qp.add_argument("--limit", type=int, default=50,
-                    help="the newest N matching records (default 50; 0: all)")
-    qp.add_argument("--summary", action="store_true",
-                    help="counts per run, kind, check and outcome instead of rows, and "
-                         "the derivative checks skipped under the budget")
+    qp.add_argument(
+        "--limit", type=int, default=50, help="the newest N matching records (default 50; 0: all)"
+    )
+    qp.add_argument(
+        "--summary",
+        action="store_true",
+        help="counts per run, kind, check and outcome instead of rows, and "
+        "the derivative checks skipped under the budget",
+    )
     qp.add_argument("--format", choices=["table", "csv", "json"], default="table")
-    qp.add_argument("--detail-width", type=int, default=60,
-                    help="table format: truncate the detail column to this width")
+    qp.add_argument(
+        "--detail-width",
+        type=int,
+        default=60,
+        help="table format: truncate the detail column to this width",
+    )
     return ap
 
 

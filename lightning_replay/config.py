@@ -18,6 +18,7 @@ Example:
     ...
     lightning_replay.errors.ReplayConfigError: install(planner='greedy') is not known; use one of ['joint', 'eager_whole', 'fixed_regions', 'retain_all', 'whole_all']
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,11 @@ from lightning_replay.records import RecordStore
 #: What ``preservation=`` accepts, for all segments or per segment.
 PRESERVATIONS = ("auto", "whole", "regions", "retain")
 #: The options a per-segment preservation pin leaves the planner (``auto``: all of them).
-PIN_OPTIONS = {"retain": frozenset({"retain"}), "whole": frozenset({"whole", "recompute"}),
-               "regions": frozenset({"regions", "recompute"})}
+PIN_OPTIONS = {
+    "retain": frozenset({"retain"}),
+    "whole": frozenset({"whole", "recompute"}),
+    "regions": frozenset({"regions", "recompute"}),
+}
 #: What ``on_violation=`` accepts.
 ON_VIOLATION = ("raise", "record")
 #: What ``window=`` accepts.
@@ -43,8 +47,9 @@ WINDOWS = ("root", "manual")
 REPLAN_ON = ("memory", "violations", "shapes")
 
 
-def check_count(caller: str, name: str, value: Any, *, minimum: int = 1,
-                none: str | None = None) -> int | None:
+def check_count(
+    caller: str, name: str, value: Any, *, minimum: int = 1, none: str | None = None
+) -> int | None:
     """``value`` as an int ``>= minimum`` (not a bool), or ``None`` where ``none`` says what
     ``None`` means; else a :class:`ReplayConfigError` naming ``caller(name=value)``.
 
@@ -61,30 +66,41 @@ def check_count(caller: str, name: str, value: Any, *, minimum: int = 1,
     if value is None and none is not None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive int" if none is not None and minimum == 1 else \
-            f"an int >= {minimum}"
-        raise ReplayConfigError(f"{caller}({name}={value!r}) must be {what}"
-                                + (f" or None ({none})" if none is not None else ""))
+        what = "a positive int" if none is not None and minimum == 1 else f"an int >= {minimum}"
+        raise ReplayConfigError(
+            f"{caller}({name}={value!r}) must be {what}"
+            + (f" or None ({none})" if none is not None else "")
+        )
     return value
 
 
-def check_choices(caller: str, name: str, value: Any, allowed: tuple[str, ...], *,
-                  allow_empty: bool, empty_hint: str = "") -> tuple[str, ...]:
+def check_choices(
+    caller: str,
+    name: str,
+    value: Any,
+    allowed: tuple[str, ...],
+    *,
+    allow_empty: bool,
+    empty_hint: str = "",
+) -> tuple[str, ...]:
     """``value`` (one string or a sequence of them) as a tuple of distinct entries of
     ``allowed``; else a :class:`ReplayConfigError` naming ``caller(name=...)``."""
     items = (value,) if isinstance(value, str) else value
     try:
         items = tuple(items)
     except TypeError:
-        raise ReplayConfigError(f"{caller}({name}={value!r}) must be a sequence of "
-                                f"{list(allowed)}") from None
+        raise ReplayConfigError(
+            f"{caller}({name}={value!r}) must be a sequence of {list(allowed)}"
+        ) from None
     unknown = [v for v in items if v not in allowed]
     if unknown:
-        raise ReplayConfigError(f"{caller}({name}=...) has unknown entries {unknown}; "
-                                f"allowed: {list(allowed)}")
+        raise ReplayConfigError(
+            f"{caller}({name}=...) has unknown entries {unknown}; allowed: {list(allowed)}"
+        )
     if not items and not allow_empty:
-        raise ReplayConfigError(f"{caller}({name}=()) is empty; pass at least one of "
-                                f"{list(allowed)}{empty_hint}")
+        raise ReplayConfigError(
+            f"{caller}({name}=()) is empty; pass at least one of {list(allowed)}{empty_hint}"
+        )
     return tuple(dict.fromkeys(items))
 
 
@@ -115,13 +131,20 @@ class ReplanSettings:
 
     def __post_init__(self) -> None:
         call = self.caller
-        object.__setattr__(self, "replan_on", check_choices(call, "replan_on", self.replan_on,
-                                                            REPLAN_ON, allow_empty=True))
+        object.__setattr__(
+            self,
+            "replan_on",
+            check_choices(call, "replan_on", self.replan_on, REPLAN_ON, allow_empty=True),
+        )
         headroom = self.memory_headroom
-        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
-                or not 0 < headroom < 1:
-            raise ReplayConfigError(f"{call}(memory_headroom={headroom!r}) must be a fraction "
-                                    "strictly between 0 and 1")
+        if (
+            isinstance(headroom, bool)
+            or not isinstance(headroom, (int, float))
+            or not 0 < headroom < 1
+        ):
+            raise ReplayConfigError(
+                f"{call}(memory_headroom={headroom!r}) must be a fraction strictly between 0 and 1"
+            )
         object.__setattr__(self, "memory_headroom", float(headroom))
         check_count(call, "replan_cooldown_steps", self.replan_cooldown_steps)
         check_count(call, "shape_patience", self.shape_patience)
@@ -181,26 +204,38 @@ class ReplayConfig:
         pres = self.preservation
         if isinstance(pres, str):
             if pres not in PRESERVATIONS:
-                raise bad("preservation", pres, f"is not known; use one of "
-                          f"{list(PRESERVATIONS)} or a dict per segment")
+                raise bad(
+                    "preservation",
+                    pres,
+                    f"is not known; use one of {list(PRESERVATIONS)} or a dict per segment",
+                )
         elif isinstance(pres, Mapping):
             for k, v in pres.items():
                 if not isinstance(k, str) or v not in PRESERVATIONS:
                     raise ReplayConfigError(
                         f"{call}(preservation={{{k!r}: {v!r}}}) is not known; a pin maps a "
-                        f"segment name to one of {list(PRESERVATIONS)}")
+                        f"segment name to one of {list(PRESERVATIONS)}"
+                    )
             # a copy: the caller's dict changing later does not change this value
             object.__setattr__(self, "preservation", dict(pres))
         else:
-            raise ReplayConfigError(f"{call}(preservation=...) must be a string or a dict, got "
-                                    f"{type(pres).__name__} {pres!r}")
+            raise ReplayConfigError(
+                f"{call}(preservation=...) must be a string or a dict, got "
+                f"{type(pres).__name__} {pres!r}"
+            )
         if self.on_violation not in ON_VIOLATION:
-            raise bad("on_violation", self.on_violation,
-                      f"is not known; use one of {list(ON_VIOLATION)}")
-        if not (self.records is None or isinstance(self.records, (str, bytes, RecordStore))
-                or hasattr(self.records, "__fspath__")):
-            raise ReplayConfigError(f"{call}(records=...) must be None, a path or a "
-                                    f"RecordStore, got {type(self.records).__name__}")
+            raise bad(
+                "on_violation", self.on_violation, f"is not known; use one of {list(ON_VIOLATION)}"
+            )
+        if not (
+            self.records is None
+            or isinstance(self.records, (str, bytes, RecordStore))
+            or hasattr(self.records, "__fspath__")
+        ):
+            raise ReplayConfigError(
+                f"{call}(records=...) must be None, a path or a "
+                f"RecordStore, got {type(self.records).__name__}"
+            )
         if self.window not in WINDOWS:
             raise bad("window", self.window, f"is not known; use one of {list(WINDOWS)}")
         try:
@@ -208,8 +243,7 @@ class ReplayConfig:
         except (TypeError, ValueError) as exc:
             raise ReplayConfigError(f"{call}(budget={self.budget!r}): {exc}") from None
         if self.planner not in _planner.METHODS:
-            raise bad("planner", self.planner, f"is not known; use one of "
-                      f"{list(_planner.METHODS)}")
+            raise bad("planner", self.planner, f"is not known; use one of {list(_planner.METHODS)}")
         for name in ("track_memory", "real_peak"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "must be a bool")
@@ -218,8 +252,9 @@ class ReplayConfig:
         check_count(call, "base_memory", self.base_memory, minimum=0)
         check_count(call, "calibration_steps", self.calibration_steps)
         if not isinstance(self.replan, ReplanSettings):
-            raise ReplayConfigError(f"{call}(replan=...) must be a ReplanSettings, got "
-                                    f"{type(self.replan).__name__}")
+            raise ReplayConfigError(
+                f"{call}(replan=...) must be a ReplanSettings, got {type(self.replan).__name__}"
+            )
 
     def replace(self, **changes: Any) -> "ReplayConfig":
         """A copy with ``changes``, validated like a new one."""
@@ -238,7 +273,8 @@ class ReplayConfig:
         if unknown:
             raise ReplayConfigError(
                 f"{self.caller}(preservation=...) names segment {unknown[0]!r}, which is not "
-                f"among the installed segments {names}")
+                f"among the installed segments {names}"
+            )
         return {k: v for k, v in self.preservation.items() if v != "auto"}
 
     def preservation_of(self, segment: str) -> str:

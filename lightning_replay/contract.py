@@ -4,6 +4,7 @@ A contract is made by the probe (see :mod:`lightning_replay.discovery`) and name
 state by a stable name (``"encoder.blocks.0.bn.running_mean"``, ``"queue"``, ``"external[0]"``).
 It is plain data: ``to_dict()`` is JSON-safe and ``from_dict()`` refuses other schema versions.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -121,8 +122,7 @@ class ReplayContract:
         self.option = option
         for s in self.state:
             if not s.changes_in_window:
-                s.preservation = "guard" if option != "retain" and s.kind != "parameter" \
-                    else "none"
+                s.preservation = "guard" if option != "retain" and s.kind != "parameter" else "none"
             elif option in ("retain", "recompute"):
                 s.preservation = "none"
             elif option == "regions" and s.regions_ok and not s.unannotated_write:
@@ -143,20 +143,23 @@ class ReplayContract:
         if not isinstance(data, dict):
             raise ContractSchemaError(
                 f"a replay contract must be a dict from ReplayContract.to_dict(), got "
-                f"{type(data).__name__}")
+                f"{type(data).__name__}"
+            )
         schema = data.get("schema")
         if schema != SCHEMA_VERSION:
             raise ContractSchemaError(
                 f"replay contract for segment {data.get('segment')!r} has schema {schema!r}; this "
                 f"lightning_replay reads schema {SCHEMA_VERSION}. Re-probe the model (a fresh "
-                "install makes new contracts) instead of loading contracts from another version.")
+                "install makes new contracts) instead of loading contracts from another version."
+            )
         fields = {f.name for f in dataclasses.fields(cls)}
         missing = {"segment"} - set(data)
         unknown = set(data) - fields
         if missing or unknown:
             raise ContractSchemaError(
                 f"replay contract dict is malformed: missing {sorted(missing)}, unknown "
-                f"{sorted(unknown)}")
+                f"{sorted(unknown)}"
+            )
         kwargs = dict(data)
         try:
             kwargs["state"] = [StateEntry(**s) for s in data.get("state", [])]

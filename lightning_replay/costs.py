@@ -10,6 +10,7 @@ Times are taken with :func:`clock`: on a CPU running one intra-op thread, this t
 time (the calling thread does the whole step, and other processes' time slices on a shared
 machine are not counted); otherwise wall time.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -42,7 +43,8 @@ class CostMeter:
 
     def __init__(self) -> None:
         self.times: dict[str, dict[str, deque]] = defaultdict(
-            lambda: defaultdict(lambda: deque(maxlen=_KEEP)))
+            lambda: defaultdict(lambda: deque(maxlen=_KEEP))
+        )
         self.input_bytes: dict[str, int] = {}
         self.region_bytes: dict[str, int] = {}
         # A(s) measured on a derivative-checked step (the probe's until then)
@@ -74,8 +76,10 @@ class CostMeter:
                     continue
                 if o == "regions":
                     held = self.region_bytes.get(name, 0) + sum(
-                        s.nbytes for s in c.changing
-                        if not (s.regions_ok and not s.unannotated_write))
+                        s.nbytes
+                        for s in c.changing
+                        if not (s.regions_ok and not s.unannotated_write)
+                    )
                 else:
                     held = c.preserved_bytes(o)
                 opts[o] = Option(memory=inputs + held, time=self.median(name, o))
@@ -83,9 +87,12 @@ class CostMeter:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"times": {s: {o: list(v) for o, v in d.items()} for s, d in self.times.items()},
-                "input_bytes": dict(self.input_bytes), "region_bytes": dict(self.region_bytes),
-                "activation_bytes": dict(self.activation_bytes)}
+        return {
+            "times": {s: {o: list(v) for o, v in d.items()} for s, d in self.times.items()},
+            "input_bytes": dict(self.input_bytes),
+            "region_bytes": dict(self.region_bytes),
+            "activation_bytes": dict(self.activation_bytes),
+        }
 
 
 class _Passthrough(TorchDispatchMode):
@@ -108,6 +115,7 @@ def dispatch_overhead() -> float:
             for _ in range(n):
                 torch.add(x, 1.0)
             return clock() - t0
+
         loop()
         plain = min(loop() for _ in range(3))
         with _Passthrough():

@@ -12,6 +12,7 @@ window, including writes that bump no version counter and carry no schema annota
 CPU batch norm). Undoing the logged regions on the live bytes tells whether ``regions`` alone
 explains each change.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,9 +48,13 @@ class Touch:
 class DiscoveryMode(TorchDispatchMode):
     """Records reads, writes and generators of one segment invocation."""
 
-    def __init__(self, log: RegionLog, input_keys: set[StorageKey],
-                 params: Collection[StorageKey] = frozenset(),
-                 uncopied: Collection[StorageKey] = frozenset()) -> None:
+    def __init__(
+        self,
+        log: RegionLog,
+        input_keys: set[StorageKey],
+        params: Collection[StorageKey] = frozenset(),
+        uncopied: Collection[StorageKey] = frozenset(),
+    ) -> None:
         super().__init__()
         self.log = log
         self.input_keys = input_keys
@@ -89,9 +94,14 @@ class DiscoveryMode(TorchDispatchMode):
             if key not in self.params and key not in self.uncopied:
                 with torch.no_grad():
                     snap = storage_bytes(t).clone()
-            touch = Touch(key, t.detach(), snap, self.log.arm(key),
-                          is_input=key in self.input_keys,
-                          source=weakref.ref(t) if key not in self.params else None)
+            touch = Touch(
+                key,
+                t.detach(),
+                snap,
+                self.log.arm(key),
+                is_input=key in self.input_keys,
+                source=weakref.ref(t) if key not in self.params else None,
+            )
             self.touched[key] = touch
         return touch
 
@@ -124,8 +134,11 @@ class DiscoveryMode(TorchDispatchMode):
                         touch.annotated_write = True
                     else:
                         touch.read = True
-        if _SEEDED in func.tags and kwargs.get("generator") is None and \
-                not any(isinstance(a, torch.Generator) for a in args):
+        if (
+            _SEEDED in func.tags
+            and kwargs.get("generator") is None
+            and not any(isinstance(a, torch.Generator) for a in args)
+        ):
             self.uses_global_rng = True
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
@@ -142,8 +155,9 @@ class DiscoveryMode(TorchDispatchMode):
                 if touch.snapshot is None:
                     touch.changed_in_segment = touch.annotated_write
                 else:
-                    touch.changed_in_segment = not torch.equal(storage_bytes(touch.tensor),
-                                                               touch.snapshot)
+                    touch.changed_in_segment = not torch.equal(
+                        storage_bytes(touch.tensor), touch.snapshot
+                    )
 
 
 def _is_default_generator(g: torch.Generator) -> bool:
@@ -197,8 +211,7 @@ def _fsdp_unsharded_parameters() -> list[torch.Tensor]:
     out = []
     for state_ref in list(_module_state_mapping.values()):
         state = state_ref()
-        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) \
-            else None
+        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) else None
         for fsdp_param in getattr(group, "fsdp_params", ()):
             param = getattr(fsdp_param, "_unsharded_param", None)
             if param is not None:
@@ -227,8 +240,9 @@ class Observation:
     entries: list | None = None
 
 
-def observe_window(mode: DiscoveryMode, log: RegionLog,
-                   keep_changed: bool = False) -> list[Observation]:
+def observe_window(
+    mode: DiscoveryMode, log: RegionLog, keep_changed: bool = False
+) -> list[Observation]:
     """Compare every touched storage with its first-touch bytes, then release the log arms.
 
     The first-touch copies go, except (``keep_changed``) those of storages the window changed:
@@ -243,23 +257,33 @@ def observe_window(mode: DiscoveryMode, log: RegionLog,
                 # writes it between steps); a version counter is no help here, as parameters
                 # may be swapped (swap_tensors) with their counters between forward and backward
                 changed = bool(entries) or touch.annotated_write
-                out.append(Observation(touch, changed, False, sum(e.nbytes for e in entries),
-                                       entries if keep_changed and entries else None))
+                out.append(
+                    Observation(
+                        touch,
+                        changed,
+                        False,
+                        sum(e.nbytes for e in entries),
+                        entries if keep_changed and entries else None,
+                    )
+                )
                 log.release(key)
                 continue
             live = storage_bytes(touch.tensor)
             # A write the probe saw is a write, whatever its bytes (a zero point recomputed
             # to the same value, an embedding row renormalized only later): the segment
             # writes it, or the window does.
-            changed = (live.numel() != touch.snapshot.numel() or bool(entries)
-                       or touch.annotated_write or not torch.equal(live, touch.snapshot))
+            changed = (
+                live.numel() != touch.snapshot.numel()
+                or bool(entries)
+                or touch.annotated_write
+                or not torch.equal(live, touch.snapshot)
+            )
             regions_ok = False
             if changed and entries and live.numel() == touch.snapshot.numel():
                 undo(entries)
                 regions_ok = torch.equal(live, touch.snapshot)
                 redo(entries)
-            out.append(Observation(touch, changed, regions_ok,
-                                   sum(e.nbytes for e in entries)))
+            out.append(Observation(touch, changed, regions_ok, sum(e.nbytes for e in entries)))
             log.release(key)
             if not (keep_changed and changed):
                 touch.snapshot = touch.snapshot.new_empty(0)  # the probe's copies go now

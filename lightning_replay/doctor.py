@@ -20,6 +20,10 @@ The report's types and its text, JSON and HTML forms are in :mod:`lightning_repl
 (re-exported here). The core never imports Lightning; ``lightning-replay doctor --config`` is the
 command-line shell.
 
+It is long (over 600 lines once ruff-formatted) because it runs each way of checkpointing a
+model (three wrappers, torch checkpoint, replay) on copies and compares them; the report types
+and their forms are in :mod:`~lightning_replay.doctor_report`.
+
 Example:
     >>> import lightning_replay as lr
     >>> from lightning_replay.demos.hazards import HAZARDS
@@ -30,6 +34,7 @@ Example:
     >>> report.replay.exact
     True
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,16 +47,32 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_replay.config import check_count
 from lightning_replay.contract import ReplayContract
-from lightning_replay.doctor_report import (CheckpointOutcome, DoctorReport, GradientDiff,
-                                            SegmentDiagnosis, StateDiff, StateUse, first_line,
-                                            plural)
+from lightning_replay.doctor_report import (
+    CheckpointOutcome,
+    DoctorReport,
+    GradientDiff,
+    SegmentDiagnosis,
+    StateDiff,
+    StateUse,
+    first_line,
+    plural,
+)
 from lightning_replay.errors import ReplayConfigError, ReplayError, SegmentError
 from lightning_replay.segments import SegmentSpec, default_segments, resolve_segments
 from lightning_replay.state import PLAIN_TYPES
 
-__all__ = ["CheckpointOutcome", "DoctorReport", "GradientDiff", "ModelRunError",
-           "SegmentDiagnosis", "StateDiff", "StateUse", "diagnose"]
+__all__ = [
+    "CheckpointOutcome",
+    "DoctorReport",
+    "GradientDiff",
+    "ModelRunError",
+    "SegmentDiagnosis",
+    "StateDiff",
+    "StateUse",
+    "diagnose",
+]
 
 BatchFn = Callable[[int], Any]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -64,9 +85,16 @@ class ModelRunError(ReplayError, RuntimeError):
 
 
 # ------------------------------------------------------------------------------ diagnose
-def diagnose(model: nn.Module, batch_fn: BatchFn, loss_fn: LossFn | None = None,
-             segments: SegmentSpec | Iterable[SegmentSpec] | None = None, steps: int = 2, *,
-             seed: int = 0, lr: float = _LR) -> DoctorReport:
+def diagnose(
+    model: nn.Module,
+    batch_fn: BatchFn,
+    loss_fn: LossFn | None = None,
+    segments: SegmentSpec | Iterable[SegmentSpec] | None = None,
+    steps: int = 2,
+    *,
+    seed: int = 0,
+    lr: float = _LR,
+) -> DoctorReport:
     """Measure what activation checkpointing does to ``model``, on copies of it.
 
     Three runs of ``steps`` SGD steps each, every one from a fresh ``copy.deepcopy(model)`` in
@@ -110,17 +138,20 @@ def diagnose(model: nn.Module, batch_fn: BatchFn, loss_fn: LossFn | None = None,
         'torch checkpoint is exact on this model'
     """
     if not isinstance(model, nn.Module):
-        raise ReplayConfigError(f"diagnose(model=...) must be a torch.nn.Module, got "
-                                f"{type(model).__name__}")
+        raise ReplayConfigError(
+            f"diagnose(model=...) must be a torch.nn.Module, got {type(model).__name__}"
+        )
     if not callable(batch_fn):
-        raise ReplayConfigError(f"diagnose(batch_fn=...) must be a callable step -> batch, got "
-                                f"{type(batch_fn).__name__}")
+        raise ReplayConfigError(
+            f"diagnose(batch_fn=...) must be a callable step -> batch, got "
+            f"{type(batch_fn).__name__}"
+        )
     if loss_fn is not None and not callable(loss_fn):
-        raise ReplayConfigError(f"diagnose(loss_fn=...) must be None or a callable "
-                                f"(model, batch) -> loss, got {type(loss_fn).__name__}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ReplayConfigError(f"diagnose(steps={steps!r}): give a whole number of training "
-                                "steps, at least 1 (2 shows state carried between steps)")
+        raise ReplayConfigError(
+            f"diagnose(loss_fn=...) must be None or a callable "
+            f"(model, batch) -> loss, got {type(loss_fn).__name__}"
+        )
+    check_count("diagnose", "steps", steps)  # 2 shows state carried between steps
 
     existing = _ExistingCheckpointing.find(model)
     names, origin = _choose_segments(model, segments, existing)
@@ -144,26 +175,39 @@ def diagnose(model: nn.Module, batch_fn: BatchFn, loss_fn: LossFn | None = None,
         del ckpt_model
 
         replay_model = run.plain_copy(model)
-        diagnoses, not_run, replay_outcome = run.replay(replay_model, names, ref_grads,
-                                                        ref_state)
+        diagnoses, not_run, replay_outcome = run.replay(replay_model, names, ref_grads, ref_state)
         del replay_model
 
     if not diagnoses and replay_outcome.error is None:
         raise SegmentError(
             f"none of the segments {names} ({origin}) of {type(model).__name__} ran in a "
             "training step, so there is nothing to recompute. Pass segments= naming modules "
-            "that the forward (or loss_fn) calls with gradients enabled.")
-    return DoctorReport(model=type(model).__name__, steps=steps, segments=names,
-                        segment_origin=origin,
-                        existing_checkpointing=existing.description if existing else None,
-                        diagnoses=diagnoses, torch_checkpoint=torch_outcome,
-                        replay=replay_outcome, not_run=not_run)
+            "that the forward (or loss_fn) calls with gradients enabled."
+        )
+    return DoctorReport(
+        model=type(model).__name__,
+        steps=steps,
+        segments=names,
+        segment_origin=origin,
+        existing_checkpointing=existing.description if existing else None,
+        diagnoses=diagnoses,
+        torch_checkpoint=torch_outcome,
+        replay=replay_outcome,
+        not_run=not_run,
+    )
 
 
 # ------------------------------------------------------------------------------ runs
 class _Runner:
-    def __init__(self, batch_fn: BatchFn, loss_fn: LossFn | None, steps: int, seed: int,
-                 lr: float, existing: "_ExistingCheckpointing | None") -> None:
+    def __init__(
+        self,
+        batch_fn: BatchFn,
+        loss_fn: LossFn | None,
+        steps: int,
+        seed: int,
+        lr: float,
+        existing: "_ExistingCheckpointing | None",
+    ) -> None:
         self.batch_fn = batch_fn
         self.loss_fn = loss_fn
         self.steps = steps
@@ -178,12 +222,19 @@ class _Runner:
             self.existing.disable(m)
         return m
 
-    def _train(self, model: nn.Module, on_grads: Callable[[int, dict], None],
-               window: Callable[[], Any] | None = None, plain: bool = False) -> None:
+    def _train(
+        self,
+        model: nn.Module,
+        on_grads: Callable[[int, dict], None],
+        window: Callable[[], Any] | None = None,
+        plain: bool = False,
+    ) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
-            raise ReplayConfigError(f"{type(model).__name__} has no parameter that requires "
-                                    "grad: there is nothing to train and nothing to diagnose")
+            raise ReplayConfigError(
+                f"{type(model).__name__} has no parameter that requires "
+                "grad: there is nothing to train and nothing to diagnose"
+            )
         opt = torch.optim.SGD(params, lr=self.lr)
         for step in range(self.steps):
             torch.manual_seed(self.seed + step)
@@ -205,10 +256,17 @@ class _Runner:
                         f"({_describe(batch)}) without any recomputation: "
                         f"{type(exc).__name__}: {first_line(str(exc))}. Fix the model, "
                         "batch_fn or loss_fn so that a plain training step runs; diagnose "
-                        "compares against one.") from exc
+                        "compares against one."
+                    ) from exc
                 raise
-            on_grads(step, {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                            if p.grad is not None})
+            on_grads(
+                step,
+                {
+                    n: p.grad.detach().clone()
+                    for n, p in model.named_parameters()
+                    if p.grad is not None
+                },
+            )
             opt.step()
 
     def _loss(self, model: nn.Module, batch: Any, step: int) -> torch.Tensor:
@@ -219,11 +277,15 @@ class _Runner:
             loss = _default_loss(_call(model, batch))
             what = "the model's output (pass loss_fn= to say how to make a loss)"
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            seen = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor) else
-                    f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}")
+            seen = (
+                f"a {type(loss).__name__}"
+                if not isinstance(loss, torch.Tensor)
+                else f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
+            )
             raise ReplayConfigError(
                 f"diagnose: the loss from {what} at step {step} must be a scalar tensor that "
-                f"requires grad; got {seen}")
+                f"requires grad; got {seen}"
+            )
         return loss
 
     def reference(self, model: nn.Module) -> list[dict[str, torch.Tensor]]:
@@ -231,13 +293,20 @@ class _Runner:
         self._train(model, lambda step, g: grads.append(g), plain=True)
         return grads
 
-    def compare(self, method: str, model: nn.Module, ref_grads: list[dict],
-                ref_state: dict, window: Callable[[], Any] | None = None) -> CheckpointOutcome:
+    def compare(
+        self,
+        method: str,
+        model: nn.Module,
+        ref_grads: list[dict],
+        ref_state: dict,
+        window: Callable[[], Any] | None = None,
+    ) -> CheckpointOutcome:
         diffs: dict[str, GradientDiff] = {}
         out = CheckpointOutcome(method=method, parameters_compared=len(ref_grads[0]))
         try:
-            self._train(model, lambda step, g: _grad_diffs(step, ref_grads[step], g, diffs),
-                        window=window)
+            self._train(
+                model, lambda step, g: _grad_diffs(step, ref_grads[step], g, diffs), window=window
+            )
         except (ReplayConfigError, ModelRunError):
             raise
         except Exception as exc:  # what the method does to this model: part of the report
@@ -248,20 +317,21 @@ class _Runner:
         out.state = _state_diffs(ref_state, _snapshot(model), ignore)
         return out
 
-    def replay(self, model: nn.Module, names: list[str], ref_grads: list[dict],
-               ref_state: dict) -> tuple[list[SegmentDiagnosis], list[str], CheckpointOutcome]:
+    def replay(
+        self, model: nn.Module, names: list[str], ref_grads: list[dict], ref_state: dict
+    ) -> tuple[list[SegmentDiagnosis], list[str], CheckpointOutcome]:
         import warnings
 
         from lightning_replay.engine import install
 
-        engine = install(model, names, preservation="auto", on_violation="record",
-                         window="manual")
+        engine = install(model, names, preservation="auto", on_violation="record", window="manual")
         try:
             with warnings.catch_warnings():
                 # Contract events are the report's subject, not warnings for the user here.
                 warnings.simplefilter("ignore")
-                outcome = self.compare("lightning_replay", model, ref_grads, ref_state,
-                                       window=engine.window)
+                outcome = self.compare(
+                    "lightning_replay", model, ref_grads, ref_state, window=engine.window
+                )
             contracts = engine.contracts
         finally:
             engine.uninstall()
@@ -299,8 +369,8 @@ def _wrap_torch_checkpoint(model: nn.Module, names: list[str]) -> None:
         def forward(*args, _fwd=fwd, **kwargs):
             if not torch.is_grad_enabled():
                 return _fwd(*args, **kwargs)
-            return checkpoint(_fwd, *args, use_reentrant=False, preserve_rng_state=True,
-                              **kwargs)
+            return checkpoint(_fwd, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
         mod.forward = forward
 
 
@@ -309,22 +379,24 @@ class _ExistingCheckpointing:
     """Checkpointing the model does itself: HF layer flags, torch's ``CheckpointWrapper``."""
 
     def __init__(self, flagged: list[str], wrappers: list[str], hf_layers: list[str]) -> None:
-        self.flagged = flagged      # modules with gradient_checkpointing=True (HF style)
-        self.wrappers = wrappers    # CheckpointWrapper modules
+        self.flagged = flagged  # modules with gradient_checkpointing=True (HF style)
+        self.wrappers = wrappers  # CheckpointWrapper modules
         self.hf_layers = hf_layers  # flagged modules that checkpoint their own forward
         # Attributes disable() changes: never reported as state differences.
-        self.toggled = {f"{n}.gradient_checkpointing" if n else "gradient_checkpointing"
-                        for n in flagged}
+        self.toggled = {
+            f"{n}.gradient_checkpointing" if n else "gradient_checkpointing" for n in flagged
+        }
         parts = []
         if hf_layers:
-            parts.append(f"HF gradient checkpointing on {len(hf_layers)} "
-                         f"{plural(len(hf_layers), 'layer')}")
+            parts.append(
+                f"HF gradient checkpointing on {len(hf_layers)} {plural(len(hf_layers), 'layer')}"
+            )
         elif flagged:
-            parts.append(f"gradient_checkpointing=True on {len(flagged)} "
-                         f"{plural(len(flagged), 'module')}")
+            parts.append(
+                f"gradient_checkpointing=True on {len(flagged)} {plural(len(flagged), 'module')}"
+            )
         if wrappers:
-            parts.append(f"checkpoint_wrapper on {len(wrappers)} "
-                         f"{plural(len(wrappers), 'module')}")
+            parts.append(f"checkpoint_wrapper on {len(wrappers)} {plural(len(wrappers), 'module')}")
         self.description = " and ".join(parts)
 
     @classmethod
@@ -368,13 +440,15 @@ def _checkpoint_wrapper_class() -> type | None:
 def _hf_checkpointing_layer_class() -> type | None:
     """HF transformers' ``GradientCheckpointingLayer``, if transformers is loaded: a model whose
     layers subclass it has imported it, so doctor never imports transformers itself."""
-    return getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer",
-                   None)
+    return getattr(
+        sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", None
+    )
 
 
 # ------------------------------------------------------------------------------ segments
-def _choose_segments(model: nn.Module, segments: Any,
-                     existing: _ExistingCheckpointing | None) -> tuple[list[str], str]:
+def _choose_segments(
+    model: nn.Module, segments: Any, existing: _ExistingCheckpointing | None
+) -> tuple[list[str], str]:
     if segments is not None:
         return list(resolve_segments(model, segments)), f"segments={segments!r}"
     if existing is not None and existing.segments():
@@ -386,7 +460,8 @@ def _choose_segments(model: nn.Module, segments: Any,
             f"{type(model).__name__} has no candidate segments: no ModuleList or Sequential of "
             "parameterized blocks below the root, and no checkpointing of its own. Pass "
             "segments= (names such as 'encoder.layers.0', a glob such as 'encoder.layers.*', or "
-            "a module class).") from None
+            "a module class)."
+        ) from None
     return names, f"the repeated blocks of {containers}"
 
 
@@ -399,8 +474,13 @@ def _cuda_indices(devices: set[torch.device]) -> list[int]:
     # torch.manual_seed seeds every CUDA device: restore all of them once CUDA is in use.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return list(range(torch.cuda.device_count()))
-    return sorted({d.index if d.index is not None else torch.cuda.current_device()
-                   for d in devices if d.type == "cuda"})
+    return sorted(
+        {
+            d.index if d.index is not None else torch.cuda.current_device()
+            for d in devices
+            if d.type == "cuda"
+        }
+    )
 
 
 def _norm(d: torch.device) -> str:
@@ -409,21 +489,24 @@ def _norm(d: torch.device) -> str:
     return str(d)
 
 
-def _check_batch_device(model: nn.Module, batch_fn: BatchFn, seed: int,
-                        devices: set[torch.device]) -> None:
+def _check_batch_device(
+    model: nn.Module, batch_fn: BatchFn, seed: int, devices: set[torch.device]
+) -> None:
     torch.manual_seed(seed)
     try:
         batch = batch_fn(0)
     except Exception as exc:
-        raise ModelRunError(f"batch_fn(0) raised {type(exc).__name__}: "
-                            f"{first_line(str(exc))}") from exc
+        raise ModelRunError(
+            f"batch_fn(0) raised {type(exc).__name__}: {first_line(str(exc))}"
+        ) from exc
     model_devs = {_norm(d) for d in devices}
     batch_devs = {_norm(t.device) for t in _tensors(batch)}
     if model_devs and batch_devs and not batch_devs <= model_devs:
         raise ReplayConfigError(
             f"diagnose: the model {type(model).__name__} is on {', '.join(sorted(model_devs))} "
             f"but batch_fn(0) returned tensors on {', '.join(sorted(batch_devs))}. Move the batch "
-            "to the model's device in batch_fn (or the model with model.to(device)) first.")
+            "to the model's device in batch_fn (or the model with model.to(device)) first."
+        )
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -439,13 +522,20 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 def _describe(batch: Any) -> str:
     ts = _tensors(batch)
     shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in ts[:4])
-    return f"a {type(batch).__name__}" + (f" of tensors {shapes}" if ts else "") + \
-        (" ..." if len(ts) > 4 else "")
+    return (
+        f"a {type(batch).__name__}"
+        + (f" of tensors {shapes}" if ts else "")
+        + (" ..." if len(ts) > 4 else "")
+    )
 
 
 # ------------------------------------------------------------------------------ comparisons
-def _grad_diffs(step: int, ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
-                acc: dict[str, GradientDiff]) -> None:
+def _grad_diffs(
+    step: int,
+    ref: dict[str, torch.Tensor],
+    got: dict[str, torch.Tensor],
+    acc: dict[str, GradientDiff],
+) -> None:
     for name in sorted(ref.keys() | got.keys()):
         a, b = ref.get(name), got.get(name)
         if a is not None and b is not None and a.shape == b.shape and torch.equal(a, b):
@@ -453,7 +543,7 @@ def _grad_diffs(step: int, ref: dict[str, torch.Tensor], got: dict[str, torch.Te
         if a is None or b is None or a.shape != b.shape:
             max_abs = max_rel = math.inf
         else:
-            d = (b.double() - a.double())
+            d = b.double() - a.double()
             max_abs = float(d.abs().max())
             den = float(a.double().norm())
             max_rel = float(d.norm()) / den if den > 0 else math.inf
@@ -491,13 +581,23 @@ def _state_diffs(ref: dict, got: dict, ignore: set[str]) -> list[StateDiff]:
             continue
         if name not in ref or name not in got:
             kind = (ref.get(name) or got.get(name))[0]
-            diffs.append(StateDiff(name, kind, _short(ref.get(name, (None, "(absent)"))[1]),
-                                   _short(got.get(name, (None, "(absent)"))[1])))
+            diffs.append(
+                StateDiff(
+                    name,
+                    kind,
+                    _short(ref.get(name, (None, "(absent)"))[1]),
+                    _short(got.get(name, (None, "(absent)"))[1]),
+                )
+            )
             continue
         (kind, a), (_, b) = ref[name], got[name]
         if isinstance(a, torch.Tensor):
-            if isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape \
-                    and torch.equal(a, b):
+            if (
+                isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype
+                and a.shape == b.shape
+                and torch.equal(a, b)
+            ):
                 continue
             diff = StateDiff(name, kind, _short(a), _short(b))
             if kind != "generator" and isinstance(b, torch.Tensor) and a.shape == b.shape:
@@ -532,20 +632,36 @@ def _diagnosis(model: nn.Module, c: ReplayContract) -> SegmentDiagnosis:
         if s.kind == "parameter" and not s.changes_in_window and not s.written_by_segment:
             params += 1
             continue
-        rows.append(StateUse(name=s.name, kind=_KINDS.get(s.kind, s.kind),
-                             access="writes" if s.written_by_segment else "reads",
-                             changes_in_window=s.changes_in_window,
-                             preservation=s.preservation, nbytes=s.nbytes,
-                             shared_with=list(s.aliases), aliased_input=s.name in aliased))
-    rows += [StateUse(name=g, kind="generator", access="draws", preservation="restored")
-             for g in c.generators]
-    rows += [StateUse(name=a, kind="Python attribute", access="changes",
-                      preservation="restored") for a in c.python_attrs]
+        rows.append(
+            StateUse(
+                name=s.name,
+                kind=_KINDS.get(s.kind, s.kind),
+                access="writes" if s.written_by_segment else "reads",
+                changes_in_window=s.changes_in_window,
+                preservation=s.preservation,
+                nbytes=s.nbytes,
+                shared_with=list(s.aliases),
+                aliased_input=s.name in aliased,
+            )
+        )
+    rows += [
+        StateUse(name=g, kind="generator", access="draws", preservation="restored")
+        for g in c.generators
+    ]
+    rows += [
+        StateUse(name=a, kind="Python attribute", access="changes", preservation="restored")
+        for a in c.python_attrs
+    ]
     options = [o for o in c.available_options() if o != "retain"]
     # ``auto``: the cheapest correct option by memory, whole winning ties (the engine's rule).
     auto = min(options, key=lambda o: (c.preserved_bytes(o), o != "whole"))
-    return SegmentDiagnosis(name=c.segment, state=rows, parameters=params,
-                            uses_global_rng=c.uses_global_rng, auto_option=auto,
-                            preserved_bytes=c.preserved_bytes(auto),
-                            options={o: c.preserved_bytes(o) for o in options},
-                            activation_bytes=c.activation_bytes)
+    return SegmentDiagnosis(
+        name=c.segment,
+        state=rows,
+        parameters=params,
+        uses_global_rng=c.uses_global_rng,
+        auto_option=auto,
+        preserved_bytes=c.preserved_bytes(auto),
+        options={o: c.preserved_bytes(o) for o in options},
+        activation_bytes=c.activation_bytes,
+    )

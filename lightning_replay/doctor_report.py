@@ -12,6 +12,7 @@ Example:
     >>> CheckpointOutcome("x", error="RuntimeError: boom\\nmore").phrase
     'raises RuntimeError: boom'
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,14 @@ from typing import Any
 
 from lightning_replay.budget import format_bytes
 
-__all__ = ["CheckpointOutcome", "DoctorReport", "GradientDiff", "SegmentDiagnosis", "StateDiff",
-           "StateUse"]
+__all__ = [
+    "CheckpointOutcome",
+    "DoctorReport",
+    "GradientDiff",
+    "SegmentDiagnosis",
+    "StateDiff",
+    "StateUse",
+]
 
 
 @dataclasses.dataclass
@@ -163,8 +170,7 @@ class CheckpointOutcome:
         if self.exact:
             return "is exact on this model"
         n, m = len(self.gradients), len(self.state)
-        return (f"silently differs in {n} {plural(n, 'gradient')} and "
-                f"{m} {plural(m, 'buffer')}")
+        return f"silently differs in {n} {plural(n, 'gradient')} and {m} {plural(m, 'buffer')}"
 
 
 @dataclasses.dataclass
@@ -223,15 +229,22 @@ class DoctorReport:
 
     def table(self) -> str:
         """The report as plain text for a terminal."""
-        lines = [f"lightning-replay doctor: {self.model}, {self.steps} training "
-                 f"{plural(self.steps, 'step')} per run on copies of the model",
-                 f"segments: {len(self.segments)} ({self.segment_origin})"]
+        lines = [
+            f"lightning-replay doctor: {self.model}, {self.steps} training "
+            f"{plural(self.steps, 'step')} per run on copies of the model",
+            f"segments: {len(self.segments)} ({self.segment_origin})",
+        ]
         if self.existing_checkpointing:
-            lines.append(f"checkpointing already in the model: {self.existing_checkpointing} — "
-                         "diagnosed as it stands vs the same model with it turned off")
-        lines += ["", f"verdict: {self.verdict}",
-                  f"lightning_replay (preservation='auto'): "
-                  f"{self.replay.phrase}", ""]
+            lines.append(
+                f"checkpointing already in the model: {self.existing_checkpointing} — "
+                "diagnosed as it stands vs the same model with it turned off"
+            )
+        lines += [
+            "",
+            f"verdict: {self.verdict}",
+            f"lightning_replay (preservation='auto'): {self.replay.phrase}",
+            "",
+        ]
         rows = [("segment", "auto", "preserved", "activations freed", "state its replay needs")]
         for d in self.diagnoses:
             changing = [s for s in d.state if s.changes_in_window]
@@ -241,17 +254,28 @@ class DoctorReport:
                 extra.append("global RNG")
             if extra:
                 need += "; restores " + ", ".join(extra)
-            rows.append((d.name, d.auto_option, format_bytes(d.preserved_bytes),
-                         format_bytes(d.activation_bytes), need))
+            rows.append(
+                (
+                    d.name,
+                    d.auto_option,
+                    format_bytes(d.preserved_bytes),
+                    format_bytes(d.activation_bytes),
+                    need,
+                )
+            )
         lines += _columns(rows)
-        lines.append(f"total: {format_bytes(self.activation_bytes)} of activations freed, "
-                     f"{format_bytes(self.preserved_bytes)} preserved instead")
+        lines.append(
+            f"total: {format_bytes(self.activation_bytes)} of activations freed, "
+            f"{format_bytes(self.preserved_bytes)} preserved instead"
+        )
         if self.not_run:
             lines.append(f"never ran in a training step (not diagnosed): {', '.join(self.not_run)}")
         lines += ["", "state per segment (reads / writes; * changes between forward and replay):"]
         for d in self.diagnoses:
-            lines.append(f"  {d.name}: {d.parameters} parameters read" +
-                         ("" if d.state else ", nothing else"))
+            lines.append(
+                f"  {d.name}: {d.parameters} parameters read"
+                + ("" if d.state else ", nothing else")
+            )
             for s in d.state:
                 mark = "*" if s.changes_in_window else " "
                 more = []
@@ -260,11 +284,16 @@ class DoctorReport:
                 if s.aliased_input:
                     more.append("a segment input is a view of it")
                 size = f" {format_bytes(s.nbytes)}" if s.nbytes else ""
-                lines.append(f"   {mark} {s.name}  {s.kind}, {s.access}{size}"
-                             + (f" ({'; '.join(more)})" if more else ""))
+                lines.append(
+                    f"   {mark} {s.name}  {s.kind}, {s.access}{size}"
+                    + (f" ({'; '.join(more)})" if more else "")
+                )
         method = self.torch_checkpoint.method
-        lines += ["", f"{method} vs plain training ({self.steps} "
-                      f"{plural(self.steps, 'step')}, identical copies and RNG state):"]
+        lines += [
+            "",
+            f"{method} vs plain training ({self.steps} "
+            f"{plural(self.steps, 'step')}, identical copies and RNG state):",
+        ]
         lines += _outcome_lines(self.torch_checkpoint)
         lines += ["", "lightning_replay vs plain training:"]
         lines += _outcome_lines(self.replay)
@@ -274,31 +303,45 @@ class DoctorReport:
         """A self-contained ``<section>`` for an HTML report."""
         e = html.escape
         ok = self.torch_checkpoint.exact
-        parts = ["<section id='lightning-replay-doctor'>",
-                 "<h2>lightning-replay doctor</h2>",
-                 f"<p><b style='color:{'#2a7' if ok else '#c33'}'>{e(self.verdict)}</b><br>"
-                 f"lightning_replay (preservation='auto'): "
-                 f"{e(self.replay.phrase)}</p>",
-                 f"<p>{e(self.model)}, {self.steps} training steps per run on copies; segments "
-                 f"({e(self.segment_origin)}): {e(', '.join(self.segments))}.</p>"]
+        parts = [
+            "<section id='lightning-replay-doctor'>",
+            "<h2>lightning-replay doctor</h2>",
+            f"<p><b style='color:{'#2a7' if ok else '#c33'}'>{e(self.verdict)}</b><br>"
+            f"lightning_replay (preservation='auto'): "
+            f"{e(self.replay.phrase)}</p>",
+            f"<p>{e(self.model)}, {self.steps} training steps per run on copies; segments "
+            f"({e(self.segment_origin)}): {e(', '.join(self.segments))}.</p>",
+        ]
         if self.existing_checkpointing:
-            parts.append(f"<p>Checkpointing already in the model: "
-                         f"{e(self.existing_checkpointing)} (diagnosed as it stands).</p>")
-        parts.append("<table><tr><th>segment</th><th>auto</th><th>preserved</th>"
-                     "<th>activations freed</th><th>state that changes in the window</th></tr>")
+            parts.append(
+                f"<p>Checkpointing already in the model: "
+                f"{e(self.existing_checkpointing)} (diagnosed as it stands).</p>"
+            )
+        parts.append(
+            "<table><tr><th>segment</th><th>auto</th><th>preserved</th>"
+            "<th>activations freed</th><th>state that changes in the window</th></tr>"
+        )
         for d in self.diagnoses:
-            changing = ", ".join(f"{s.name} ({s.kind}, {s.preservation})"
-                                 for s in d.state if s.changes_in_window) or "-"
-            parts.append(f"<tr><td>{e(d.name)}</td><td>{e(d.auto_option)}</td>"
-                         f"<td>{e(format_bytes(d.preserved_bytes))}</td>"
-                         f"<td>{e(format_bytes(d.activation_bytes))}</td>"
-                         f"<td>{e(changing)}</td></tr>")
+            changing = (
+                ", ".join(
+                    f"{s.name} ({s.kind}, {s.preservation})" for s in d.state if s.changes_in_window
+                )
+                or "-"
+            )
+            parts.append(
+                f"<tr><td>{e(d.name)}</td><td>{e(d.auto_option)}</td>"
+                f"<td>{e(format_bytes(d.preserved_bytes))}</td>"
+                f"<td>{e(format_bytes(d.activation_bytes))}</td>"
+                f"<td>{e(changing)}</td></tr>"
+            )
         parts.append("</table>")
-        for title, outcome in ((f"{self.torch_checkpoint.method} vs plain training",
-                                self.torch_checkpoint),
-                               ("lightning_replay vs plain training", self.replay)):
-            parts.append(f"<h3>{e(title)}</h3><pre>"
-                         + e("\n".join(_outcome_lines(outcome))) + "</pre>")
+        for title, outcome in (
+            (f"{self.torch_checkpoint.method} vs plain training", self.torch_checkpoint),
+            ("lightning_replay vs plain training", self.replay),
+        ):
+            parts.append(
+                f"<h3>{e(title)}</h3><pre>" + e("\n".join(_outcome_lines(outcome))) + "</pre>"
+            )
         parts.append("</section>")
         return "\n".join(parts)
 
@@ -308,25 +351,31 @@ def _outcome_lines(o: CheckpointOutcome, limit: int = 12) -> list[str]:
     if o.error is not None:
         return [f"  raises {first_line(o.error, 300)}"]
     if o.exact:
-        return [f"  exact: all {o.parameters_compared} parameter gradients bit-identical at "
-                "every step, and every buffer, tensor attribute, generator and Python attribute "
-                "identical after the last step"]
+        return [
+            f"  exact: all {o.parameters_compared} parameter gradients bit-identical at "
+            "every step, and every buffer, tensor attribute, generator and Python attribute "
+            "identical after the last step"
+        ]
     lines = []
     if o.gradients:
-        lines.append(f"  {len(o.gradients)} of {o.parameters_compared} parameter gradients "
-                     "differ:")
+        lines.append(f"  {len(o.gradients)} of {o.parameters_compared} parameter gradients differ:")
         for g in o.gradients[:limit]:
-            lines.append(f"    {g.name}: steps {','.join(map(str, g.steps))}, max rel err "
-                         f"{_num(g.max_rel)}, max abs diff {_num(g.max_abs)}")
+            lines.append(
+                f"    {g.name}: steps {','.join(map(str, g.steps))}, max rel err "
+                f"{_num(g.max_rel)}, max abs diff {_num(g.max_abs)}"
+            )
         if len(o.gradients) > limit:
             lines.append(f"    ... and {len(o.gradients) - limit} more")
     if o.state:
-        lines.append(f"  {len(o.state)} {plural(len(o.state), 'buffer or attribute', 'buffers or attributes')} differ "
-                     "after the last step:")
+        lines.append(
+            f"  {len(o.state)} {plural(len(o.state), 'buffer or attribute', 'buffers or attributes')} differ "
+            "after the last step:"
+        )
         for s in o.state[:limit]:
             err = "" if math.isnan(s.max_rel) else f" (max rel err {_num(s.max_rel)})"
-            lines.append(f"    {s.name} ({s.kind}): plain {s.reference}, this run "
-                         f"{s.observed}{err}")
+            lines.append(
+                f"    {s.name} ({s.kind}): plain {s.reference}, this run {s.observed}{err}"
+            )
         if len(o.state) > limit:
             lines.append(f"    ... and {len(o.state) - limit} more")
     return lines
@@ -349,7 +398,7 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 def first_line(s: str, limit: int = 160) -> str:
     """The first line of ``s`` (an error message), cut to ``limit`` characters."""
     line = s.strip().splitlines()[0] if s.strip() else s
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _json_safe(obj: Any) -> Any:

@@ -19,6 +19,7 @@ lines because the window bookkeeping, calibration, planning and accounting read 
 same per-step state (the accountant, the step counter, the real-peak residual, the plan); it
 holds no per-segment logic.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,6 +57,7 @@ from lightning_replay.state import unique_bytes as _unique_bytes
 
 _UNCHANGED = object()  # an argument left out: keep the current value
 
+
 def _rank_count() -> int:
     """Processes in the default group (1 without one). The CPU real-peak measurement runs only
     in a single process: each rank would measure its own base, and torch's profiler is not
@@ -76,15 +78,16 @@ def _first_param_is_cuda(model: nn.Module) -> bool:
     return p is not None and p.is_cuda
 
 
-
-
-
-
 class ReplayEngine:
     """State-aware replay for the segments of one model. Made by :func:`install`."""
 
-    def __init__(self, model: nn.Module, segments: Mapping[str, nn.Module],
-                 config: ReplayConfig, records: RecordStore) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        segments: Mapping[str, nn.Module],
+        config: ReplayConfig,
+        records: RecordStore,
+    ) -> None:
         self.model = model
         #: What the engine was installed with; :meth:`reconfigure` and :meth:`replan` keep its
         #: budget and planner current.
@@ -97,8 +100,9 @@ class ReplayEngine:
         self.plan_version = 0
         self.plan_transform: Callable[[_planner.Plan], _planner.Plan] | None = None
         self.meter = CostMeter()
-        self.measure_costs = bool(config.measure_costs) or self._budget is not None or \
-            config.budget.min
+        self.measure_costs = (
+            bool(config.measure_costs) or self._budget is not None or config.budget.min
+        )
         #: The re-plan policy the engine runs between windows (``None``: ``replan_on=()``).
         self.replan_policy = ReplanPolicy(config.replan) if config.replan.replan_on else None
         self.accountant: MemoryAccountant | None = None
@@ -194,8 +198,9 @@ class ReplayEngine:
     @property
     def segments(self) -> list[str]:
         """Segment names in forward execution order (module order until first run)."""
-        return sorted(self.runtimes, key=lambda n: (self.runtimes[n].order < 0,
-                                                    self.runtimes[n].order))
+        return sorted(
+            self.runtimes, key=lambda n: (self.runtimes[n].order < 0, self.runtimes[n].order)
+        )
 
     @property
     def preserved_bytes(self) -> int:
@@ -267,13 +272,19 @@ class ReplayEngine:
         bytes, plan version. A window closes when the next one begins, so after a step's
         backward this is still the step before; :meth:`window_stats` is the step in hand.
         ``peak_bytes`` is None when memory tracking is off."""
-        return {"step": self._last_step,
-                "peak_bytes": (self._last_cuda_peak if self._cuda else
-                               self._static_bytes() + self._last_peak
-                               if self.accountant is not None else None),
-                "replays": self._replays_last_step,
-                "preserved_bytes": self._preserved_last_step,
-                "plan_version": self.plan_version}
+        return {
+            "step": self._last_step,
+            "peak_bytes": (
+                self._last_cuda_peak
+                if self._cuda
+                else self._static_bytes() + self._last_peak
+                if self.accountant is not None
+                else None
+            ),
+            "replays": self._replays_last_step,
+            "preserved_bytes": self._preserved_last_step,
+            "plan_version": self.plan_version,
+        }
 
     def window_stats(self) -> dict[str, Any]:
         """The current window: the step in progress, or, once its backward has run (after
@@ -299,17 +310,22 @@ class ReplayEngine:
             # the caching allocator's counters are host-side: no synchronization needed
             peak = int(torch.cuda.max_memory_allocated(self._cuda_device))
             real = (self.step, peak)
-        return {"step": self.step, "peak_bytes": peak, "accounted_peak_bytes": accounted,
-                "predicted_peak_bytes": self.plan.peak_memory if self.plan else None,
-                "real_peak_bytes": real[1] if real else None,
-                "real_peak_step": real[0] if real else None,
-                "checked": sorted(self._checked) if self._check_grad else [],
-                "replays": self._replays_this_step,
-                "preserved_bytes": sum(rt.last_preserved_bytes for rt in self.runtimes.values()),
-                "plan_version": self.plan_version}
+        return {
+            "step": self.step,
+            "peak_bytes": peak,
+            "accounted_peak_bytes": accounted,
+            "predicted_peak_bytes": self.plan.peak_memory if self.plan else None,
+            "real_peak_bytes": real[1] if real else None,
+            "real_peak_step": real[0] if real else None,
+            "checked": sorted(self._checked) if self._check_grad else [],
+            "replays": self._replays_this_step,
+            "preserved_bytes": sum(rt.last_preserved_bytes for rt in self.runtimes.values()),
+            "plan_version": self.plan_version,
+        }
 
-    def replan(self, budget: int | str | None | object = _UNCHANGED, method: str | None = None
-               ) -> _planner.Plan:
+    def replan(
+        self, budget: int | str | None | object = _UNCHANGED, method: str | None = None
+    ) -> _planner.Plan:
         """Plan again from the measured costs (optionally with a new budget or method).
 
         A segment pinned with ``preservation={name: option}`` is planned only with that option
@@ -333,27 +349,38 @@ class ReplayEngine:
         self.reconfigure(budget=budget, planner=method)
         costs = self.costs
         if not costs:
-            raise ReplayConfigError("replan() needs measured costs: run at least one training "
-                                    "step so every segment is probed")
+            raise ReplayConfigError(
+                "replan() needs measured costs: run at least one training "
+                "step so every segment is probed"
+            )
         measured = {c.name for c in costs}
-        allowed = {name: PIN_OPTIONS[rt.preservation] for name, rt in self.runtimes.items()
-                   if rt.preservation in PIN_OPTIONS and name in measured}
+        allowed = {
+            name: PIN_OPTIONS[rt.preservation]
+            for name, rt in self.runtimes.items()
+            if rt.preservation in PIN_OPTIONS and name in measured
+        }
         base = self.real_base_memory
         budget_bytes = self.budget
         try:
             if budget_bytes is None:  # the lowest-memory correct plan
-                budget_bytes = _planner.min_feasible_budget(costs, base, self.planner,
-                                                            allowed=allowed)
-            p = _planner.plan(costs, budget=budget_bytes, base_memory=base,
-                              method=self.planner, allowed=allowed)
+                budget_bytes = _planner.min_feasible_budget(
+                    costs, base, self.planner, allowed=allowed
+                )
+            p = _planner.plan(
+                costs, budget=budget_bytes, base_memory=base, method=self.planner, allowed=allowed
+            )
         except _planner.InfeasibleBudget as exc:
             if exc.pins or not allowed:
                 raise
             # A pinned segment is never calibrated in the options its pin excludes, so the
             # planner saw no restriction; the pins are still part of why nothing fits.
             raise _planner.InfeasibleBudget(
-                exc.budget, exc.min_feasible, exc.method, exc.joint_min_feasible,
-                pins={n: tuple(sorted(o)) for n, o in allowed.items()}) from None
+                exc.budget,
+                exc.min_feasible,
+                exc.method,
+                exc.joint_min_feasible,
+                pins={n: tuple(sorted(o)) for n, o in allowed.items()},
+            ) from None
         except ValueError as exc:  # a pin that no measured option honours
             pins = {name: self.runtimes[name].preservation for name in allowed}
             raise ReplayConfigError(f"preservation={pins}: {exc}") from None
@@ -362,8 +389,9 @@ class ReplayEngine:
         self._apply_plan(p)
         return p
 
-    def reconfigure(self, *, budget: int | str | None | object = _UNCHANGED,
-                    planner: str | None = None) -> None:
+    def reconfigure(
+        self, *, budget: int | str | None | object = _UNCHANGED, planner: str | None = None
+    ) -> None:
         """Change the budget or the planner the next plan is made with (the plan in force
         stays until :meth:`replan`).
 
@@ -393,10 +421,14 @@ class ReplayEngine:
             self.set_options(plan.choices)
         self.plan = plan
         self.plan_version = version
-        self.records.append(step=self.step, segment="*", contract_version=version,
-                            check="plan", outcome="match",
-                            detail={"plan_version": version, "adopted_from_rank": from_rank,
-                                    **plan.to_dict()})
+        self.records.append(
+            step=self.step,
+            segment="*",
+            contract_version=version,
+            check="plan",
+            outcome="match",
+            detail={"plan_version": version, "adopted_from_rank": from_rank, **plan.to_dict()},
+        )
 
     def _apply_plan(self, p: _planner.Plan) -> None:
         if self.plan is not None and p.choices == self.plan.choices:
@@ -407,21 +439,37 @@ class ReplayEngine:
         if self.measure_costs and self.real_peak and not self._cuda and self._truth_rounds < 3:
             self._truth_pending = True  # measure the real peak of the plan's first step
         self.plan_version += 1
-        self.records.append(step=self.step, segment="*", contract_version=self.plan_version,
-                            check="plan", outcome="match",
-                            detail={"plan_version": self.plan_version, **p.to_dict()})
+        self.records.append(
+            step=self.step,
+            segment="*",
+            contract_version=self.plan_version,
+            check="plan",
+            outcome="match",
+            detail={"plan_version": self.plan_version, **p.to_dict()},
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Resumable engine state: step, plan, contract versions, counters, record run id."""
-        return {"step": self.step, "plan_version": self.plan_version,
-                "plan": self.plan.to_dict() if self.plan else None,
-                "budget": self.budget, "planner": self.planner,
-                "run_id": self.records.run_id,
-                "segments": {n: {"version": rt.version, "forwards": rt.forwards,
-                                 "replays": rt.replays, "violations": rt.violations,
-                                 "checks": rt.checks, "divergences": rt.divergences,
-                                 "planned_option": rt.planned_option}
-                             for n, rt in self.runtimes.items()}}
+        return {
+            "step": self.step,
+            "plan_version": self.plan_version,
+            "plan": self.plan.to_dict() if self.plan else None,
+            "budget": self.budget,
+            "planner": self.planner,
+            "run_id": self.records.run_id,
+            "segments": {
+                n: {
+                    "version": rt.version,
+                    "forwards": rt.forwards,
+                    "replays": rt.replays,
+                    "violations": rt.violations,
+                    "checks": rt.checks,
+                    "divergences": rt.divergences,
+                    "planned_option": rt.planned_option,
+                }
+                for n, rt in self.runtimes.items()
+            },
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`: contracts are re-probed on the next step and get
@@ -433,8 +481,13 @@ class ReplayEngine:
         if "budget" in state:
             b = state["budget"]
             self._budget = b
-            self.config = self.config.replace(budget=Budget(bytes=b) if b is not None else
-                                              Budget(min=True) if self.plan else Budget())
+            self.config = self.config.replace(
+                budget=Budget(bytes=b)
+                if b is not None
+                else Budget(min=True)
+                if self.plan
+                else Budget()
+            )
         if state.get("planner"):
             self.config = self.config.replace(planner=state["planner"])
         for n, d in state.get("segments", {}).items():
@@ -453,8 +506,9 @@ class ReplayEngine:
         """Per segment: mode, replays, contract version, violations, bytes."""
         return {n: self.runtimes[n].summary() for n in self.segments}
 
-    def request_check(self, grad: bool = True, bytes: bool = True,
-                      segments: Iterable[str] | None = None) -> None:
+    def request_check(
+        self, grad: bool = True, bytes: bool = True, segments: Iterable[str] | None = None
+    ) -> None:
         """Check the replays of the next window (derivative and/or byte-level).
 
         A derivative check keeps the segment's graph from forward to backward. ``segments``
@@ -469,18 +523,22 @@ class ReplayEngine:
             if unknown:
                 raise ReplayConfigError(
                     f"request_check(segments=...): {unknown} are not installed segments; "
-                    f"installed: {self.segments}")
+                    f"installed: {self.segments}"
+                )
         self._check_next = (bool(grad), bool(bytes), segments)
 
     def set_options(self, choices: Mapping[str, str]) -> None:
         """Apply a plan: one option per segment (``retain``/``recompute``/``whole``/``regions``)."""
         for name, opt in choices.items():
             if name not in self.runtimes:
-                raise ReplayConfigError(f"plan names segment {name!r}, which is not installed; "
-                                        f"installed: {sorted(self.runtimes)}")
+                raise ReplayConfigError(
+                    f"plan names segment {name!r}, which is not installed; "
+                    f"installed: {sorted(self.runtimes)}"
+                )
             if opt not in OPTIONS:
-                raise ReplayConfigError(f"plan gives segment {name!r} option {opt!r}; "
-                                        f"options are {OPTIONS}")
+                raise ReplayConfigError(
+                    f"plan gives segment {name!r} option {opt!r}; options are {OPTIONS}"
+                )
             self.runtimes[name].set_option(opt)
 
     @contextlib.contextmanager
@@ -518,8 +576,11 @@ class ReplayEngine:
         if policy is not None:  # install(replan_on=...): judge the step just trained
             if self.step > 0:
                 policy.after_step(self)
-            if inputs is not None and "shapes" in policy.settings.replan_on and \
-                    policy.observe_shapes(input_shapes(inputs)):
+            if (
+                inputs is not None
+                and "shapes" in policy.settings.replan_on
+                and policy.observe_shapes(input_shapes(inputs))
+            ):
                 # the re-plan needs activation bytes at the new shapes: a checked step
                 # measures them (the probe's figures are for the old shapes)
                 asked = self._check_next or (True, False, None)
@@ -545,8 +606,9 @@ class ReplayEngine:
             torch.cuda.reset_peak_memory_stats(dev)
         if acct is not None:
             self._last_peak = acct.peak
-            acct.static = {storage_key(t) for t in
-                           list(self.model.parameters()) + list(self.model.buffers())}
+            acct.static = {
+                storage_key(t) for t in list(self.model.parameters()) + list(self.model.buffers())
+            }
             acct.reset_peak()
             self._acct_hooks = acct.saved_tensors_hooks()
             self._acct_hooks.__enter__()
@@ -565,8 +627,11 @@ class ReplayEngine:
             return
         if self._capture is not None:
             self._capture.__exit__(None, None, None)
-            n_regions = sum(1 for rt in self.runtimes.values() if rt.contract is not None
-                            and rt.contract.option == "regions")
+            n_regions = sum(
+                1
+                for rt in self.runtimes.values()
+                if rt.contract is not None and rt.contract.option == "regions"
+            )
             self._last_capture = (self._capture.ops, self._capture.entry_time, n_regions)
             self._capture = None
         self._capturing = False
@@ -629,17 +694,23 @@ class ReplayEngine:
             except InfeasibleBudget as exc:
                 self._residual_warning(exc)
         else:  # it still fits: only its prediction changes
-            self.plan = dataclasses.replace(self.plan, peak_memory=self.plan.peak_memory + grown,
-                                            base_memory=self.plan.base_memory + grown)
+            self.plan = dataclasses.replace(
+                self.plan,
+                peak_memory=self.plan.peak_memory + grown,
+                base_memory=self.plan.base_memory + grown,
+            )
 
     def _start_truth(self) -> None:
         truth = StepPeak(self.model)
         try:
             truth.start()
         except RuntimeError as exc:  # another profiler got there first: measure nothing
-            warnings.warn(f"the real peak of step {self.step} was not measured ({exc}); the "
-                          "plan's predictions leave out what the accountant does not count",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"the real peak of step {self.step} was not measured ({exc}); the "
+                "plan's predictions leave out what the accountant does not count",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             self._truth_rounds = 3
             return
         self._truth = truth
@@ -647,8 +718,7 @@ class ReplayEngine:
         # so the profiler does not span the caller's code between steps; else when the next
         # window begins. Not from inside backward: autograd restores the thread's profiler
         # state after its callbacks.
-        self._truth_hook = register_optimizer_step_post_hook(
-            lambda *_: self._stop_truth(truth))
+        self._truth_hook = register_optimizer_step_post_hook(lambda *_: self._stop_truth(truth))
 
     def _stop_truth(self, truth: StepPeak) -> None:
         if self._truth is truth:
@@ -674,7 +744,10 @@ class ReplayEngine:
             f"the budget ({format_bytes(self.budget)}) cannot hold the measured step: it held "
             f"{format_bytes(self._residual)} outside what the engine accounts (backward "
             f"temporaries, optimizer state), and no plan fits with that ({exc}). Raise the "
-            "budget; the current plan stays.", RuntimeWarning, stacklevel=3)
+            "budget; the current plan stays.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     @property
     def steps_to_first_plan(self) -> int:
@@ -683,23 +756,28 @@ class ReplayEngine:
         warm-up step and ``calibration_steps`` timed ones, then the plan's step. Before every
         segment is probed, both phases are counted."""
         probed = all(rt.contract is not None for rt in self.runtimes.values())
-        phases = 1 + (not probed or any("regions" in rt.contract.available_options()
-                                        for rt in self.runtimes.values()))
+        phases = 1 + (
+            not probed
+            or any("regions" in rt.contract.available_options() for rt in self.runtimes.values())
+        )
         return 1 + phases * (self.calibration_steps + 1) + 1
 
     def _maybe_plan(self) -> None:
         """Between windows: calibrate each option for a few steps, then plan."""
-        if not self.measure_costs or self._pending_probes or any(
-                rt.contract is None or rt.status == "probe" for rt in self.runtimes.values()):
+        if (
+            not self.measure_costs
+            or self._pending_probes
+            or any(rt.contract is None or rt.status == "probe" for rt in self.runtimes.values())
+        ):
             return
         if self.plan is None and not self._calibration:
             phases = ["replay"]
-            if any("regions" in rt.contract.available_options()
-                   for rt in self.runtimes.values()):
+            if any("regions" in rt.contract.available_options() for rt in self.runtimes.values()):
                 phases.append("regions")
             # each phase starts with a warm-up step whose timings are not kept
-            self._calibration = [ph for ph in phases
-                                 for ph in [ph + ":warmup"] + [ph] * self.calibration_steps]
+            self._calibration = [
+                ph for ph in phases for ph in [ph + ":warmup"] + [ph] * self.calibration_steps
+            ]
             self._calibration.append("plan")
         self._warmup = False
         if not self._calibration:
@@ -712,8 +790,11 @@ class ReplayEngine:
         self._warmup = bool(warm)
         for rt in self.runtimes.values():
             # a pinned segment is calibrated only in the options its pin allows
-            opts = [o for o in rt.contract.available_options()
-                    if o in PIN_OPTIONS.get(rt.preservation, OPTIONS)]
+            opts = [
+                o
+                for o in rt.contract.available_options()
+                if o in PIN_OPTIONS.get(rt.preservation, OPTIONS)
+            ]
             if phase == "replay":
                 for o in ("recompute", "whole"):
                     if o in opts:
@@ -733,15 +814,21 @@ class ReplayEngine:
         choices = self.plan.choices
         # segments the plan covers with an option they still have (a segment first probed
         # after the plan, or re-probed since, is left out until the next plan)
-        by_name = {c.name: c for c in self.costs or []
-                   if c.name in choices and choices[c.name] in c.options}
+        by_name = {
+            c.name: c
+            for c in self.costs or []
+            if c.name in choices and choices[c.name] in c.options
+        }
         candidates = [n for n in self.segments if n in by_name and choices[n] != "retain"]
         if not candidates:
             return frozenset()
         k = self._check_cursor % len(candidates)
         order = candidates[k:] + candidates[:k]
-        grads = {n: 2 * _unique_bytes([p for p in self.runtimes[n].module.parameters()
-                                       if p.requires_grad]) for n in candidates}
+        grads = {
+            n: 2
+            * _unique_bytes([p for p in self.runtimes[n].module.parameters() if p.requires_grad])
+            for n in candidates
+        }
         chosen: list[str] = []
         last = -1
         for i, n in enumerate(order):
@@ -755,13 +842,20 @@ class ReplayEngine:
                     f"derivative check skipped at step {self.step}: keeping any one replayed "
                     f"segment's graph would exceed the budget ({format_bytes(self.budget)}) "
                     "by the measured costs. Raise the budget to check under it, or name "
-                    "segments with request_check(segments=...).", RuntimeWarning, stacklevel=3)
+                    "segments with request_check(segments=...).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return frozenset()
         self._check_cursor = k + last + 1
         return frozenset(chosen)
 
-    def _checked_peak(self, by_name: Mapping[str, _planner.SegmentCost],
-                      checked: list[str], grads: Mapping[str, int] | None = None) -> int:
+    def _checked_peak(
+        self,
+        by_name: Mapping[str, _planner.SegmentCost],
+        checked: list[str],
+        grads: Mapping[str, int] | None = None,
+    ) -> int:
         """Predicted peak of the plan with ``checked`` segments also keeping their graphs
         (their activations, inputs and preserved state, and ``grads``: two sets of their
         parameter gradients for the comparison, computed here when not given)."""
@@ -770,14 +864,22 @@ class ReplayEngine:
             o = self.plan.choices[c.name]
             if c.name in checked:
                 opt = c.options[o]
-                g = grads[c.name] if grads is not None else 2 * _unique_bytes(
-                    [p for p in self.runtimes[c.name].module.parameters() if p.requires_grad])
+                g = (
+                    grads[c.name]
+                    if grads is not None
+                    else 2
+                    * _unique_bytes(
+                        [p for p in self.runtimes[c.name].module.parameters() if p.requires_grad]
+                    )
+                )
                 keep = c.options["retain"].memory + opt.memory + g
-                c = _planner.SegmentCost(c.name, c.activation_bytes,
-                                         {o: _planner.Option(memory=keep, time=opt.time)})
+                c = _planner.SegmentCost(
+                    c.name, c.activation_bytes, {o: _planner.Option(memory=keep, time=opt.time)}
+                )
             costs.append(c)
-        return _planner.predicted_peak(costs, {n: self.plan.choices[n] for n in by_name},
-                                       self.real_base_memory)
+        return _planner.predicted_peak(
+            costs, {n: self.plan.choices[n] for n in by_name}, self.real_base_memory
+        )
 
     def _record_replay_time(self, inv: _Invocation, seconds: float) -> None:
         if self._warmup and inv.step == self.step:
@@ -789,15 +891,15 @@ class ReplayEngine:
             total += sum(entry_time.get(k, 0.0) for k, _ in inv.regions)
             self.meter.region_bytes[inv.rt.name] = max(
                 self.meter.region_bytes.get(inv.rt.name, 0) if inv.step > 0 else 0,
-                inv.rt.last_preserved_bytes - inv.preserved_bytes)
+                inv.rt.last_preserved_bytes - inv.preserved_bytes,
+            )
         self.meter.add_time(inv.rt.name, inv.option, total)
 
     def _replay_started(self, activation_bytes: int) -> None:
         acct = self.accountant
         if acct.replay_bytes == 0:
             # the re-materialized activations are gone when this backward ends
-            at_backward_end(
-                lambda: acct.set_replay(0))
+            at_backward_end(lambda: acct.set_replay(0))
         acct.set_replay(activation_bytes)
 
     @contextlib.contextmanager
@@ -832,16 +934,22 @@ class ReplayEngine:
 
     def _contracts_changed(self) -> None:
         self._needs_capture = bool(self._pending_probes) or any(
-            rt.status in ("probe", "probing") or (rt.contract is not None and any(
-                s.preservation in ("regions", "guard") for s in rt.contract.state))
-            for rt in self.runtimes.values())
+            rt.status in ("probe", "probing")
+            or (
+                rt.contract is not None
+                and any(s.preservation in ("regions", "guard") for s in rt.contract.state)
+            )
+            for rt in self.runtimes.values()
+        )
 
 
 def _resolve_budget(config: ReplayConfig, model: nn.Module) -> int | None:
     """``config.budget`` in bytes for ``model``'s device (its first parameter or buffer; CPU
     without either); ``None`` for ``"min"`` and for no budget."""
-    device = next((t.device for t in model.parameters()),
-                  next((t.device for t in model.buffers()), torch.device("cpu")))
+    device = next(
+        (t.device for t in model.parameters()),
+        next((t.device for t in model.buffers()), torch.device("cpu")),
+    )
     try:
         return config.budget.resolve(device)
     except ValueError as exc:

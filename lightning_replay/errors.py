@@ -1,4 +1,5 @@
 """Exception types. The type says what kind of problem; the message says where and what to do."""
+
 from __future__ import annotations
 
 
@@ -58,7 +59,8 @@ class SavedTensorModified(ReplayError, RuntimeError):
             "PyTorch rejects this too ('modified by an inplace operation'): backward would "
             "read the new bytes and compute wrong gradients. Read a copy inside the forward "
             "(e.g. `buffer.clone()`, as MoCo does with its queue), or make the in-place write "
-            "after backward.")
+            "after backward."
+        )
 
 
 class ContractSchemaError(ReplayError, ValueError):

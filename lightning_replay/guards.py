@@ -18,6 +18,7 @@ numbers) are re-probed once and then left to the replay, which puts the forward'
 values back (:mod:`lightning_replay.slots`); discrete fields (flags, hooks, strings, enums) are
 re-probed at each value not seen before, so a mode that comes back costs nothing.
 """
+
 from __future__ import annotations
 
 from typing import Any, Hashable
@@ -29,8 +30,12 @@ from torch.nn.modules import module as _module
 from lightning_replay.slots import MISSING, MODULE_INTERNALS, identities, is_scalar
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
-                 "_global_backward_pre_hooks", "_global_backward_hooks")
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
 
 
 def _hooks_token(dicts: list) -> tuple:
@@ -60,15 +65,22 @@ def _identity_signature(modules: list[nn.Module]) -> tuple:
         except (AttributeError, RuntimeError, NotImplementedError):  # None, sparse, wrapper
             ptrs = tuple(map(_storage_ptr, b))
         hooks = [d.get(h) for h in _HOOK_DICTS]
-        out.append((identities(d), ptrs, tuple(map(id, d["_modules"].values())),
-                    _hooks_token(hooks) if any(hooks) else 0))
+        out.append(
+            (
+                identities(d),
+                ptrs,
+                tuple(map(id, d["_modules"].values())),
+                _hooks_token(hooks) if any(hooks) else 0,
+            )
+        )
     return tuple(out)
 
 
 def fingerprint(modules: list[nn.Module], varying: set) -> dict[Hashable, Any]:
     """What the segment's behaviour may depend on, without the fields in ``varying``."""
     fp: dict[Hashable, Any] = {
-        "global_hooks": _hooks_token([getattr(_module, h, {}) for h in _GLOBAL_HOOKS])}
+        "global_hooks": _hooks_token([getattr(_module, h, {}) for h in _GLOBAL_HOOKS])
+    }
     for i, m in enumerate(modules):
         d = m.__dict__
         fp[(i, "training")] = d.get("training")

@@ -10,6 +10,7 @@ for one whose ``forward`` is one engine window. The subclasses keep the original
 ``state_dict`` keys do not change) and pickle and deep-copy as the original class, so a copy of
 an installed model is a plain model with no engine attached. Uninstalling puts the classes back.
 """
+
 from __future__ import annotations
 
 import copyreg
@@ -54,11 +55,17 @@ def _replay_class(cls: type) -> type:
             return cls.forward(self, *args, **kwargs)
         return rt(args, kwargs)
 
-    new = type(cls.__name__, (cls,), {"forward": forward,
-                                      "__reduce_ex__": _plain_reduce(cls, lambda: new),
-                                      "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__,
-                                      "_lightning_replay_base": cls})
+    new = type(
+        cls.__name__,
+        (cls,),
+        {
+            "forward": forward,
+            "__reduce_ex__": _plain_reduce(cls, lambda: new),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_lightning_replay_base": cls,
+        },
+    )
     _REPLAY_CLASSES[cls] = new
     return new
 
@@ -86,11 +93,17 @@ def _root_class(cls: type) -> type:
         finally:
             eng.end_forward()
 
-    new = type(cls.__name__, (cls,), {"forward": forward,
-                                      "__reduce_ex__": _plain_reduce(cls, lambda: new),
-                                      "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__,
-                                      "_lightning_replay_base": cls})
+    new = type(
+        cls.__name__,
+        (cls,),
+        {
+            "forward": forward,
+            "__reduce_ex__": _plain_reduce(cls, lambda: new),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_lightning_replay_base": cls,
+        },
+    )
     _ROOT_CLASSES[cls] = new
     return new
 
@@ -98,10 +111,10 @@ def _root_class(cls: type) -> type:
 def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
     def __reduce_ex__(self, protocol):
         rv = cls.__reduce_ex__(self, protocol)
-        if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and \
-                rv[1][0] is swapped():
+        if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and rv[1][0] is swapped():
             rv = (_new_plain, (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
         return rv
+
     return __reduce_ex__
 
 
@@ -150,13 +163,23 @@ def _rank() -> int:
     return 0
 
 
-def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
-            preservation: str | Mapping[str, str] = "auto", on_violation: str = "raise",
-            records: RecordStore | str | None = None, window: str = "root",
-            budget: int | str | None = None, planner: str = "joint",
-            track_memory: bool = False, base_memory: int = 0,
-            calibration_steps: int = 2, real_peak: bool = True,
-            replan_on: Iterable[str] = (), replan_cooldown_steps: int = 10) -> ReplayEngine:
+def install(
+    model: nn.Module,
+    segments: SegmentSpec | Iterable[SegmentSpec],
+    *,
+    preservation: str | Mapping[str, str] = "auto",
+    on_violation: str = "raise",
+    records: RecordStore | str | None = None,
+    window: str = "root",
+    budget: int | str | None = None,
+    planner: str = "joint",
+    track_memory: bool = False,
+    base_memory: int = 0,
+    calibration_steps: int = 2,
+    real_peak: bool = True,
+    replan_on: Iterable[str] = (),
+    replan_cooldown_steps: int = 10,
+) -> ReplayEngine:
     """Make the given submodules of ``model`` replay exactly under activation recomputation.
 
     Args:
@@ -219,14 +242,24 @@ def install(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec], *,
     """
     if not isinstance(model, nn.Module):
         raise ReplayConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    replan = ReplanSettings(replan_on=replan_on, replan_cooldown_steps=replan_cooldown_steps,
-                            caller="install")
+    replan = ReplanSettings(
+        replan_on=replan_on, replan_cooldown_steps=replan_cooldown_steps, caller="install"
+    )
     config = ReplayConfig(
-        segments=segments, preservation=preservation, on_violation=on_violation,
-        records=records, window=window, budget=budget, planner=planner,
-        track_memory=track_memory, base_memory=base_memory,
-        calibration_steps=calibration_steps, real_peak=real_peak, replan=replan,
-        caller="install")
+        segments=segments,
+        preservation=preservation,
+        on_violation=on_violation,
+        records=records,
+        window=window,
+        budget=budget,
+        planner=planner,
+        track_memory=track_memory,
+        base_memory=base_memory,
+        calibration_steps=calibration_steps,
+        real_peak=real_peak,
+        replan=replan,
+        caller="install",
+    )
     return install_config(model, config)
 
 
@@ -249,7 +282,8 @@ def install_config(model: nn.Module, config: ReplayConfig) -> ReplayEngine:
         if mod in _RUNTIMES:
             raise ReplayConfigError(
                 f"model already has lightning_replay installed (segment "
-                f"{_RUNTIMES[mod].name!r}); call engine.uninstall() before installing again")
+                f"{_RUNTIMES[mod].name!r}); call engine.uninstall() before installing again"
+            )
     resolved = resolve_segments(model, config.segments)
     config.pins(resolved)
     from lightning_replay.engine import ReplayEngine, _resolve_budget

@@ -12,6 +12,7 @@ accountant did not see to the base.
   plus the highest running sum of the step's net allocations.
 * CUDA: the caching allocator's own peak (``max_memory_allocated``) on the model's device.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,8 +81,9 @@ class StepPeak:
         self._base = live_model_bytes(self.model)
         # kineto's own log lines (a CUDA build probing for GPUs) are noise to the user
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
-        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                            profile_memory=True)
+        self._prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
         self._prof.__enter__()
 
     def stop(self) -> int:
@@ -94,8 +96,11 @@ class StepPeak:
 
 def net_peak(prof: Any) -> int:
     """Highest running sum of the CPU allocations and frees a profiler saw."""
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
     events.sort(key=lambda e: e.start_ns())
     run = peak = 0
     for e in events:

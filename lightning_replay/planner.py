@@ -79,7 +79,9 @@ _BEAM_WIDTH = 64
 def _check_int_bytes(what: str, value: object) -> int:
     # bool is an int subclass; a True memory is a bug, not 1 byte.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{what} must be an int number of bytes, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"{what} must be an int number of bytes, got {value!r} ({type(value).__name__})"
+        )
     if value < 0:
         raise ValueError(f"{what} must be >= 0 bytes, got {value!r}")
     return int(value)
@@ -87,7 +89,9 @@ def _check_int_bytes(what: str, value: object) -> int:
 
 def _check_seconds(what: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a number of seconds, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"{what} must be a number of seconds, got {value!r} ({type(value).__name__})"
+        )
     seconds = float(value)
     if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
         raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
@@ -214,7 +218,14 @@ class Plan:
     def __hash__(self) -> int:
         # The generated hash would fail on the dict; hash its items instead.
         return hash(
-            (tuple(self.choices.items()), self.peak_memory, self.extra_time, self.method, self.budget, self.base_memory)
+            (
+                tuple(self.choices.items()),
+                self.peak_memory,
+                self.extra_time,
+                self.method,
+                self.budget,
+                self.base_memory,
+            )
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -253,7 +264,9 @@ class Plan:
             if not isinstance(choices, Mapping) or not all(
                 isinstance(k, str) and v in OPTION_NAMES for k, v in choices.items()
             ):
-                raise ValueError(f"choices must map segment names to {list(OPTION_NAMES)}, got {choices!r}")
+                raise ValueError(
+                    f"choices must map segment names to {list(OPTION_NAMES)}, got {choices!r}"
+                )
             method = data["method"]
             if method not in METHODS:
                 raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
@@ -317,8 +330,14 @@ class InfeasibleBudget(ReplayError, ValueError):
         # The keyword-rich __init__ would otherwise break pickling (multiprocessing, DDP).
         return (
             type(self),
-            (self.budget, self.min_feasible, self.method, self.joint_min_feasible, self.pins,
-             self.unpinned_min_feasible),
+            (
+                self.budget,
+                self.min_feasible,
+                self.method,
+                self.joint_min_feasible,
+                self.pins,
+                self.unpinned_min_feasible,
+            ),
         )
 
     def _message(self) -> str:
@@ -430,7 +449,9 @@ def _extra_time(table: Sequence[_Seg], picks: Sequence[int]) -> float:
     return total
 
 
-def predicted_peak(costs: Sequence[SegmentCost], choices: Mapping[str, str], base_memory: int = 0) -> int:
+def predicted_peak(
+    costs: Sequence[SegmentCost], choices: Mapping[str, str], base_memory: int = 0
+) -> int:
     """Predict the peak memory, in bytes, of running ``costs`` with ``choices``.
 
     Args:
@@ -463,7 +484,9 @@ def predicted_peak(costs: Sequence[SegmentCost], choices: Mapping[str, str], bas
 
 def _picks_from_choices(table: Sequence[_Seg], choices: Mapping[str, str]) -> list[int]:
     if not isinstance(choices, Mapping):
-        raise TypeError(f"choices must map segment names to option names, got {type(choices).__name__}")
+        raise TypeError(
+            f"choices must map segment names to option names, got {type(choices).__name__}"
+        )
     known = {seg.name for seg in table}
     unknown = [name for name in choices if name not in known]
     if unknown:
@@ -559,7 +582,9 @@ def _lower_hull(seg: _Seg) -> tuple[tuple[int, float], list[tuple[int, float]]]:
     # Past the fastest point more memory buys nothing.
     fastest = min(range(len(hull)), key=lambda i: (hull[i][1], i))
     hull = hull[: fastest + 1]
-    edges = [(hull[i + 1][0] - hull[i][0], hull[i + 1][1] - hull[i][1]) for i in range(len(hull) - 1)]
+    edges = [
+        (hull[i + 1][0] - hull[i][0], hull[i + 1][1] - hull[i][1]) for i in range(len(hull) - 1)
+    ]
     return hull[0], edges
 
 
@@ -744,7 +769,9 @@ def _fixed_regions(table: Sequence[_Seg]) -> Iterator[list[int]]:
 
 
 def _eager_whole(table: Sequence[_Seg]) -> Iterator[list[int]]:
-    eligible = [[k for k, o in enumerate(seg.names) if o in ("whole", "recompute")] for seg in table]
+    eligible = [
+        [k for k, o in enumerate(seg.names) if o in ("whole", "recompute")] for seg in table
+    ]
     picks = []
     for seg, options in zip(table, eligible):
         if "retain" in seg.names:
@@ -799,7 +826,12 @@ def _check_budget(budget: object) -> int:
 
 
 def _check_size(table: Sequence[_Seg], budget: int, base: int) -> None:
-    total = budget + base + sum(max(seg.mem) for seg in table) + max((seg.act for seg in table), default=0)
+    total = (
+        budget
+        + base
+        + sum(max(seg.mem) for seg in table)
+        + max((seg.act for seg in table), default=0)
+    )
     if total >= _MAX_BYTES:
         raise ValueError(
             f"budget, base_memory and segment costs add up to {total} bytes, beyond the "
@@ -815,12 +847,16 @@ def _restrict(
     if allowed is None:
         return list(costs), {}
     if not isinstance(allowed, Mapping):
-        raise TypeError(f"allowed must map segment names to sets of options, got {type(allowed).__name__}")
+        raise TypeError(
+            f"allowed must map segment names to sets of options, got {type(allowed).__name__}"
+        )
     known = {seg.name for seg in costs if isinstance(seg, SegmentCost)}
     wanted: dict[str, tuple[str, ...]] = {}
     for name, options in allowed.items():
         if name not in known:
-            raise ValueError(f"allowed names segment {name!r}, which is not in the cost table {sorted(known)}")
+            raise ValueError(
+                f"allowed names segment {name!r}, which is not in the cost table {sorted(known)}"
+            )
         if isinstance(options, str) or not isinstance(options, Iterable):
             raise TypeError(f"allowed[{name!r}] must be a set of option names, got {options!r}")
         options = set(options)
@@ -914,7 +950,10 @@ def plan(
         picks = _joint(table, budget - base)
         if picks is None:
             raise InfeasibleBudget(
-                budget, base + _joint_min_cap(table), method, pins=pins,
+                budget,
+                base + _joint_min_cap(table),
+                method,
+                pins=pins,
                 unpinned_min_feasible=base + _joint_min_cap(full) if pins else None,
             )
     else:
@@ -929,7 +968,11 @@ def plan(
         if picks is None:
             assert lowest is not None  # every baseline yields at least one assignment
             raise InfeasibleBudget(
-                budget, lowest, method, base + _joint_min_cap(table), pins=pins,
+                budget,
+                lowest,
+                method,
+                base + _joint_min_cap(table),
+                pins=pins,
                 unpinned_min_feasible=_baseline_min(full, base, method) if pins else None,
             )
     return Plan(
@@ -1013,7 +1056,9 @@ def costs_to_dict(costs: Sequence[SegmentCost]) -> dict[str, Any]:
             {
                 "name": seg.name,
                 "activation_bytes": seg.activation_bytes,
-                "options": {o: {"memory": opt.memory, "time": opt.time} for o, opt in seg.options.items()},
+                "options": {
+                    o: {"memory": opt.memory, "time": opt.time} for o, opt in seg.options.items()
+                },
             }
             for seg in costs
         ],
@@ -1049,7 +1094,9 @@ def costs_from_dict(data: Mapping[str, Any]) -> list[SegmentCost]:
             options = {}
             for key, value in raw_options.items():
                 if not isinstance(value, Mapping):
-                    raise ValueError(f"option {key!r} must be a mapping with memory and time, got {value!r}")
+                    raise ValueError(
+                        f"option {key!r} must be a mapping with memory and time, got {value!r}"
+                    )
                 try:
                     options[key] = Option(memory=value["memory"], time=value["time"])
                 except KeyError as err:

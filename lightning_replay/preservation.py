@@ -15,6 +15,7 @@ bytes, replaying the same swaps in forward order puts the live bytes back, and t
 again afterwards. Every write here goes through ``.data`` or a raw byte view, so no version
 counter moves.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,8 +34,11 @@ def write_args(func: Any) -> tuple[tuple[int, str], ...]:
     """(position, name) of the arguments an aten op writes, per its schema (cached)."""
     cached = _WRITE_ARGS.get(func)
     if cached is None:
-        cached = tuple((i, a.name) for i, a in enumerate(op_arguments(func))
-                       if a.alias_info is not None and a.alias_info.is_write)
+        cached = tuple(
+            (i, a.name)
+            for i, a in enumerate(op_arguments(func))
+            if a.alias_info is not None and a.alias_info.is_write
+        )
         _WRITE_ARGS[func] = cached
     return cached
 
@@ -48,11 +52,20 @@ def arg_value(func: Any, args: tuple, kwargs: dict, pos: int, name: str) -> Any:
     return default
 
 
-_INDEX_OPS = {_aten.index_copy_.default, _aten.index_add_.default, _aten.index_fill_.int_Scalar,
-              _aten.index_fill_.int_Tensor}
-_SCATTER_OPS = {_aten.scatter_.src, _aten.scatter_.value, _aten.scatter_.reduce,
-                _aten.scatter_.value_reduce, _aten.scatter_add_.default,
-                _aten.scatter_reduce_.two}
+_INDEX_OPS = {
+    _aten.index_copy_.default,
+    _aten.index_add_.default,
+    _aten.index_fill_.int_Scalar,
+    _aten.index_fill_.int_Tensor,
+}
+_SCATTER_OPS = {
+    _aten.scatter_.src,
+    _aten.scatter_.value,
+    _aten.scatter_.reduce,
+    _aten.scatter_.value_reduce,
+    _aten.scatter_add_.default,
+    _aten.scatter_reduce_.two,
+}
 
 
 class RegionEntry:
@@ -127,8 +140,9 @@ class RegionLog:
             self.after[key] = owner._version
         return len(self.logs.setdefault(key, []))
 
-    def expected_version(self, key: StorageKey, t: torch.Tensor, mark: int,
-                         at_forward: int) -> int | None:
+    def expected_version(
+        self, key: StorageKey, t: torch.Tensor, mark: int, at_forward: int
+    ) -> int | None:
         """The version ``t`` must have if every write since ``mark`` was logged (None: the
         log cannot tell, ``t`` is not the tensor whose counter it followed)."""
         if key in self.broken:
@@ -193,7 +207,7 @@ class CaptureMode(TorchDispatchMode):
             for pos, name in write_args(func):
                 v = arg_value(func, args, kwargs, pos, name)
                 # a Tensor(a!)[] argument (the _foreach_ ops) writes each of its tensors
-                for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                for t in v if isinstance(v, (list, tuple)) else (v,):
                     if not isinstance(t, torch.Tensor):
                         continue
                     key = storage_key(t)
@@ -203,8 +217,7 @@ class CaptureMode(TorchDispatchMode):
                         if owner is not None and owner._version != log.after.get(key):
                             log.broken.add(key)
                         log.record(key, RegionEntry(func, args, kwargs, t))
-                        self.entry_time[key] = self.entry_time.get(key, 0.0) + \
-                            clock(t.is_cuda) - t0
+                        self.entry_time[key] = self.entry_time.get(key, 0.0) + clock(t.is_cuda) - t0
                         written = [key] if written is None else written + [key]
         self._written = written
         return func(*args, **kwargs)
@@ -282,8 +295,18 @@ class WholeSnapshot:
     and buffers instead.
     """
 
-    __slots__ = ("tensors", "metas", "views", "snaps", "buffers", "nbytes", "_batches",
-                 "_moved", "_pool", "_spent")
+    __slots__ = (
+        "tensors",
+        "metas",
+        "views",
+        "snaps",
+        "buffers",
+        "nbytes",
+        "_batches",
+        "_moved",
+        "_pool",
+        "_spent",
+    )
 
     def __init__(self, tensors: list[torch.Tensor], pool: SnapshotPool | None = None) -> None:
         self.tensors = tensors
@@ -335,8 +358,10 @@ class WholeSnapshot:
         with torch.no_grad():
             for t, view, snap, meta in zip(self.tensors, self.views, self.snaps, self.metas):
                 st = t.untyped_storage()
-                if st.nbytes() == snap.numel() and \
-                        (t.storage_offset(), t.shape, t.stride()) == meta:
+                if (
+                    st.nbytes() == snap.numel()
+                    and (t.storage_offset(), t.shape, t.stride()) == meta
+                ):
                     if view.untyped_storage()._cdata != st._cdata:
                         view = storage_bytes(t)  # a storage swapped in (same size): write it
                         same = False

@@ -6,6 +6,7 @@ probes of a segment make the next contract version: the current contract extende
 what they saw, so contracts only grow. A mutable argument object that the segment changes (an
 HF cache) is refused here, at the first step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,7 +56,6 @@ if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.runtime import SegmentRuntime
 
 
-
 class _Probe:
     """One probed invocation, waiting for the moment its replay would have run."""
 
@@ -85,8 +85,9 @@ class _ProbeHandle:
 
     __slots__ = ("inner", "unpack_fn", "probe", "rt")
 
-    def __init__(self, inner: Any, unpack_fn: Callable, probe: _Probe,
-                 rt: "SegmentRuntime") -> None:
+    def __init__(
+        self, inner: Any, unpack_fn: Callable, probe: _Probe, rt: "SegmentRuntime"
+    ) -> None:
         self.inner = inner
         self.unpack_fn = unpack_fn
         self.probe = probe
@@ -107,20 +108,19 @@ class _ProbeHandle:
         self.probe.live -= 1
 
 
-
 _MISSING = object()
 
 
 def _argument_objects(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     """The call's arguments that are objects with state of their own (not tensors, plain
     values, or lists/tuples/dicts of those): a mutable object such as an HF ``Cache``."""
-    named = [(f"argument {i}", a) for i, a in enumerate(args)] + \
-        [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [
+        (f"argument {k!r}", v) for k, v in kwargs.items()
+    ]
     out = []
     for name, v in named:
         leaves, _ = tree_flatten(v)
-        if any(not (isinstance(x, torch.Tensor) or is_scalar(x) or callable(x))
-               for x in leaves):
+        if any(not (isinstance(x, torch.Tensor) or is_scalar(x) or callable(x)) for x in leaves):
             out.append((name, v))
     return out
 
@@ -155,27 +155,35 @@ def _object_token(obj: Any, depth: int = 0, out: list | None = None) -> list:
 def _mutable_argument_message(segment: str, argname: str, obj: Any) -> str:
     kind = type(obj).__name__
     if "cache" in kind.lower():
-        fix = ("This is a key/value cache: turn caching off in training, e.g. "
-               "model.config.use_cache = False or use_cache=False in the forward call, as "
-               "transformers' own gradient checkpointing does.")
+        fix = (
+            "This is a key/value cache: turn caching off in training, e.g. "
+            "model.config.use_cache = False or use_cache=False in the forward call, as "
+            "transformers' own gradient checkpointing does."
+        )
     else:
-        fix = ("Keep that mutation outside the segment, pass the segment what it reads (tensors "
-               "or plain values), or leave this segment out of `segments`.")
-    return (f"segment {segment!r} changed its {argname} (a {kind} object) in its forward. A "
-            "replay in backward runs the forward again: it would change the object a second "
-            "time and read what the step left in it instead of what the forward saw, so this "
-            f"segment cannot be replayed exactly. {fix}")
-
+        fix = (
+            "Keep that mutation outside the segment, pass the segment what it reads (tensors "
+            "or plain values), or leave this segment out of `segments`."
+        )
+    return (
+        f"segment {segment!r} changed its {argname} (a {kind} object) in its forward. A "
+        "replay in backward runs the forward again: it would change the object a second "
+        "time and read what the step left in it instead of what the forward saw, so this "
+        f"segment cannot be replayed exactly. {fix}"
+    )
 
 
 def _contract_detail(c: ReplayContract) -> dict[str, Any]:
-    return {"option": c.option,
-            "changing": {s.name: s.preservation for s in c.changing},
-            "generators": c.generators, "global_rng": c.uses_global_rng,
-            "python_attrs": c.python_attrs, "input_aliases": c.input_aliases,
-            "activation_bytes": c.activation_bytes,
-            "preserved_bytes": c.preserved_bytes()}
-
+    return {
+        "option": c.option,
+        "changing": {s.name: s.preservation for s in c.changing},
+        "generators": c.generators,
+        "global_rng": c.uses_global_rng,
+        "python_attrs": c.python_attrs,
+        "input_aliases": c.input_aliases,
+        "activation_bytes": c.activation_bytes,
+        "preserved_bytes": c.preserved_bytes(),
+    }
 
 
 class SegmentProbe:
@@ -233,8 +241,7 @@ class SegmentProbe:
         outside = OutsideReads([m for m in eng.model.modules() if id(m) not in ids])
         eng._segment_depth += 1
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack), mode, \
-                    outside:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack), mode, outside:
                 out = self.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
@@ -248,9 +255,11 @@ class SegmentProbe:
                 mode.release()
                 self.status = "probe"
                 raise ReplayConfigError(_mutable_argument_message(self.name, argname, obj))
-        probe.activation_bytes = sum(n for k, n in saved.items()
-                                     if k not in mode.touched and k not in input_keys
-                                     and k not in mode.parameter_traffic)
+        probe.activation_bytes = sum(
+            n
+            for k, n in saved.items()
+            if k not in mode.touched and k not in input_keys and k not in mode.parameter_traffic
+        )
         self.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
         self.input_bytes = _unique_bytes(leaves)
         self.probes.append(probe)
@@ -259,7 +268,8 @@ class SegmentProbe:
         grads = [t for t in tensor_leaves(out) if t.requires_grad]
         if grads:
             torch.autograd.graph.register_multi_grad_hook(
-                grads, lambda _g, p=probe: self._grad_arrived(p), mode="any")
+                grads, lambda _g, p=probe: self._grad_arrived(p), mode="any"
+            )
         return out
 
     def _replayed_probe_call(self, args: tuple, kwargs: dict) -> Any:
@@ -307,14 +317,20 @@ class SegmentProbe:
 
         # Checkpoint preserves the RNG of the devices of its inputs: an empty tensor on the
         # accelerator the segment runs on names it (its arguments do not reach checkpoint).
-        dev = next((t.device for t in tensor_leaves((args, kwargs)) if t.device.type != "cpu"),
-                   eng._cuda_device)
+        dev = next(
+            (t.device for t in tensor_leaves((args, kwargs)) if t.device.type != "cpu"),
+            eng._cuda_device,
+        )
         device = (torch.empty(0, device=dev),) if dev is not None else ()
         # The replay runs to the end (no early stop): its outputs are compared.
         with set_checkpoint_early_stop(False):
-            return checkpoint(fn, *device, use_reentrant=False, preserve_rng_state=True,
-                              context_fn=lambda: (contextlib.nullcontext(),
-                                                  _ProbeReplay(self, box)))
+            return checkpoint(
+                fn,
+                *device,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=lambda: (contextlib.nullcontext(), _ProbeReplay(self, box)),
+            )
 
     def _replay_path_error(self, probe: _Probe, exc: Exception) -> ReplayError:
         """The replay of a replayed probe took another path than its forward (checkpoint saw
@@ -322,17 +338,26 @@ class SegmentProbe:
         eng = self.engine
         self.divergences += 1
         self.retained_probe = True
-        eng.records.append(step=probe.step, segment=self.name, contract_version=self.version,
-                           check="bytes", outcome="divergence",
-                           detail={"what": "replayed probe: the replay took another path",
-                                   "error": str(exc)[:300], "action": "next probe retained"})
+        eng.records.append(
+            step=probe.step,
+            segment=self.name,
+            contract_version=self.version,
+            check="bytes",
+            outcome="divergence",
+            detail={
+                "what": "replayed probe: the replay took another path",
+                "error": str(exc)[:300],
+                "action": "next probe retained",
+            },
+        )
         return ReplayError(
             f"segment {self.name!r}: the replay of its probe (step {probe.step}) took another "
             "path than its forward (torch.utils.checkpoint saw different saved tensors): the "
             "forward depends on something no probe can put back, such as Python's `random`, "
             "numpy's RNG or a module-level setting. Draw randomness from torch (a "
             "torch.Generator, or the global RNG), keep such values on the model, or leave this "
-            f"segment out of `segments`. Recorded as a divergence. ({exc})")
+            f"segment out of `segments`. Recorded as a divergence. ({exc})"
+        )
 
     def _grad_arrived(self, probe: _Probe) -> None:
         # The replay point is the first unpack of a saved tensor (see _ProbeHandle); a segment
@@ -341,23 +366,26 @@ class SegmentProbe:
             if probe.live == 0:
                 self._observe(probe)
             else:
-                at_backward_end(
-                    lambda: self._observe(probe))
+                at_backward_end(lambda: self._observe(probe))
 
     def _observe(self, probe: _Probe) -> None:
         if probe.observations is not None:
             return
-        probe.observations = observe_window(probe.mode, self.engine.log,
-                                            keep_changed=probe.replayed)
+        probe.observations = observe_window(
+            probe.mode, self.engine.log, keep_changed=probe.replayed
+        )
         changed = []
         varying = []
         for i, s in enumerate(probe.slots):
             d = s.module.__dict__
             mname = self.module_names.get(id(s.module), self.name)
-            for kind, saved, live in (("p", s.params, d["_parameters"]),
-                                      ("b", s.buffers, d["_buffers"])):
-                varying += [(i, kind, k) for k, v in saved.items()
-                            if live.get(k, _MISSING) is not v]
+            for kind, saved, live in (
+                ("p", s.params, d["_parameters"]),
+                ("b", s.buffers, d["_buffers"]),
+            ):
+                varying += [
+                    (i, kind, k) for k, v in saved.items() if live.get(k, _MISSING) is not v
+                ]
             for k, v in s.attrs.items():
                 if k in MODULE_INTERNALS or k == "training":
                     continue
@@ -440,8 +468,11 @@ class SegmentProbe:
                     merged[entry.name] = entry
                 bound[entry.name] = _Bound(entry, b.get)
                 if ob.changed:
-                    entry.regions_ok = ob.regions_ok if not entry.changes_in_window \
+                    entry.regions_ok = (
+                        ob.regions_ok
+                        if not entry.changes_in_window
                         else entry.regions_ok and ob.regions_ok
+                    )
                     entry.changes_in_window = True
                 wrote = t.annotated_write or t.changed_in_segment
                 entry.written_by_segment |= wrote
@@ -460,15 +491,20 @@ class SegmentProbe:
         self.version += 1
         if old is not None:
             act = max(act, old.activation_bytes) if not probes else act
-        c = ReplayContract(segment=self.name, version=self.version,
-                           state=sorted(merged.values(), key=lambda e: e.name),
-                           generators=sorted(gen_names), uses_global_rng=uses_rng,
-                           python_attrs=sorted(changed_attrs), input_aliases=aliases,
-                           outside_attrs=self._outside_names(),
-                           changed_inputs=sorted(changed_inputs),
-                           written_inputs=sorted(written_inputs),
-                           activation_bytes=act,
-                           probed_at_step=probes[0].step if probes else 0)
+        c = ReplayContract(
+            segment=self.name,
+            version=self.version,
+            state=sorted(merged.values(), key=lambda e: e.name),
+            generators=sorted(gen_names),
+            uses_global_rng=uses_rng,
+            python_attrs=sorted(changed_attrs),
+            input_aliases=aliases,
+            outside_attrs=self._outside_names(),
+            changed_inputs=sorted(changed_inputs),
+            written_inputs=sorted(written_inputs),
+            activation_bytes=act,
+            probed_at_step=probes[0].step if probes else 0,
+        )
         order = {e.name: i for i, e in enumerate(c.state)}
         self.bound = sorted(bound.values(), key=lambda b: order[b.entry.name])
         c.apply_option("retain" if self.demoted else self._choose_option(c))
@@ -476,8 +512,14 @@ class SegmentProbe:
         self._derive()
         self.status = "retain" if c.option == "retain" else "active"
         eng._contracts_changed()
-        eng.records.append(step=eng.step, segment=self.name, contract_version=c.version,
-                           check="contract", outcome="match", detail=_contract_detail(c))
+        eng.records.append(
+            step=eng.step,
+            segment=self.name,
+            contract_version=c.version,
+            check="contract",
+            outcome="match",
+            detail=_contract_detail(c),
+        )
 
     def _outside_names(self) -> list[str]:
         names = {id(m): n for n, m in self.engine.model.named_modules()}
@@ -495,8 +537,15 @@ class SegmentProbe:
             ref = refs[0]
             live = ref.get()
             shape = list(live.shape) if live is not None else list(t.shape)
-            entry = StateEntry(ref.name, ref.kind, shape, str(t.dtype).replace("torch.", ""),
-                               str(t.device), nbytes, aliases=[r.name for r in refs[1:]])
+            entry = StateEntry(
+                ref.name,
+                ref.kind,
+                shape,
+                str(t.dtype).replace("torch.", ""),
+                str(t.device),
+                nbytes,
+                aliases=[r.name for r in refs[1:]],
+            )
             return entry, _Bound(entry, ref.get)
         for i, x in enumerate(eng._external):  # the same outside tensor seen again
             if x is t or (isinstance(x, torch.Tensor) and storage_key(x) == touch.key):
@@ -505,8 +554,14 @@ class SegmentProbe:
         else:
             name = f"external[{len(eng._external)}]"
             eng._external.append(t)
-        entry = StateEntry(name, "external", list(t.shape), str(t.dtype).replace("torch.", ""),
-                           str(t.device), nbytes)
+        entry = StateEntry(
+            name,
+            "external",
+            list(t.shape),
+            str(t.dtype).replace("torch.", ""),
+            str(t.device),
+            nbytes,
+        )
         return entry, _Bound(entry, lambda t=t: t)
 
     def _choose_option(self, c: ReplayContract) -> str:
@@ -533,9 +588,12 @@ class SegmentProbe:
         self.planned_option = option
         if self.contract is not None:
             self.contract.apply_option(
-                "retain" if self.demoted else
-                option if option in self.contract.available_options()
-                else self._choose_option(self.contract))
+                "retain"
+                if self.demoted
+                else option
+                if option in self.contract.available_options()
+                else self._choose_option(self.contract)
+            )
             self._derive()
             if self.status in ("active", "retain"):
                 self.status = "retain" if self.contract.option == "retain" else "active"

@@ -7,6 +7,7 @@ probe watched is put back here, and the replay is compared with the forward (out
 tensors saved for backward). This is the probe's counterpart of
 :mod:`~lightning_replay.restore`, where contracted replays swap their state back.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -17,10 +18,21 @@ import torch
 from lightning_replay._compat import set_versions
 from lightning_replay.errors import ReplayError, SavedTensorModified
 from lightning_replay.preservation import redo, undo
-from lightning_replay.slots import MISSING, restore_generators, restore_slots, swap_generators, \
-    swap_slots
-from lightning_replay.state import digests, resolve_tokens, storage_bytes, storage_key, swap_, \
-    tensor_leaves
+from lightning_replay.slots import (
+    MISSING,
+    restore_generators,
+    restore_slots,
+    swap_generators,
+    swap_slots,
+)
+from lightning_replay.state import (
+    digests,
+    resolve_tokens,
+    storage_bytes,
+    storage_key,
+    swap_,
+    tensor_leaves,
+)
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.probe import _Probe
@@ -49,15 +61,17 @@ class _ProbeReplay:
         rt = self.rt
         if probe.observations is None:
             rt._observe(probe)  # the window ends here if no saved tensor was unpacked first
-        self.params = {k for k in (storage_key(p) for p in rt.engine.model.parameters())
-                       if k is not None}
+        self.params = {
+            k for k in (storage_key(p) for p in rt.engine.model.parameters()) if k is not None
+        }
         self.saved_tokens = []
         for alias, v0 in probe.saved_state.values():
             if alias._version > v0:
                 # autograd saved it and it was written in place since: plain PyTorch refuses
                 # the backward, and so does the retained probe
-                raise SavedTensorModified(alias, v0, f"segment {rt.name!r}",
-                                          rt.engine.state_name(alias))
+                raise SavedTensorModified(
+                    alias, v0, f"segment {rt.name!r}", rt.engine.state_name(alias)
+                )
         self.swapped = []
         self.undone = []
         self.repointed = []
@@ -71,10 +85,19 @@ class _ProbeReplay:
                 src = t.source() if t.source is not None else None
                 if src is not None and _storage_id(src) != _storage_id(t.tensor):
                     # the object the forward read now has another storage: point it back
-                    self.repointed.append((src, (src.untyped_storage(), src.storage_offset(),
-                                                 src.shape, src.stride()), src._version))
-                    src.set_(t.tensor.untyped_storage(), t.tensor.storage_offset(),
-                             t.tensor.shape, t.tensor.stride())
+                    self.repointed.append(
+                        (
+                            src,
+                            (src.untyped_storage(), src.storage_offset(), src.shape, src.stride()),
+                            src._version,
+                        )
+                    )
+                    src.set_(
+                        t.tensor.untyped_storage(),
+                        t.tensor.storage_offset(),
+                        t.tensor.shape,
+                        t.tensor.stride(),
+                    )
                 if not ob.changed or t.snapshot is None or not t.snapshot.numel():
                     continue
                 live = storage_bytes(t.tensor)
@@ -89,8 +112,11 @@ class _ProbeReplay:
         _set_all(probe.outside or ())
         gens = list(probe.gens)
         known = {id(g) for g, _ in gens}
-        gens += [(g, probe.mode.generator_states[i]) for i, g in probe.mode.generators.items()
-                 if i not in known and i in probe.mode.generator_states]
+        gens += [
+            (g, probe.mode.generator_states[i])
+            for i, g in probe.mode.generators.items()
+            if i not in known and i in probe.mode.generator_states
+        ]
         self.gens = swap_generators(gens)
         self.box["replay"] = self
         rt.replays += 1
@@ -112,33 +138,48 @@ class _ProbeReplay:
         saved_differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
         if len(ours) != len(theirs):
             saved_differ.append(min(len(ours), len(theirs)))
-        detail = {"what": "replayed probe: outputs and saved tensors of the replay against "
-                          "the forward's",
-                  "outputs": len(expected), "saved_tensors": len(theirs)}
+        detail = {
+            "what": "replayed probe: outputs and saved tensors of the replay against the forward's",
+            "outputs": len(expected),
+            "saved_tensors": len(theirs),
+        }
         if saved_differ:
             detail["differing_saved_tensors"] = saved_differ[:16]
             differ = differ or [f"saved tensor {saved_differ[0]}"]
         if not differ:
-            eng.records.append(step=probe.step, segment=rt.name,
-                               contract_version=rt.version, check="bytes", outcome="match",
-                               detail=detail)
+            eng.records.append(
+                step=probe.step,
+                segment=rt.name,
+                contract_version=rt.version,
+                check="bytes",
+                outcome="match",
+                detail=detail,
+            )
             return
         detail["differing_outputs"] = differ[:16]
         detail["action"] = "next probe retained"
-        eng.records.append(step=probe.step, segment=rt.name, contract_version=rt.version,
-                           check="bytes", outcome="divergence", detail=detail)
+        eng.records.append(
+            step=probe.step,
+            segment=rt.name,
+            contract_version=rt.version,
+            check="bytes",
+            outcome="divergence",
+            detail=detail,
+        )
         rt.divergences += 1
         rt.retained_probe = True
         if rt.status in ("active", "retain"):
             rt.status = "probe"
         eng._contracts_changed()
-        message = (f"segment {rt.name!r}: the replay of its probe (step {probe.step}) did not "
-                   f"reproduce the forward's outputs {differ[:16]} (or the tensors it saved "
-                   f"for backward {saved_differ[:16]}): that step's gradients "
-                   "through it differ from plain PyTorch's. Something the probe could not "
-                   "restore changed between its forward and backward (a parameter written in "
-                   "the window, a storage resized or swapped); recorded as a divergence. Its "
-                   "next probe runs retained.")
+        message = (
+            f"segment {rt.name!r}: the replay of its probe (step {probe.step}) did not "
+            f"reproduce the forward's outputs {differ[:16]} (or the tensors it saved "
+            f"for backward {saved_differ[:16]}): that step's gradients "
+            "through it differ from plain PyTorch's. Something the probe could not "
+            "restore changed between its forward and backward (a parameter written in "
+            "the window, a storage resized or swapped); recorded as a divergence. Its "
+            "next probe runs retained."
+        )
         if eng.on_violation == "raise":
             raise ReplayError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)

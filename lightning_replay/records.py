@@ -9,6 +9,9 @@ typed helpers that write them (:meth:`RecordStore.record_check` and its siblings
 and the report all use, and the default place of a run's records
 (:func:`default_records_path`, :func:`find_records`).
 
+It is a little over 600 lines once ruff-formatted: the record kinds, the two stores and the one
+query they share.
+
 Example:
     >>> store = RecordStore(None, run_id="demo")
     >>> _ = store.record_contract(step=1, segment="blocks.0", version=1, detail={"state": []})
@@ -19,6 +22,7 @@ Example:
     >>> store.counts(kind="check")
     {'match': 1, 'rejection': 0, 'divergence': 0}
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -86,13 +90,25 @@ def find_records(run_dir: str | os.PathLike) -> Path:
     for cand in (p, p / RECORDS_FILE, Path(default_records_path(p))):
         if cand.is_file():
             return cand
-    raise FileNotFoundError(f"no records database at {os.fspath(run_dir)!r}: expected a .sqlite "
-                            f"file, a study directory with {RECORDS_FILE}, or a fit run "
-                            f"directory with {RECORDS_DIR}/{RECORDS_FILE}")
+    raise FileNotFoundError(
+        f"no records database at {os.fspath(run_dir)!r}: expected a .sqlite "
+        f"file, a study directory with {RECORDS_FILE}, or a fit run "
+        f"directory with {RECORDS_DIR}/{RECORDS_FILE}"
+    )
 
 
-COLUMNS = ("seq", "run_id", "step", "rank", "segment", "contract_version", "check", "outcome",
-           "detail", "created_at")
+COLUMNS = (
+    "seq",
+    "run_id",
+    "step",
+    "rank",
+    "segment",
+    "contract_version",
+    "check",
+    "outcome",
+    "detail",
+    "created_at",
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -155,9 +171,8 @@ class Record:
         except ValueError:
             pass
         d["created_at"] = datetime.datetime.fromtimestamp(
-            self.created_at, datetime.timezone.utc).isoformat(timespec="milliseconds"
-                                                              if self.created_at % 1 else
-                                                              "seconds")
+            self.created_at, datetime.timezone.utc
+        ).isoformat(timespec="milliseconds" if self.created_at % 1 else "seconds")
         return d
 
 
@@ -193,20 +208,25 @@ class RecordQuery:
 
     def __post_init__(self) -> None:
         if self.outcome is not None and self.outcome not in OUTCOMES:
-            raise ValueError(f"RecordQuery(outcome={self.outcome!r}): use one of "
-                             f"{list(OUTCOMES)}")
+            raise ValueError(f"RecordQuery(outcome={self.outcome!r}): use one of {list(OUTCOMES)}")
         if self.kind is not None and self.kind not in KINDS:
             raise ValueError(f"RecordQuery(kind={self.kind!r}): use one of {list(KINDS)}")
-        if self.limit is not None and (isinstance(self.limit, bool)
-                                       or not isinstance(self.limit, int) or self.limit < 0):
-            raise ValueError(f"RecordQuery(limit={self.limit!r}) must be an int >= 0 "
-                             "(0 or None: all)")
+        if self.limit is not None and (
+            isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 0
+        ):
+            raise ValueError(
+                f"RecordQuery(limit={self.limit!r}) must be an int >= 0 (0 or None: all)"
+            )
 
     def where(self) -> tuple[str, list[Any]]:
         """The SQL condition and its parameters."""
         conds, params = ["seq > ?"], [int(self.since_seq)]
-        for col, val in (("run_id", self.run_id), ("outcome", self.outcome),
-                         ("segment", self.segment), ('"check"', self.check)):
+        for col, val in (
+            ("run_id", self.run_id),
+            ("outcome", self.outcome),
+            ("segment", self.segment),
+            ('"check"', self.check),
+        ):
             if val is not None:
                 conds.append(f"{col} = ?")
                 params.append(val)
@@ -224,23 +244,37 @@ class RecordQuery:
 
     def matches(self, r: Record) -> bool:
         """Whether ``r`` passes the filters (``limit`` aside)."""
-        return (r.seq > self.since_seq
-                and (self.run_id is None or r.run_id == self.run_id)
-                and (self.outcome is None or r.outcome == self.outcome)
-                and (self.segment is None or r.segment == self.segment)
-                and (self.check is None or r.check == self.check)
-                and (self.kind is None or (r.is_event == (self.kind == "event")))
-                and (self.step_from is None or r.step >= self.step_from)
-                and (self.step_to is None or r.step <= self.step_to))
+        return (
+            r.seq > self.since_seq
+            and (self.run_id is None or r.run_id == self.run_id)
+            and (self.outcome is None or r.outcome == self.outcome)
+            and (self.segment is None or r.segment == self.segment)
+            and (self.check is None or r.check == self.check)
+            and (self.kind is None or (r.is_event == (self.kind == "event")))
+            and (self.step_from is None or r.step >= self.step_from)
+            and (self.step_to is None or r.step <= self.step_to)
+        )
 
 
-_SELECT = ('SELECT seq, run_id, step, rank, segment, contract_version, "check", outcome, '
-           "detail, created_at FROM records")
+_SELECT = (
+    'SELECT seq, run_id, step, rank, segment, contract_version, "check", outcome, '
+    "detail, created_at FROM records"
+)
 
 
 def _row(r: Sequence[Any]) -> Record:
-    return Record(run_id=r[1], step=r[2], rank=r[3], segment=r[4], contract_version=r[5],
-                  check=r[6], outcome=r[7], detail=r[8], created_at=r[9], seq=r[0])
+    return Record(
+        run_id=r[1],
+        step=r[2],
+        rank=r[3],
+        segment=r[4],
+        contract_version=r[5],
+        check=r[6],
+        outcome=r[7],
+        detail=r[8],
+        created_at=r[9],
+        seq=r[0],
+    )
 
 
 def connect_readonly(path: str | os.PathLike) -> sqlite3.Connection:
@@ -249,27 +283,30 @@ def connect_readonly(path: str | os.PathLike) -> sqlite3.Connection:
     Raises:
         RecordsError: the file is not an SQLite database, or holds no ``records`` table.
     """
-    what = ("pass a records .sqlite file written by lightning_replay, a study directory or a "
-            "fit run directory")
+    what = (
+        "pass a records .sqlite file written by lightning_replay, a study directory or a "
+        "fit run directory"
+    )
     path = os.fspath(path)
     conn = None
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        found = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
-                             "name = 'records'").fetchone()
+        found = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'records'"
+        ).fetchone()
     except sqlite3.DatabaseError as exc:
         if conn is not None:
             conn.close()
-        raise RecordsError(f"'{path}' is not a readable records database ({exc}); {what}") \
-            from None
+        raise RecordsError(f"'{path}' is not a readable records database ({exc}); {what}") from None
     if not found:
         conn.close()
         raise RecordsError(f"'{path}' is an SQLite database without a 'records' table; {what}")
     return conn
 
 
-def query(source: str | os.PathLike | sqlite3.Connection, q: RecordQuery | None = None,
-          **filters: Any) -> list[Record]:
+def query(
+    source: str | os.PathLike | sqlite3.Connection, q: RecordQuery | None = None, **filters: Any
+) -> list[Record]:
     """Records of a database (a path, opened read-only, or an open connection), oldest first.
 
     Args:
@@ -309,9 +346,15 @@ def summarize(records: Iterable[Record]) -> list[dict[str, Any]]:
         key = (r.run_id, r.check, r.outcome)
         row = out.get(key)
         if row is None:
-            out[key] = {"run_id": r.run_id, "kind": "event" if r.is_event else "check",
-                        "check": r.check, "outcome": r.outcome, "count": 1,
-                        "first_step": r.step, "last_step": r.step}
+            out[key] = {
+                "run_id": r.run_id,
+                "kind": "event" if r.is_event else "check",
+                "check": r.check,
+                "outcome": r.outcome,
+                "count": 1,
+                "first_step": r.step,
+                "last_step": r.step,
+            }
         else:
             row["count"] += 1
             row["first_step"] = min(row["first_step"], r.step)
@@ -323,8 +366,16 @@ def runs(records: Iterable[Record]) -> list[dict[str, Any]]:
     """The runs in ``records``, oldest first: run id, record count, steps and start time."""
     out: dict[str, dict[str, Any]] = {}
     for r in records:
-        row = out.setdefault(r.run_id, {"run_id": r.run_id, "records": 0, "first_step": r.step,
-                                        "last_step": r.step, "started": r.created_at})
+        row = out.setdefault(
+            r.run_id,
+            {
+                "run_id": r.run_id,
+                "records": 0,
+                "first_step": r.step,
+                "last_step": r.step,
+                "started": r.created_at,
+            },
+        )
         row["records"] += 1
         row["first_step"] = min(row["first_step"], r.step)
         row["last_step"] = max(row["last_step"], r.step)
@@ -348,8 +399,9 @@ class RecordStore:
         ['match']
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, *, run_id: str | None = None,
-                 rank: int = 0) -> None:
+    def __init__(
+        self, path: str | os.PathLike | None = None, *, run_id: str | None = None, rank: int = 0
+    ) -> None:
         self.path = None if path is None else os.fspath(path)
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.rank = int(rank)
@@ -364,8 +416,9 @@ class RecordStore:
         parent = os.path.dirname(os.path.abspath(path))
         try:
             os.makedirs(parent, exist_ok=True)
-            conn = sqlite3.connect(path, timeout=30.0, check_same_thread=False,
-                                   isolation_level=None)
+            conn = sqlite3.connect(
+                path, timeout=30.0, check_same_thread=False, isolation_level=None
+            )
             # Several ranks opening a new file at once: switching to WAL needs a moment alone
             # and sqlite's busy timeout does not cover it, so retry briefly.
             for attempt in range(100):
@@ -392,15 +445,33 @@ class RecordStore:
             )
         return conn
 
-    def append(self, *, step: int, segment: str, contract_version: int, check: str,
-               outcome: str, detail: str | dict, rank: int | None = None) -> Record:
+    def append(
+        self,
+        *,
+        step: int,
+        segment: str,
+        contract_version: int,
+        check: str,
+        outcome: str,
+        detail: str | dict,
+        rank: int | None = None,
+    ) -> Record:
         """Append one record and return it (with its sequence number)."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
         if not isinstance(detail, str):
             detail = json.dumps(detail, sort_keys=True, default=str)
-        rec = Record(self.run_id, int(step), self.rank if rank is None else int(rank), segment,
-                     int(contract_version), check, outcome, detail, time.time())
+        rec = Record(
+            self.run_id,
+            int(step),
+            self.rank if rank is None else int(rank),
+            segment,
+            int(contract_version),
+            check,
+            outcome,
+            detail,
+            time.time(),
+        )
         with self._lock:
             if self._conn is None:
                 rec = dataclasses.replace(rec, seq=len(self._memory) + 1)
@@ -410,41 +481,92 @@ class RecordStore:
                 cur = self._conn.execute(
                     'INSERT INTO records (run_id, step, rank, segment, contract_version, "check", '
                     "outcome, detail, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (rec.run_id, rec.step, rec.rank, rec.segment, rec.contract_version,
-                     rec.check, rec.outcome, rec.detail, rec.created_at))
+                    (
+                        rec.run_id,
+                        rec.step,
+                        rec.rank,
+                        rec.segment,
+                        rec.contract_version,
+                        rec.check,
+                        rec.outcome,
+                        rec.detail,
+                        rec.created_at,
+                    ),
+                )
             except sqlite3.DatabaseError as exc:
-                raise RecordsError(f"cannot append to records database {self.path!r}: {exc}") \
-                    from exc
+                raise RecordsError(
+                    f"cannot append to records database {self.path!r}: {exc}"
+                ) from exc
             return dataclasses.replace(rec, seq=int(cur.lastrowid))
 
     # -------------------------------------------------------------- typed writers
-    def record_check(self, *, step: int, segment: str, contract_version: int, check: str,
-                     matched: bool, detail: str | dict) -> Record:
+    def record_check(
+        self,
+        *,
+        step: int,
+        segment: str,
+        contract_version: int,
+        check: str,
+        matched: bool,
+        detail: str | dict,
+    ) -> Record:
         """A sampled check's outcome (``check`` in :data:`CHECKS`): match or divergence."""
         if check not in CHECKS:
             raise ValueError(f"record_check(check={check!r}): use one of {list(CHECKS)}")
-        return self.append(step=step, segment=segment, contract_version=contract_version,
-                           check=check, outcome="match" if matched else "divergence",
-                           detail=detail)
+        return self.append(
+            step=step,
+            segment=segment,
+            contract_version=contract_version,
+            check=check,
+            outcome="match" if matched else "divergence",
+            detail=detail,
+        )
 
-    def record_rejection(self, *, step: int, segment: str, contract_version: int,
-                         detail: str | dict, check: str = VERSION) -> Record:
+    def record_rejection(
+        self,
+        *,
+        step: int,
+        segment: str,
+        contract_version: int,
+        detail: str | dict,
+        check: str = VERSION,
+    ) -> Record:
         """State outside a segment's contract was seen (by default by the version guard)."""
-        return self.append(step=step, segment=segment, contract_version=contract_version,
-                           check=check, outcome="rejection", detail=detail)
+        return self.append(
+            step=step,
+            segment=segment,
+            contract_version=contract_version,
+            check=check,
+            outcome="rejection",
+            detail=detail,
+        )
 
-    def record_contract(self, *, step: int, segment: str, version: int,
-                        detail: str | dict) -> Record:
+    def record_contract(
+        self, *, step: int, segment: str, version: int, detail: str | dict
+    ) -> Record:
         """A segment's contract ``version`` came into force."""
-        return self.append(step=step, segment=segment, contract_version=version,
-                           check=CONTRACT, outcome="match", detail=detail)
+        return self.append(
+            step=step,
+            segment=segment,
+            contract_version=version,
+            check=CONTRACT,
+            outcome="match",
+            detail=detail,
+        )
 
-    def record_plan(self, *, step: int, plan_version: int, detail: str | dict,
-                    failed: bool = False) -> Record:
+    def record_plan(
+        self, *, step: int, plan_version: int, detail: str | dict, failed: bool = False
+    ) -> Record:
         """Plan ``plan_version`` came into force, or (``failed``) a re-plan was refused and
         that version stays."""
-        return self.append(step=step, segment="*", contract_version=plan_version, check=PLAN,
-                           outcome="rejection" if failed else "match", detail=detail)
+        return self.append(
+            step=step,
+            segment="*",
+            contract_version=plan_version,
+            check=PLAN,
+            outcome="rejection" if failed else "match",
+            detail=detail,
+        )
 
     # -------------------------------------------------------------- reading
     def read(self, q: RecordQuery | None = None, **filters: Any) -> list[Record]:
@@ -457,10 +579,11 @@ class RecordStore:
                 try:
                     return query(self._conn, q)
                 except sqlite3.DatabaseError as exc:
-                    raise RecordsError(f"cannot read records database {self.path!r}: {exc}") \
-                        from exc
+                    raise RecordsError(
+                        f"cannot read records database {self.path!r}: {exc}"
+                    ) from exc
             rows = [r for r in self._memory if q.matches(r)]
-        return rows[-q.limit:] if q.limit else rows
+        return rows[-q.limit :] if q.limit else rows
 
     def counts(self, **filters: Any) -> dict[str, int]:
         """Number of records per outcome (``kind="check"`` leaves contract and plan events

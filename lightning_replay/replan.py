@@ -24,6 +24,7 @@ Example:
     >>> engine.replan_policy.settings.replan_on
     ('violations',)
 """
+
 from __future__ import annotations
 
 import warnings
@@ -50,8 +51,9 @@ class ReplanOutcome(NamedTuple):
 def input_shapes(inputs: Any) -> tuple:
     """The shape and dtype of every tensor in ``inputs`` (any nesting of containers): what
     ``"shapes"`` compares from step to step."""
-    return tuple((tuple(t.shape), str(t.dtype)) for t in tree_leaves(inputs)
-                 if isinstance(t, torch.Tensor))
+    return tuple(
+        (tuple(t.shape), str(t.dtype)) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)
+    )
 
 
 def costs_ready(engine: Any) -> bool:
@@ -62,8 +64,9 @@ def costs_ready(engine: Any) -> bool:
     contracts = engine.contracts
     for c in costs:
         contract = contracts.get(c.name)
-        replayable = contract is not None and any(o != "retain"
-                                                  for o in contract.available_options())
+        replayable = contract is not None and any(
+            o != "retain" for o in contract.available_options()
+        )
         if replayable and not any(o != "retain" for o in c.options):
             return False
     return True
@@ -72,7 +75,8 @@ def costs_ready(engine: Any) -> bool:
 def settled(engine: Any) -> bool:
     """A plan is in force and no segment is being probed."""
     return engine.plan is not None and not any(
-        s["status"] in ("probe", "probing") for s in engine.summary().values())
+        s["status"] in ("probe", "probing") for s in engine.summary().values()
+    )
 
 
 class ReplanPolicy:
@@ -94,7 +98,7 @@ class ReplanPolicy:
         self._plan_shapes: Any = None
         self._shape_streak = 0
         #: The engine step of the last successful re-plan (far in the past before one).
-        self.last_replan_step = -10**9
+        self.last_replan_step = -(10**9)
         self._memory_settled = False
         self._violation_pending = False
         self._events = 0
@@ -110,11 +114,16 @@ class ReplanPolicy:
         s = self.settings
         self._shape_streak = self._shape_streak + 1 if shapes == self._batch_shapes else 1
         self._batch_shapes = shapes
-        return "shapes" in s.replan_on and self._plan_shapes is not None and \
-            shapes != self._plan_shapes and self._shape_streak == s.shape_patience
+        return (
+            "shapes" in s.replan_on
+            and self._plan_shapes is not None
+            and shapes != self._plan_shapes
+            and self._shape_streak == s.shape_patience
+        )
 
-    def reasons(self, engine: Any, *, violations: bool, peak: int | None,
-                checked: bool) -> list[str]:
+    def reasons(
+        self, engine: Any, *, violations: bool, peak: int | None, checked: bool
+    ) -> list[str]:
         """The reasons to re-plan after the step just trained, in :data:`REPLAN_ON` order.
 
         Args:
@@ -136,8 +145,14 @@ class ReplanPolicy:
             out.add("violations")
         cooled = engine.step - self.last_replan_step >= s.replan_cooldown_steps
         budget = engine.budget
-        if "memory" in s.replan_on and budget and cooled and peak and \
-                not self._memory_settled and not checked:
+        if (
+            "memory" in s.replan_on
+            and budget
+            and cooled
+            and peak
+            and not self._memory_settled
+            and not checked
+        ):
             # the step's peak in the budget's terms: the CUDA allocator's is real; the
             # accountant's (CPU) plus what a measured step held beyond it (0 without
             # real_peak), the residual the plan's own prediction holds in its base
@@ -145,16 +160,21 @@ class ReplanPolicy:
             predicted = engine.plan.peak_memory
             if real > budget or abs(real - predicted) > s.memory_headroom * budget:
                 out.add("memory")
-        if "shapes" in s.replan_on and cooled and self._plan_shapes is not None and \
-                self._batch_shapes != self._plan_shapes and \
-                self._shape_streak >= s.shape_patience:
+        if (
+            "shapes" in s.replan_on
+            and cooled
+            and self._plan_shapes is not None
+            and self._batch_shapes != self._plan_shapes
+            and self._shape_streak >= s.shape_patience
+        ):
             out.add("shapes")
         if self._plan_shapes is None:
             self._plan_shapes = self._batch_shapes
         return [r for r in REPLAN_ON if r in out]
 
-    def replan(self, engine: Any, reasons: list[str],
-               replan: Callable[[], Plan | None] | None = None) -> ReplanOutcome:
+    def replan(
+        self, engine: Any, reasons: list[str], replan: Callable[[], Plan | None] | None = None
+    ) -> ReplanOutcome:
         """Plan again for ``reasons`` with ``replan`` (default ``engine.replan``; a strategy
         passes its own, which agrees on rank 0's plan). An :class:`InfeasibleBudget` is
         recorded (a failed ``plan`` record naming the reasons) and the plan in force kept."""
@@ -162,9 +182,12 @@ class ReplanPolicy:
         try:
             plan = (replan or engine.replan)()
         except InfeasibleBudget as exc:
-            engine.records.record_plan(step=engine.step, plan_version=engine.plan_version,
-                                       detail={"reasons": list(reasons), "error": str(exc)},
-                                       failed=True)
+            engine.records.record_plan(
+                step=engine.step,
+                plan_version=engine.plan_version,
+                detail={"reasons": list(reasons), "error": str(exc)},
+                failed=True,
+            )
             self._memory_settled = True
             return ReplanOutcome(engine.plan, False, exc)
         self.replans += 1
@@ -185,13 +208,17 @@ class ReplanPolicy:
         events = sum(s["violations"] + s["divergences"] for s in engine.summary().values())
         violations, self._events = events > self._events, events
         stats = engine.window_stats()
-        reasons = self.reasons(engine, violations=violations, peak=stats["peak_bytes"],
-                               checked=bool(stats["checked"]))
+        reasons = self.reasons(
+            engine, violations=violations, peak=stats["peak_bytes"], checked=bool(stats["checked"])
+        )
         if not reasons:
             return None
         out = self.replan(engine, reasons)
         if out.error is not None:
-            warnings.warn(f"re-plan ({', '.join(reasons)}) after step {engine.step} failed, "
-                          f"keeping plan v{engine.plan_version}: {out.error}", RuntimeWarning,
-                          stacklevel=4)
+            warnings.warn(
+                f"re-plan ({', '.join(reasons)}) after step {engine.step} failed, "
+                f"keeping plan v{engine.plan_version}: {out.error}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return out

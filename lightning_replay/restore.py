@@ -6,6 +6,7 @@ storages each state tensor had). :class:`_ReplayContext` wraps the replay: it ch
 swaps that state in, sandboxes the replay's own writes and swaps the live state back, undoing
 exactly what it did also when the replay stops early or fails.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,7 +45,6 @@ if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.runtime import SegmentRuntime
 
 
-
 # Per segment runtime: the views and spare buffers its small whole snapshots reuse.
 _POOLS: "weakref.WeakKeyDictionary[SegmentRuntime, SnapshotPool]" = weakref.WeakKeyDictionary()
 
@@ -65,10 +65,34 @@ class _Invocation:
     nothing for it.
     """
 
-    __slots__ = ("rt", "version", "option", "step", "checked", "tensors", "prs", "versions",
-                 "whole", "storages", "regions", "gens", "slots", "digests", "preserved_bytes", "replays",
-                 "done", "_token", "held", "t_prep", "sandbox_keys", "subs", "kept", "outside",
-                 "replaying", "__weakref__")
+    __slots__ = (
+        "rt",
+        "version",
+        "option",
+        "step",
+        "checked",
+        "tensors",
+        "prs",
+        "versions",
+        "whole",
+        "storages",
+        "regions",
+        "gens",
+        "slots",
+        "digests",
+        "preserved_bytes",
+        "replays",
+        "done",
+        "_token",
+        "held",
+        "t_prep",
+        "sandbox_keys",
+        "subs",
+        "kept",
+        "outside",
+        "replaying",
+        "__weakref__",
+    )
 
     def __init__(self, rt: "SegmentRuntime", check_bytes: bool) -> None:
         eng = rt.engine
@@ -108,8 +132,9 @@ class _Invocation:
                 if b.entry.kind != "parameter":
                     # its storage, so that a storage swapped in later (``.data = ...``,
                     # ``set_``: no write, no version bump) is swapped back for the replay
-                    self.storages.append((t, t.untyped_storage(), t.storage_offset(),
-                                          t.shape, t.stride()))
+                    self.storages.append(
+                        (t, t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+                    )
                 if p in ("regions", "guard") and capturing:
                     key = storage_key(t)
                     if key is not None:
@@ -142,7 +167,7 @@ class _Invocation:
         ids = {id(g) for g in gens}
         gens += [g for _, g in rt.generators if id(g) not in ids]
         self.gens = capture_generators(gens)
-        self.digests = ([digest(t) for _, t in self.tensors] if check_bytes else None)
+        self.digests = [digest(t) for _, t in self.tensors] if check_bytes else None
         eng._held_bytes += self.preserved_bytes
 
     def release(self) -> None:
@@ -176,8 +201,17 @@ class _ReplayContext:
     early (checkpoint's early stop raises through here) or fails.
     """
 
-    __slots__ = ("inv", "_t0", "_versions", "_regions", "_gens", "_slots", "_sandbox",
-                 "_stage", "_resized")
+    __slots__ = (
+        "inv",
+        "_t0",
+        "_versions",
+        "_regions",
+        "_gens",
+        "_slots",
+        "_sandbox",
+        "_stage",
+        "_resized",
+    )
 
     def __init__(self, inv: _Invocation) -> None:
         self.inv = inv
@@ -191,7 +225,8 @@ class _ReplayContext:
             raise ReplayError(
                 f"segment {rt.name!r} is being replayed a second time for the step {inv.step} "
                 "(backward with retain_graph=True?). Its preserved state is gone after the first "
-                "replay. Use preservation='retain' for segments whose graph is reused.")
+                "replay. Use preservation='retain' for segments whose graph is reused."
+            )
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
         self._t0 = clock(eng._cuda)
@@ -204,15 +239,17 @@ class _ReplayContext:
             self._resized = []
             for t, st, *meta in inv.storages:
                 if t.untyped_storage().data_ptr() != st.data_ptr():
-                    self._resized.append((t, (t.untyped_storage(), t.storage_offset(),
-                                              t.shape, t.stride())))
+                    self._resized.append(
+                        (t, (t.untyped_storage(), t.storage_offset(), t.shape, t.stride()))
+                    )
                     t.set_(st, *meta)
             if inv.whole is not None:
                 inv.whole.swap_in()
             regions = [eng.log.since(key, mark) for key, mark in inv.regions]
             if regions:
                 rt.last_preserved_bytes = inv.preserved_bytes + sum(
-                    e.nbytes for entries in regions for e in entries)
+                    e.nbytes for entries in regions for e in entries
+                )
             for entries in reversed(regions):
                 undo(entries)
             self._regions = regions
@@ -240,8 +277,9 @@ class _ReplayContext:
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
-            eng._replay_started(eng.meter.activation_bytes.get(rt.name,
-                                                               rt.contract.activation_bytes))
+            eng._replay_started(
+                eng.meter.activation_bytes.get(rt.name, rt.contract.activation_bytes)
+            )
 
     def __exit__(self, *exc) -> bool:
         inv = self.inv
@@ -293,17 +331,24 @@ class _ReplayContext:
             else:
                 expected = v0
             if t._version != expected:
-                what = ("was written outside the logged window" if p in ("regions", "guard")
-                        else "was modified in place between the segment's forward and its replay")
-                rt._violation(entry.name, f"{what} (version {v0} at forward, {t._version} at "
-                                          f"replay, expected {expected})", inv)
+                what = (
+                    "was written outside the logged window"
+                    if p in ("regions", "guard")
+                    else "was modified in place between the segment's forward and its replay"
+                )
+                rt._violation(
+                    entry.name,
+                    f"{what} (version {v0} at forward, {t._version} at "
+                    f"replay, expected {expected})",
+                    inv,
+                )
+
 
 def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
     # The replay's own in-place ops bumped versions of live state that is byte-for-byte back
     # as it was; resetting keeps autograd's saved-tensor checks and our own checks truthful.
     if tensors:
         set_versions(tensors, versions)
-
 
 
 class _BytesSandbox:

@@ -5,6 +5,7 @@ precondition changed) -> probe (:mod:`~lightning_replay.probe`) -> contract -> s
 under checkpoint with the entry state preserved (:mod:`~lightning_replay.restore`) -> sampled
 checks and their reaction (:mod:`~lightning_replay.checks`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,20 +34,21 @@ if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.engine import ReplayEngine
 
 
-
 class SegmentRuntime(SegmentProbe, SegmentChecks):
     """Per-segment state: its contract, mode and counters. Called in place of its forward."""
 
-    def __init__(self, engine: "ReplayEngine", name: str, module: nn.Module,
-                 preservation: str) -> None:
+    def __init__(
+        self, engine: "ReplayEngine", name: str, module: nn.Module, preservation: str
+    ) -> None:
         self.engine = engine
         self.name = name
         self.module = module
         self.orig_class = type(module)
         self.orig_forward = functools.partial(self.orig_class.forward, module)
         self.modules = list(module.modules())
-        self.module_names = {id(m): (f"{name}.{n}" if n else name)
-                             for n, m in module.named_modules()}
+        self.module_names = {
+            id(m): (f"{name}.{n}" if n else name) for n, m in module.named_modules()
+        }
         self.guard = Guard(self.modules)
         self.outside: list[tuple[nn.Module, str]] = []  # plain attributes read from outside
         self.preservation = preservation
@@ -75,8 +77,11 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         eng = self.engine
-        if not (self.module.training and torch.is_grad_enabled()) or eng._suspended \
-                or eng._segment_depth:
+        if (
+            not (self.module.training and torch.is_grad_enabled())
+            or eng._suspended
+            or eng._segment_depth
+        ):
             # A segment called inside another segment's forward or replay is part of it: the
             # outer segment's contract covers its state and the outer replay re-runs it.
             return self.orig_forward(*args, **kwargs)
@@ -87,8 +92,12 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             changed = self.guard.changed()
             if changed:
                 self._reprobe(changed)
-        if eng._window_depth and eng.accountant is None and self.status == "active" and \
-                not eng._check_grad:
+        if (
+            eng._window_depth
+            and eng.accountant is None
+            and self.status == "active"
+            and not eng._check_grad
+        ):
             return self._replay_call(args, kwargs)  # the steady-state fast path
         with eng._implicit_window(), eng._tagged(self.name):
             if self.status in ("probe", "probing"):
@@ -100,8 +109,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 if eng._check_grad and eng.measure_costs and self.contract is not None:
                     return self._measured_call(args, kwargs)
                 return self._plain_call(args, kwargs)
-            if eng._check_grad and self.name in eng._checked and \
-                    not self.contract.written_inputs:
+            if eng._check_grad and self.name in eng._checked and not self.contract.written_inputs:
                 return self._checked_call(args, kwargs)
             return self._replay_call(args, kwargs)
 
@@ -111,8 +119,13 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         ``retain``, demoted, or whose replayed probe diverged is probed retained, and so is
         every probe of a derivative-checked step (its reference keeps the graphs anyway)."""
         eng = self.engine
-        return (eng.budget is not None and not self.retained_probe and not self.demoted
-                and self.preservation != "retain" and not eng._check_grad)
+        return (
+            eng.budget is not None
+            and not self.retained_probe
+            and not self.demoted
+            and self.preservation != "retain"
+            and not eng._check_grad
+        )
 
     def _plain_call(self, args: tuple, kwargs: dict) -> Any:
         eng = self.engine
@@ -128,10 +141,14 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.status = "probe"
         self.reprobes += 1
         eng = self.engine
-        eng.records.append(step=eng.step + (0 if eng._window_depth else 1), segment=self.name,
-                           contract_version=self.contract.version if self.contract else 0,
-                           check="guard", outcome="rejection",
-                           detail={"changed": names[:16], "action": "re-probe"})
+        eng.records.append(
+            step=eng.step + (0 if eng._window_depth else 1),
+            segment=self.name,
+            contract_version=self.contract.version if self.contract else 0,
+            check="guard",
+            outcome="rejection",
+            detail={"changed": names[:16], "action": "re-probe"},
+        )
         eng._contracts_changed()
 
     def _field_name(self, key: Any) -> str:
@@ -139,7 +156,6 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             return str(key)
         mod = self.module_names.get(id(self.modules[key[0]]), self.name)
         return f"{mod}.{key[1] if len(key) == 2 else key[2]}"
-
 
     # ---------------------------------------------------------------- steady state
     def _prepare(self, args: tuple, kwargs: dict, check_bytes: bool):
@@ -155,8 +171,11 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         else:
             flat, spec = tree_flatten((args, kwargs))
         written = self.contract.changed_inputs
-        changing = {k for k in (storage_key(t) for (e, t) in inv.tensors
-                                if e.changes_in_window) if k is not None}
+        changing = {
+            k
+            for k in (storage_key(t) for (e, t) in inv.tensors if e.changes_in_window)
+            if k is not None
+        }
         if written or changing:
             # An argument whose bytes the window changes (the segment writes it in place, the
             # step writes it after the segment, or it is a view of changing state) reaches
@@ -216,22 +235,35 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
 
         # The global RNG is always preserved (torch's default): a segment may draw from it
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
-        return checkpoint(fn, *call, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv)))
+        return checkpoint(
+            fn,
+            *call,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv)),
+        )
 
     def _violation(self, state: str, detail: str, inv: _Invocation) -> None:
         eng = self.engine
         self.violations += 1
-        eng.records.append(step=inv.step, segment=self.name, contract_version=inv.version,
-                           check="version", outcome="rejection",
-                           detail={"state": state, "seen": detail,
-                                   "action": eng.on_violation})
+        eng.records.append(
+            step=inv.step,
+            segment=self.name,
+            contract_version=inv.version,
+            check="version",
+            outcome="rejection",
+            detail={"state": state, "seen": detail, "action": eng.on_violation},
+        )
         if eng.on_violation == "raise":
             inv.release()
             raise ContractViolation(self.name, state, detail, inv.version)
-        warnings.warn(str(ContractViolation(self.name, state, detail, inv.version)) +
-                      " Recorded; this replay used the live value, and the segment runs "
-                      "retained until it is probed again.", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            str(ContractViolation(self.name, state, detail, inv.version))
+            + " Recorded; this replay used the live value, and the segment runs "
+            "retained until it is probed again.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         # Probe again next time; the re-probe extends the contract (next version).
         if self.status in ("active", "retain"):
             self.status = "probe"
@@ -241,8 +273,9 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
     def summary(self) -> dict[str, Any]:
         c = self.contract
         return {
-            "mode": (c.option if c is not None and self.status in ("active", "retain")
-                     else self.status),
+            "mode": (
+                c.option if c is not None and self.status in ("active", "retain") else self.status
+            ),
             "status": self.status,
             "forwards": self.forwards,
             "replays": self.replays,

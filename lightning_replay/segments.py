@@ -1,5 +1,6 @@
 """Resolving segment specifications (names, glob patterns, module classes, callables), and the
 default choice when none is given (:func:`default_segments`)."""
+
 from __future__ import annotations
 
 import difflib
@@ -13,8 +14,9 @@ from lightning_replay.errors import SegmentError
 SegmentSpec = Union[str, type, Callable[[str, nn.Module], bool]]
 
 
-def resolve_segments(model: nn.Module,
-                     segments: SegmentSpec | Iterable[SegmentSpec]) -> dict[str, nn.Module]:
+def resolve_segments(
+    model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec]
+) -> dict[str, nn.Module]:
     """Map segment specs to ``{qualified name: module}`` in the model's module order.
 
     Args:
@@ -34,31 +36,37 @@ def resolve_segments(model: nn.Module,
     """
     if not isinstance(model, nn.Module):
         raise SegmentError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if segments is None or isinstance(segments, (str, type)) or callable(segments) \
-            and not isinstance(segments, (list, tuple, set)):
+    if (
+        segments is None
+        or isinstance(segments, (str, type))
+        or callable(segments)
+        and not isinstance(segments, (list, tuple, set))
+    ):
         specs = [segments]
     else:
         specs = list(segments)
     if not specs or specs == [None]:
-        raise SegmentError("segments is empty: pass submodule names such as "
-                           "['encoder.blocks.0'], a glob such as 'encoder.blocks.*', or a module "
-                           "class")
+        raise SegmentError(
+            "segments is empty: pass submodule names such as "
+            "['encoder.blocks.0'], a glob such as 'encoder.blocks.*', or a module "
+            "class"
+        )
     named = dict(model.named_modules())
     chosen: dict[str, nn.Module] = {}
     for spec in specs:
         for name in _match(model, named, spec):
             chosen[name] = named[name]
     if not chosen:
-        raise SegmentError(f"segments={segments!r} selects no submodule of "
-                           f"{type(model).__name__}")
+        raise SegmentError(f"segments={segments!r} selects no submodule of {type(model).__name__}")
     order = {n: i for i, n in enumerate(named)}
     names = sorted(chosen, key=order.__getitem__)
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             if b.startswith(a + "."):
                 raise SegmentError(
                     f"segments {a!r} and {b!r} are nested: {b!r} lies inside {a!r}. Choose one "
-                    "level: either the outer block or its inner modules.")
+                    "level: either the outer block or its inner modules."
+                )
     return {n: chosen[n] for n in names}
 
 
@@ -91,21 +99,25 @@ def default_segments(model: nn.Module) -> tuple[list[str], list[str]]:
     lists: dict[str, list[tuple[str, nn.Module]]] = {}
     for name, mod in model.named_modules():
         if name and isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            kids = [(f"{name}.{n}", c) for n, c in mod.named_children()
-                    if any(True for _ in c.parameters())]
+            kids = [
+                (f"{name}.{n}", c)
+                for n, c in mod.named_children()
+                if any(True for _ in c.parameters())
+            ]
             if len(kids) >= 2:
                 lists[name] = kids
-    repeated = {name: kids for name, kids in lists.items()
-                if len({type(c) for _, c in kids}) < len(kids)}
+    repeated = {
+        name: kids for name, kids in lists.items() if len({type(c) for _, c in kids}) < len(kids)
+    }
     pool = repeated or lists
     blocks = [n for kids in pool.values() for n, _ in kids]
-    chosen = [name for name in pool
-              if not any(name.startswith(b + ".") for b in blocks)]
+    chosen = [name for name in pool if not any(name.startswith(b + ".") for b in blocks)]
     if not chosen:
         raise SegmentError(
             f"{type(model).__name__} has no ModuleList or Sequential of parameterized blocks to "
             "replay. Pass ReplayStrategy(segments=...) or define configure_replay_segments() "
-            "on the LightningModule, returning names, glob patterns or module classes.")
+            "on the LightningModule, returning names, glob patterns or module classes."
+        )
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     names = sorted((n for c in chosen for n, _ in pool[c]), key=order.__getitem__)
     return chosen, names
@@ -114,25 +126,30 @@ def default_segments(model: nn.Module) -> tuple[list[str], list[str]]:
 def _match(model: nn.Module, named: dict[str, nn.Module], spec: SegmentSpec) -> list[str]:
     if isinstance(spec, str):
         if spec in ("", "."):
-            raise SegmentError("segment '' is the root module: the root's forward defines the "
-                               "window and cannot itself be replayed. Name its submodules.")
+            raise SegmentError(
+                "segment '' is the root module: the root's forward defines the "
+                "window and cannot itself be replayed. Name its submodules."
+            )
         if spec in named:
             return [spec]
         if any(c in spec for c in "*?["):
             hits = [n for n in named if n and _glob(n.split("."), spec.split("."))]
             if not hits:
-                raise SegmentError(f"segment pattern {spec!r} matches no submodule. "
-                                   f"Submodules include: {_some(named)}")
+                raise SegmentError(
+                    f"segment pattern {spec!r} matches no submodule. "
+                    f"Submodules include: {_some(named)}"
+                )
             return hits
         target = _lookup_attr(model, spec)
         if target is not None:
-            raise SegmentError(f"segment {spec!r} is a {type(target).__name__}, not a module. "
-                               "Segments must be nn.Module instances (name the module that "
-                               "holds it).")
+            raise SegmentError(
+                f"segment {spec!r} is a {type(target).__name__}, not a module. "
+                "Segments must be nn.Module instances (name the module that "
+                "holds it)."
+            )
         close = difflib.get_close_matches(spec, [n for n in named if n], n=3)
         hint = f" Did you mean {close}?" if close else f" Submodules include: {_some(named)}"
-        raise SegmentError(f"segment {spec!r} is not a submodule of "
-                           f"{type(model).__name__}.{hint}")
+        raise SegmentError(f"segment {spec!r} is not a submodule of {type(model).__name__}.{hint}")
     if isinstance(spec, type):
         if not issubclass(spec, nn.Module):
             raise SegmentError(f"segment class {spec.__name__} is not an nn.Module subclass")
@@ -144,8 +161,10 @@ def _match(model: nn.Module, named: dict[str, nn.Module], spec: SegmentSpec) -> 
         return hits
     if callable(spec):
         return [n for n, m in named.items() if n and spec(n, m)]
-    raise SegmentError(f"segment spec {spec!r} ({type(spec).__name__}) is not a name, glob "
-                       "pattern, module class or callable")
+    raise SegmentError(
+        f"segment spec {spec!r} ({type(spec).__name__}) is not a name, glob "
+        "pattern, module class or callable"
+    )
 
 
 def _glob(parts: list[str], pattern: list[str]) -> bool:
@@ -154,8 +173,9 @@ def _glob(parts: list[str], pattern: list[str]) -> bool:
         return not parts
     if pattern[0] == "**":
         return any(_glob(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and \
-        _glob(parts[1:], pattern[1:])
+    return (
+        bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob(parts[1:], pattern[1:])
+    )
 
 
 def _lookup_attr(model: nn.Module, dotted: str):

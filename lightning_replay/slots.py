@@ -11,6 +11,7 @@ differs back as it was and returns the live objects, which :func:`restore_slots`
 afterwards, so the replay's own rebinding never leaks either. Generator objects found in the
 slots have their states captured too (:func:`capture_generators`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -23,8 +24,20 @@ import torch
 from torch import nn
 
 #: Immutable values that are put back by value.
-SCALAR_TYPES = (bool, int, float, complex, str, bytes, type(None), enum.Enum, np.generic,
-                torch.dtype, torch.device, torch.Size)
+SCALAR_TYPES = (
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type(None),
+    enum.Enum,
+    np.generic,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+)
 
 #: nn.Module's own bookkeeping in ``__dict__`` (the parameter, buffer and submodule dicts are
 #: handled separately; hooks are guarded, never swapped).
@@ -109,8 +122,11 @@ def is_holder(v: Any) -> bool:
     if isinstance(v, (nn.Module, torch.Tensor, torch.Generator, type)) or callable(v):
         return False
     d = getattr(v, "__dict__", None)
-    return type(d) is dict and type(v).__module__ not in ("builtins", "types.ModuleType") \
+    return (
+        type(d) is dict
+        and type(v).__module__ not in ("builtins", "types.ModuleType")
         and not isinstance(v, type(math))
+    )
 
 
 def _holder_values(v: Any) -> dict:
@@ -130,8 +146,14 @@ def _needs_more(v: Any) -> bool:
     by value, or which objects they hold), plain holder objects, generators, tensors (sparse
     ones are copied)."""
     t = type(v)
-    return t is list or t is dict or t is set or t is tuple or \
-        isinstance(v, (torch.Tensor, torch.Generator)) or is_holder(v)
+    return (
+        t is list
+        or t is dict
+        or t is set
+        or t is tuple
+        or isinstance(v, (torch.Tensor, torch.Generator))
+        or is_holder(v)
+    )
 
 
 def _attr_plan(module: nn.Module, d: dict) -> tuple:
@@ -151,8 +173,14 @@ def identities(d: dict) -> tuple:
     moments exactly when every parameter, buffer and attribute slot holds the same object (the
     objects are kept alive by the captured slots, so their ids are not reused)."""
     p, b = d["_parameters"], d["_buffers"]
-    return (tuple(d), tuple(map(id, d.values())), tuple(p), tuple(map(id, p.values())),
-            tuple(b), tuple(map(id, b.values())))
+    return (
+        tuple(d),
+        tuple(map(id, d.values())),
+        tuple(p),
+        tuple(map(id, p.values())),
+        tuple(b),
+        tuple(map(id, b.values())),
+    )
 
 
 class ModuleSlots:
@@ -163,8 +191,19 @@ class ModuleSlots:
     such a capture stands for any later moment whose :func:`identities` are the same.
     """
 
-    __slots__ = ("module", "params", "buffers", "attrs", "copies", "layout", "shallow",
-                 "holders", "gens", "ids", "plain")
+    __slots__ = (
+        "module",
+        "params",
+        "buffers",
+        "attrs",
+        "copies",
+        "layout",
+        "shallow",
+        "holders",
+        "gens",
+        "ids",
+        "plain",
+    )
 
     def __init__(self, module: nn.Module, ids: tuple | None = None) -> None:
         d = module.__dict__
@@ -226,8 +265,9 @@ class ModuleSlots:
         self.plain = layout is None and copies is None and shallow is None and holders is None
 
 
-def capture_slots(modules: list[nn.Module], ids_now: list[tuple] | None = None,
-                  last: list | None = None) -> list[ModuleSlots]:
+def capture_slots(
+    modules: list[nn.Module], ids_now: list[tuple] | None = None, last: list | None = None
+) -> list[ModuleSlots]:
     """The slots of ``modules`` now.
 
     ``ids_now``: each module's :func:`identities` just read (by the guard of the same forward),
@@ -252,8 +292,13 @@ def capture_slots(modules: list[nn.Module], ids_now: list[tuple] | None = None,
     return out
 
 
-def _swap_dict(live: dict, saved: dict, skip: frozenset = frozenset(),
-               copies: dict | None = None, frozen: dict | None = None) -> dict | None:
+def _swap_dict(
+    live: dict,
+    saved: dict,
+    skip: frozenset = frozenset(),
+    copies: dict | None = None,
+    frozen: dict | None = None,
+) -> dict | None:
     out = None
     for k, v in saved.items():
         if k in skip:
@@ -296,9 +341,10 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
         fb = {k: v for (w, k), v in lay.items() if w == "b"} if lay else None
         fa = {k: v for (w, k), v in lay.items() if w == "a"} if lay else None
         for live, saved, skip, copies, frozen in (
-                (d["_parameters"], s.params, frozenset(), None, None),
-                (d["_buffers"], s.buffers, frozenset(), None, fb),
-                (d, s.attrs, MODULE_INTERNALS, s.copies, fa)):
+            (d["_parameters"], s.params, frozenset(), None, None),
+            (d["_buffers"], s.buffers, frozenset(), None, fb),
+            (d, s.attrs, MODULE_INTERNALS, s.copies, fa),
+        ):
             prev = _swap_dict(live, saved, skip, copies, frozen)
             if prev:
                 out.append((live, prev))
@@ -348,8 +394,9 @@ def capture_generators(gens: list[torch.Generator]) -> list[tuple[torch.Generato
     return [(g, g.get_state()) for g in gens]
 
 
-def swap_generators(saved: list[tuple[torch.Generator, torch.Tensor]]
-                    ) -> list[tuple[torch.Generator, torch.Tensor]]:
+def swap_generators(
+    saved: list[tuple[torch.Generator, torch.Tensor]],
+) -> list[tuple[torch.Generator, torch.Tensor]]:
     live = []
     for g, state in saved:
         live.append((g, g.get_state()))
@@ -375,14 +422,13 @@ def slot_tensors(slots: list[ModuleSlots]) -> list[tuple[str, torch.Tensor]]:
             if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter):
                 items.append((k, v))
             elif type(v) in (tuple, list):
-                items.extend((f"{k}[{j}]", x) for j, x in enumerate(v)
-                             if isinstance(x, torch.Tensor))
+                items.extend(
+                    (f"{k}[{j}]", x) for j, x in enumerate(v) if isinstance(x, torch.Tensor)
+                )
         for k, v in (s.shallow or {}).items():
-            items.extend((f"{k}[{j!r}]", x) for j, x in _items(v)
-                         if isinstance(x, torch.Tensor))
+            items.extend((f"{k}[{j!r}]", x) for j, x in _items(v) if isinstance(x, torch.Tensor))
         for j, (_, v) in enumerate(s.holders or ()):
-            items.extend((f"holder{j}.{k}", x) for k, x in v.items()
-                         if isinstance(x, torch.Tensor))
+            items.extend((f"holder{j}.{k}", x) for k, x in v.items() if isinstance(x, torch.Tensor))
         for k, v in items:
             if v is not None and id(v) not in seen:
                 seen.add(id(v))
@@ -404,8 +450,13 @@ def _trace_class(cls: type) -> type:
         value = object.__getattribute__(self, name)
         d = object.__getattribute__(self, "__dict__")
         reads = d.get("_lightning_replay_reads")
-        if reads is not None and name in d and name not in MODULE_INTERNALS and \
-                not isinstance(value, nn.Module) and (None, name) not in reads:
+        if (
+            reads is not None
+            and name in d
+            and name not in MODULE_INTERNALS
+            and not isinstance(value, nn.Module)
+            and (None, name) not in reads
+        ):
             reads[None, name] = _at_forward(value)  # as first read (before any write)
         return value
 
@@ -417,10 +468,16 @@ def _trace_class(cls: type) -> type:
             reads["_buffers", name] = value
         return value
 
-    new = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                      "__getattr__": __getattr__,
-                                      "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__})
+    new = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__getattribute__": __getattribute__,
+            "__getattr__": __getattr__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )
     _TRACE_CLASSES[cls] = new
     return new
 

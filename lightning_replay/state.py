@@ -4,6 +4,7 @@ State is identified by storage, not by tensor object: a view, a shared tensor an
 input all reach the same bytes. Names come from the model (parameters, buffers, plain tensor
 attributes, in ``named_modules`` order); storage nobody in the model names is ``external[i]``.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -156,9 +157,10 @@ def _word_sums(b: torch.Tensor, chunk: int = _DIGEST_CHUNK) -> torch.Tensor:
     w = b.view(torch.int64)
     acc = torch.zeros(3, dtype=torch.int64, device=w.device)
     for lo in range(0, w.numel(), chunk):
-        c = w[lo:lo + chunk]
-        pos = torch.arange(2 * lo + 3, 2 * (lo + c.numel()) + 3, 2, device=w.device,
-                           dtype=torch.int64)
+        c = w[lo : lo + chunk]
+        pos = torch.arange(
+            2 * lo + 3, 2 * (lo + c.numel()) + 3, 2, device=w.device, dtype=torch.int64
+        )
         acc[0] += c.sum()
         acc[1] += (c * pos).sum()
         acc[2] += (c ^ (c >> 17)).sum()
@@ -266,6 +268,7 @@ def unique_generators(gens: list[torch.Generator]) -> list[torch.Generator]:
 def tensor_leaves(obj: Any) -> list[torch.Tensor]:
     """Tensors inside a nested structure of tuples, lists and dicts."""
     from lightning_replay._compat import tree_leaves
+
     return [x for x in tree_leaves(obj) if isinstance(x, torch.Tensor)]
 
 

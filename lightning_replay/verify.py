@@ -14,6 +14,7 @@ Example:
     >>> grad_diffs(g_ref, g_rep), diff_state(snapshot_state(ref), snapshot_state(model))
     ([], [])
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -43,8 +44,9 @@ def snapshot_state(model: nn.Module) -> dict[str, object]:
             elif isinstance(v, torch.Generator):
                 out[p + k] = v.get_state()
             elif type(v) in (tuple, list) and any(isinstance(x, torch.Tensor) for x in v):
-                out[p + k] = type(v)(x.detach().clone() if isinstance(x, torch.Tensor) else x
-                                     for x in v)
+                out[p + k] = type(v)(
+                    x.detach().clone() if isinstance(x, torch.Tensor) else x for x in v
+                )
             elif not k.startswith("_") and copy_plain(v) is not MISSING:
                 out[p + k] = copy_plain(v)
     return out
@@ -52,8 +54,12 @@ def snapshot_state(model: nn.Module) -> dict[str, object]:
 
 def _same(x: object, y: object) -> bool:
     if isinstance(x, torch.Tensor):
-        return (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
-                and torch.equal(x, y))
+        return (
+            isinstance(y, torch.Tensor)
+            and x.dtype == y.dtype
+            and x.shape == y.shape
+            and torch.equal(x, y)
+        )
     if type(x) in (tuple, list):
         return type(x) is type(y) and len(x) == len(y) and all(map(_same, x, y))
     return same_value(x, y)
@@ -61,12 +67,18 @@ def _same(x: object, y: object) -> bool:
 
 def diff_state(a: dict, b: dict) -> list[str]:
     """Names whose values are not identical (bit for bit for tensors)."""
-    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b
-                  or not _same(a[k], b[k]))
+    return sorted(
+        k for k in a.keys() | b.keys() if k not in a or k not in b or not _same(a[k], b[k])
+    )
 
 
-def train_steps(model: nn.Module, make_input: Callable[[int], torch.Tensor], steps: int,
-                lr: float = 0.05, rng_seed: int | None = 100):
+def train_steps(
+    model: nn.Module,
+    make_input: Callable[[int], torch.Tensor],
+    steps: int,
+    lr: float = 0.05,
+    rng_seed: int | None = 100,
+):
     """Plain SGD on ``mean(model(x) ** 2)``; the global RNG is reseeded per step.
 
     Returns:
@@ -80,8 +92,9 @@ def train_steps(model: nn.Module, make_input: Callable[[int], torch.Tensor], ste
         opt.zero_grad(set_to_none=True)
         loss = (model(make_input(step)).float() ** 2).mean()
         loss.backward()
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
+        grads.append(
+            {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        )
         losses.append(loss.item())
         opt.step()
     return grads, losses
@@ -118,5 +131,6 @@ def torch_checkpoint(model: nn.Module, names: list[str]) -> nn.Module:
             if not torch.is_grad_enabled():
                 return _fwd(*args, **kwargs)
             return checkpoint(_fwd, *args, use_reentrant=False, **kwargs)
+
         mod.forward = wrapped
     return model

@@ -3,6 +3,7 @@
 A test alone and the same test in a full run, in any order (``pytest -p randomly``), must
 see the same world: see :mod:`tests.helpers.isolation` for what is restored and why.
 """
+
 from __future__ import annotations
 
 import os

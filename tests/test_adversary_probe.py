@@ -11,6 +11,7 @@ first step whose gradients differ from plain PyTorch carries a ``divergence`` re
 that plain PyTorch rejects is rejected with a lightning_replay error, never trained silently.
 Failures known today are ``xfail(strict=True)`` with the reason.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,11 +74,13 @@ def stack(block: Callable[[], nn.Module], n: int = 2) -> Callable[[], nn.Module]
             for b in self.blocks:
                 x = b(x)
             return self.head(x)
+
     return Stack
 
 
 def with_head(block: Callable[[], nn.Module], after: Callable | None = None):
     """blk -> (after(model, x, y)) -> head."""
+
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -89,6 +92,7 @@ def with_head(block: Callable[[], nn.Module], after: Callable | None = None):
             if after is not None:
                 after(self, x, y)
             return self.head(y)
+
     return Model
 
 
@@ -123,8 +127,7 @@ class EMARead(nn.Module):  # reads an EMA of its weight, written by a forward ho
         super().__init__()
         self.a = nn.Linear(D, D)
         self.register_buffer("ema", torch.randn(D, D) * 0.1)
-        self.register_forward_hook(
-            lambda m, a, o: m.ema.mul_(0.5).add_(0.5 * m.a.weight.detach()))
+        self.register_forward_hook(lambda m, a, o: m.ema.mul_(0.5).add_(0.5 * m.a.weight.detach()))
 
     def forward(self, x):
         return torch.tanh(self.a(x)) + x @ self.ema.t()
@@ -315,14 +318,22 @@ def _out_inplace_model():
             y.mul_(2.0)
             y.relu_()
             return self.head(y)
+
     return M()
 
 
 def _vit():
     timm = pytest.importorskip("timm")
     return timm.models.vision_transformer.VisionTransformer(
-        img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5,
-        drop_path_rate=0.3, proj_drop_rate=0.1)
+        img_size=16,
+        patch_size=8,
+        embed_dim=32,
+        depth=2,
+        num_heads=2,
+        num_classes=5,
+        drop_path_rate=0.3,
+        proj_drop_rate=0.1,
+    )
 
 
 # ---- models that break something
@@ -371,6 +382,7 @@ def _grl_model():
 
     def step_schedule(m, x, y):
         _SCHEDULE["lam"] *= 0.5
+
     return with_head(lambda: GradScale("global"), step_schedule)()
 
 
@@ -493,8 +505,8 @@ def _unused_forward_step(model, x):  # a forward with grad on that is never back
 def _grad_penalty_step(model, x):  # double backward (R1 / WGAN-GP style)
     x = x.requires_grad_(True)
     out = model(x)
-    g, = torch.autograd.grad(out.sum(), x, create_graph=True)
-    ((out ** 2).mean() + (g ** 2).mean()).backward()
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    ((out**2).mean() + (g**2).mean()).backward()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,23 +566,40 @@ MUST_BE_EXACT = {"outside_attribute_written_by_segment", "explicit_default_gener
 XFAIL = {
     # Steady replays (after the probe) only: the replayed probe's own replay catches these
     # (its outputs and saved tensors are compared with the forward's).
-    ("global_schedule_gradient_only", "retained"):
-        "module-level value read only by the gradient: steady replays silent",
+    (
+        "global_schedule_gradient_only",
+        "retained",
+    ): "module-level value read only by the gradient: steady replays silent",
     ("numpy_gradient_scaling", "retained"): "numpy RNG: steady replays silent",
     ("numpy_noise", "retained"): "numpy RNG: steady replays silent",
-    ("python_random_stochastic_depth", "replayed"):
-        "a steady replay after the probe takes the other branch: raw CheckpointError",
-    ("python_random_stochastic_depth", "retained"):
-        "steady replay takes the other branch: raw CheckpointError",
-    ("parameter_repointed_after_segment", "retained"):
-        "a parameter repointed by .data = in the window: steady replays silent",
+    (
+        "python_random_stochastic_depth",
+        "replayed",
+    ): "a steady replay after the probe takes the other branch: raw CheckpointError",
+    (
+        "python_random_stochastic_depth",
+        "retained",
+    ): "steady replay takes the other branch: raw CheckpointError",
+    (
+        "parameter_repointed_after_segment",
+        "retained",
+    ): "a parameter repointed by .data = in the window: steady replays silent",
 }
 
 
 def _params(cases):
-    return [pytest.param(name, kind, marks=[pytest.mark.xfail(strict=True, reason=XFAIL[name, kind])]
-                         if (name, kind) in XFAIL else [], id=f"{name}-{kind}")
-            for name in cases for kind in KINDS]
+    return [
+        pytest.param(
+            name,
+            kind,
+            marks=[pytest.mark.xfail(strict=True, reason=XFAIL[name, kind])]
+            if (name, kind) in XFAIL
+            else [],
+            id=f"{name}-{kind}",
+        )
+        for name in cases
+        for kind in KINDS
+    ]
 
 
 def _seed(step: int) -> None:
@@ -583,8 +612,11 @@ def _train(case: Case, budget: int | None, engine: bool):
     """Per-step gradients, final state, records (None without an engine), error."""
     _seed(-100)
     model = case.model()
-    eng = lr.install(model, list(case.segments), budget=budget,
-                     on_violation="record") if engine else None
+    eng = (
+        lr.install(model, list(case.segments), budget=budget, on_violation="record")
+        if engine
+        else None
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     grads, error = [], None
     with warnings.catch_warnings():
@@ -594,8 +626,13 @@ def _train(case: Case, budget: int | None, engine: bool):
                 _seed(step)
                 opt.zero_grad(set_to_none=True)
                 case.step(model, case.make_input(step))
-                grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                              if p.grad is not None})
+                grads.append(
+                    {
+                        n: p.grad.detach().clone()
+                        for n, p in model.named_parameters()
+                        if p.grad is not None
+                    }
+                )
                 opt.step()
         except Exception as e:  # noqa: BLE001 (the tests classify it)
             error = e
@@ -624,13 +661,15 @@ def test_never_silently_wrong(name, kind):
     if name in MUST_BE_EXACT or not (bad or state_bad):
         assert not bad and not state_bad, (
             f"{name} ({kind}): gradients differ at {bad[:4]}, state {state_bad[:4]}; "
-            f"divergence records at steps {divergences}")
+            f"divergence records at steps {divergences}"
+        )
         return
     # gradients (or the final state) differ: the first step that differs carries a record
     first = min(s for s, _ in bad) + 1 if bad else case.steps
     assert any(s <= first for s in divergences), (
         f"{name} ({kind}): silently wrong: gradients differ from plain PyTorch from step "
-        f"{first} ({bad[:4]}), state {state_bad[:4]}, divergence records only at {divergences}")
+        f"{first} ({bad[:4]}), state {state_bad[:4]}, divergence records only at {divergences}"
+    )
 
 
 @pytest.mark.parametrize(("name", "kind"), _params(REJECTED))
@@ -640,7 +679,8 @@ def test_rejected_by_plain_pytorch_is_rejected(name, kind):
     _, _, _, error = _train(REJECTED[name], KINDS[kind], engine=True)
     assert isinstance(error, lr.ReplayError), (
         f"{name} ({kind} probe): plain PyTorch raises {plain_error!r}; the engine "
-        + ("trained without error" if error is None else f"raised {error!r}"))
+        + ("trained without error" if error is None else f"raised {error!r}")
+    )
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

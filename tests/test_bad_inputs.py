@@ -1,5 +1,6 @@
 """The bad-input catalogue: each raises a fitting error type that names the argument, the bad
 value and what to do — never an AttributeError/KeyError from deep inside, never a hang."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,66 +16,151 @@ def _model():
 
 
 def _costs():
-    return [SegmentCost(f"b{i}", 100, {"retain": Option(100, 0.0), "whole": Option(40, 1.0)})
-            for i in range(2)]
+    return [
+        SegmentCost(f"b{i}", 100, {"retain": Option(100, 0.0), "whole": Option(40, 1.0)})
+        for i in range(2)
+    ]
 
 
 CASES = [
     # (id, callable, error type, fragments the message must contain)
-    ("unknown segment", lambda: lr.install(_model(), ["blocks.7"]), lr.SegmentError,
-     ["'blocks.7'", "Did you mean"]),
+    (
+        "unknown segment",
+        lambda: lr.install(_model(), ["blocks.7"]),
+        lr.SegmentError,
+        ["'blocks.7'", "Did you mean"],
+    ),
     ("empty segments", lambda: lr.install(_model(), []), lr.SegmentError, ["empty"]),
-    ("nested segments", lambda: lr.install(_model(), ["blocks.0", "blocks.0.bn"]),
-     lr.SegmentError, ["nested", "'blocks.0.bn'"]),
+    (
+        "nested segments",
+        lambda: lr.install(_model(), ["blocks.0", "blocks.0.bn"]),
+        lr.SegmentError,
+        ["nested", "'blocks.0.bn'"],
+    ),
     ("root segment", lambda: lr.install(_model(), [""]), lr.SegmentError, ["root"]),
-    ("segment not a module", lambda: lr.install(_model(), ["head.weight"]), lr.SegmentError,
-     ["'head.weight'", "Parameter", "not a module"]),
-    ("glob matches nothing", lambda: lr.install(_model(), "encoder.*"), lr.SegmentError,
-     ["'encoder.*'", "matches no submodule"]),
-    ("class matches nothing", lambda: lr.install(_model(), torch.nn.LSTM), lr.SegmentError,
-     ["LSTM"]),
-    ("segment spec of wrong type", lambda: lr.install(_model(), [3.5]), lr.SegmentError,
-     ["3.5"]),
-    ("model not a module", lambda: lr.install("resnet", ["a"]), lr.ReplayConfigError,
-     ["model must be a torch.nn.Module"]),
-    ("unknown preservation", lambda: lr.install(_model(), "blocks.*", preservation="fast"),
-     lr.ReplayConfigError, ["preservation='fast'", "auto"]),
-    ("preservation for unknown segment",
-     lambda: lr.install(_model(), "blocks.*", preservation={"blocks.9": "whole"}),
-     lr.ReplayConfigError, ["'blocks.9'"]),
-    ("unknown on_violation", lambda: lr.install(_model(), "blocks.*", on_violation="ignore"),
-     lr.ReplayConfigError, ["on_violation='ignore'", "raise"]),
-    ("unknown planner", lambda: lr.install(_model(), "blocks.*", budget="1GiB",
-                                           planner="greedy"),
-     lr.ReplayConfigError, ["planner='greedy'", "joint"]),
-    ("malformed budget", lambda: lr.install(_model(), "blocks.*", budget="lots"),
-     lr.ReplayConfigError, ["'lots'", "budget"]),
-    ("zero budget", lambda: lr.install(_model(), "blocks.*", budget=0),
-     lr.ReplayConfigError, ["budget", "0"]),
-    ("negative budget", lambda: lr.install(_model(), "blocks.*", budget=-5),
-     lr.ReplayConfigError, ["budget", "-5"]),
-    ("fractional bytes", lambda: lr.install(_model(), "blocks.*", budget=1.5),
-     lr.ReplayConfigError, ["budget=1.5", "whole", "(0, 1]"]),
-    ("negative base_memory", lambda: lr.install(_model(), "blocks.*", base_memory=-1),
-     lr.ReplayConfigError, ["base_memory=-1"]),
-    ("zero calibration steps", lambda: lr.install(_model(), "blocks.*", calibration_steps=0),
-     lr.ReplayConfigError, ["calibration_steps=0"]),
-    ("records not a path", lambda: lr.install(_model(), "blocks.*", records=42),
-     lr.ReplayConfigError, ["records", "int"]),
-    ("parse_budget unit", lambda: lr.parse_budget("12 parsecs"), ValueError,
-     ["'12 parsecs'", "budget"]),
+    (
+        "segment not a module",
+        lambda: lr.install(_model(), ["head.weight"]),
+        lr.SegmentError,
+        ["'head.weight'", "Parameter", "not a module"],
+    ),
+    (
+        "glob matches nothing",
+        lambda: lr.install(_model(), "encoder.*"),
+        lr.SegmentError,
+        ["'encoder.*'", "matches no submodule"],
+    ),
+    (
+        "class matches nothing",
+        lambda: lr.install(_model(), torch.nn.LSTM),
+        lr.SegmentError,
+        ["LSTM"],
+    ),
+    ("segment spec of wrong type", lambda: lr.install(_model(), [3.5]), lr.SegmentError, ["3.5"]),
+    (
+        "model not a module",
+        lambda: lr.install("resnet", ["a"]),
+        lr.ReplayConfigError,
+        ["model must be a torch.nn.Module"],
+    ),
+    (
+        "unknown preservation",
+        lambda: lr.install(_model(), "blocks.*", preservation="fast"),
+        lr.ReplayConfigError,
+        ["preservation='fast'", "auto"],
+    ),
+    (
+        "preservation for unknown segment",
+        lambda: lr.install(_model(), "blocks.*", preservation={"blocks.9": "whole"}),
+        lr.ReplayConfigError,
+        ["'blocks.9'"],
+    ),
+    (
+        "unknown on_violation",
+        lambda: lr.install(_model(), "blocks.*", on_violation="ignore"),
+        lr.ReplayConfigError,
+        ["on_violation='ignore'", "raise"],
+    ),
+    (
+        "unknown planner",
+        lambda: lr.install(_model(), "blocks.*", budget="1GiB", planner="greedy"),
+        lr.ReplayConfigError,
+        ["planner='greedy'", "joint"],
+    ),
+    (
+        "malformed budget",
+        lambda: lr.install(_model(), "blocks.*", budget="lots"),
+        lr.ReplayConfigError,
+        ["'lots'", "budget"],
+    ),
+    (
+        "zero budget",
+        lambda: lr.install(_model(), "blocks.*", budget=0),
+        lr.ReplayConfigError,
+        ["budget", "0"],
+    ),
+    (
+        "negative budget",
+        lambda: lr.install(_model(), "blocks.*", budget=-5),
+        lr.ReplayConfigError,
+        ["budget", "-5"],
+    ),
+    (
+        "fractional bytes",
+        lambda: lr.install(_model(), "blocks.*", budget=1.5),
+        lr.ReplayConfigError,
+        ["budget=1.5", "whole", "(0, 1]"],
+    ),
+    (
+        "negative base_memory",
+        lambda: lr.install(_model(), "blocks.*", base_memory=-1),
+        lr.ReplayConfigError,
+        ["base_memory=-1"],
+    ),
+    (
+        "zero calibration steps",
+        lambda: lr.install(_model(), "blocks.*", calibration_steps=0),
+        lr.ReplayConfigError,
+        ["calibration_steps=0"],
+    ),
+    (
+        "records not a path",
+        lambda: lr.install(_model(), "blocks.*", records=42),
+        lr.ReplayConfigError,
+        ["records", "int"],
+    ),
+    (
+        "parse_budget unit",
+        lambda: lr.parse_budget("12 parsecs"),
+        ValueError,
+        ["'12 parsecs'", "budget"],
+    ),
     ("parse_budget bool", lambda: lr.parse_budget(True), (ValueError, TypeError), ["True"]),
-    ("plan below minimum", lambda: plan(_costs(), budget=100), InfeasibleBudget,
-     ["140", "joint"]),
-    ("plan unknown method", lambda: plan(_costs(), budget=1000, method="magic"), ValueError,
-     ["'magic'"]),
-    ("plan negative memory", lambda: SegmentCost("b", 1, {"retain": Option(-1, 0.0)}),
-     ValueError, ["-1"]),
-    ("contract wrong schema", lambda: lr.ReplayContract.from_dict({"segment": "s",
-                                                                   "schema": 0}),
-     lr.ContractSchemaError, ["schema 0", "Re-probe"]),
-    ("contract not a dict", lambda: lr.ReplayContract.from_dict(["s"]), lr.ContractSchemaError,
-     ["list"]),
+    ("plan below minimum", lambda: plan(_costs(), budget=100), InfeasibleBudget, ["140", "joint"]),
+    (
+        "plan unknown method",
+        lambda: plan(_costs(), budget=1000, method="magic"),
+        ValueError,
+        ["'magic'"],
+    ),
+    (
+        "plan negative memory",
+        lambda: SegmentCost("b", 1, {"retain": Option(-1, 0.0)}),
+        ValueError,
+        ["-1"],
+    ),
+    (
+        "contract wrong schema",
+        lambda: lr.ReplayContract.from_dict({"segment": "s", "schema": 0}),
+        lr.ContractSchemaError,
+        ["schema 0", "Re-probe"],
+    ),
+    (
+        "contract not a dict",
+        lambda: lr.ReplayContract.from_dict(["s"]),
+        lr.ContractSchemaError,
+        ["list"],
+    ),
 ]
 
 
@@ -110,6 +196,7 @@ def test_unwritable_records_path(tmp_path):
     target = ro / "sub" / "records.sqlite"
     try:
         import os
+
         if os.geteuid() == 0:  # root writes anywhere: use a path under a file instead
             f = tmp_path / "afile"
             f.write_text("x")
@@ -137,6 +224,7 @@ def test_set_options_unknown():
 # ------------------------------------------------------------------ configs and the CLI
 def _cli(argv, capsys):
     from lightning_replay.cli import main
+
     try:
         rc = main(argv)
     except SystemExit as exc:  # argparse / jsonargparse errors
@@ -152,34 +240,77 @@ def _yaml(tmp_path, text):
 
 CLI_CASES = [
     # (id, argv builder(tmp_path), fragments stderr must contain)
-    ("config file missing", lambda d: ["fit", "--config", str(d / "nope.yaml")],
-     ["nope.yaml", "does not exist"]),
-    ("config key misspelled", lambda d: ["fit", "--config", _yaml(d, "trainer:\n  max_epochz: 1\n")],
-     ["max_epochz"]),
-    ("config runs code", lambda d: ["fit", "--config", _yaml(
-        d, "trainer:\n  max_epochs: !!python/object/apply:os.system ['touch PWNED']\n")],
-     ["python/object/apply"]),
-    ("config bad budget", lambda d: ["fit", "--config", _yaml(
-        d, "trainer:\n  strategy:\n    class_path: lightning_replay.strategies.replay."
-           "ReplayStrategy\n    init_args:\n      budget: lots\n")],
-     ["budget='lots'", "GiB"]),
-    ("config bad check interval", lambda d: ["fit", "--config", _yaml(
-        d, "trainer:\n  callbacks:\n    - class_path: lightning_replay.callbacks.replay."
-           "ReplayCallback\n      init_args:\n        check_every_n_steps: 0\n")],
-     ["check_every_n_steps=0"]),
-    ("records of an empty directory", lambda d: ["records", str(d)],
-     ["no records database", "records.sqlite"]),
-    ("records of a foreign database", lambda d: ["records", _foreign_db(d)],
-     ["foreign.sqlite", "without a 'records' table"]),
-    ("records of a garbage file", lambda d: ["records", _garbage(d), "--summary"],
-     ["garbage.sqlite", "not a readable records database"]),
-    ("report of an empty directory", lambda d: ["report", str(d)],
-     ["neither a study", "telemetry.jsonl"]),
+    (
+        "config file missing",
+        lambda d: ["fit", "--config", str(d / "nope.yaml")],
+        ["nope.yaml", "does not exist"],
+    ),
+    (
+        "config key misspelled",
+        lambda d: ["fit", "--config", _yaml(d, "trainer:\n  max_epochz: 1\n")],
+        ["max_epochz"],
+    ),
+    (
+        "config runs code",
+        lambda d: [
+            "fit",
+            "--config",
+            _yaml(d, "trainer:\n  max_epochs: !!python/object/apply:os.system ['touch PWNED']\n"),
+        ],
+        ["python/object/apply"],
+    ),
+    (
+        "config bad budget",
+        lambda d: [
+            "fit",
+            "--config",
+            _yaml(
+                d,
+                "trainer:\n  strategy:\n    class_path: lightning_replay.strategies.replay."
+                "ReplayStrategy\n    init_args:\n      budget: lots\n",
+            ),
+        ],
+        ["budget='lots'", "GiB"],
+    ),
+    (
+        "config bad check interval",
+        lambda d: [
+            "fit",
+            "--config",
+            _yaml(
+                d,
+                "trainer:\n  callbacks:\n    - class_path: lightning_replay.callbacks.replay."
+                "ReplayCallback\n      init_args:\n        check_every_n_steps: 0\n",
+            ),
+        ],
+        ["check_every_n_steps=0"],
+    ),
+    (
+        "records of an empty directory",
+        lambda d: ["records", str(d)],
+        ["no records database", "records.sqlite"],
+    ),
+    (
+        "records of a foreign database",
+        lambda d: ["records", _foreign_db(d)],
+        ["foreign.sqlite", "without a 'records' table"],
+    ),
+    (
+        "records of a garbage file",
+        lambda d: ["records", _garbage(d), "--summary"],
+        ["garbage.sqlite", "not a readable records database"],
+    ),
+    (
+        "report of an empty directory",
+        lambda d: ["report", str(d)],
+        ["neither a study", "telemetry.jsonl"],
+    ),
 ]
 
 
 def _foreign_db(d):
     import sqlite3
+
     p = d / "foreign.sqlite"
     with sqlite3.connect(p) as conn:
         conn.execute("CREATE TABLE t (x)")

@@ -2,6 +2,7 @@
 
 The figures of the smoke suite are meaningless (tiny sizes); the benchmark itself is run with
 ``make bench``. This only guards the script."""
+
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ def smoke(tmp_path_factory):
     sys.path.insert(0, BENCH)
     try:
         import run as bench
+
         out = tmp_path_factory.mktemp("bench") / "smoke.json"
         assert bench.main(["--suite", "smoke", "--json", str(out)]) == 0
         yield bench, json.loads(out.read_text()), out
@@ -62,15 +64,19 @@ def test_json_has_every_documented_key(smoke):
     assert r["checks"]["overhead_ratio_every_50"] > 0
     assert r["checks"]["records"]["match"] > 0 and r["checks"]["records"]["divergence"] == 0
     assert {t["name"] for t in r["targets"]} >= {
-        "overhead.ratio", "planner.ms_256", "checks.overhead_ratio_every_50",
+        "overhead.ratio",
+        "planner.ms_256",
+        "checks.overhead_ratio_every_50",
         "sparse_write_map.joint_worst_vs_best_baseline",
-        "real_models.gpt2.ratio_vs_torch_checkpoint"}
+        "real_models.gpt2.ratio_vs_torch_checkpoint",
+    }
 
 
 def test_map_workload_decouples_state_from_activations():
     """The map's knob is honest: the bytes a block saves for backward do not grow with its bank,
     and the step overwrites exactly write_rows rows of every bank."""
     import torch
+
     sys.path.insert(0, BENCH)
     try:
         from sparse_map import MapModel, activation_bytes
@@ -83,7 +89,8 @@ def test_map_workload_decouples_state_from_activations():
         before = m.blocks[0].memory.clone()
         nbytes = []
         with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: nbytes.append(t.numel() * t.element_size()) or t, lambda t: t):
+            lambda t: nbytes.append(t.numel() * t.element_size()) or t, lambda t: t
+        ):
             m.blocks[0](torch.randn(4, 8))
         m(torch.randn(4, 8))
         changed = (m.blocks[0].memory != before).any(dim=1).sum().item()
@@ -97,6 +104,7 @@ def test_map_workload_decouples_state_from_activations():
 
 def test_plot_writes_a_png(smoke, tmp_path):
     from plot import plot
+
     _, r, _ = smoke
     out = tmp_path / "p.png"
     plot(r, str(out))

@@ -153,7 +153,9 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         (0.25, 0, 20 * GiB),
     ],
 )
-def test_fraction_of_a_cuda_device(fake_gpu: list[object], fraction: float, device: object, expected: int) -> None:
+def test_fraction_of_a_cuda_device(
+    fake_gpu: list[object], fraction: float, device: object, expected: int
+) -> None:
     assert parse_budget(fraction, device=device) == expected
     assert torch.device(fake_gpu[-1]).type == "cuda"
 
@@ -190,17 +192,20 @@ def test_format_bytes_refuses_non_ints() -> None:
 
 
 # ---------------------------------------------------------------------- Budget: one grammar
-@pytest.mark.parametrize(("value", "budget"), [
-    (None, Budget()),
-    ("min", Budget(min=True)),
-    (" MIN ", Budget(min=True)),
-    ("2GiB", Budget(bytes=2 * GiB)),
-    (4096, Budget(bytes=4096)),
-    (4e9, Budget(bytes=4_000_000_000)),
-    (0.25, Budget(fraction=0.25)),
-    (1.0, Budget(fraction=1.0)),
-    (1, Budget(bytes=1)),  # an int is bytes, never a fraction
-])
+@pytest.mark.parametrize(
+    ("value", "budget"),
+    [
+        (None, Budget()),
+        ("min", Budget(min=True)),
+        (" MIN ", Budget(min=True)),
+        ("2GiB", Budget(bytes=2 * GiB)),
+        (4096, Budget(bytes=4096)),
+        (4e9, Budget(bytes=4_000_000_000)),
+        (0.25, Budget(fraction=0.25)),
+        (1.0, Budget(fraction=1.0)),
+        (1, Budget(bytes=1)),  # an int is bytes, never a fraction
+    ],
+)
 def test_budget_parses_every_form_once(value: object, budget: Budget) -> None:
     assert Budget.parse(value) == budget
     assert Budget.parse(budget) is budget
@@ -244,5 +249,7 @@ def test_install_resolves_a_fraction_against_the_models_device() -> None:
     assert engine.budget is None
     assert engine.plan.peak_memory == min_feasible_budget(engine.costs, engine.real_base_memory)
     engine.uninstall()
-    with pytest.raises(lr.ReplayConfigError, match=r"budget=0\.5: device 'meta' has no known total memory"):
+    with pytest.raises(
+        lr.ReplayConfigError, match=r"budget=0\.5: device 'meta' has no known total memory"
+    ):
         lr.install(torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta")), ["0"], budget=0.5)

@@ -1,5 +1,6 @@
 """Each private torch / Lightning access the package makes (lightning_replay._compat) still
 works on the installed versions: an upgrade that breaks one fails here, by name."""
+
 from __future__ import annotations
 
 import lightning as L
@@ -34,8 +35,9 @@ def test_at_backward_end_runs_after_the_backward():
     order = []
     x = torch.ones(2, requires_grad=True)
     y = x * 2
-    y.register_hook(lambda g: (_compat.at_backward_end(lambda: order.append("end")),
-                               order.append("hook"))[1])
+    y.register_hook(
+        lambda g: (_compat.at_backward_end(lambda: order.append("end")), order.append("hook"))[1]
+    )
     y.sum().backward()
     assert order == ["hook", "end"]
 
@@ -62,11 +64,18 @@ def test_dispatch_mode_and_pytree():
 
 
 def test_lightning_accessors(tmp_path):
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path,
-                        enable_checkpointing=False, enable_progress_bar=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     assert hasattr(_compat.accelerator_connector(trainer), "use_distributed_sampler")
     assert hasattr(_compat.logger_connector(trainer), "should_update_logs")
     from lightning.pytorch.strategies import DDPStrategy
+
     ddp = DDPStrategy(start_method="spawn")
     assert _compat.start_method(ddp) == "spawn"
     assert _compat.precision_plugin(trainer.strategy) is not None

@@ -1,6 +1,7 @@
 """One validated configuration (issue 11): install() and the strategies build the same
 ReplayConfig and refuse the same values in the same words; after install, the engine's plan
 and budget change only through its own methods."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,10 @@ from lightning_replay.strategies.replay import ReplayStrategy, strategy_config
 
 def _mlp():
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 16))
-                           for _ in range(3)], nn.Linear(16, 1))
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 16)) for _ in range(3)],
+        nn.Linear(16, 1),
+    )
 
 
 def _train(model, steps):
@@ -48,15 +51,16 @@ def test_install_and_the_strategy_refuse_the_same_values_in_the_same_words(kwarg
         lr.install(_mlp(), ["0"], **kwargs)
     with pytest.raises(lr.ReplayConfigError) as by_strategy:
         ReplayStrategy(**kwargs)
-    assert str(by_install.value) == "install(" + str(by_strategy.value)[len("ReplayStrategy("):]
+    assert str(by_install.value) == "install(" + str(by_strategy.value)[len("ReplayStrategy(") :]
     assert message in str(by_install.value)
 
 
 def test_the_config_is_one_frozen_value_the_engine_keeps():
     model = _mlp()
     pins = {"1": "retain"}
-    engine = lr.install(model, ["0", "1", "2"], budget="min", preservation=pins,
-                        calibration_steps=1)
+    engine = lr.install(
+        model, ["0", "1", "2"], budget="min", preservation=pins, calibration_steps=1
+    )
     pins["1"] = "whole"  # the caller's dict changing later changes nothing
     cfg = engine.config
     assert cfg.preservation == {"1": "retain"} and cfg.budget == Budget(min=True)
@@ -68,9 +72,13 @@ def test_the_config_is_one_frozen_value_the_engine_keeps():
     s = ReplayStrategy(segments=["0"], budget="min", on_violation="raise")
     assert s.config == dataclasses.replace(
         ReplayConfig(segments=["0"], budget="min", on_violation="raise"),
-        window="manual", track_memory=True, measure_costs=True)
-    assert s.config == strategy_config("ReplayStrategy", segments=["0"], budget="min",
-                                       on_violation="raise")
+        window="manual",
+        track_memory=True,
+        measure_costs=True,
+    )
+    assert s.config == strategy_config(
+        "ReplayStrategy", segments=["0"], budget="min", on_violation="raise"
+    )
     assert (s.budget, s.planner, s.preservation) == (Budget(min=True), "joint", "auto")
 
 
@@ -99,8 +107,9 @@ def test_adopt_plan_runs_and_records_another_rank_s_plan():
     engine = lr.install(model, ["0", "1", "2"], budget="1GiB", calibration_steps=1)
     _train(model, 5)
     assert set(engine.plan.choices.values()) == {"retain"}
-    theirs = Plan.from_dict({**engine.plan.to_dict(),
-                             "choices": {"0": "recompute", "1": "retain", "2": "recompute"}})
+    theirs = Plan.from_dict(
+        {**engine.plan.to_dict(), "choices": {"0": "recompute", "1": "retain", "2": "recompute"}}
+    )
     engine.adopt_plan(theirs, version=7, from_rank=0)
     assert engine.plan is theirs and engine.plan_version == 7
     _train(model, 1)
@@ -125,8 +134,7 @@ def test_load_state_dict_then_reconfigure_keeps_the_run_s_arguments():
 
 
 def test_one_error_tree():
-    assert issubclass(InfeasibleBudget, lr.ReplayError) and issubclass(InfeasibleBudget,
-                                                                         ValueError)
+    assert issubclass(InfeasibleBudget, lr.ReplayError) and issubclass(InfeasibleBudget, ValueError)
     assert issubclass(lr.ReplayConfigError, lr.ReplayError)
 
 

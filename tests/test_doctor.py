@@ -1,4 +1,5 @@
 """``lr.diagnose``: verdicts measured against plain training, on copies, never on the model."""
+
 from __future__ import annotations
 
 import copy
@@ -12,8 +13,13 @@ from torch import nn
 import lightning_replay as lr
 from lightning_replay.doctor import ModelRunError
 from lightning_replay.demos.hazards import HAZARDS, BNBlock, MLPBlock, _Stack
-from lightning_replay.verify import (diff_state, grad_diffs, snapshot_state, torch_checkpoint,
-                                     train_steps)
+from lightning_replay.verify import (
+    diff_state,
+    grad_diffs,
+    snapshot_state,
+    torch_checkpoint,
+    train_steps,
+)
 
 EXACT = "torch checkpoint is exact on this model"
 DIFFERS = re.compile(r"torch checkpoint silently differs in (\d+) gradients? and (\d+) buffers?$")
@@ -21,10 +27,19 @@ RAISES = re.compile(r"torch checkpoint raises (\w+): ")
 
 #: What torch.utils.checkpoint does to each hazard (design notes, hazard table in the README).
 EXPECTED = {
-    "stateless": "exact", "batch_norm": "differs", "counter": "differs", "queue": "differs",
-    "bank_index_copy": "differs", "bank_index_put": "differs", "bank_scatter": "differs",
-    "inplace_whole": "differs", "tensor_attr": "differs", "alias_input": "raises",
-    "rng": "differs", "python_attrs": "raises", "combined": "raises",
+    "stateless": "exact",
+    "batch_norm": "differs",
+    "counter": "differs",
+    "queue": "differs",
+    "bank_index_copy": "differs",
+    "bank_index_put": "differs",
+    "bank_scatter": "differs",
+    "inplace_whole": "differs",
+    "tensor_attr": "differs",
+    "alias_input": "raises",
+    "rng": "differs",
+    "python_attrs": "raises",
+    "combined": "raises",
 }
 
 
@@ -66,8 +81,10 @@ def test_verdict_agrees_with_an_independent_torch_checkpoint_run():
     assert sorted({n for _, n in wrong}) == [g.name for g in report.torch_checkpoint.gradients]
     for g in report.torch_checkpoint.gradients:
         assert g.steps == sorted(s for s, n in wrong if n == g.name)
-        worst = max(float((g_ck[s][g.name] - g_ref[s][g.name]).norm() / g_ref[s][g.name].norm())
-                    for s in g.steps)
+        worst = max(
+            float((g_ck[s][g.name] - g_ref[s][g.name]).norm() / g_ref[s][g.name].norm())
+            for s in g.steps
+        )
         assert g.max_rel == pytest.approx(worst, rel=1e-5)
     assert [s.name for s in report.torch_checkpoint.state] == ["queue"]
 
@@ -82,13 +99,20 @@ def test_batch_norm_report_names_state_and_counts():
     d = report.diagnoses[0]
     assert d.auto_option == "whole"
     rm = {s.name: s for s in d.state}["blocks.0.bn.running_mean"]
-    assert (rm.kind, rm.access, rm.changes_in_window, rm.preservation, rm.nbytes) == \
-        ("buffer", "writes", True, "whole", 16 * 4)
+    assert (rm.kind, rm.access, rm.changes_in_window, rm.preservation, rm.nbytes) == (
+        "buffer",
+        "writes",
+        True,
+        "whole",
+        16 * 4,
+    )
     assert d.preserved_bytes == 2 * 16 * 4 + 8 == d.options["whole"]
     assert d.activation_bytes > 0 and d.net_freed_bytes == d.activation_bytes - 136
     text = report.table()
-    assert report.verdict in text and "blocks.0.bn.num_batches_tracked (buffer): plain 2, " \
-        "this run 4" in text
+    assert (
+        report.verdict in text
+        and "blocks.0.bn.num_batches_tracked (buffer): plain 2, this run 4" in text
+    )
     data = json.loads(json.dumps(report.to_dict()))
     assert data["verdict"] == report.verdict and data["replay"]["exact"] is True
     assert data["diagnoses"][0]["auto_option"] == "whole"
@@ -101,8 +125,10 @@ def test_kinds_generators_python_attributes_and_aliased_inputs():
     by = {d.name: d for d in report.diagnoses}
     assert {(s.name, s.kind) for s in by["blocks.3"].state} == {("blocks.3.gen", "generator")}
     assert by["blocks.3"].uses_global_rng
-    assert {s.name for s in by["blocks.4"].state if s.kind == "Python attribute"} == \
-        {"blocks.4.calls", "blocks.4.use_gate"}
+    assert {s.name for s in by["blocks.4"].state if s.kind == "Python attribute"} == {
+        "blocks.4.calls",
+        "blocks.4.use_gate",
+    }
     assert by["blocks.2"].auto_option == "regions"
     assert by["blocks.2"].preserved_bytes < by["blocks.2"].options["whole"]
     assert by["blocks.5"].auto_option == "recompute" and by["blocks.5"].state == []
@@ -126,8 +152,10 @@ def test_model_hooks_and_global_rng_untouched():
     model.eval()  # diagnose trains copies in training mode; the model keeps its own
     before = snapshot_state(model)
     classes = {n: type(m) for n, m in model.named_modules()}
-    hooks = {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks),
-                 dict(m._backward_hooks)) for n, m in model.named_modules()}
+    hooks = {
+        n: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
+        for n, m in model.named_modules()
+    }
     forward = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
     torch.manual_seed(7)
     rng = torch.get_rng_state()
@@ -137,8 +165,10 @@ def test_model_hooks_and_global_rng_untouched():
     assert torch.equal(torch.get_rng_state(), rng)
     assert diff_state(before, snapshot_state(model)) == []
     assert {n: type(m) for n, m in model.named_modules()} == classes
-    assert {n: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
-            for n, m in model.named_modules()} == hooks
+    assert {
+        n: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
+        for n, m in model.named_modules()
+    } == hooks
     assert {n: m.__dict__.get("forward") for n, m in model.named_modules()} == forward
     assert not model.training and all(p.grad is None for p in model.parameters())
     calls.clear()
@@ -154,8 +184,10 @@ def test_checkpoint_wrapper_in_the_model_is_diagnosed_as_it_stands():
     model = _Stack([checkpoint_wrapper(BNBlock()), checkpoint_wrapper(MLPBlock())])
     report = lr.diagnose(model, HAZARDS["batch_norm"]().make_input)
     assert report.existing_checkpointing == "checkpoint_wrapper on 2 modules"
-    assert report.segments == ["blocks.0._checkpoint_wrapped_module",
-                               "blocks.1._checkpoint_wrapped_module"]
+    assert report.segments == [
+        "blocks.0._checkpoint_wrapped_module",
+        "blocks.1._checkpoint_wrapped_module",
+    ]
     assert report.verdict == "torch checkpoint silently differs in 0 gradients and 3 buffers"
     assert report.replay.exact
     assert [d.auto_option for d in report.diagnoses] == ["whole", "recompute"]
@@ -168,25 +200,42 @@ def test_torchvision_resnet_silently_differs_batch_norm_updated_twice():
     torch.manual_seed(0)
     model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=4)
     images = torch.randn(2, 3, 32, 32)
-    report = lr.diagnose(model, lambda step: images, segments="layer*.*",
-                         loss_fn=lambda m, x: m(x).logsumexp(1).mean())
+    report = lr.diagnose(
+        model,
+        lambda step: images,
+        segments="layer*.*",
+        loss_fn=lambda m, x: m(x).logsumexp(1).mean(),
+    )
     assert torchvision and report.segments == ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
-    n_bn = sum(isinstance(m, nn.BatchNorm2d) for n, m in model.named_modules()
-               if n.startswith("layer"))
+    n_bn = sum(
+        isinstance(m, nn.BatchNorm2d) for n, m in model.named_modules() if n.startswith("layer")
+    )
     m = DIFFERS.match(report.verdict)
     assert m and int(m[2]) == 3 * n_bn, report.verdict  # running mean, var and count of each
     state = {s.name: s for s in report.torch_checkpoint.state}
-    assert (state["layer4.0.bn1.num_batches_tracked"].reference,
-            state["layer4.0.bn1.num_batches_tracked"].observed) == ("2", "4")
+    assert (
+        state["layer4.0.bn1.num_batches_tracked"].reference,
+        state["layer4.0.bn1.num_batches_tracked"].observed,
+    ) == ("2", "4")
     assert report.replay.exact
     assert {d.auto_option for d in report.diagnoses} == {"whole"}
 
 
 def _tiny_gpt2(**overrides):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16,
-                                  resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
-                                  bos_token_id=0, eos_token_id=0, **overrides)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=64,
+        n_positions=16,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+        **overrides,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -225,8 +274,11 @@ def test_hf_dropout_really_differs_without_rng_restore():
 # ------------------------------------------------------------------------------ bad input
 def test_model_that_does_not_run_on_the_batch():
     h = HAZARDS["stateless"]()
-    with pytest.raises(ModelRunError, match=r"_Stack fails on batch_fn\(0\).*\(8, 5\).*"
-                                            r"without any recomputation"):
+    with pytest.raises(
+        ModelRunError,
+        match=r"_Stack fails on batch_fn\(0\).*\(8, 5\).*"
+        r"without any recomputation",
+    ):
         lr.diagnose(h.model, lambda step: torch.randn(8, 5))
 
 
@@ -235,8 +287,7 @@ def test_no_candidate_segments():
     with pytest.raises(lr.SegmentError, match="Linear has no candidate segments.*segments="):
         lr.diagnose(model, lambda step: torch.randn(2, 4))
     with pytest.raises(lr.SegmentError, match="'nope' is not a submodule"):
-        lr.diagnose(HAZARDS["stateless"]().model, lambda s: torch.randn(8, 16),
-                    segments="nope")
+        lr.diagnose(HAZARDS["stateless"]().model, lambda s: torch.randn(8, 16), segments="nope")
 
 
 def test_segments_that_never_run():
@@ -248,8 +299,9 @@ def test_segments_that_never_run():
 
 def test_batch_on_another_device_than_the_model():
     model = HAZARDS["stateless"]().model.to("meta")
-    with pytest.raises(lr.ReplayConfigError, match="is on meta but batch_fn\\(0\\) returned "
-                                                   "tensors on cpu"):
+    with pytest.raises(
+        lr.ReplayConfigError, match="is on meta but batch_fn\\(0\\) returned tensors on cpu"
+    ):
         lr.diagnose(model, lambda step: torch.randn(8, 16))
 
 

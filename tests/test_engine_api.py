@@ -1,4 +1,5 @@
 """The framework-free API: outputs, kwargs, autocast, violations, checks, records, uninstall."""
+
 from __future__ import annotations
 
 import copy
@@ -12,8 +13,13 @@ from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.demos.hazards import HAZARDS, BNBlock, MLPBlock
-from tests.helpers.compare import (assert_same_grads, assert_same_state, clone_model,
-                                   snapshot_state, train_steps)
+from tests.helpers.compare import (
+    assert_same_grads,
+    assert_same_state,
+    clone_model,
+    snapshot_state,
+    train_steps,
+)
 
 
 class StructBlock(nn.Module):
@@ -112,22 +118,32 @@ def test_state_dict_keys_and_uninstall():
     lr.install(h.model, h.segments).uninstall()  # installing again after uninstall works
 
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 def _hooks(model: nn.Module) -> list[tuple[str, str, int]]:
-    return [(name, d, len(getattr(m, d))) for name, m in model.named_modules()
-            for d in _HOOK_DICTS if getattr(m, d, None)]
+    return [
+        (name, d, len(getattr(m, d)))
+        for name, m in model.named_modules()
+        for d in _HOOK_DICTS
+        if getattr(m, d, None)
+    ]
 
 
 def _pickle_round_trip(model: nn.Module) -> nn.Module:
     return pickle.loads(pickle.dumps(model))
 
 
-@pytest.mark.parametrize("copier", [copy.deepcopy, _pickle_round_trip],
-                         ids=["deepcopy", "pickle"])
+@pytest.mark.parametrize("copier", [copy.deepcopy, _pickle_round_trip], ids=["deepcopy", "pickle"])
 def test_copies_of_an_installed_model_are_plain_models(copier):
     """README: copies (copy.deepcopy, pickle) of an installed model are plain models. The copy
     trains exactly like the plain model, and training it leaves the original's engine alone."""
@@ -221,12 +237,19 @@ def test_violation_record_reprobes_and_extends_contract(tmp_path):
     assert mismatched == [2]
     c = engine.contracts["0"]
     assert c.version == 2 and c.changing[0].name == "0._table"
-    rows = sqlite3.connect(db).execute(
-        'SELECT step, segment, contract_version, "check", outcome FROM records ORDER BY seq'
-    ).fetchall()
+    rows = (
+        sqlite3.connect(db)
+        .execute(
+            'SELECT step, segment, contract_version, "check", outcome FROM records ORDER BY seq'
+        )
+        .fetchall()
+    )
     # engine steps count from 1: the loop's step 2 is the engine's step 3
-    assert rows == [(1, "0", 1, "contract", "match"), (3, "0", 1, "version", "rejection"),
-                    (4, "0", 2, "contract", "match")]
+    assert rows == [
+        (1, "0", 1, "contract", "match"),
+        (3, "0", 1, "version", "rejection"),
+        (4, "0", 2, "contract", "match"),
+    ]
 
 
 def test_checks_match_on_exact_replay():
@@ -237,8 +260,9 @@ def test_checks_match_on_exact_replay():
     train_steps(h.model, h.make_input, 1)
     recs = engine.records.read()
     checks = [r for r in recs if r.check in ("grad", "bytes")]
-    assert checks and all(r.outcome == "match" for r in checks), [r.detail for r in checks
-                                                                   if r.outcome != "match"]
+    assert checks and all(r.outcome == "match" for r in checks), [
+        r.detail for r in checks if r.outcome != "match"
+    ]
     assert {r.check for r in checks} == {"grad", "bytes"}
 
 
@@ -268,16 +292,27 @@ def test_checks_catch_state_the_contract_cannot_restore():
 def test_records_sqlite_schema_and_append(tmp_path):
     path = tmp_path / "r.sqlite"
     s1 = lr.RecordStore(path, run_id="a")
-    s1.append(step=1, segment="s", contract_version=1, check="contract", outcome="match",
-              detail="x")
+    s1.append(
+        step=1, segment="s", contract_version=1, check="contract", outcome="match", detail="x"
+    )
     s1.close()
     s2 = lr.RecordStore(path, run_id="b")
-    s2.append(step=2, segment="s", contract_version=1, check="grad", outcome="divergence",
-              detail={"k": 1})
+    s2.append(
+        step=2, segment="s", contract_version=1, check="grad", outcome="divergence", detail={"k": 1}
+    )
     assert [r.run_id for r in s2.read()] == ["a", "b"]
     cols = [c[1] for c in sqlite3.connect(path).execute("PRAGMA table_info(records)")]
-    assert cols[1:] == ["run_id", "step", "rank", "segment", "contract_version", "check",
-                        "outcome", "detail", "created_at"]
+    assert cols[1:] == [
+        "run_id",
+        "step",
+        "rank",
+        "segment",
+        "contract_version",
+        "check",
+        "outcome",
+        "detail",
+        "created_at",
+    ]
     assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
@@ -296,14 +331,17 @@ def test_contract_schema_mismatch():
         lr.ReplayContract.from_dict(d)
 
 
-@pytest.mark.parametrize("segments,match", [
-    (["nope"], "not a submodule"),
-    ([], "empty"),
-    (["blocks.0", "blocks.0.fc"], "nested"),
-    ([""], "root module"),
-    (["head.weight"], "not a module"),
-    ("blocks.9*", "matches no submodule"),
-])
+@pytest.mark.parametrize(
+    "segments,match",
+    [
+        (["nope"], "not a submodule"),
+        ([], "empty"),
+        (["blocks.0", "blocks.0.fc"], "nested"),
+        ([""], "root module"),
+        (["head.weight"], "not a module"),
+        ("blocks.9*", "matches no submodule"),
+    ],
+)
 def test_bad_segments(segments, match):
     h = HAZARDS["batch_norm"]()
     with pytest.raises(lr.SegmentError, match=match):
@@ -322,6 +360,7 @@ def test_bad_preservation_and_on_violation():
 
 def test_segments_by_class_and_glob():
     from lightning_replay.demos.hazards import BNBlock
+
     h = HAZARDS["batch_norm"]()
     e = lr.install(h.model, BNBlock)
     assert e.segments == ["blocks.0", "blocks.1"]
@@ -356,15 +395,28 @@ class _Nested(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("encoder.**.blocks.*", ["encoder.stages.0.blocks.0", "encoder.stages.0.blocks.1",
-                             "encoder.stages.1.blocks.0", "encoder.stages.1.blocks.1"]),
-    ("**.bn", ["encoder.stages.0.blocks.0.bn", "encoder.stages.1.blocks.0.bn"]),
-    ("encoder.*.1", ["encoder.stages.1"]),
-    (lambda name, m: isinstance(m, MLPBlock) and ".1." in name, ["encoder.stages.1.blocks.1"]),
-    ([lambda name, m: name.endswith("blocks.1"), "encoder.stages.0.blocks.0"],
-     ["encoder.stages.0.blocks.0", "encoder.stages.0.blocks.1", "encoder.stages.1.blocks.1"]),
-], ids=["double-star", "leading-double-star", "single-star", "callable", "callable+name"])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        (
+            "encoder.**.blocks.*",
+            [
+                "encoder.stages.0.blocks.0",
+                "encoder.stages.0.blocks.1",
+                "encoder.stages.1.blocks.0",
+                "encoder.stages.1.blocks.1",
+            ],
+        ),
+        ("**.bn", ["encoder.stages.0.blocks.0.bn", "encoder.stages.1.blocks.0.bn"]),
+        ("encoder.*.1", ["encoder.stages.1"]),
+        (lambda name, m: isinstance(m, MLPBlock) and ".1." in name, ["encoder.stages.1.blocks.1"]),
+        (
+            [lambda name, m: name.endswith("blocks.1"), "encoder.stages.0.blocks.0"],
+            ["encoder.stages.0.blocks.0", "encoder.stages.0.blocks.1", "encoder.stages.1.blocks.1"],
+        ),
+    ],
+    ids=["double-star", "leading-double-star", "single-star", "callable", "callable+name"],
+)
 def test_glob_and_callable_segment_specs_select_and_replay_exactly(spec, expected):
     """README: dotted globs (``**`` spans levels) and callables ``(name, module) -> bool``."""
     torch.manual_seed(0)
@@ -396,8 +448,9 @@ def test_preservation_retain_keeps_activations_and_never_replays():
     g_rep, _ = train_steps(model, h.make_input, 4)
     assert_same_grads(g_ref, g_rep)
     assert calls == [4]  # one forward per step: nothing recomputed
-    assert {(s["mode"], s["replays"], s["preserved_bytes"])
-            for s in engine.summary().values()} == {("retain", 0, 0)}
+    assert {(s["mode"], s["replays"], s["preserved_bytes"]) for s in engine.summary().values()} == {
+        ("retain", 0, 0)
+    }
     engine.uninstall()
     assert_same_state(snapshot_state(ref), snapshot_state(model))
 
@@ -405,12 +458,12 @@ def test_preservation_retain_keeps_activations_and_never_replays():
 def test_preservation_per_segment_dict():
     """A dict picks the option per segment; segments it leaves out get "auto"."""
     from lightning_replay.demos.hazards import QueueModel
+
     torch.manual_seed(0)
     plain = QueueModel(rows=1024, dim=16, write_rows=16)
     model = copy.deepcopy(plain)
     queue_bytes = plain.queue.numel() * plain.queue.element_size()
-    engine = lr.install(model, "blocks.*", preservation={"blocks.0": "whole",
-                                                         "blocks.1": "retain"})
+    engine = lr.install(model, "blocks.*", preservation={"blocks.0": "whole", "blocks.1": "retain"})
     make = lambda s: torch.randn(16, 16, generator=torch.Generator().manual_seed(s))  # noqa
     g_ref, _ = train_steps(plain, make, 3)
     g_rep, _ = train_steps(model, make, 3)
@@ -456,6 +509,7 @@ def test_checked_steps_do_not_leak_models():
     import gc
     import weakref
     from lightning_replay.demos.hazards import QueueModel
+
     refs = []
     for _ in range(2):
         m = QueueModel()
@@ -474,6 +528,7 @@ def test_checked_steps_do_not_leak_models():
 
 def test_records_opened_by_several_ranks_at_once(tmp_path):
     import threading
+
     path = tmp_path / "new.sqlite"
     errors, stores = [], []
 
@@ -482,6 +537,7 @@ def test_records_opened_by_several_ranks_at_once(tmp_path):
             stores.append(lr.RecordStore(path, run_id="r", rank=rank))
         except Exception as exc:  # pragma: no cover - the failure being tested for
             errors.append(exc)
+
     threads = [threading.Thread(target=open_one, args=(r,)) for r in range(6)]
     for t in threads:
         t.start()
@@ -489,14 +545,16 @@ def test_records_opened_by_several_ranks_at_once(tmp_path):
         t.join()
     assert errors == [] and len(stores) == 6
     for s in stores:
-        s.append(step=1, segment="s", contract_version=1, check="contract", outcome="match",
-                 detail="")
+        s.append(
+            step=1, segment="s", contract_version=1, check="contract", outcome="match", detail=""
+        )
     assert sorted(r.rank for r in stores[0].read()) == list(range(6))
 
 
 def test_records_open_waits_for_a_database_another_process_holds_locked(tmp_path):
     import threading
     import time
+
     path = tmp_path / "locked.sqlite"
     holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     holder.execute("BEGIN EXCLUSIVE")  # another rank, mid-write
@@ -510,8 +568,9 @@ def test_records_open_waits_for_a_database_another_process_holds_locked(tmp_path
         releaser.join()
         holder.close()
     assert time.monotonic() - start >= hold  # it waited for the lock instead of failing
-    store.append(step=1, segment="s", contract_version=1, check="contract", outcome="match",
-                 detail="")
+    store.append(
+        step=1, segment="s", contract_version=1, check="contract", outcome="match", detail=""
+    )
     assert [r.run_id for r in store.read()] == ["late"]
     assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
@@ -521,6 +580,7 @@ def _busy_wal_switch(monkeypatch, failures: int, message: str = "database is loc
     new file: sqlite's busy timeout does not always cover that switch (whether it does
     depends on timing), so the store retries it itself."""
     import lightning_replay.records as records_mod
+
     left = [failures]
     sleeps: list[float] = []
 
@@ -532,8 +592,9 @@ def _busy_wal_switch(monkeypatch, failures: int, message: str = "database is loc
             return super().execute(sql, *args)
 
     real_connect = sqlite3.connect
-    monkeypatch.setattr(records_mod.sqlite3, "connect",
-                        lambda *a, **k: real_connect(*a, factory=Busy, **k))
+    monkeypatch.setattr(
+        records_mod.sqlite3, "connect", lambda *a, **k: real_connect(*a, factory=Busy, **k)
+    )
     monkeypatch.setattr(records_mod.time, "sleep", sleeps.append)
     return sleeps
 
@@ -542,18 +603,23 @@ def test_records_open_retries_a_locked_switch_to_wal(tmp_path, monkeypatch):
     sleeps = _busy_wal_switch(monkeypatch, failures=5)
     store = lr.RecordStore(tmp_path / "r.sqlite", run_id="a")
     assert len(sleeps) == 5  # one pause per failed attempt, then it opened
-    store.append(step=1, segment="s", contract_version=1, check="contract", outcome="match",
-                 detail="")
+    store.append(
+        step=1, segment="s", contract_version=1, check="contract", outcome="match", detail=""
+    )
     assert len(store.read()) == 1
     assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
-@pytest.mark.parametrize("failures,message,attempts", [
-    (10**6, "database is locked", 99),  # locked for good: gives up after its retries
-    (1, "disk I/O error", 0),  # not a lock: no retry
-])
-def test_records_open_gives_up_with_a_clear_error(tmp_path, monkeypatch, failures, message,
-                                                  attempts):
+@pytest.mark.parametrize(
+    "failures,message,attempts",
+    [
+        (10**6, "database is locked", 99),  # locked for good: gives up after its retries
+        (1, "disk I/O error", 0),  # not a lock: no retry
+    ],
+)
+def test_records_open_gives_up_with_a_clear_error(
+    tmp_path, monkeypatch, failures, message, attempts
+):
     sleeps = _busy_wal_switch(monkeypatch, failures, message)
     with pytest.raises(lr.RecordsError, match="cannot be used as a records database") as err:
         lr.RecordStore(tmp_path / "r.sqlite")
@@ -584,8 +650,9 @@ class _OddNet(nn.Module):
         z = self.pre(x)
         scale = torch.ones(8, requires_grad=False) * 0.5
         out = self.odd(z, scale=scale, mask=(z > 0).float())
-        return out["h"] + out["pair"][0] * out["pair"][1] + out["masked"] \
-            + out["idx"][:, None].float()
+        return (
+            out["h"] + out["pair"][0] * out["pair"][1] + out["masked"] + out["idx"][:, None].float()
+        )
 
 
 def test_checked_calls_keep_structure_and_gradients_of_odd_segments():
@@ -622,10 +689,12 @@ def test_checked_step_backward_twice_is_a_clear_error():
 
 @pytest.mark.parametrize("nondeterministic,outcome", [(False, "divergence"), (True, "match")])
 def test_grad_check_tolerance_only_where_kernels_may_be_nondeterministic(
-        monkeypatch, nondeterministic, outcome):
+    monkeypatch, nondeterministic, outcome
+):
     """Bit for bit on CPU; on a nondeterministic device (simulated here) last-bit differences
     within the stated tolerance are a match, recorded with their size."""
     import lightning_replay.checks as engine_mod  # where a check is decided
+
     monkeypatch.setattr(engine_mod, "_nondeterministic", lambda t: nondeterministic)
     m, table = _external_model()
     engine = lr.install(m, ["0"])

@@ -1,4 +1,5 @@
 """Every hazard replays exactly: bit-identical gradients every step and identical state after."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,9 +8,16 @@ from torch.utils.checkpoint import CheckpointError
 
 import lightning_replay as lr
 from lightning_replay.demos.hazards import HAZARDS
-from tests.helpers.compare import (assert_same_grads, assert_same_state, clone_model,
-                                   diff_state, grad_diffs, snapshot_state, torch_checkpoint,
-                                   train_steps)
+from tests.helpers.compare import (
+    assert_same_grads,
+    assert_same_state,
+    clone_model,
+    diff_state,
+    grad_diffs,
+    snapshot_state,
+    torch_checkpoint,
+    train_steps,
+)
 
 STEPS = 5
 STATEFUL = [h for h in HAZARDS if h != "stateless"]
@@ -80,8 +88,10 @@ def test_torch_checkpoint_fails_as_the_readme_says(hazard):
             if name.endswith("num_batches_tracked"):
                 assert int(t) == 2 * STEPS, name
                 assert int(snapshot_state(ref)[name]) == STEPS, name
-        assert any(n.endswith("running_mean") for n in
-                   diff_state(snapshot_state(ref), snapshot_state(naive)))
+        assert any(
+            n.endswith("running_mean")
+            for n in diff_state(snapshot_state(ref), snapshot_state(naive))
+        )
         return
     total = sum(len(g) for g in g_ref)
     wrong = len(grad_diffs(g_ref, g_naive))
@@ -103,6 +113,7 @@ def test_recomputation_really_happens():
         def pack(t):
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
+
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = m(x).pow(2).mean()
         loss.backward()
@@ -169,8 +180,9 @@ def test_checked_every_step_trains_exactly_and_matches(hazard):
     assert_same_grads(g_ref, g_rep)
     checks = [r for r in engine.records.read() if r.check in ("grad", "bytes")]
     assert {r.check for r in checks} == {"grad", "bytes"}
-    assert all(r.outcome == "match" for r in checks), [r.detail for r in checks
-                                                       if r.outcome != "match"]
+    assert all(r.outcome == "match" for r in checks), [
+        r.detail for r in checks if r.outcome != "match"
+    ]
     # every segment checked on every step after its probe
     grad_checks = [r for r in checks if r.check == "grad"]
     assert len(grad_checks) == len(engine.segments) * (STEPS - 1)

@@ -1,4 +1,5 @@
 """Budgets: measured costs, the plan, and the measured peak of a step under it."""
+
 from __future__ import annotations
 
 import copy
@@ -9,8 +10,13 @@ import torch
 
 import lightning_replay as lr
 from lightning_replay.demos.hazards import CombinedModel, QueueModel
-from lightning_replay.planner import InfeasibleBudget, Plan, costs_from_dict, costs_to_dict, \
-    min_feasible_budget
+from lightning_replay.planner import (
+    InfeasibleBudget,
+    Plan,
+    costs_from_dict,
+    costs_to_dict,
+    min_feasible_budget,
+)
 from lightning_replay.verify import grad_diffs, train_steps
 from tests.helpers.torch_memory import allocation_peak, live_bytes
 
@@ -108,8 +114,11 @@ def test_budget_savings_are_real_allocator_bytes(measured):
         assert real <= budget + 1.02 * workspace, (budget, real, workspace)
 
 
-@pytest.mark.xfail(strict=True, reason="CPU accounting leaves out the step's transient "
-                   "workspace (2.09 MB here): the allocator's peak exceeds the budget")
+@pytest.mark.xfail(
+    strict=True,
+    reason="CPU accounting leaves out the step's transient "
+    "workspace (2.09 MB here): the allocator's peak exceeds the budget",
+)
 def test_real_peak_within_budget(measured):
     costs, base = measured
     budget = min_feasible_budget(costs, base, "joint")
@@ -194,6 +203,7 @@ def test_combined_hazards_plan_exact():
 
 def _sparse(blocks=4):
     from lightning_replay.apps.sparse_write import SparseWriteModel, sparse_write_input
+
     torch.manual_seed(0)
     m = SparseWriteModel(blocks=blocks, dim=16, hidden=64, buffer_rows=512, write_rows=4)
     return m, (lambda s: sparse_write_input(s, 32, 16))

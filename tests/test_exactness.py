@@ -12,6 +12,7 @@ The models are written for these tests (none is a copy of :mod:`lightning_replay
 ``after(h)`` hooks run inside the root's forward, i.e. between a segment's forward and its
 replay in backward: that is where the step changes state the replay must not see.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,8 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_replay as lr
-from tests.helpers.compare import (assert_same_grads, assert_same_state, diff_state, grad_diffs,
-                                   snapshot_state, torch_checkpoint)
+from tests.helpers.compare import (
+    assert_same_grads,
+    assert_same_state,
+    diff_state,
+    grad_diffs,
+    snapshot_state,
+    torch_checkpoint,
+)
 
 D = 8  # feature width
 B = 4  # batch
@@ -39,9 +46,14 @@ Schedule = Callable[[nn.Module, int], None]
 
 
 # ----------------------------------------------------------------------------- harness
-def _train(model: nn.Module, steps: int, schedule: Schedule | None = None,
-           engine: lr.ReplayEngine | None = None, checks: tuple[int, ...] = (),
-           step_fn: Callable | None = None) -> list[dict[str, torch.Tensor]]:
+def _train(
+    model: nn.Module,
+    steps: int,
+    schedule: Schedule | None = None,
+    engine: lr.ReplayEngine | None = None,
+    checks: tuple[int, ...] = (),
+    step_fn: Callable | None = None,
+) -> list[dict[str, torch.Tensor]]:
     """SGD on ``mean(model(x) ** 2)``; inputs from a seeded generator, the global RNG reseeded
     before each step; ``schedule(model, step)`` runs before the step (a warm-up, a mode switch)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -59,8 +71,9 @@ def _train(model: nn.Module, steps: int, schedule: Schedule | None = None,
             step_fn(model, x, engine, step)
         else:
             model(x).pow(2).mean().backward()
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
+        grads.append(
+            {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        )
         opt.step()
     return grads
 
@@ -70,10 +83,17 @@ def _fresh(factory: Callable[[], nn.Module]) -> nn.Module:
     return factory()
 
 
-def assert_exact(factory: Callable[[], nn.Module], segments: list[str], preservation: str,
-                 steps: int = STEPS, schedule: Schedule | None = None, min_replays: int = 1,
-                 checks: tuple[int, ...] = (), step_fn: Callable | None = None,
-                 **install_kw) -> tuple[dict, list]:
+def assert_exact(
+    factory: Callable[[], nn.Module],
+    segments: list[str],
+    preservation: str,
+    steps: int = STEPS,
+    schedule: Schedule | None = None,
+    min_replays: int = 1,
+    checks: tuple[int, ...] = (),
+    step_fn: Callable | None = None,
+    **install_kw,
+) -> tuple[dict, list]:
     """Train a replayed copy and a plain copy; gradients every step and state after must be
     bit-identical. Returns the engine's summary and records."""
     base = _fresh(factory)
@@ -85,8 +105,9 @@ def assert_exact(factory: Callable[[], nn.Module], segments: list[str], preserva
         summary, records = engine.summary(), engine.records.read()
     finally:
         engine.uninstall()
-    assert all(bool(torch.isfinite(g).all()) for step in g_ref for g in step.values()), \
+    assert all(bool(torch.isfinite(g).all()) for step in g_ref for g in step.values()), (
         "the reference itself diverged: make the model stable before comparing"
+    )
     assert_same_grads(g_ref, g_rep, preservation)
     assert_same_state(_observable(ref), _observable(model), preservation)
     replays = sum(s["replays"] for s in summary.values())
@@ -97,12 +118,18 @@ def assert_exact(factory: Callable[[], nn.Module], segments: list[str], preserva
 def _observable(model: nn.Module) -> dict[str, object]:
     """:func:`snapshot_state` with sparse tensors made dense (``torch.equal`` has no sparse
     kernel)."""
-    return {k: v.to_dense() if isinstance(v, torch.Tensor) and v.layout != torch.strided else v
-            for k, v in snapshot_state(model).items()}
+    return {
+        k: v.to_dense() if isinstance(v, torch.Tensor) and v.layout != torch.strided else v
+        for k, v in snapshot_state(model).items()
+    }
 
 
-def naive_outcome(factory: Callable[[], nn.Module], segments: list[str], steps: int = STEPS,
-                  schedule: Schedule | None = None) -> str:
+def naive_outcome(
+    factory: Callable[[], nn.Module],
+    segments: list[str],
+    steps: int = STEPS,
+    schedule: Schedule | None = None,
+) -> str:
     """What plain non-reentrant ``torch.utils.checkpoint`` does to the model: ``"exact"``,
     ``"wrong gradients"``, ``"wrong state"`` or the name of the exception it raises."""
     base = _fresh(factory)
@@ -171,15 +198,17 @@ def _dropout_eval_then_train(model, step):
 
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
-@pytest.mark.parametrize("schedule", [_dropout_warmup, _dropout_eval_then_train],
-                         ids=["p_warmup", "eval_then_train"])
+@pytest.mark.parametrize(
+    "schedule", [_dropout_warmup, _dropout_eval_then_train], ids=["p_warmup", "eval_then_train"]
+)
 def test_dropout_first_drawing_after_the_probe(schedule, preservation):
     factory = lambda: Stack([GatedMLP(), GatedMLP()])  # noqa: E731
     assert_exact(factory, SEGS2, preservation, schedule=schedule)
 
 
-@pytest.mark.parametrize("schedule", [_dropout_warmup, _dropout_eval_then_train],
-                         ids=["p_warmup", "eval_then_train"])
+@pytest.mark.parametrize(
+    "schedule", [_dropout_warmup, _dropout_eval_then_train], ids=["p_warmup", "eval_then_train"]
+)
 def test_torch_checkpoint_is_exact_on_late_dropout(schedule):
     # the bar: replay must never be worse than torch checkpoint, which preserves the global RNG
     factory = lambda: Stack([GatedMLP(), GatedMLP()])  # noqa: E731
@@ -318,7 +347,7 @@ class BankWriter(Stack):
         with torch.no_grad():
             for b in self.blocks:
                 rows = b.bank.shape[0]
-                b.bank[self.ptr:self.ptr + B] = h.detach()
+                b.bank[self.ptr : self.ptr + B] = h.detach()
                 if self.ptr + B == rows:
                     b.filled.fill_(True)
             self.ptr = (self.ptr + B) % self.blocks[0].bank.shape[0]
@@ -460,8 +489,8 @@ class RepointingStack(Stack):
         self.offset = (self.offset + 4) % 12
         with torch.no_grad():
             for b in self.blocks:
-                b.table[self.offset:self.offset + 4].add_(h.detach())
-                b.rows = b.table[self.offset:self.offset + 4]
+                b.table[self.offset : self.offset + 4].add_(h.detach())
+                b.rows = b.table[self.offset : self.offset + 4]
 
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
@@ -951,7 +980,7 @@ class InPlaceEnqueue(Stack):
     def after(self, h):
         with torch.no_grad():
             for b in self.blocks:
-                b.queue[self.ptr:self.ptr + B] = h.detach()
+                b.queue[self.ptr : self.ptr + B] = h.detach()
         self.ptr = (self.ptr + B) % 8
 
 
@@ -975,8 +1004,12 @@ def test_set_options_while_an_invocation_waits_for_backward(preservation):
 
 def _replan_between_forwards(model, x, engine, step):
     a = model(x)
-    if engine is not None and engine.costs is not None and not engine._calibration \
-            and engine.plan is not None:
+    if (
+        engine is not None
+        and engine.costs is not None
+        and not engine._calibration
+        and engine.plan is not None
+    ):
         engine.replan(budget="min" if step % 2 else None)
     b = model(x * 2.0)
     (a.pow(2).mean() + b.pow(2).mean()).backward()
@@ -985,8 +1018,15 @@ def _replan_between_forwards(model, x, engine, step):
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_replan_while_an_invocation_waits_for_backward(preservation):
     factory = lambda: InPlaceEnqueue([QueueNorm(), QueueNorm()])  # noqa: E731
-    assert_exact(factory, SEGS2, preservation, steps=10, step_fn=_replan_between_forwards,
-                 budget="min", calibration_steps=1)
+    assert_exact(
+        factory,
+        SEGS2,
+        preservation,
+        steps=10,
+        step_fn=_replan_between_forwards,
+        budget="min",
+        calibration_steps=1,
+    )
 
 
 # ============================================================ 8. checks and the engine's reaction
@@ -1018,8 +1058,9 @@ class Everything(nn.Module):
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_checked_steps_leak_none_of_the_replays_side_effects(preservation):
     factory = lambda: Stack([Everything(1), Everything(2)])  # noqa: E731
-    summary, records = assert_exact(factory, SEGS2, preservation, steps=7,
-                                    checks=(1, 2, 3, 4, 5, 6))
+    summary, records = assert_exact(
+        factory, SEGS2, preservation, steps=7, checks=(1, 2, 3, 4, 5, 6)
+    )
     grad_checks = [r for r in records if r.check == "grad"]
     assert grad_checks, "no derivative check ran"
     assert {r.outcome for r in grad_checks} == {"match"}, grad_checks
@@ -1061,8 +1102,11 @@ def test_a_divergence_reprobes_then_demotes_to_retain():
     assert_same_grads(g_ref, g_rep)
     assert_same_state(snapshot_state(ref), snapshot_state(model))
     for seg in SEGS2:
-        reactions = [json.loads(r.detail)["action"] for r in records
-                     if r.segment == seg and r.check == "reaction"]
+        reactions = [
+            json.loads(r.detail)["action"]
+            for r in records
+            if r.segment == seg and r.check == "reaction"
+        ]
         assert reactions == ["re-probe", "retain"], (seg, reactions)
         assert summary[seg]["mode"] == "retain", summary[seg]
 

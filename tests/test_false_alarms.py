@@ -7,6 +7,7 @@ state (parameters, buffers, tensor and tuple attributes, generators, plain attri
 bit. Where the library must refuse by design, the test asserts one message that names the
 segment, the state or argument, and the fix.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,7 +28,8 @@ from tests.helpers.compare import assert_same_grads, assert_same_state
 # here are what users train today.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.ao.quantization is deprecated:DeprecationWarning",
-    "ignore:Please use quant_min and quant_max:UserWarning")
+    "ignore:Please use quant_min and quant_max:UserWarning",
+)
 
 D, B = 8, 6
 PRESERVATIONS = ("auto", "whole", "regions")
@@ -52,14 +54,21 @@ def _train(model: nn.Module, step_fn: StepFn, steps: int, lr_: float = 0.05) -> 
         torch.manual_seed(1000 + step)
         opt.zero_grad(set_to_none=True)
         step_fn(model, step)
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
+        grads.append(
+            {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        )
         opt.step()
     return grads
 
 
-def _replays_exactly(make_model: Callable[[], nn.Module], segments, step_fn: StepFn = _mse_step,
-                     steps: int = 6, lr_: float = 0.05, **install_kw) -> lr.ReplayEngine:
+def _replays_exactly(
+    make_model: Callable[[], nn.Module],
+    segments,
+    step_fn: StepFn = _mse_step,
+    steps: int = 6,
+    lr_: float = 0.05,
+    **install_kw,
+) -> lr.ReplayEngine:
     """Train plain and under replay from one deep copy; assert no warning, no error, same
     gradients every step and same state after. Returns the (still installed) engine."""
     torch.manual_seed(0)
@@ -121,9 +130,14 @@ class SymmetricQATBlock(nn.Module):
     def __init__(self, dim: int = D) -> None:
         super().__init__()
         self.fc = nn.Linear(dim, dim)
-        self.fq = tq.FakeQuantize(observer=tq.MovingAverageMinMaxObserver, quant_min=-128,
-                                  quant_max=127, dtype=torch.qint8,
-                                  qscheme=torch.per_tensor_symmetric, averaging_constant=0.5)
+        self.fq = tq.FakeQuantize(
+            observer=tq.MovingAverageMinMaxObserver,
+            quant_min=-128,
+            quant_max=127,
+            dtype=torch.qint8,
+            qscheme=torch.per_tensor_symmetric,
+            averaging_constant=0.5,
+        )
 
     def forward(self, x):
         return x + torch.tanh(self.fq(self.fc(x)))
@@ -131,19 +145,24 @@ class SymmetricQATBlock(nn.Module):
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_fake_quantize_zero_point_written_with_same_bytes(preservation):
-    engine = _replays_exactly(lambda: Stack([SymmetricQATBlock(), SymmetricQATBlock()]),
-                              _names(2), preservation=preservation)
+    engine = _replays_exactly(
+        lambda: Stack([SymmetricQATBlock(), SymmetricQATBlock()]),
+        _names(2),
+        preservation=preservation,
+    )
     assert _replayed(engine, "blocks.1") >= 4
 
 
 def test_prepare_qat_model_replays_exactly():
     """A whole model prepared by torch.ao.quantization.prepare_qat (weight and activation
     fake-quant modules in every block; zero points written and unchanged at step 0)."""
+
     def make():
         m = Stack([Mix(), Mix(), Mix()])
         m.train()
         m.qconfig = tq.get_default_qat_qconfig("x86")
         return tq.prepare_qat(m, inplace=False)
+
     engine = _replays_exactly(make, _names(3))
     assert all(_replayed(engine, n) >= 4 for n in _names(3))
 
@@ -189,8 +208,9 @@ def test_embedding_max_norm_renorm_starts_after_probe(preservation):
     ref = copy.deepcopy(probe)
     _train(ref, _tokens_step, 8, lr_=2.0)
     assert ref.embed.emb.weight.norm(dim=1).max() > 0.999  # rows got renormalized later
-    engine = _replays_exactly(EmbedModel, ["embed", "blocks.0"], _tokens_step, steps=8, lr_=2.0,
-                              preservation=preservation)
+    engine = _replays_exactly(
+        EmbedModel, ["embed", "blocks.0"], _tokens_step, steps=8, lr_=2.0, preservation=preservation
+    )
     assert _replayed(engine, "embed") >= 5
 
 
@@ -217,8 +237,13 @@ def _growing_step(model, step):
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_write_then_read_buffer_unchanged_at_probe(preservation):
-    engine = _replays_exactly(lambda: Stack([WarmupPeakBlock(), Mix()]), _names(2),
-                              _growing_step, lr_=1e-4, preservation=preservation)
+    engine = _replays_exactly(
+        lambda: Stack([WarmupPeakBlock(), Mix()]),
+        _names(2),
+        _growing_step,
+        lr_=1e-4,
+        preservation=preservation,
+    )
     model = engine.model
     assert 50.0 < float(model.blocks[0].peak) < 1e4  # it did move, after the probe step
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -258,15 +283,17 @@ class DataRebindBlock(nn.Module):
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_data_and_detach_writes_inside_segment(preservation):
-    engine = _replays_exactly(lambda: Stack([DataWriteBlock(), Mix()]), _names(2),
-                              preservation=preservation)
+    engine = _replays_exactly(
+        lambda: Stack([DataWriteBlock(), Mix()]), _names(2), preservation=preservation
+    )
     assert all(_replayed(engine, n) >= 4 for n in _names(2))
 
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_data_rebind_inside_segment(preservation):
-    engine = _replays_exactly(lambda: Stack([DataRebindBlock(), Mix()]), _names(2),
-                              preservation=preservation)
+    engine = _replays_exactly(
+        lambda: Stack([DataRebindBlock(), Mix()]), _names(2), preservation=preservation
+    )
     assert _replayed(engine, "blocks.0") >= 4
 
 
@@ -278,11 +305,20 @@ class FusedFakeQuantBlock(nn.Module):
         super().__init__()
         self.fc = nn.Linear(dim, dim)
         self.wfq = tq.FusedMovingAvgObsFakeQuantize(
-            observer=tq.MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127,
-            dtype=torch.qint8, qscheme=torch.per_channel_symmetric, ch_axis=0)
+            observer=tq.MovingAveragePerChannelMinMaxObserver,
+            quant_min=-128,
+            quant_max=127,
+            dtype=torch.qint8,
+            qscheme=torch.per_channel_symmetric,
+            ch_axis=0,
+        )
         self.afq = tq.FusedMovingAvgObsFakeQuantize(
-            observer=tq.MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
-            dtype=torch.quint8, qscheme=torch.per_tensor_affine)
+            observer=tq.MovingAverageMinMaxObserver,
+            quant_min=0,
+            quant_max=255,
+            dtype=torch.quint8,
+            qscheme=torch.per_tensor_affine,
+        )
 
     def forward(self, x):
         return x + torch.tanh(self.afq(F.linear(x, self.wfq(self.fc.weight), self.fc.bias)))
@@ -293,8 +329,12 @@ class FusedActivationOnlyBlock(nn.Module):
         super().__init__()
         self.fc = nn.Linear(dim, dim)
         self.afq = tq.FusedMovingAvgObsFakeQuantize(
-            observer=tq.MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
-            dtype=torch.quint8, qscheme=torch.per_tensor_affine)
+            observer=tq.MovingAverageMinMaxObserver,
+            quant_min=0,
+            quant_max=255,
+            dtype=torch.quint8,
+            qscheme=torch.per_tensor_affine,
+        )
 
     def forward(self, x):
         return x + torch.tanh(self.afq(self.fc(x)))
@@ -302,15 +342,19 @@ class FusedActivationOnlyBlock(nn.Module):
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_fused_fake_quant_activation(preservation):
-    engine = _replays_exactly(lambda: Stack([FusedActivationOnlyBlock(), Mix()]), _names(2),
-                              preservation=preservation)
+    engine = _replays_exactly(
+        lambda: Stack([FusedActivationOnlyBlock(), Mix()]), _names(2), preservation=preservation
+    )
     assert _replayed(engine, "blocks.0") >= 4
 
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_fused_fake_quant_weight_and_activation(preservation):
-    engine = _replays_exactly(lambda: Stack([FusedFakeQuantBlock(), FusedFakeQuantBlock()]),
-                              _names(2), preservation=preservation)
+    engine = _replays_exactly(
+        lambda: Stack([FusedFakeQuantBlock(), FusedFakeQuantBlock()]),
+        _names(2),
+        preservation=preservation,
+    )
     assert _replayed(engine, "blocks.1") >= 4
 
 
@@ -331,8 +375,9 @@ class HistogramQuantBlock(nn.Module):
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_histogram_observer_write_then_read(preservation):
-    engine = _replays_exactly(lambda: Stack([HistogramQuantBlock(), Mix()]), _names(2),
-                              steps=5, preservation=preservation)
+    engine = _replays_exactly(
+        lambda: Stack([HistogramQuantBlock(), Mix()]), _names(2), steps=5, preservation=preservation
+    )
     assert _replayed(engine, "blocks.0") >= 3
 
 
@@ -399,6 +444,7 @@ class GradHookModel(Stack):
             def adapt(g):
                 with torch.no_grad():
                     gain.mul_(0.9).add_(g.abs().mean(0))
+
             h.register_hook(adapt)
         return self.head(self.blocks[1](h))
 
@@ -416,8 +462,9 @@ class MomentumQueueModel(nn.Module):
 
     def __init__(self, rows: int = 16, dim: int = D) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([QueueAttnBlock(self, dim),
-                                     nn.Sequential(nn.Linear(dim, dim), nn.BatchNorm1d(dim))])
+        self.blocks = nn.ModuleList(
+            [QueueAttnBlock(self, dim), nn.Sequential(nn.Linear(dim, dim), nn.BatchNorm1d(dim))]
+        )
         self.head = nn.Linear(dim, dim)
         self.register_buffer("queue", F.normalize(torch.randn(rows, dim), dim=1))
         self.ptr = 0
@@ -446,16 +493,22 @@ def _momentum_step(model, step):
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_second_no_grad_root_call_enqueues(preservation):
-    engine = _replays_exactly(MomentumQueueModel, _names(2), _momentum_step,
-                              preservation=preservation)
+    engine = _replays_exactly(
+        MomentumQueueModel, _names(2), _momentum_step, preservation=preservation
+    )
     assert all(_replayed(engine, n) >= 4 for n in _names(2))
 
 
 # ------------------------------------------------ two forwards, one backward
 class BNStack(Stack):
     def __init__(self) -> None:
-        super().__init__([nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Tanh()),
-                          Mix(), nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D))])
+        super().__init__(
+            [
+                nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Tanh()),
+                Mix(),
+                nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D)),
+            ]
+        )
 
 
 def _two_forwards_step(model, step):
@@ -466,8 +519,9 @@ def _two_forwards_step(model, step):
 def test_two_forwards_one_backward_under_min_budget():
     """With budget='min' the plan comes into force after calibration, possibly between the two
     forwards of one step: both forwards' replays must still be exact."""
-    engine = _replays_exactly(BNStack, _names(3), _two_forwards_step, steps=8, budget="min",
-                              calibration_steps=1)
+    engine = _replays_exactly(
+        BNStack, _names(3), _two_forwards_step, steps=8, budget="min", calibration_steps=1
+    )
     assert engine.plan is not None
     assert sum(_replayed(engine, n) for n in _names(3)) >= 8
 
@@ -477,13 +531,14 @@ def _inside_and_outside_step(model, step):
     x = _x(step)
     out = model(x)
     h2 = model.blocks[1](model.pre(x + 0.05))
-    ((out ** 2).mean() + (h2 - model.blocks[1](model.pre(x))).pow(2).mean()).backward()
+    ((out**2).mean() + (h2 - model.blocks[1](model.pre(x))).pow(2).mean()).backward()
 
 
 @pytest.mark.parametrize("budget", [None, "min"])
 def test_segment_called_inside_and_outside_root_forward(budget):
-    engine = _replays_exactly(BNStack, _names(3), _inside_and_outside_step, steps=8,
-                              budget=budget, calibration_steps=1)
+    engine = _replays_exactly(
+        BNStack, _names(3), _inside_and_outside_step, steps=8, budget=budget, calibration_steps=1
+    )
     assert _replayed(engine, "blocks.1") >= 4
 
 
@@ -497,7 +552,7 @@ def _penalty_step(model, step):
     x = _x(step).requires_grad_(True)
     out = model(x)
     (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-    ((out ** 2).mean() + 0.5 * g.pow(2).sum(1).mean()).backward()
+    ((out**2).mean() + 0.5 * g.pow(2).sum(1).mean()).backward()
 
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
@@ -525,8 +580,11 @@ class StatefulLSTMBlock(nn.Module):
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_tuple_state_attribute_lstm(preservation):
-    engine = _replays_exactly(lambda: Stack([StatefulLSTMBlock(), StatefulLSTMBlock()]),
-                              _names(2), preservation=preservation)
+    engine = _replays_exactly(
+        lambda: Stack([StatefulLSTMBlock(), StatefulLSTMBlock()]),
+        _names(2),
+        preservation=preservation,
+    )
     assert all(_replayed(engine, n) >= 4 for n in _names(2))
 
 
@@ -592,7 +650,7 @@ class RebindQueueMoCo(DataQueueMoCo):
     """As above, but the step rebinds the queue buffer to a new tensor (``torch.cat``)."""
 
     def after(self, h):
-        self.queue = torch.cat([F.normalize(h.detach(), dim=1), self.queue])[:self.queue.shape[0]]
+        self.queue = torch.cat([F.normalize(h.detach(), dim=1), self.queue])[: self.queue.shape[0]]
 
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
@@ -610,8 +668,9 @@ def test_buffer_grown_with_resize_after_segment(preservation):
 
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_buffer_grown_with_resize_inside_segment(preservation):
-    engine = _replays_exactly(lambda: Stack([SelfGrowingBlock(), Mix()]), _names(2),
-                              preservation=preservation)
+    engine = _replays_exactly(
+        lambda: Stack([SelfGrowingBlock(), Mix()]), _names(2), preservation=preservation
+    )
     assert _replayed(engine, "blocks.0") >= 4
 
 
@@ -670,8 +729,10 @@ class ReluInplaceBlock(nn.Module):
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 def test_inplace_activation_first_in_segment(preservation):
     engine = _replays_exactly(
-        lambda: Stack([LeakyFirst(), Mix(), ReluInplaceBlock(), LeakyFirst()]), _names(4),
-        preservation=preservation)
+        lambda: Stack([LeakyFirst(), Mix(), ReluInplaceBlock(), LeakyFirst()]),
+        _names(4),
+        preservation=preservation,
+    )
     assert all(_replayed(engine, n) >= 4 for n in _names(4))
 
 
@@ -731,6 +792,7 @@ def test_lazy_linear_segment_keeps_replaying(preservation):
         m = Stack([LazyBlock(), LazyBlock()])
         m(_x(99))  # materialize before the deep copies (plain and replay start equal)
         return m
+
     engine = _replays_exactly(make, _names(2), preservation=preservation)
     assert all(_replayed(engine, n) == 5 for n in _names(2))
 
@@ -800,6 +862,7 @@ def _record_run(steps: int, checked: bool):
             engine.request_check()
         _mse_step(m, step)
         versions.append(engine.summary()["blocks.0"]["contract_version"])
+
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         g_rep = _train(model, step_fn, steps)
@@ -820,8 +883,11 @@ def test_record_mode_rejected_steps_train_on_exact_gradients():
     """With a check on every step, the steps whose replay diverged train on the reference
     gradients: the whole run is exact."""
     g_ref, g_rep, versions, engine, ref, model = _record_run(12, checked=True)
-    outcomes = {(r.segment, r.outcome) for r in engine.records.read()
-                if r.check in ("grad", "bytes", "version")}
+    outcomes = {
+        (r.segment, r.outcome)
+        for r in engine.records.read()
+        if r.check in ("grad", "bytes", "version")
+    }
     assert ("blocks.1", "divergence") in outcomes or ("blocks.1", "rejection") in outcomes
     assert_same_grads(g_ref, g_rep)
     assert_same_state(snapshot_state(ref), snapshot_state(model))
@@ -862,6 +928,7 @@ def test_backward_twice_through_stateless_replay_matches_plain():
         loss = (model(_x(step)) ** 2).mean()
         loss.backward(retain_graph=True)
         loss.backward()
+
     engine = _replays_exactly(lambda: Stack([Mix(), Mix()]), _names(2), step_fn)
     assert all(_replayed(engine, n) >= 5 for n in _names(2))
 
@@ -880,7 +947,7 @@ class KVCache:
 class CacheArgBlock(Mix):
     def forward(self, x, past=None):
         if past is not None:
-            x = x + past.update(x.detach())[-x.shape[0]:]
+            x = x + past.update(x.detach())[-x.shape[0] :]
         return super().forward(x)
 
 

@@ -9,6 +9,7 @@ flat buffer are not aligned to their element size), non-contiguous and offset vi
 tensors over one storage, storages larger than the swap's bounded temporary, and a storage
 swapped for another between a segment's forward and its replay.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -91,8 +92,7 @@ class BankShift(Stack):
 
 @pytest.mark.parametrize("rows", [160_000, 8], ids=["bank_5MiB", "bank_tiny"])
 def test_large_and_small_snapshots_in_one_invocation(rows):
-    assert_exact(lambda: BankShift([BigAndSmall(rows), BigAndSmall(8)]), SEGS2, "whole",
-                 steps=4)
+    assert_exact(lambda: BankShift([BigAndSmall(rows), BigAndSmall(8)]), SEGS2, "whole", steps=4)
 
 
 class Rebinder(Stack):
@@ -133,6 +133,7 @@ def test_snapshot_pools_and_slot_captures_do_not_keep_a_model_alive():
     import weakref
 
     import lightning_replay as lr
+
     model = ShiftAfter([MixedState(), MixedState()])
     engine = lr.install(model, SEGS2, preservation="whole")
     for _ in range(3):  # probe, then steady steps that reuse the pools and captures

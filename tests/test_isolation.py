@@ -1,4 +1,5 @@
 """The per-test isolation in tests/conftest.py restores what tests are known to leak."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,9 @@ def test_lightning_deterministic_trainer_does_not_outlive_the_test(tmp_path):
     import lightning as L
 
     with isolated_globals(BASELINE):
-        L.Trainer(deterministic=True, accelerator="cpu", logger=False,
-                  default_root_dir=str(tmp_path))
+        L.Trainer(
+            deterministic=True, accelerator="cpu", logger=False, default_root_dir=str(tmp_path)
+        )
         assert torch.are_deterministic_algorithms_enabled()  # Lightning turned it on for good
     assert not torch.are_deterministic_algorithms_enabled()
     assert torch_switches() == BASELINE

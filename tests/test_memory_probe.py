@@ -7,6 +7,7 @@ the window changed and is compared with the forward's outputs (a ``bytes`` recor
 referee here is ``torch.profiler``'s allocation events (tests/helpers/torch_memory.py), which
 share no code with the engine.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,8 +21,13 @@ from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.demos.hazards import HAZARDS
-from tests.helpers.compare import (assert_same_grads, assert_same_state, clone_model,
-                                   snapshot_state, train_steps)
+from tests.helpers.compare import (
+    assert_same_grads,
+    assert_same_state,
+    clone_model,
+    snapshot_state,
+    train_steps,
+)
 from tests.helpers.torch_memory import allocation_peak, live_bytes
 
 STEPS = 4
@@ -29,9 +35,12 @@ HUGE = 1 << 40  # a byte budget that every plan meets: only the probe's kind cha
 
 
 def _bytes_records(engine, outcome=None):
-    return [r for r in engine.records.read(check="bytes")
-            if json.loads(r.detail).get("what", "").startswith("replayed probe")
-            and (outcome is None or r.outcome == outcome)]
+    return [
+        r
+        for r in engine.records.read(check="bytes")
+        if json.loads(r.detail).get("what", "").startswith("replayed probe")
+        and (outcome is None or r.outcome == outcome)
+    ]
 
 
 @pytest.mark.parametrize("preservation", ["auto", "whole", "regions"])

@@ -84,10 +84,13 @@ MAX_COMBINATIONS = 4096  # keeps exhaustive search to a few ms per example
 
 
 @st.composite
-def cost_tables(draw: st.DrawFn, times: st.SearchStrategy[float] = exact_times, max_segments: int = 10) -> list[SegmentCost]:
+def cost_tables(
+    draw: st.DrawFn, times: st.SearchStrategy[float] = exact_times, max_segments: int = 10
+) -> list[SegmentCost]:
     n = draw(st.integers(0, max_segments))
     subsets = [
-        draw(st.lists(st.sampled_from(OPTION_NAMES), min_size=1, max_size=4, unique=True)) for _ in range(n)
+        draw(st.lists(st.sampled_from(OPTION_NAMES), min_size=1, max_size=4, unique=True))
+        for _ in range(n)
     ]
     # Bound the exhaustive search by trimming the widest segments, keeping the draw random.
     while math.prod(len(s) for s in subsets) > MAX_COMBINATIONS:
@@ -99,7 +102,9 @@ def cost_tables(draw: st.DrawFn, times: st.SearchStrategy[float] = exact_times, 
         SegmentCost(
             f"s{i}",
             activation_bytes=draw(st.integers(0, 80)),
-            options={o: Option(draw(memory), 0.0 if o == "retain" else draw(times)) for o in subset},
+            options={
+                o: Option(draw(memory), 0.0 if o == "retain" else draw(times)) for o in subset
+            },
         )
         for i, subset in enumerate(subsets)
     ]
@@ -119,7 +124,9 @@ HYPOTHESIS = settings(max_examples=200, deadline=None, suppress_health_check=[He
 # joint is exactly optimal.
 
 
-def check_joint_against_exhaustive(costs: list[SegmentCost], base: int, budgets: list[int], exact: bool) -> None:
+def check_joint_against_exhaustive(
+    costs: list[SegmentCost], base: int, budgets: list[int], exact: bool
+) -> None:
     plans = all_plans(costs, base)
     lowest_peak = min(peak for peak, _, _ in plans)
     assert min_feasible_budget(costs, base) == lowest_peak
@@ -208,9 +215,15 @@ def realistic_costs(n: int, rng: random.Random) -> list[SegmentCost]:
                 act,
                 {
                     "retain": Option(act + inputs, 0.0),
-                    "recompute": Option(inputs + rng.randint(0, act // 4), fwd * rng.uniform(1.0, 1.3)),
-                    "whole": Option(inputs + rng.randint(act // 10, act // 2), fwd * rng.uniform(1.0, 1.2)),
-                    "regions": Option(inputs + rng.randint(0, act // 8), fwd * rng.uniform(1.1, 1.6)),
+                    "recompute": Option(
+                        inputs + rng.randint(0, act // 4), fwd * rng.uniform(1.0, 1.3)
+                    ),
+                    "whole": Option(
+                        inputs + rng.randint(act // 10, act // 2), fwd * rng.uniform(1.0, 1.2)
+                    ),
+                    "regions": Option(
+                        inputs + rng.randint(0, act // 8), fwd * rng.uniform(1.1, 1.6)
+                    ),
                 },
             )
         )
@@ -249,7 +262,9 @@ def feasible_pareto_reference(costs: list[SegmentCost], budget: int) -> float | 
         for prefix, t in front.items():
             for name, opt in seg.options.items():
                 grown = prefix + opt.memory
-                if grown + rest[i + 1] > budget or (name != "retain" and grown + seg.activation_bytes > budget):
+                if grown + rest[i + 1] > budget or (
+                    name != "retain" and grown + seg.activation_bytes > budget
+                ):
                     continue
                 if grown not in nxt or t + opt.time < nxt[grown]:
                     nxt[grown] = t + opt.time
@@ -301,7 +316,7 @@ def test_joint_plans_256_segments_within_budget_and_optimally() -> None:
     for i, c in enumerate(costs):
         for o in c.options:
             if c.options[o].time < c.options[combo[i]].time:
-                moved = combo[:i] + [o] + combo[i + 1:]
+                moved = combo[:i] + [o] + combo[i + 1 :]
                 assert linear_peak(costs, moved) > budget, (c.name, combo[i], o)
 
 
@@ -309,7 +324,11 @@ def test_joint_takes_the_lowest_peak_when_time_does_not_matter() -> None:
     # Every option is free: the tie-break should give the lowest peak of any plan.
     rng = random.Random(3)
     costs = [
-        SegmentCost(f"b{i}", rng.randint(1, 100), {o: Option(rng.randint(0, 100), 0.0) for o in OPTION_NAMES})
+        SegmentCost(
+            f"b{i}",
+            rng.randint(1, 100),
+            {o: Option(rng.randint(0, 100), 0.0) for o in OPTION_NAMES},
+        )
         for i in range(30)
     ]
     p = plan(costs, budget=10**9, base_memory=7)
@@ -368,7 +387,9 @@ def test_baselines_hold_the_budget_or_report_their_minimum(data: st.DataObject) 
 @settings(max_examples=100, deadline=None)
 def test_fixed_baselines_choose_what_they_promise(costs: list[SegmentCost]) -> None:
     def lowest(c: SegmentCost, names: list[str]) -> str:
-        return min(names, key=lambda o: (c.options[o].memory, c.options[o].time, OPTION_NAMES.index(o)))
+        return min(
+            names, key=lambda o: (c.options[o].memory, c.options[o].time, OPTION_NAMES.index(o))
+        )
 
     big = 10**6
     retain = plan(costs, budget=big, method="retain_all").choices
@@ -377,7 +398,13 @@ def test_fixed_baselines_choose_what_they_promise(costs: list[SegmentCost]) -> N
     for c in costs:
         names = list(c.options)
         assert retain[c.name] == ("retain" if "retain" in names else lowest(c, names))
-        expected_whole = "whole" if "whole" in names else "recompute" if "recompute" in names else lowest(c, names)
+        expected_whole = (
+            "whole"
+            if "whole" in names
+            else "recompute"
+            if "recompute" in names
+            else lowest(c, names)
+        )
         assert whole[c.name] == expected_whole
         replayed = [o for o in names if o != "retain"]
         assert regions[c.name] == (lowest(c, replayed) if replayed else "retain")
@@ -385,7 +412,9 @@ def test_fixed_baselines_choose_what_they_promise(costs: list[SegmentCost]) -> N
 
 @given(costs=cost_tables(any_times), budget=st.integers(0, 600))
 @settings(max_examples=100, deadline=None)
-def test_eager_whole_never_uses_regions_where_it_has_a_choice(costs: list[SegmentCost], budget: int) -> None:
+def test_eager_whole_never_uses_regions_where_it_has_a_choice(
+    costs: list[SegmentCost], budget: int
+) -> None:
     try:
         p = plan(costs, budget=budget, method="eager_whole")
     except InfeasibleBudget:
@@ -403,12 +432,28 @@ def test_eager_whole_takes_free_savings_first_then_best_ratio() -> None:
         SegmentCost("b", 10, {"retain": Option(100, 0.0), "recompute": Option(80, 0.0)}),  # free
         SegmentCost("c", 10, {"retain": Option(100, 0.0), "whole": Option(20, 1.0)}),  # 80 B/s
     ]
-    assert plan(costs, budget=300, method="eager_whole").choices == {"a": "retain", "b": "retain", "c": "retain"}
+    assert plan(costs, budget=300, method="eager_whole").choices == {
+        "a": "retain",
+        "b": "retain",
+        "c": "retain",
+    }
     # Peaks along the path: 300 (all retain), 280 (b, replay 100+80+10), 210 (c, replay
     # 100+80+20+10), 160 (a, replay 50+80+20+10).
-    assert plan(costs, budget=280, method="eager_whole").choices == {"a": "retain", "b": "recompute", "c": "retain"}
-    assert plan(costs, budget=210, method="eager_whole").choices == {"a": "retain", "b": "recompute", "c": "whole"}
-    assert plan(costs, budget=209, method="eager_whole").choices == {"a": "whole", "b": "recompute", "c": "whole"}
+    assert plan(costs, budget=280, method="eager_whole").choices == {
+        "a": "retain",
+        "b": "recompute",
+        "c": "retain",
+    }
+    assert plan(costs, budget=210, method="eager_whole").choices == {
+        "a": "retain",
+        "b": "recompute",
+        "c": "whole",
+    }
+    assert plan(costs, budget=209, method="eager_whole").choices == {
+        "a": "whole",
+        "b": "recompute",
+        "c": "whole",
+    }
     with pytest.raises(InfeasibleBudget) as info:
         plan(costs, budget=159, method="eager_whole")
     assert info.value.min_feasible == 160
@@ -416,7 +461,11 @@ def test_eager_whole_takes_free_savings_first_then_best_ratio() -> None:
 
 def test_joint_uses_regions_where_eager_whole_cannot_fit() -> None:
     costs = [
-        SegmentCost(f"b{i}", 100, {"retain": Option(100, 0.0), "whole": Option(40, 1.0), "regions": Option(20, 1.5)})
+        SegmentCost(
+            f"b{i}",
+            100,
+            {"retain": Option(100, 0.0), "whole": Option(40, 1.0), "regions": Option(20, 1.5)},
+        )
         for i in range(3)
     ]
     p = plan(costs, budget=160)
@@ -434,7 +483,11 @@ def test_joint_uses_regions_where_eager_whole_cannot_fit() -> None:
 
 def two_blocks() -> list[SegmentCost]:
     return [
-        SegmentCost("a", 50, {"retain": Option(50, 0.0), "whole": Option(10, 1.0), "regions": Option(5, 2.0)}),
+        SegmentCost(
+            "a",
+            50,
+            {"retain": Option(50, 0.0), "whole": Option(10, 1.0), "regions": Option(5, 2.0)},
+        ),
         SegmentCost("b", 80, {"retain": Option(80, 0.0), "recompute": Option(20, 0.5)}),
     ]
 
@@ -444,7 +497,10 @@ def two_blocks() -> list[SegmentCost]:
     [
         ({"a": "retain", "b": "retain"}, 5 + 50 + 80),  # nothing replays: all activations held
         ({"a": "whole", "b": "retain"}, 5 + max(10 + 80, 10 + 50)),  # a replays with b freed
-        ({"a": "retain", "b": "recompute"}, 5 + max(50 + 20, 50 + 20 + 80)),  # b replays on top of a
+        (
+            {"a": "retain", "b": "recompute"},
+            5 + max(50 + 20, 50 + 20 + 80),
+        ),  # b replays on top of a
         ({"a": "regions", "b": "recompute"}, 5 + max(5 + 20, 5 + 50, 5 + 20 + 80)),
     ],
 )
@@ -476,7 +532,10 @@ def test_predicted_peak_rejects_bad_choices(choices: dict[str, str], message: st
 def test_plan_is_deterministic_and_in_forward_order() -> None:
     rng = random.Random(5)
     costs = realistic_costs(30, rng)
-    shuffled = [SegmentCost(c.name, c.activation_bytes, dict(reversed(list(c.options.items())))) for c in costs]
+    shuffled = [
+        SegmentCost(c.name, c.activation_bytes, dict(reversed(list(c.options.items()))))
+        for c in costs
+    ]
     budget = min_feasible_budget(costs) + 500 * MiB
     p, q = plan(costs, budget=budget), plan(shuffled, budget=budget)
     assert p == q and hash(p) == hash(q)
@@ -496,10 +555,22 @@ def test_infeasible_budget_message_says_what_to_do() -> None:
     assert isinstance(err, ValueError)
     assert err.min_feasible == 256 * MiB + GiB
     text = str(err)
-    for expected in (str(512 * MiB), "512.00 MiB", str(err.min_feasible), "1.25 GiB", "'joint'", "Raise the budget"):
+    for expected in (
+        str(512 * MiB),
+        "512.00 MiB",
+        str(err.min_feasible),
+        "1.25 GiB",
+        "'joint'",
+        "Raise the budget",
+    ):
         assert expected in text
     clone = pickle.loads(pickle.dumps(err))
-    assert (clone.budget, clone.min_feasible, clone.method, str(clone)) == (err.budget, err.min_feasible, err.method, text)
+    assert (clone.budget, clone.min_feasible, clone.method, str(clone)) == (
+        err.budget,
+        err.min_feasible,
+        err.method,
+        text,
+    )
 
 
 def test_infeasible_baseline_message_suggests_another_method() -> None:
@@ -512,7 +583,9 @@ def test_infeasible_baseline_message_suggests_another_method() -> None:
     with pytest.raises(InfeasibleBudget) as info:
         plan(costs, budget=80, method="retain_all")
     text = str(info.value)
-    assert "another method" in text and "method='joint' fits budgets down to 85 B (85 bytes)" in text
+    assert (
+        "another method" in text and "method='joint' fits budgets down to 85 B (85 bytes)" in text
+    )
 
 
 @pytest.mark.parametrize(
@@ -526,10 +599,22 @@ def test_infeasible_baseline_message_suggests_another_method() -> None:
         (lambda: Option(True, 0.0), TypeError, "memory.*True"),
         (lambda: Option(1, "fast"), TypeError, "time.*fast"),
         (lambda: SegmentCost("b", 1, {}), ValueError, "segment 'b' has no options"),
-        (lambda: SegmentCost("b", 1, {"snapshot": Option(1, 0.0)}), ValueError, "segment 'b'.*unknown option 'snapshot'"),
-        (lambda: SegmentCost("b", -3, {"retain": Option(1, 0.0)}), ValueError, "segment 'b'.*activation_bytes.*-3"),
+        (
+            lambda: SegmentCost("b", 1, {"snapshot": Option(1, 0.0)}),
+            ValueError,
+            "segment 'b'.*unknown option 'snapshot'",
+        ),
+        (
+            lambda: SegmentCost("b", -3, {"retain": Option(1, 0.0)}),
+            ValueError,
+            "segment 'b'.*activation_bytes.*-3",
+        ),
         (lambda: SegmentCost("", 1, {"retain": Option(1, 0.0)}), ValueError, "name"),
-        (lambda: SegmentCost("b", 1, {"retain": (1, 0.0)}), TypeError, "segment 'b'.*'retain'.*Option"),
+        (
+            lambda: SegmentCost("b", 1, {"retain": (1, 0.0)}),
+            TypeError,
+            "segment 'b'.*'retain'.*Option",
+        ),
     ],
 )
 def test_cost_validation(build: Callable[[], object], error: type[Exception], message: str) -> None:
@@ -572,7 +657,9 @@ def test_plan_argument_validation(kwargs: dict, error: type[Exception], message:
 
 @given(costs=cost_tables(any_times), budget=st.integers(0, 600), method=st.sampled_from(METHODS))
 @settings(max_examples=100, deadline=None)
-def test_costs_and_plans_round_trip_through_json(costs: list[SegmentCost], budget: int, method: str) -> None:
+def test_costs_and_plans_round_trip_through_json(
+    costs: list[SegmentCost], budget: int, method: str
+) -> None:
     restored = costs_from_dict(json.loads(json.dumps(costs_to_dict(costs))))
     assert restored == costs
     try:
@@ -581,7 +668,15 @@ def test_costs_and_plans_round_trip_through_json(costs: list[SegmentCost], budge
         return
     saved = json.loads(json.dumps(p.to_dict()))
     assert Plan.from_dict(saved) == p
-    assert plan(restored, budget=saved["budget"], base_memory=saved["base_memory"], method=saved["method"]) == p
+    assert (
+        plan(
+            restored,
+            budget=saved["budget"],
+            base_memory=saved["base_memory"],
+            method=saved["method"],
+        )
+        == p
+    )
 
 
 @pytest.mark.parametrize(
@@ -590,10 +685,46 @@ def test_costs_and_plans_round_trip_through_json(costs: list[SegmentCost], budge
         ({"schema": 2, "segments": []}, "schema 2.*schema 1"),
         ({"segments": []}, "schema None"),
         ({"schema": 1}, "segments"),
-        ({"schema": 1, "segments": [{"name": "b", "options": {}}]}, "segment 'b'.*activation_bytes"),
-        ({"schema": 1, "segments": [{"name": "b", "activation_bytes": 1, "options": {"retain": {"memory": 1}}}]}, "segment 'b'.*'retain'.*'time'"),
-        ({"schema": 1, "segments": [{"name": "b", "activation_bytes": 1, "options": {"retain": {"memory": -1, "time": 0}}}]}, "segment 'b'.*'retain'.*-1"),
-        ({"schema": 1, "segments": [{"name": "b", "activation_bytes": 1, "options": {"retain": {"memory": 1, "time": 0}}}] * 2}, "duplicate"),
+        (
+            {"schema": 1, "segments": [{"name": "b", "options": {}}]},
+            "segment 'b'.*activation_bytes",
+        ),
+        (
+            {
+                "schema": 1,
+                "segments": [
+                    {"name": "b", "activation_bytes": 1, "options": {"retain": {"memory": 1}}}
+                ],
+            },
+            "segment 'b'.*'retain'.*'time'",
+        ),
+        (
+            {
+                "schema": 1,
+                "segments": [
+                    {
+                        "name": "b",
+                        "activation_bytes": 1,
+                        "options": {"retain": {"memory": -1, "time": 0}},
+                    }
+                ],
+            },
+            "segment 'b'.*'retain'.*-1",
+        ),
+        (
+            {
+                "schema": 1,
+                "segments": [
+                    {
+                        "name": "b",
+                        "activation_bytes": 1,
+                        "options": {"retain": {"memory": 1, "time": 0}},
+                    }
+                ]
+                * 2,
+            },
+            "duplicate",
+        ),
     ],
 )
 def test_costs_from_dict_rejects_bad_tables(data: dict, message: str) -> None:
@@ -631,7 +762,9 @@ def pinned_tables(draw: st.DrawFn) -> tuple[list[SegmentCost], dict[str, set[str
     allowed = {}
     for seg in costs:
         if draw(st.booleans()):
-            allowed[seg.name] = set(draw(st.lists(st.sampled_from(list(seg.options)), min_size=1, unique=True)))
+            allowed[seg.name] = set(
+                draw(st.lists(st.sampled_from(list(seg.options)), min_size=1, unique=True))
+            )
     return costs, allowed
 
 
@@ -644,10 +777,16 @@ def test_every_method_honours_the_pins(data: st.DataObject) -> None:
     budget = data.draw(st.integers(0, 600))
     # The reference: the same method on a table that only has the allowed options.
     cut = [
-        SegmentCost(c.name, c.activation_bytes, {o: v for o, v in c.options.items() if o in allowed.get(c.name, c.options)})
+        SegmentCost(
+            c.name,
+            c.activation_bytes,
+            {o: v for o, v in c.options.items() if o in allowed.get(c.name, c.options)},
+        )
         for c in costs
     ]
-    assert min_feasible_budget(costs, base, method, allowed=allowed) == min_feasible_budget(cut, base, method)
+    assert min_feasible_budget(costs, base, method, allowed=allowed) == min_feasible_budget(
+        cut, base, method
+    )
     try:
         p = plan(costs, budget=budget, base_memory=base, method=method, allowed=allowed)
     except InfeasibleBudget as err:
@@ -662,7 +801,11 @@ def test_every_method_honours_the_pins(data: st.DataObject) -> None:
 
 def test_joint_with_pins_is_optimal_among_pinned_plans() -> None:
     costs = [
-        SegmentCost(f"b{i}", 100, {"retain": Option(100, 0.0), "whole": Option(40, 1.0), "regions": Option(20, 1.5)})
+        SegmentCost(
+            f"b{i}",
+            100,
+            {"retain": Option(100, 0.0), "whole": Option(40, 1.0), "regions": Option(20, 1.5)},
+        )
         for i in range(3)
     ]
     allowed = {"b0": {"retain"}, "b2": {"retain", "whole"}}
@@ -692,7 +835,11 @@ def test_infeasible_with_pins_names_the_pins_and_says_unpinning_helps() -> None:
     assert "preservation pins {'a': retain, 'b': retain}" in text
     assert "Without the pins the budget fits" in text and str(pinned) in text
     clone = pickle.loads(pickle.dumps(err))
-    assert (clone.pins, clone.unpinned_min_feasible, str(clone)) == (err.pins, err.unpinned_min_feasible, text)
+    assert (clone.pins, clone.unpinned_min_feasible, str(clone)) == (
+        err.pins,
+        err.unpinned_min_feasible,
+        text,
+    )
     # A pin that restricts nothing is not named.
     with pytest.raises(InfeasibleBudget) as info:
         plan(costs, budget=free - 1, allowed={"a": set(costs[0].options)})
@@ -704,10 +851,18 @@ def test_infeasible_with_pins_names_the_pins_and_says_unpinning_helps() -> None:
     [
         ({"nope": {"retain"}}, ValueError, "allowed names segment 'nope'"),
         ({"a": set()}, ValueError, r"allowed\['a'\] must be a non-empty set"),
-        ({"a": {"keep"}}, ValueError, r"allowed\['a'\] must be a non-empty set of options .* got \['keep'\]"),
+        (
+            {"a": {"keep"}},
+            ValueError,
+            r"allowed\['a'\] must be a non-empty set of options .* got \['keep'\]",
+        ),
         ({"a": "retain"}, TypeError, r"allowed\['a'\] must be a set of option names"),
         (["a"], TypeError, "allowed must map segment names"),
-        ({"b": {"regions"}}, ValueError, r"segment 'b' is pinned to \['regions'\], but its measured options are"),
+        (
+            {"b": {"regions"}},
+            ValueError,
+            r"segment 'b' is pinned to \['regions'\], but its measured options are",
+        ),
     ],
 )
 def test_bad_pins_are_refused(allowed: object, error: type[Exception], message: str) -> None:

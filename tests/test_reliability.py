@@ -1,4 +1,5 @@
 """Reliability of the core: killed processes, long runs, random models (hypothesis)."""
+
 from __future__ import annotations
 
 import copy
@@ -22,7 +23,7 @@ import lightning_replay as lr
 from lightning_replay.demos import hazards as hz
 from tests.helpers.compare import assert_same_grads, diff_state, snapshot_state, train_steps
 
-_CHILD = textwrap.dedent('''
+_CHILD = textwrap.dedent("""
     import sys, torch, lightning_replay as lr
     from lightning_replay.demos.hazards import HAZARDS
     h = HAZARDS["combined"]()
@@ -32,7 +33,7 @@ _CHILD = textwrap.dedent('''
         torch.manual_seed(step)
         h.model(h.make_input(step)).pow(2).mean().backward()
         print(f"done {engine.step}", flush=True)
-''')
+""")
 
 
 def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float) -> int:
@@ -76,8 +77,14 @@ def test_sigkill_leaves_consistent_records_and_resume_appends(tmp_path):
     assert seqs == list(range(1, len(seqs) + 1))
     # a resumed run appends after the last row: no duplicates, no gaps
     store = lr.RecordStore(db, run_id="resumed")
-    store.append(step=done + 1, segment="s", contract_version=1, check="contract",
-                 outcome="match", detail="resumed")
+    store.append(
+        step=done + 1,
+        segment="s",
+        contract_version=1,
+        check="contract",
+        outcome="match",
+        detail="resumed",
+    )
     seqs2 = [r.seq for r in store.read()]
     assert seqs2 == list(range(1, len(seqs) + 2))
 
@@ -87,8 +94,7 @@ def _slope(points: list[tuple[int, int]]) -> float:
     n = len(points)
     mx = sum(x for x, _ in points) / n
     my = sum(y for _, y in points) / n
-    return (sum((x - mx) * (y - my) for x, y in points)
-            / sum((x - mx) ** 2 for x, _ in points))
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
 
 
 def test_long_run_memory_stays_flat():
@@ -200,8 +206,9 @@ class _HFAttention(nn.Module):
             from transformers import GPT2Config
             from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
-            config = GPT2Config(n_embd=dim, n_head=2, n_positions=8, attn_pdrop=0.3,
-                                resid_pdrop=0.2)
+            config = GPT2Config(
+                n_embd=dim, n_head=2, n_positions=8, attn_pdrop=0.3, resid_pdrop=0.2
+            )
             config._attn_implementation = "eager"
             self.attn, self.rope = GPT2Attention(config, layer_idx=0), None
         else:
@@ -211,9 +218,14 @@ class _HFAttention(nn.Module):
                 LlamaRotaryEmbedding,
             )
 
-            config = LlamaConfig(hidden_size=dim, intermediate_size=2 * dim,
-                                 num_attention_heads=2, num_key_value_heads=1,
-                                 max_position_embeddings=8, attention_dropout=0.3)
+            config = LlamaConfig(
+                hidden_size=dim,
+                intermediate_size=2 * dim,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=8,
+                attention_dropout=0.3,
+            )
             config._attn_implementation = "sdpa"
             self.attn = LlamaAttention(config, layer_idx=0)
             self.rope = LlamaRotaryEmbedding(config)
@@ -224,8 +236,7 @@ class _HFAttention(nn.Module):
             out = self.attn(h)[0]
         else:
             positions = torch.arange(h.shape[1]).unsqueeze(0)
-            out = self.attn(h, position_embeddings=self.rope(h, positions),
-                            attention_mask=None)[0]
+            out = self.attn(h, position_embeddings=self.rope(h, positions), attention_mask=None)[0]
         return x + out.squeeze(0)
 
 
@@ -246,8 +257,21 @@ class _TimmDropPath(nn.Module):
 
 
 class RandomStack(nn.Module):
-    KINDS = ("mlp", "bn", "counter", "noise", "flag", "queue", "direct", "late", "inplace",
-             "tuple", "gpt2_attn", "llama_attn", "drop_path")
+    KINDS = (
+        "mlp",
+        "bn",
+        "counter",
+        "noise",
+        "flag",
+        "queue",
+        "direct",
+        "late",
+        "inplace",
+        "tuple",
+        "gpt2_attn",
+        "llama_attn",
+        "drop_path",
+    )
 
     def __init__(self, kinds, dim, rows, write, batch=4):
         super().__init__()
@@ -298,14 +322,19 @@ class RandomStack(nn.Module):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kinds=st.lists(st.sampled_from(RandomStack.KINDS), min_size=1, max_size=4),
-       dim=st.sampled_from([4, 8, 12]), batch=st.integers(2, 6),
-       rows=st.integers(3, 16),
-       write=st.sampled_from(["rows", "slice", "all", "rebind", "none"]),
-       preservation=st.sampled_from(["auto", "whole", "regions"]),
-       checked=st.booleans(), seed=st.integers(0, 2**16))
-def test_random_hazard_stacks_replay_exactly(kinds, dim, batch, rows, write, preservation,
-                                             checked, seed):
+@given(
+    kinds=st.lists(st.sampled_from(RandomStack.KINDS), min_size=1, max_size=4),
+    dim=st.sampled_from([4, 8, 12]),
+    batch=st.integers(2, 6),
+    rows=st.integers(3, 16),
+    write=st.sampled_from(["rows", "slice", "all", "rebind", "none"]),
+    preservation=st.sampled_from(["auto", "whole", "regions"]),
+    checked=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_hazard_stacks_replay_exactly(
+    kinds, dim, batch, rows, write, preservation, checked, seed
+):
     """Exact gradients and state, with or without derivative checks on every step; or, for a
     model plain PyTorch rejects (a block saves the queue and the step writes it), an error.
     Blocks include behaviour that starts after the probe step, in-place ops on the segment's
@@ -316,8 +345,9 @@ def test_random_hazard_stacks_replay_exactly(kinds, dim, batch, rows, write, pre
     base = RandomStack(kinds, dim, rows, write, batch)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     make = lambda s: torch.randn(batch, dim, generator=torch.Generator().manual_seed(seed + s))
-    engine = lr.install(model, [f"blocks.{i}" for i in range(len(kinds))],
-                        preservation=preservation)
+    engine = lr.install(
+        model, [f"blocks.{i}" for i in range(len(kinds))], preservation=preservation
+    )
 
     def make_checked(s):
         if checked:

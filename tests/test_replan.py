@@ -1,6 +1,7 @@
 """The re-plan policy in the core: ``install(replan_on=...)`` re-plans without Lightning, for the
 same reasons ReplayCallback does under the strategy (violations, divergences, a memory misfit,
 changed input shapes), and not at all by default."""
+
 from __future__ import annotations
 
 import warnings
@@ -43,16 +44,24 @@ def _contracts(engine, segment="0"):
     return [r for r in engine.records.read() if r.check == "contract" and r.segment == segment]
 
 
-def _run_with_table_writes(replan_on, write, steps=14, from_step=6, check=False, until=None,
-                           planner="joint"):
+def _run_with_table_writes(
+    replan_on, write, steps=14, from_step=6, check=False, until=None, planner="joint"
+):
     """Train ``steps`` steps; from ``from_step`` on, ``write(table)`` runs inside each window
     (after the forward, before the backward), on the installed model and on an identical
     plain one. Returns the engine, the installed model and the plain one."""
     m, table = _table_model()
     ref, ref_table = _table_model()
-    engine = lr.install(m, ["0", "1", "2"], budget="min", calibration_steps=1,
-                        on_violation="record", planner=planner,
-                        replan_on=replan_on, replan_cooldown_steps=1)
+    engine = lr.install(
+        m,
+        ["0", "1", "2"],
+        budget="min",
+        calibration_steps=1,
+        on_violation="record",
+        planner=planner,
+        replan_on=replan_on,
+        replan_cooldown_steps=1,
+    )
     for step in range(steps):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
         if check and step >= from_step:
@@ -93,8 +102,9 @@ def test_without_replan_on_the_engine_keeps_its_first_plan():
 def test_a_divergence_replans_like_a_rejection():
     """A ``.data`` write bumps no version: only a check sees it, and its divergence is what
     re-plans."""
-    engine, _, _ = _run_with_table_writes(("violations",), lambda t: t.data.add_(0.5),
-                                          check=True, until=7, planner="fixed_regions")
+    engine, _, _ = _run_with_table_writes(
+        ("violations",), lambda t: t.data.add_(0.5), check=True, until=7, planner="fixed_regions"
+    )
     assert engine.records.read(check="version") == []
     assert engine.records.read(outcome="divergence")
     # one re-plan, judged right after the step that re-probed the segment (not before)
@@ -104,10 +114,17 @@ def test_a_divergence_replans_like_a_rejection():
 
 def test_a_memory_misfit_replans_and_the_new_plan_holds_the_budget():
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 32))
-                            for _ in range(4)])
-    engine = lr.install(model, ["0", "1", "2", "3"], budget="1GiB", calibration_steps=1,
-                        replan_on=("memory",), replan_cooldown_steps=1)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 32)) for _ in range(4)]
+    )
+    engine = lr.install(
+        model,
+        ["0", "1", "2", "3"],
+        budget="1GiB",
+        calibration_steps=1,
+        replan_on=("memory",),
+        replan_cooldown_steps=1,
+    )
     peaks = {}
     lowered = None
     for step in range(14):
@@ -127,16 +144,26 @@ def test_a_memory_misfit_replans_and_the_new_plan_holds_the_budget():
     assert after and max(after) <= lowered, (after, lowered)
 
 
-@pytest.mark.parametrize("sizes, replans", [
-    ([8] * 7 + [4] * 4, 1),        # the shapes change for good: one re-plan
-    ([8] * 7 + [4] + [8] * 3, 0),  # one short batch: no re-plan
-])
+@pytest.mark.parametrize(
+    "sizes, replans",
+    [
+        ([8] * 7 + [4] * 4, 1),  # the shapes change for good: one re-plan
+        ([8] * 7 + [4] + [8] * 3, 0),  # one short batch: no re-plan
+    ],
+)
 def test_changed_input_shapes_replan_once_they_persist(sizes, replans):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16), nn.Tanh(),
-                          nn.Linear(16, 1))
-    engine = lr.install(model, ["0", "2"], budget="min", calibration_steps=1,
-                        replan_on=("shapes",), replan_cooldown_steps=1)
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+    engine = lr.install(
+        model,
+        ["0", "2"],
+        budget="min",
+        calibration_steps=1,
+        replan_on=("shapes",),
+        replan_cooldown_steps=1,
+    )
     for i, n in enumerate(sizes):
         model(torch.randn(n, 16, generator=torch.Generator().manual_seed(i))).sum().backward()
     assert engine.replan_policy.replans == replans
@@ -156,14 +183,14 @@ def test_the_policy_waits_while_a_segment_is_probed_and_honours_the_cooldown():
             return {"a": {"status": self.status}}
 
     e = Engine()
-    policy = ReplanPolicy(ReplanSettings(replan_on=("memory", "violations"),
-                                         replan_cooldown_steps=5))
+    policy = ReplanPolicy(
+        ReplanSettings(replan_on=("memory", "violations"), replan_cooldown_steps=5)
+    )
     assert policy.reasons(e, violations=False, peak=600, checked=False) == []
     e.status = "probing"  # a violation is pending, the segment is being probed: wait
     assert policy.reasons(e, violations=True, peak=2000, checked=False) == []
     e.status = "active"
-    assert policy.reasons(e, violations=False, peak=2000, checked=False) == ["memory",
-                                                                             "violations"]
+    assert policy.reasons(e, violations=False, peak=2000, checked=False) == ["memory", "violations"]
     assert policy.reasons(e, violations=False, peak=2000, checked=True) == ["violations"]
     policy.last_replan_step = 8  # re-planned two steps ago: memory waits for the cooldown
     assert policy.reasons(e, violations=False, peak=2000, checked=False) == ["violations"]

@@ -5,6 +5,7 @@ replay code on that side — so a resume path that is wrong in the same way for 
 and an uninterrupted replay run cannot pass. (Lightning's own mid-epoch resume replays the
 epoch's first batches; the plain run does the same, so the comparison stays fair.)
 """
+
 from __future__ import annotations
 
 import lightning as L
@@ -12,8 +13,7 @@ import pytest
 import torch
 
 from lightning_replay import ReplayCallback, ReplayStrategy
-from tests.helpers.lit_hazards import (HazardNet, OneThreadInChild, differing, loader, state,
-                                       trainer)
+from tests.helpers.lit_hazards import HazardNet, OneThreadInChild, differing, loader, state, trainer
 
 BATCHES = 6  # per epoch
 
@@ -21,16 +21,24 @@ BATCHES = 6  # per epoch
 def _interrupted_and_resumed(root, stop_at: int, replay: bool, devices: int = 1):
     """Train to step ``stop_at``, checkpoint, resume in a fresh Trainer and model (other
     initial weights: what it trains must come from the checkpoint) to two epochs."""
+
     def make(**kw):
         if not replay:
             if devices == 1:
                 return trainer(root, **kw)
-            return trainer(root, strategy="ddp_fork", devices=devices,
-                           callbacks=[OneThreadInChild()], **kw)
-        strategy = ReplayStrategy(calibration_steps=1,
-                                  start_method="fork" if devices > 1 else "popen")
-        return trainer(root, strategy=strategy, devices=devices,
-                       callbacks=[ReplayCallback(check_every_n_steps=3)], **kw)
+            return trainer(
+                root, strategy="ddp_fork", devices=devices, callbacks=[OneThreadInChild()], **kw
+            )
+        strategy = ReplayStrategy(
+            calibration_steps=1, start_method="fork" if devices > 1 else "popen"
+        )
+        return trainer(
+            root,
+            strategy=strategy,
+            devices=devices,
+            callbacks=[ReplayCallback(check_every_n_steps=3)],
+            **kw,
+        )
 
     L.seed_everything(7)
     first = HazardNet()

@@ -4,6 +4,7 @@ Autograd skips its "modified by an inplace operation" check for tensors packed b
 hooks, and lightning_replay installs such hooks (the probe, exact memory accounting). Its
 handles keep the check.
 """
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,9 @@ def test_plain_pytorch_rejects_the_model():
         _loss_backward(_Net(), torch.randn(4, 8))
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"track_memory": True}, {"budget": "min"},
-                                    {"preservation": "whole"}])
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"track_memory": True}, {"budget": "min"}, {"preservation": "whole"}]
+)
 def test_engine_raises_instead_of_wrong_gradients(kwargs):
     torch.manual_seed(0)
     model = _Net()

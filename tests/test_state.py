@@ -1,4 +1,5 @@
 """Byte-level primitives: digests and whole-storage swaps."""
+
 import pytest
 import torch
 
@@ -53,6 +54,7 @@ def test_device_digests_read_back_once_for_many_tensors(monkeypatch):
     """On an accelerator a checked step's digests cost one host sync per device, not one per
     tensor (CPU stands in for the device here: its word-sum path is the device code)."""
     from lightning_replay import state as st
+
     tensors = [torch.randn(n) for n in (3, 17, 1024)] + [torch.arange(5, dtype=torch.int8)]
     monkeypatch.setattr(st, "_on_host", lambda b: False)
     reads = []
@@ -61,6 +63,7 @@ def test_device_digests_read_back_once_for_many_tensors(monkeypatch):
     def counting_tolist(self):
         reads.append(tuple(self.shape))
         return real_tolist(self)
+
     monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
     batched = st.digests(tensors)
     assert reads == [(4, 3)]
@@ -75,6 +78,7 @@ def test_a_digested_tensor_can_still_be_resized():
     """A checked step digests the state; a queue grown with ``resize_`` afterwards must still
     grow (``Tensor.numpy()`` would have marked its storage non-resizable)."""
     from lightning_replay.state import digest, digests
+
     q = torch.randn(4, 8)
     before = digest(q)
     digests([q])

@@ -1,7 +1,8 @@
 """Train the sparse-write workload with lightning_replay under a budget (framework-free API).
 
-    python examples/sparse_write/main.py --budget 200MiB --planner joint --steps 12
+python examples/sparse_write/main.py --budget 200MiB --planner joint --steps 12
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,9 @@ from lightning_replay.apps.sparse_write import SparseWriteModel, sparse_write_in
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -38,10 +40,17 @@ def main(argv=None) -> int:
         model(sparse_write_input(step, a.batch, a.dim)).pow(2).mean().backward()
         opt.step()
         stats = engine.window_stats()  # the step just trained
-        print(f"step {step:3d}  {1e3 * (time.perf_counter() - t0):7.1f} ms  "
-              f"peak {lr.format_bytes(stats['peak_bytes'] or 0):>10}  plan v{stats['plan_version']}")
-    print(json.dumps({"plan": engine.plan.to_dict() if engine.plan else None,
-                      "summary": engine.summary()}, indent=1, default=str))
+        print(
+            f"step {step:3d}  {1e3 * (time.perf_counter() - t0):7.1f} ms  "
+            f"peak {lr.format_bytes(stats['peak_bytes'] or 0):>10}  plan v{stats['plan_version']}"
+        )
+    print(
+        json.dumps(
+            {"plan": engine.plan.to_dict() if engine.plan else None, "summary": engine.summary()},
+            indent=1,
+            default=str,
+        )
+    )
     return 0
 
 

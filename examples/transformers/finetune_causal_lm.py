@@ -14,6 +14,7 @@ Run (CPU, about a minute)::
 ``use_cache=False``: HF decoders pass a mutable cache object into every layer when the cache
 is on, which a replay cannot keep exact; the strategy refuses it at the first step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,10 @@ OBJECTS = ["the moon", "a red ball", "the river", "an apple", "the quiet house",
 def generated_text(sentences: int, seed: int = 0) -> str:
     """Simple sentences from a tiny grammar: learnable in a minute by a tiny model."""
     rng = random.Random(seed)
-    return " ".join(f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}."
-                    for _ in range(sentences))
+    return " ".join(
+        f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}."
+        for _ in range(sentences)
+    )
 
 
 class CharTokenizer:
@@ -60,18 +63,36 @@ def build_model(kind: str, vocab: int, context: int, eos: int) -> torch.nn.Modul
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=context, n_embd=64,
-                                          n_layer=4, n_head=4, bos_token_id=eos,
-                                          eos_token_id=eos, use_cache=False))
+        return GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=vocab,
+                n_positions=context,
+                n_embd=64,
+                n_layer=4,
+                n_head=4,
+                bos_token_id=eos,
+                eos_token_id=eos,
+                use_cache=False,
+            )
+        )
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64,
-                                            intermediate_size=128, num_hidden_layers=4,
-                                            num_attention_heads=4, num_key_value_heads=2,
-                                            max_position_embeddings=context, bos_token_id=eos,
-                                            eos_token_id=eos, pad_token_id=eos,
-                                            use_cache=False))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=context,
+                bos_token_id=eos,
+                eos_token_id=eos,
+                pad_token_id=eos,
+                use_cache=False,
+            )
+        )
     raise SystemExit(f"--model {kind!r}: use 'gpt2' or 'llama'")
 
 
@@ -94,9 +115,12 @@ class CausalLM(L.LightningModule):
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
-    parser.add_argument("--budget", default="12MiB",
-                        help="peak-memory budget: bytes, '32MiB', a fraction such as 0.5, "
-                             "or 'min' for the lowest-memory plan")
+    parser.add_argument(
+        "--budget",
+        default="12MiB",
+        help="peak-memory budget: bytes, '32MiB', a fraction such as 0.5, "
+        "or 'min' for the lowest-memory plan",
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--context", type=int, default=48)
     parser.add_argument("--batch", type=int, default=8)
@@ -109,16 +133,22 @@ def main(argv: list[str] | None = None) -> dict:
     ids = tok.encode(text)
     n = (len(ids) - 1) // args.context
     windows = ids[: n * args.context].view(n, args.context)
-    loader = DataLoader(TensorDataset(windows), batch_size=args.batch, shuffle=True,
-                        drop_last=True)
+    loader = DataLoader(TensorDataset(windows), batch_size=args.batch, shuffle=True, drop_last=True)
 
     model = CausalLM(args.model, len(tok.chars), args.context, eos=tok.index["."], lr=3e-3)
     budget = args.budget if not args.budget.replace(".", "", 1).isdigit() else float(args.budget)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.steps,
-                        strategy=ReplayStrategy(budget=budget),
-                        callbacks=[ReplayCallback(check_every_n_steps=20)],
-                        default_root_dir=args.root, logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, log_every_n_steps=10)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.steps,
+        strategy=ReplayStrategy(budget=budget),
+        callbacks=[ReplayCallback(check_every_n_steps=20)],
+        default_root_dir=args.root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=10,
+    )
     trainer.fit(model, loader)
 
     engine = trainer.strategy.engine
@@ -136,8 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     model.eval()
     prompt = tok.encode("the cat ")[None]
     with torch.no_grad():
-        out = model.net.generate(prompt, max_new_tokens=40, do_sample=False,
-                                 pad_token_id=tok.index["."])
+        out = model.net.generate(
+            prompt, max_new_tokens=40, do_sample=False, pad_token_id=tok.index["."]
+        )
     print(f"final loss {result['loss']:.3f}; plan {result['plan']}")
     print(f"checks {result['checks']}, all match: {result['not_match'] == 0}")
     print("sample:", tok.decode(out[0]))

@@ -24,6 +24,7 @@ Example:
     >>> len(ds), ds.data.shape, type(ds).__name__
     (200, (200, 32, 32, 3), 'SyntheticCIFAR100')
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,12 +37,22 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from lightning_replay.config import check_count
 from torchvision.datasets import CIFAR100
 from torchvision.datasets.utils import check_integrity
 
-__all__ = ["CIFAR100_FOLDER", "MANIFEST", "SyntheticCIFAR100", "DatasetNotFound",
-           "has_real_cifar100", "has_synthetic_cifar100", "write_synthetic_cifar100",
-           "open_cifar100", "main"]
+__all__ = [
+    "CIFAR100_FOLDER",
+    "MANIFEST",
+    "SyntheticCIFAR100",
+    "DatasetNotFound",
+    "has_real_cifar100",
+    "has_synthetic_cifar100",
+    "write_synthetic_cifar100",
+    "open_cifar100",
+    "main",
+]
 
 CIFAR100_FOLDER = CIFAR100.base_folder  # "cifar-100-python"
 MANIFEST = "SYNTHETIC.json"
@@ -66,9 +77,10 @@ def _md5(path: Path) -> str:
 def has_real_cifar100(root: str | os.PathLike) -> bool:
     """True when ``root/cifar-100-python`` holds the real CIFAR-100 (torchvision's md5 check)."""
     folder = Path(root) / CIFAR100_FOLDER
-    return all(check_integrity(str(folder / name), md5)
-               for name, md5 in CIFAR100.train_list + CIFAR100.test_list) and \
-        check_integrity(str(folder / CIFAR100.meta["filename"]), CIFAR100.meta["md5"])
+    return all(
+        check_integrity(str(folder / name), md5)
+        for name, md5 in CIFAR100.train_list + CIFAR100.test_list
+    ) and check_integrity(str(folder / CIFAR100.meta["filename"]), CIFAR100.meta["md5"])
 
 
 def _read_manifest(root: str | os.PathLike) -> dict[str, Any] | None:
@@ -106,23 +118,33 @@ class SyntheticCIFAR100(CIFAR100):
         ((32, 32), True)
     """
 
-    def __init__(self, root: str | os.PathLike, train: bool = True,
-                 transform: Callable | None = None,
-                 target_transform: Callable | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        train: bool = True,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+    ) -> None:
         man = _read_manifest(root)
         if man is None:
             raise DatasetNotFound(
                 f"no synthetic CIFAR-100 under {os.fspath(root)!r} (missing "
                 f"{CIFAR100_FOLDER}/{MANIFEST}); write one with "
-                "`python -m lightning_replay.apps.cifar_synth ROOT`")
+                "`python -m lightning_replay.apps.cifar_synth ROOT`"
+            )
         md5 = man["md5"]
         # instance attributes shadow the class lists torchvision's code reads
         self.train_list = [["train", md5["train"]]]
         self.test_list = [["test", md5["test"]]]
         self.meta = dict(CIFAR100.meta, md5=md5["meta"])
         self.synthetic = man
-        super().__init__(root, train=train, transform=transform,
-                         target_transform=target_transform, download=False)
+        super().__init__(
+            root,
+            train=train,
+            transform=transform,
+            target_transform=target_transform,
+            download=False,
+        )
 
 
 # ------------------------------------------------------------------------------------ writing
@@ -130,18 +152,25 @@ def _class_specs(rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Per-class generative parameters (deterministic in the generator's seed)."""
     palettes = rng.uniform(0.05, 0.95, size=(NUM_COARSE, 2, 3))
     # keep the two colours of each palette apart so the grating shows
-    palettes[:, 1] = np.where(np.abs(palettes[:, 1] - palettes[:, 0]) < 0.3,
-                              1.0 - palettes[:, 0], palettes[:, 1])
+    palettes[:, 1] = np.where(
+        np.abs(palettes[:, 1] - palettes[:, 0]) < 0.3, 1.0 - palettes[:, 0], palettes[:, 1]
+    )
     orient = (np.arange(NUM_FINE) % 5) * (np.pi / 5) + rng.uniform(0, np.pi / 10, NUM_FINE)
     freq = 1.5 + 1.0 * ((np.arange(NUM_FINE) // 5) % 4) + rng.uniform(0, 0.5, NUM_FINE)
     blobs = rng.uniform(0, 1, size=(NUM_FINE, 4, 4)) > 0.5
     blob_colour = rng.uniform(0.0, 1.0, size=(NUM_FINE, 3))
-    return {"palettes": palettes, "orient": orient, "freq": freq, "blobs": blobs,
-            "blob_colour": blob_colour}
+    return {
+        "palettes": palettes,
+        "orient": orient,
+        "freq": freq,
+        "blobs": blobs,
+        "blob_colour": blob_colour,
+    }
 
 
-def _render(labels: np.ndarray, specs: dict[str, np.ndarray],
-            rng: np.random.Generator) -> np.ndarray:
+def _render(
+    labels: np.ndarray, specs: dict[str, np.ndarray], rng: np.random.Generator
+) -> np.ndarray:
     """``uint8 [N, 3072]`` images (channel planes R, G, B, each row-major 32x32)."""
     n = len(labels)
     coarse = labels // 5
@@ -149,9 +178,10 @@ def _render(labels: np.ndarray, specs: dict[str, np.ndarray],
     theta = specs["orient"][labels][:, None, None]
     freq = specs["freq"][labels][:, None, None]
     phase = rng.uniform(0, 2 * np.pi, size=(n, 1, 1))
-    wave = 0.5 + 0.5 * np.sin(2 * np.pi * freq * (xx * np.cos(theta) + yy * np.sin(theta))
-                              + phase)                                      # [n, 32, 32]
-    blobs = specs["blobs"][labels].astype(np.float64)                       # [n, 4, 4]
+    wave = 0.5 + 0.5 * np.sin(
+        2 * np.pi * freq * (xx * np.cos(theta) + yy * np.sin(theta)) + phase
+    )  # [n, 32, 32]
+    blobs = specs["blobs"][labels].astype(np.float64)  # [n, 4, 4]
     blobs = np.repeat(np.repeat(blobs, SIZE // 4, axis=1), SIZE // 4, axis=2)
     shift = rng.integers(-4, 5, size=(n, 2))
     for i in range(n):  # a random translation of the blob layout (wrapping)
@@ -183,22 +213,33 @@ def _split(name: str, per_class: int, specs: dict, rng: np.random.Generator) -> 
     from tqdm.auto import tqdm
 
     chunks = []  # fixed-size chunks: the bytes do not depend on whether a bar is shown
-    with tqdm(total=len(labels), desc=f"synthetic CIFAR-100 {name}", unit="img",
-              disable=len(labels) < 10_000, file=sys.stderr) as bar:
+    with tqdm(
+        total=len(labels),
+        desc=f"synthetic CIFAR-100 {name}",
+        unit="img",
+        disable=len(labels) < 10_000,
+        file=sys.stderr,
+    ) as bar:
         for start in range(0, len(labels), _CHUNK):
-            chunks.append(_render(labels[start:start + _CHUNK], specs, rng))
+            chunks.append(_render(labels[start : start + _CHUNK], specs, rng))
             bar.update(len(chunks[-1]))
     data = np.concatenate(chunks)
-    return {"filenames": [f"synthetic_{name}_{i:06d}.png" for i in range(len(labels))],
-            "batch_label": f"synthetic {name} batch 1 of 1",
-            "fine_labels": labels.tolist(),
-            "coarse_labels": (labels // 5).tolist(),
-            "data": data}
+    return {
+        "filenames": [f"synthetic_{name}_{i:06d}.png" for i in range(len(labels))],
+        "batch_label": f"synthetic {name} batch 1 of 1",
+        "fine_labels": labels.tolist(),
+        "coarse_labels": (labels // 5).tolist(),
+        "data": data,
+    }
 
 
-def write_synthetic_cifar100(root: str | os.PathLike, train_per_class: int = 500,
-                             test_per_class: int = 100, seed: int = 0,
-                             overwrite: bool = False) -> Path:
+def write_synthetic_cifar100(
+    root: str | os.PathLike,
+    train_per_class: int = 500,
+    test_per_class: int = 100,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
     """Write a synthetic CIFAR-100 in CIFAR-100's on-disk format under ``root``.
 
     Idempotent: a copy with the same parameters whose files match their checksums is kept.
@@ -218,20 +259,27 @@ def write_synthetic_cifar100(root: str | os.PathLike, train_per_class: int = 500
             synthetic copy with other parameters and ``overwrite`` is false.
     """
     for what, v in (("train_per_class", train_per_class), ("test_per_class", test_per_class)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{what}={v!r} must be an int >= 1")
+        check_count("write_synthetic_cifar100", what, v)
     folder = Path(root) / CIFAR100_FOLDER
-    params = {"format_version": FORMAT_VERSION, "train_per_class": train_per_class,
-              "test_per_class": test_per_class, "seed": seed}
+    params = {
+        "format_version": FORMAT_VERSION,
+        "train_per_class": train_per_class,
+        "test_per_class": test_per_class,
+        "seed": seed,
+    }
     man = _read_manifest(root)
     if man is not None and man.get("params") == params and has_synthetic_cifar100(root):
         return folder
     if has_real_cifar100(root):
-        raise ValueError(f"{os.fspath(root)!r} holds the real CIFAR-100; write the synthetic "
-                         "copy to another directory")
+        raise ValueError(
+            f"{os.fspath(root)!r} holds the real CIFAR-100; write the synthetic "
+            "copy to another directory"
+        )
     if man is not None and man.get("params") != params and not overwrite:
-        raise ValueError(f"{folder} holds a synthetic CIFAR-100 made with {man.get('params')}, "
-                         f"not {params}; pass overwrite=True or use another directory")
+        raise ValueError(
+            f"{folder} holds a synthetic CIFAR-100 made with {man.get('params')}, "
+            f"not {params}; pass overwrite=True or use another directory"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     specs = _class_specs(rng)
@@ -240,14 +288,22 @@ def write_synthetic_cifar100(root: str | os.PathLike, train_per_class: int = 500
         split = _split(name, per, specs, np.random.default_rng([seed, 1 if name == "train" else 2]))
         _dump(folder / name, split)
         md5[name] = _md5(folder / name)
-    _dump(folder / "meta", {"fine_label_names": _fine_names(),
-                            "coarse_label_names": _coarse_names()})
+    _dump(
+        folder / "meta", {"fine_label_names": _fine_names(), "coarse_label_names": _coarse_names()}
+    )
     md5["meta"] = _md5(folder / "meta")
     tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"params": params, "md5": md5,
-                               "note": "synthetic CIFAR-100-shaped data written by "
-                                       "lightning_replay.apps.cifar_synth; not CIFAR-100"},
-                              indent=2))
+    tmp.write_text(
+        json.dumps(
+            {
+                "params": params,
+                "md5": md5,
+                "note": "synthetic CIFAR-100-shaped data written by "
+                "lightning_replay.apps.cifar_synth; not CIFAR-100",
+            },
+            indent=2,
+        )
+    )
     os.replace(tmp, folder / MANIFEST)
     return folder
 
@@ -259,8 +315,13 @@ def _dump(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def open_cifar100(root: str | os.PathLike, train: bool = True, transform: Callable | None = None,
-                  download: bool = False, source: str = "auto") -> CIFAR100:
+def open_cifar100(
+    root: str | os.PathLike,
+    train: bool = True,
+    transform: Callable | None = None,
+    download: bool = False,
+    source: str = "auto",
+) -> CIFAR100:
     """The CIFAR-100 split under ``root``: real if present, else a synthetic copy.
 
     Args:
@@ -280,37 +341,56 @@ def open_cifar100(root: str | os.PathLike, train: bool = True, transform: Callab
         return CIFAR100(root, train=train, transform=transform, download=download)
     if source in ("auto", "synthetic") and has_synthetic_cifar100(root):
         return SyntheticCIFAR100(root, train=train, transform=transform)
-    want = {"auto": "CIFAR-100 (real or synthetic)", "cifar100": "the real CIFAR-100",
-            "synthetic": "a synthetic CIFAR-100"}[source]
+    want = {
+        "auto": "CIFAR-100 (real or synthetic)",
+        "cifar100": "the real CIFAR-100",
+        "synthetic": "a synthetic CIFAR-100",
+    }[source]
     raise DatasetNotFound(
         f"{want} not found under {os.fspath(root)!r}. Put the real dataset's "
         f"{CIFAR100_FOLDER}/ there, pass download=True on a machine with network, or write a "
-        "synthetic copy: `python -m lightning_replay.apps.cifar_synth ROOT`")
+        "synthetic copy: `python -m lightning_replay.apps.cifar_synth ROOT`"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m lightning_replay.apps.cifar_synth",
         description="Write a synthetic CIFAR-100 in CIFAR-100's on-disk format (python pickle "
-                    "batches train/test/meta under cifar-100-python/), readable by "
-                    "torchvision.datasets.CIFAR100's code.")
+        "batches train/test/meta under cifar-100-python/), readable by "
+        "torchvision.datasets.CIFAR100's code.",
+    )
     ap.add_argument("root", help="directory to write cifar-100-python/ into")
-    ap.add_argument("--train-per-class", type=int, default=500,
-                    help="training images per class (default 500, as CIFAR-100)")
-    ap.add_argument("--test-per-class", type=int, default=100,
-                    help="test images per class (default 100, as CIFAR-100)")
+    ap.add_argument(
+        "--train-per-class",
+        type=int,
+        default=500,
+        help="training images per class (default 500, as CIFAR-100)",
+    )
+    ap.add_argument(
+        "--test-per-class",
+        type=int,
+        default=100,
+        help="test images per class (default 100, as CIFAR-100)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace a synthetic copy made with other parameters")
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a synthetic copy made with other parameters",
+    )
     args = ap.parse_args(argv)
     try:
-        folder = write_synthetic_cifar100(args.root, args.train_per_class, args.test_per_class,
-                                          args.seed, args.overwrite)
+        folder = write_synthetic_cifar100(
+            args.root, args.train_per_class, args.test_per_class, args.seed, args.overwrite
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {folder} ({NUM_FINE * args.train_per_class} train, "
-          f"{NUM_FINE * args.test_per_class} test images)")
+    print(
+        f"wrote {folder} ({NUM_FINE * args.train_per_class} train, "
+        f"{NUM_FINE * args.test_per_class} test images)"
+    )
     return 0
 
 

@@ -18,12 +18,17 @@ in eval mode, no gradients); ``test`` scores the probe's top-1 on the test split
 torchmetrics. Augmentation runs batched on the device from per-sample seeds that the sampler
 draws, so a run is deterministic whatever the number of data-loader workers.
 
+It is long (over 600 lines once ruff-formatted) because it is a whole application: the encoder,
+the momentum encoder, the queue loss, the linear probe and their LightningModule, kept in one
+place for readers of the study.
+
 Example:
     >>> import lightning as L
     >>> model = DenseQueueModule(layers=(1, 1, 1, 1), width=8, queue_size=64)
     >>> model.configure_replay_segments()
     ['encoder_q.backbone.layer*', 'criterion']
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,15 +49,31 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lightning_replay.apps.cifar_synth import (DatasetNotFound, has_real_cifar100,
-                                               has_synthetic_cifar100, open_cifar100,
-                                               write_synthetic_cifar100)
-from lightning_replay.apps.torch_recompute import (DEFAULT_SAC_OPS, METHODS as RECOMPUTE_METHODS,
-                                                   apply_torch_recompute)
+from lightning_replay.apps.cifar_synth import (
+    DatasetNotFound,
+    has_real_cifar100,
+    has_synthetic_cifar100,
+    open_cifar100,
+    write_synthetic_cifar100,
+)
+from lightning_replay.apps.torch_recompute import (
+    DEFAULT_SAC_OPS,
+    METHODS as RECOMPUTE_METHODS,
+    apply_torch_recompute,
+)
 
-__all__ = ["CifarResNet", "MoCoEncoder", "QueueInfoNCE", "BatchAugment", "DenseQueueModule",
-           "DenseQueueDataModule", "weights_digest", "CIFAR100_MEAN", "CIFAR100_STD",
-           "DEFAULT_SEGMENTS"]
+__all__ = [
+    "CifarResNet",
+    "MoCoEncoder",
+    "QueueInfoNCE",
+    "BatchAugment",
+    "DenseQueueModule",
+    "DenseQueueDataModule",
+    "weights_digest",
+    "CIFAR100_MEAN",
+    "CIFAR100_STD",
+    "DEFAULT_SEGMENTS",
+]
 
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
@@ -92,14 +113,15 @@ class CifarResNet(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         inplanes = width
         for i, n in enumerate(layers):
-            planes = width * 2 ** i
+            planes = width * 2**i
             stride = 1 if i == 0 else 2
             blocks = []
             for _ in range(n):
                 down = None
                 if stride != 1 or inplanes != planes:
-                    down = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False),
-                                         nn.BatchNorm2d(planes))
+                    down = nn.Sequential(
+                        nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)
+                    )
                 blocks.append(BasicBlock(inplanes, planes, stride, down))
                 inplanes, stride = planes, 1
             setattr(self, f"layer{i + 1}", nn.Sequential(*blocks))
@@ -126,8 +148,9 @@ class MoCoEncoder(nn.Module):
         super().__init__()
         self.backbone = CifarResNet(layers, width)
         d = self.backbone.feature_dim
-        self.projector = nn.Sequential(nn.Linear(d, d), nn.ReLU(inplace=True),
-                                       nn.Linear(d, proj_dim))
+        self.projector = nn.Sequential(
+            nn.Linear(d, d), nn.ReLU(inplace=True), nn.Linear(d, proj_dim)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.normalize(self.projector(self.backbone(x)), dim=1)
@@ -173,9 +196,9 @@ class QueueInfoNCE(nn.Module):
         ptr = int(self.queue_ptr)
         n = keys.shape[0]
         first = min(n, size - ptr)
-        self.queue[:, ptr:ptr + first] = keys[:first].t()
+        self.queue[:, ptr : ptr + first] = keys[:first].t()
         if first < n:  # wrap around
-            self.queue[:, :n - first] = keys[first:].t()
+            self.queue[:, : n - first] = keys[first:].t()
         self.queue_ptr.fill_((ptr + n) % size)
 
 
@@ -194,23 +217,27 @@ class BatchAugment(nn.Module):
             raise ValueError(f"crop_min_scale={crop_min_scale!r} must be in (0, 1]")
         self.image_size = int(image_size)
         self.crop_min_scale = float(crop_min_scale)
-        self.register_buffer("mean", torch.tensor(CIFAR100_MEAN).view(1, 3, 1, 1),
-                             persistent=False)
-        self.register_buffer("std", torch.tensor(CIFAR100_STD).view(1, 3, 1, 1),
-                             persistent=False)
+        self.register_buffer("mean", torch.tensor(CIFAR100_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(CIFAR100_STD).view(1, 3, 1, 1), persistent=False)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 or [0, 1] images to normalized float, resized to ``image_size`` if needed."""
         if x.dtype == torch.uint8:
             x = x.float() / 255.0
         if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
-            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear",
-                              align_corners=False, antialias=True)
+            x = F.interpolate(
+                x,
+                size=(self.image_size, self.image_size),
+                mode="bilinear",
+                align_corners=False,
+                antialias=True,
+            )
         return (x - self.mean) / self.std
 
     @torch.no_grad()
-    def forward(self, images: torch.Tensor, gen: torch.Generator, light: bool = False
-                ) -> torch.Tensor:
+    def forward(
+        self, images: torch.Tensor, gen: torch.Generator, light: bool = False
+    ) -> torch.Tensor:
         x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
         b, _, h, w = x.shape
         dev = x.device
@@ -225,10 +252,17 @@ class BatchAugment(nn.Module):
         ch = torch.sqrt(area / ratio).clamp(1, h)
         x0 = (w - cw) * rand(b)
         y0 = (h - ch) * rand(b)
-        boxes = torch.stack([torch.arange(b, device=dev, dtype=x.dtype), x0, y0, x0 + cw,
-                             y0 + ch], dim=1)
-        x = roi_align(x, boxes, output_size=(self.image_size, self.image_size),
-                      spatial_scale=1.0, sampling_ratio=2, aligned=True)
+        boxes = torch.stack(
+            [torch.arange(b, device=dev, dtype=x.dtype), x0, y0, x0 + cw, y0 + ch], dim=1
+        )
+        x = roi_align(
+            x,
+            boxes,
+            output_size=(self.image_size, self.image_size),
+            spatial_scale=1.0,
+            sampling_ratio=2,
+            aligned=True,
+        )
         flip = rand(b) < 0.5
         x = torch.where(flip.view(b, 1, 1, 1), x.flip(-1), x)
         if not light:
@@ -255,11 +289,10 @@ class BatchAugment(nn.Module):
 
 
 def _grayscale(x: torch.Tensor) -> torch.Tensor:
-    return (0.299 * x[:, 0:1] + 0.587 * x[:, 1:2] + 0.114 * x[:, 2:3])
+    return 0.299 * x[:, 0:1] + 0.587 * x[:, 1:2] + 0.114 * x[:, 2:3]
 
 
-_RGB2YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322],
-                         [0.211, -0.523, 0.312]])
+_RGB2YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
 
 
 def _rotate_hue(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
@@ -318,18 +351,32 @@ class DenseQueueModule(L.LightningModule):
         torch.Size([16, 32])
     """
 
-    def __init__(self, layers: Sequence[int] = (2, 2, 2, 2), width: int = 64,
-                 proj_dim: int = 128, queue_size: int = 4096, momentum: float = 0.99,
-                 temperature: float = 0.1, lr: float = 0.06, weight_decay: float = 5e-4,
-                 encoder_epochs: int = 100, probe_lr: float = 0.5, num_classes: int = 100,
-                 image_size: int = 32, crop_min_scale: float = 0.2, recompute: str = "none",
-                 sac_ops: Sequence[str] = DEFAULT_SAC_OPS,
-                 segments: Sequence[str] = DEFAULT_SEGMENTS) -> None:
+    def __init__(
+        self,
+        layers: Sequence[int] = (2, 2, 2, 2),
+        width: int = 64,
+        proj_dim: int = 128,
+        queue_size: int = 4096,
+        momentum: float = 0.99,
+        temperature: float = 0.1,
+        lr: float = 0.06,
+        weight_decay: float = 5e-4,
+        encoder_epochs: int = 100,
+        probe_lr: float = 0.5,
+        num_classes: int = 100,
+        image_size: int = 32,
+        crop_min_scale: float = 0.2,
+        recompute: str = "none",
+        sac_ops: Sequence[str] = DEFAULT_SAC_OPS,
+        segments: Sequence[str] = DEFAULT_SEGMENTS,
+    ) -> None:
         super().__init__()
         if recompute not in RECOMPUTE_METHODS:
-            raise ValueError(f"recompute={recompute!r} is not known; use one of "
-                             f"{list(RECOMPUTE_METHODS)} (state-aware methods: "
-                             "Trainer(strategy='replay'))")
+            raise ValueError(
+                f"recompute={recompute!r} is not known; use one of "
+                f"{list(RECOMPUTE_METHODS)} (state-aware methods: "
+                "Trainer(strategy='replay'))"
+            )
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum={momentum!r} must be in [0, 1)")
         if encoder_epochs < 0:
@@ -341,8 +388,7 @@ class DenseQueueModule(L.LightningModule):
             p.requires_grad_(False)
         self.criterion = QueueInfoNCE(proj_dim, queue_size, temperature)
         feat = self.encoder_q.backbone.feature_dim
-        self.probe = nn.Sequential(nn.BatchNorm1d(feat, affine=False),
-                                   nn.Linear(feat, num_classes))
+        self.probe = nn.Sequential(nn.BatchNorm1d(feat, affine=False), nn.Linear(feat, num_classes))
         self.augment = BatchAugment(image_size, crop_min_scale)
         self.val_top1 = MulticlassAccuracy(num_classes=num_classes, top_k=1, average="micro")
         self.test_top1 = MulticlassAccuracy(num_classes=num_classes, top_k=1, average="micro")
@@ -368,21 +414,23 @@ class DenseQueueModule(L.LightningModule):
             raise ValueError(
                 f"DenseQueueModule(recompute={self.hparams.recompute!r}) wraps the segments in "
                 "torch's checkpoint, and strategy='replay' replays them too; use one: "
-                "recompute='none' with strategy='replay', or a plain strategy")
+                "recompute='none' with strategy='replay', or a plain strategy"
+            )
         if stage == "fit":
             total = self.trainer.max_epochs
             if total is not None and total >= 0 and total <= self.hparams.encoder_epochs:
                 rank_zero_warn(
                     f"trainer.max_epochs={total} leaves no epoch for the linear probe after "
                     f"encoder_epochs={self.hparams.encoder_epochs}; test top-1 will be at "
-                    "chance. Set trainer.max_epochs = encoder_epochs + probe epochs.")
+                    "chance. Set trainer.max_epochs = encoder_epochs + probe epochs."
+                )
 
     # ------------------------------------------------------------------ training
     def _generator(self, seeds: torch.Tensor) -> torch.Generator:
         # One generator per batch, from the per-sample seeds the sampler drew: the batch's
         # augmentation depends only on which samples it holds.
         h = hashlib.sha256(seeds.detach().cpu().numpy().tobytes()).digest()
-        return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & (2 ** 63 - 1))
+        return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & (2**63 - 1))
 
     @torch.no_grad()
     def _momentum_update(self) -> None:
@@ -411,8 +459,9 @@ class DenseQueueModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=images.shape[0])
         return loss
 
-    def _probe_step(self, images: torch.Tensor, labels: torch.Tensor,
-                    gen: torch.Generator) -> torch.Tensor:
+    def _probe_step(
+        self, images: torch.Tensor, labels: torch.Tensor, gen: torch.Generator
+    ) -> torch.Tensor:
         backbone = self.encoder_q.backbone
         backbone.eval()  # frozen: running statistics fixed, no replay
         with torch.no_grad():
@@ -447,17 +496,23 @@ class DenseQueueModule(L.LightningModule):
     @override
     def on_test_epoch_end(self) -> None:
         # compute() before Lightning's epoch-end logging resets the metric
-        self.test_result = {"top1": float(self.test_top1.compute()),
-                            "total": int(self.test_top1.tp.sum() + self.test_top1.fn.sum())}
+        self.test_result = {
+            "top1": float(self.test_top1.compute()),
+            "total": int(self.test_top1.tp.sum() + self.test_top1.fn.sum()),
+        }
 
     # ------------------------------------------------------------------ optimization
     @override
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         enc = [p for p in self.encoder_q.parameters() if p.requires_grad]
-        opt = torch.optim.SGD([{"params": enc, "lr": hp.lr, "weight_decay": hp.weight_decay},
-                               {"params": list(self.probe.parameters()), "lr": hp.probe_lr,
-                                "weight_decay": 0.0}], momentum=0.9)
+        opt = torch.optim.SGD(
+            [
+                {"params": enc, "lr": hp.lr, "weight_decay": hp.weight_decay},
+                {"params": list(self.probe.parameters()), "lr": hp.probe_lr, "weight_decay": 0.0},
+            ],
+            momentum=0.9,
+        )
         e_enc = max(int(hp.encoder_epochs), 1)
         total = self.trainer.max_epochs if self._trainer is not None else None
         e_probe = max((total or 0) - hp.encoder_epochs, 1)
@@ -482,8 +537,14 @@ class _SeededSampler(DistributedSampler):
     tail that does not divide evenly dropped.
     """
 
-    def __init__(self, indices: Sequence[int], seed: int, shuffle: bool = True,
-                 num_replicas: int = 1, rank: int = 0) -> None:
+    def __init__(
+        self,
+        indices: Sequence[int],
+        seed: int,
+        shuffle: bool = True,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
         # DistributedSampler's __init__ wants a dataset and a process group; set its fields here
         self.indices = list(indices)
         self.seed = int(seed)
@@ -505,8 +566,8 @@ class _SeededSampler(DistributedSampler):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         n = len(self.indices)
         order = torch.randperm(n, generator=g).tolist() if self.shuffle else list(range(n))
-        seeds = torch.randint(0, 2 ** 62, (n,), generator=g).tolist()
-        pairs = list(zip(order, seeds))[:self.total_size][self.rank::self.num_replicas]
+        seeds = torch.randint(0, 2**62, (n,), generator=g).tolist()
+        pairs = list(zip(order, seeds))[: self.total_size][self.rank :: self.num_replicas]
         for pos, s in pairs:
             yield self.indices[pos], s
 
@@ -551,11 +612,22 @@ class DenseQueueDataModule(L.LightningDataModule):
         seed: shuffling and augmentation seed.
     """
 
-    def __init__(self, data_dir: str = "data", source: str = "auto", download: bool = False,
-                 synthetic_train_per_class: int = 500, synthetic_test_per_class: int = 100,
-                 synthetic_seed: int = 0, batch_size: int = 256, eval_batch_size: int = 512,
-                 val_size: int = 0, train_size: int | None = None,
-                 test_size: int | None = None, num_workers: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        data_dir: str = "data",
+        source: str = "auto",
+        download: bool = False,
+        synthetic_train_per_class: int = 500,
+        synthetic_test_per_class: int = 100,
+        synthetic_seed: int = 0,
+        batch_size: int = 256,
+        eval_batch_size: int = 512,
+        val_size: int = 0,
+        train_size: int | None = None,
+        test_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         if source not in ("auto", "cifar100", "synthetic"):
             raise ValueError(f"source={source!r} must be 'auto', 'cifar100' or 'synthetic'")
@@ -577,9 +649,14 @@ class DenseQueueDataModule(L.LightningDataModule):
             raise DatasetNotFound(
                 f"the real CIFAR-100 is not under data_dir={hp.data_dir!r}. Put "
                 "cifar-100-python/ there, pass --data.download=true on a machine with network, "
-                "or use --data.source=synthetic")
-        write_synthetic_cifar100(hp.data_dir, hp.synthetic_train_per_class,
-                                 hp.synthetic_test_per_class, hp.synthetic_seed)
+                "or use --data.source=synthetic"
+            )
+        write_synthetic_cifar100(
+            hp.data_dir,
+            hp.synthetic_train_per_class,
+            hp.synthetic_test_per_class,
+            hp.synthetic_seed,
+        )
 
     @override
     def setup(self, stage: str) -> None:
@@ -591,45 +668,60 @@ class DenseQueueDataModule(L.LightningDataModule):
             self.prepare_data()  # a fresh directory in a process that skipped prepare_data
         train = open_cifar100(hp.data_dir, train=True, source=source)
         test = open_cifar100(hp.data_dir, train=False, source=source)
-        self.description = (f"{'synthetic ' if source == 'synthetic' else ''}CIFAR-100 "
-                            f"under {os.path.abspath(hp.data_dir)}")
+        self.description = (
+            f"{'synthetic ' if source == 'synthetic' else ''}CIFAR-100 "
+            f"under {os.path.abspath(hp.data_dir)}"
+        )
         images = torch.from_numpy(train.data).permute(0, 3, 1, 2).contiguous()
         labels = torch.tensor(train.targets, dtype=torch.long)
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(hp.seed))
-        val_idx = order[:hp.val_size]
-        train_idx = order[hp.val_size:]
+        val_idx = order[: hp.val_size]
+        train_idx = order[hp.val_size :]
         if hp.train_size is not None:
-            train_idx = train_idx[:hp.train_size]
+            train_idx = train_idx[: hp.train_size]
         self.train_set = _Images(images, labels)
         self.train_indices = sorted(train_idx.tolist())
         self.val_set = _Images(images[val_idx], labels[val_idx]) if hp.val_size else None
         t_images = torch.from_numpy(test.data).permute(0, 3, 1, 2).contiguous()
         t_labels = torch.tensor(test.targets, dtype=torch.long)
         if hp.test_size is not None:
-            t_images, t_labels = t_images[:hp.test_size], t_labels[:hp.test_size]
+            t_images, t_labels = t_images[: hp.test_size], t_labels[: hp.test_size]
         self.test_set = _Images(t_images, t_labels)
 
     @override
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
         if len(self.train_indices) < hp.batch_size:
-            raise ValueError(f"batch_size={hp.batch_size} is larger than the "
-                             f"{len(self.train_indices)} training images")
+            raise ValueError(
+                f"batch_size={hp.batch_size} is larger than the "
+                f"{len(self.train_indices)} training images"
+            )
         trainer = self.trainer  # None when the loader is built outside a Trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         sampler = _SeededSampler(self.train_indices, hp.seed, num_replicas=world, rank=rank)
-        return DataLoader(self.train_set, batch_size=hp.batch_size, sampler=sampler,
-                          drop_last=True, num_workers=hp.num_workers,
-                          persistent_workers=hp.num_workers > 0)
+        return DataLoader(
+            self.train_set,
+            batch_size=hp.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=hp.num_workers,
+            persistent_workers=hp.num_workers > 0,
+        )
 
     @override
     def val_dataloader(self) -> Any:
         if self.val_set is None:
             return []
-        return DataLoader(self.val_set, batch_size=self.hparams.eval_batch_size,
-                          num_workers=self.hparams.num_workers)
+        return DataLoader(
+            self.val_set,
+            batch_size=self.hparams.eval_batch_size,
+            num_workers=self.hparams.num_workers,
+        )
 
     @override
     def test_dataloader(self) -> DataLoader:
-        return DataLoader(self.test_set, batch_size=self.hparams.eval_batch_size,
-                          num_workers=self.hparams.num_workers)
+        return DataLoader(
+            self.test_set,
+            batch_size=self.hparams.eval_batch_size,
+            num_workers=self.hparams.num_workers,
+        )

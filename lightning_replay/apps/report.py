@@ -17,6 +17,9 @@ needs nothing but :class:`~lightning_replay.ReplayCallback`: it writes the recor
 peak) are used instead. Several fits appended to one directory are told apart by run id: the
 report shows the latest, or the one ``run_id`` names, and lists the others.
 
+It is long (over 600 lines once ruff-formatted) because it renders every plot and table of the
+HTML report from the run's files.
+
 Example:
     >>> import tempfile, json, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp())
@@ -28,6 +31,7 @@ Example:
     >>> path.name, sorted(p.name for p in (d / "plots").iterdir())[:1]
     ('report.html', ['memory.png'])
 """
+
 from __future__ import annotations
 
 import html
@@ -49,14 +53,25 @@ from lightning_replay.apps.study_output import format_top1  # noqa: E402
 from lightning_replay.apps.telemetry import read_telemetry  # noqa: E402
 from lightning_replay.budget import format_bytes  # noqa: E402
 from lightning_replay.errors import ReplayError  # noqa: E402
-from lightning_replay.records import (OUTCOMES, RECORDS_DIR, Record, find_records,  # noqa: E402
-                                      query)
+from lightning_replay.records import (
+    OUTCOMES,
+    RECORDS_DIR,
+    Record,
+    find_records,  # noqa: E402
+    query,
+)
 from lightning_replay.records import runs as record_runs  # noqa: E402
 
 __all__ = ["write_report", "load_runs", "ReportError"]
 
-_OPTION_COLOURS = {"probe": "#bbbbbb", "probing": "#bbbbbb", "retain": "#4c72b0",
-                   "recompute": "#55a868", "whole": "#dd8452", "regions": "#c44e52"}
+_OPTION_COLOURS = {
+    "probe": "#bbbbbb",
+    "probing": "#bbbbbb",
+    "retain": "#4c72b0",
+    "recompute": "#55a868",
+    "whole": "#dd8452",
+    "regions": "#c44e52",
+}
 _OUTCOME_COLOURS = {"match": "#55a868", "rejection": "#dd8452", "divergence": "#c44e52"}
 
 
@@ -84,14 +99,18 @@ def _fit_run(root: Path, run_id: str | None) -> dict[str, Any]:
         if t.get("run_id") and t["run_id"] not in known:
             known.append(t["run_id"])
     if not own and not step_tel:
-        raise ReportError(f"{root} holds neither a study (results.json) nor a run's telemetry "
-                          f"({RECORDS_DIR}/telemetry.jsonl, written by ReplayCallback); pass a "
-                          "study's output_dir or the default_root_dir of a fit run trained "
-                          "with ReplayCallback")
+        raise ReportError(
+            f"{root} holds neither a study (results.json) nor a run's telemetry "
+            f"({RECORDS_DIR}/telemetry.jsonl, written by ReplayCallback); pass a "
+            "study's output_dir or the default_root_dir of a fit run trained "
+            "with ReplayCallback"
+        )
     latest = (own[-1].get("run_id") if own else None) or (known[-1] if known else None)
     if run_id is not None and run_id not in known:
-        raise ReportError(f"run {run_id!r} is not in {root}; its runs (oldest first): "
-                          f"{', '.join(known) or 'none recorded'}")
+        raise ReportError(
+            f"run {run_id!r} is not in {root}; its runs (oldest first): "
+            f"{', '.join(known) or 'none recorded'}"
+        )
     chosen = run_id or latest
     tel = [t for t in own if t.get("run_id") == chosen] if chosen else own
     # StepTelemetry rows have the live tensor peak: prefer them for the run they belong to
@@ -99,16 +118,23 @@ def _fit_run(root: Path, run_id: str | None) -> dict[str, Any]:
     step_rows = [t for t in step_tel if t.get("run_id", latest) == chosen] if chosen else step_tel
     if step_rows:
         tel = step_rows
-    return {"label": chosen or root.name, "method": root.name, "seed": None, "telemetry": tel,
-            "run_id": chosen, "runs": known,
-            "records": ([r for r in records if r.run_id == chosen] if chosen else records)
-            if db is not None else None,
-            "budget": next((t.get("budget") for t in tel if t.get("budget")), None)}
+    return {
+        "label": chosen or root.name,
+        "method": root.name,
+        "seed": None,
+        "telemetry": tel,
+        "run_id": chosen,
+        "runs": known,
+        "records": ([r for r in records if r.run_id == chosen] if chosen else records)
+        if db is not None
+        else None,
+        "budget": next((t.get("budget") for t in tel if t.get("budget")), None),
+    }
 
 
-def load_runs(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = None,
-              run_id: str | None = None
-              ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def load_runs(
+    run_dir: str | os.PathLike, result: Mapping[str, Any] | None = None, run_id: str | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The runs a report shows: ``[{"label", "method", "seed", "telemetry", "records"}]``,
     plus the study result (``None`` for a single run).
 
@@ -131,10 +157,16 @@ def load_runs(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = Non
             rdir = Path(row["run_dir"])
             if not rdir.is_absolute() and not rdir.exists():
                 rdir = root / "runs" / rdir.name
-            runs.append({"label": f"{row['method']} s{row['seed']}", "method": row["method"],
-                         "seed": row["seed"], "telemetry": read_telemetry(rdir),
-                         "records": _records(db, row["run_id"]) if row.get("run_id") else None,
-                         "budget": row.get("budget_bytes")})
+            runs.append(
+                {
+                    "label": f"{row['method']} s{row['seed']}",
+                    "method": row["method"],
+                    "seed": row["seed"],
+                    "telemetry": read_telemetry(rdir),
+                    "records": _records(db, row["run_id"]) if row.get("run_id") else None,
+                    "budget": row.get("budget_bytes"),
+                }
+            )
         return runs, dict(result)
     return [_fit_run(root, run_id)], None
 
@@ -150,9 +182,14 @@ def steady_rows(tel: list[dict[str, Any]]) -> list[dict[str, Any]]:
         >>> [r["step"] for r in steady_rows(rows)]
         [3]
     """
-    steady = [t for t in tel if (t.get("plan_version") or 0) >= 1 and not t.get("checked")
-              and "probe" not in (t.get("plan") or {}).values()
-              and t.get("phase", "encoder") == "encoder"]
+    steady = [
+        t
+        for t in tel
+        if (t.get("plan_version") or 0) >= 1
+        and not t.get("checked")
+        and "probe" not in (t.get("plan") or {}).values()
+        and t.get("phase", "encoder") == "encoder"
+    ]
     return steady or tel
 
 
@@ -178,7 +215,7 @@ def _line_and_marks(ax: Any, tel: list[dict[str, Any]], key: str, label: str, **
     marks = [(t["step"], t[key] / 2**20) for t in tel if t.get(key) and t.get("checked")]
     if not pts and not marks:
         return None
-    line, = ax.plot(*zip(*(pts or marks)), label=label, lw=1, **kw)
+    (line,) = ax.plot(*zip(*(pts or marks)), label=label, lw=1, **kw)
     if marks:
         ax.plot(*zip(*marks), "x", color=line.get_color(), ms=4)
     return line
@@ -203,25 +240,54 @@ def _plot_memory(runs: list[dict[str, Any]], path: Path) -> str:
         ax = axes[0][-1]
         budgets = {r["budget"] for r in replay if r.get("budget")}
         for r in replay:
-            line = _line_and_marks(ax, r["telemetry"], "accounted_peak_bytes", r["label"],
-                                   alpha=1.0 if r.get("budget") or not budgets else 0.5)
-            pred = [(t["step"], t["predicted_peak_bytes"] / 2**20) for t in r["telemetry"]
-                    if t.get("predicted_peak_bytes")]
+            line = _line_and_marks(
+                ax,
+                r["telemetry"],
+                "accounted_peak_bytes",
+                r["label"],
+                alpha=1.0 if r.get("budget") or not budgets else 0.5,
+            )
+            pred = [
+                (t["step"], t["predicted_peak_bytes"] / 2**20)
+                for t in r["telemetry"]
+                if t.get("predicted_peak_bytes")
+            ]
             if pred and line is not None and (r.get("budget") or len(replay) == 1):
                 ax.plot(*zip(*pred), ls=":", color=line.get_color(), lw=1.2)
         for b in sorted(budgets):
             ax.axhline(b / 2**20, color="black", ls="--", lw=1)
-            ax.annotate(f"budget {format_bytes(b)}", (0.01, b / 2**20), fontsize=7,
-                        xycoords=("axes fraction", "data"), va="bottom")
-        retain = [(t["step"], t["retain_all_peak_bytes"] / 2**20) for r in replay
-                  for t in r["telemetry"] if t.get("retain_all_peak_bytes")]
+            ax.annotate(
+                f"budget {format_bytes(b)}",
+                (0.01, b / 2**20),
+                fontsize=7,
+                xycoords=("axes fraction", "data"),
+                va="bottom",
+            )
+        retain = [
+            (t["step"], t["retain_all_peak_bytes"] / 2**20)
+            for r in replay
+            for t in r["telemetry"]
+            if t.get("retain_all_peak_bytes")
+        ]
         if retain:
-            ax.plot(*zip(*retain), ls="-.", color="grey", lw=1,
-                    label="retaining every segment (predicted)")
-        ax.set(title="\n".join(textwrap.wrap(
-            f"replay runs{which}: the engine's accounted peak (what the budget bounds), the "
-            "plan's prediction (dotted), the budget (dashed); x: checked steps", 70)),
-            xlabel="step", ylabel="MiB")
+            ax.plot(
+                *zip(*retain),
+                ls="-.",
+                color="grey",
+                lw=1,
+                label="retaining every segment (predicted)",
+            )
+        ax.set(
+            title="\n".join(
+                textwrap.wrap(
+                    f"replay runs{which}: the engine's accounted peak (what the budget bounds), the "
+                    "plan's prediction (dotted), the budget (dashed); x: checked steps",
+                    70,
+                )
+            ),
+            xlabel="step",
+            ylabel="MiB",
+        )
         ax.title.set_fontsize(8)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, ncol=2)
@@ -236,8 +302,9 @@ def _timed(tel: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
     return (untracked, False) if untracked else (tel, bool(tel))
 
 
-def _plot_time(runs: list[dict[str, Any]], path: Path, medians: Mapping[str, float] | None = None
-               ) -> str:
+def _plot_time(
+    runs: list[dict[str, Any]], path: Path, medians: Mapping[str, float] | None = None
+) -> str:
     """Step time per step, and the median per run: the study table's median (steady
     contrastive steps) when ``medians`` gives it, else the median of the steady steps."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.2), gridspec_kw={"width_ratios": [2, 1]})
@@ -255,13 +322,19 @@ def _plot_time(runs: list[dict[str, Any]], path: Path, medians: Mapping[str, flo
         if medians is not None and r["label"] in medians:
             meds.append((r["label"], medians[r["label"]]))
         else:
-            steady = [t["step_time_ms"] for t in _timed(steady_rows(r["telemetry"]))[0]
-                      if t.get("step_time_ms")]
+            steady = [
+                t["step_time_ms"]
+                for t in _timed(steady_rows(r["telemetry"]))[0]
+                if t.get("step_time_ms")
+            ]
             if steady:
                 vals = sorted(steady)
                 meds.append((r["label"], vals[len(vals) // 2]))
-    note = ("every step (all were memory-tracked, which slows them)" if tracked_only else
-            "steps with live memory tracking left out")
+    note = (
+        "every step (all were memory-tracked, which slows them)"
+        if tracked_only
+        else "steps with live memory tracking left out"
+    )
     a.set(title=f"step time per step{which}: {note}", xlabel="step", ylabel="ms", yscale="log")
     if a.get_legend_handles_labels()[0]:
         a.legend(fontsize=7, ncol=2)
@@ -269,10 +342,17 @@ def _plot_time(runs: list[dict[str, Any]], path: Path, medians: Mapping[str, flo
         b.barh([m[0] for m in meds], [m[1] for m in meds], color="#4c72b0")
         b.invert_yaxis()
         b.tick_params(axis="y", labelsize=7)
-    b.set(title="\n".join(textwrap.wrap(
-        "median step time over the steady steps (plan in force, unchecked; as in the table)"
-        if medians is not None else
-        "median step time over the steady steps (plan in force, unchecked)", 50)), xlabel="ms")
+    b.set(
+        title="\n".join(
+            textwrap.wrap(
+                "median step time over the steady steps (plan in force, unchecked; as in the table)"
+                if medians is not None
+                else "median step time over the steady steps (plan in force, unchecked)",
+                50,
+            )
+        ),
+        xlabel="ms",
+    )
     b.title.set_fontsize(9)
     return _save(fig, path)
 
@@ -283,31 +363,42 @@ def _plot_plans(runs: list[dict[str, Any]], path: Path) -> str | None:
     if not planned:
         return None
     nsegs = [len(next(t["plan"] for t in r["telemetry"] if t.get("plan"))) for r in planned]
-    fig, axes = plt.subplots(len(planned), 1, figsize=(12, 0.8 + sum(0.6 + 0.3 * n for n in nsegs)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(planned), 1, figsize=(12, 0.8 + sum(0.6 + 0.3 * n for n in nsegs)), squeeze=False
+    )
     options = list(_OPTION_COLOURS)
     for ax, r in zip(axes[:, 0], planned):
         # the probe epochs run the frozen encoder without replay: the contrastive steps only
-        tel = [t for t in r["telemetry"] if t.get("plan") and t.get("phase", "encoder") ==
-               "encoder"] or [t for t in r["telemetry"] if t.get("plan")]
+        tel = [
+            t for t in r["telemetry"] if t.get("plan") and t.get("phase", "encoder") == "encoder"
+        ] or [t for t in r["telemetry"] if t.get("plan")]
         segs = list(tel[0]["plan"])
         for t in tel:
             for i, s in enumerate(segs):
                 opt = t["plan"].get(s, "probe")
-                ax.broken_barh([(t["step"] - 0.5, 1)], (i - 0.4, 0.8),
-                               facecolors=_OPTION_COLOURS.get(opt, "#000000"))
+                ax.broken_barh(
+                    [(t["step"] - 0.5, 1)],
+                    (i - 0.4, 0.8),
+                    facecolors=_OPTION_COLOURS.get(opt, "#000000"),
+                )
         versions = [(t["step"], t.get("plan_version")) for t in tel]
         for (s0, v0), (s1, v1) in zip(versions, versions[1:]):
             if v1 != v0:
                 ax.axvline(s1 - 0.5, color="black", lw=0.8, ls="--")
-        ax.set_yticks(range(len(segs)), [s.replace("encoder_q.backbone.", "") for s in segs],
-                      fontsize=7)
-        ax.set_title(f"{r['label']}: option per segment (dashed: new plan version)", fontsize=9,
-                     loc="left")
+        ax.set_yticks(
+            range(len(segs)), [s.replace("encoder_q.backbone.", "") for s in segs], fontsize=7
+        )
+        ax.set_title(
+            f"{r['label']}: option per segment (dashed: new plan version)", fontsize=9, loc="left"
+        )
         ax.set_xlim(tel[0]["step"] - 0.5, tel[-1]["step"] + 0.5)
     axes[-1][0].set_xlabel("step")
-    fig.legend(handles=[Patch(color=_OPTION_COLOURS[o], label=o) for o in options
-                        if o != "probing"], loc="upper right", fontsize=7, ncol=5)
+    fig.legend(
+        handles=[Patch(color=_OPTION_COLOURS[o], label=o) for o in options if o != "probing"],
+        loc="upper right",
+        fontsize=7,
+        ncol=5,
+    )
     return _save(fig, path)
 
 
@@ -319,38 +410,57 @@ def _plot_records(runs: list[dict[str, Any]], path: Path) -> str | None:
     labels = [r["label"] for r in with_records]
     bottom = [0] * len(labels)
     for o in OUTCOMES:
-        vals = [sum(1 for x in r["records"] if x.is_check and x.outcome == o)
-                for r in with_records]
+        vals = [sum(1 for x in r["records"] if x.is_check and x.outcome == o) for r in with_records]
         a.bar(labels, vals, bottom=bottom, label=o, color=_OUTCOME_COLOURS[o])
         bottom = [x + y for x, y in zip(bottom, vals)]
     a.set(title="checks by outcome (contract and plan events left out)", ylabel="records")
     a.tick_params(axis="x", labelrotation=45 if len(labels) > 3 else 0, labelsize=7)
     a.legend(fontsize=7)
     # an event's "match" means "came into force": grey, apart from the checks' outcomes
-    kinds = Counter((x.check, "event" if x.is_event and x.outcome == "match" else x.outcome)
-                    for r in with_records for x in r["records"])
+    kinds = Counter(
+        (x.check, "event" if x.is_event and x.outcome == "match" else x.outcome)
+        for r in with_records
+        for x in r["records"]
+    )
     checks = sorted({k for k, _ in kinds})
     bottom = [0] * len(checks)
     for o in ("event", *OUTCOMES):
         vals = [kinds.get((c, o), 0) for c in checks]
         if not any(vals) and o == "event":
             continue
-        b.bar(checks, vals, bottom=bottom, color=_OUTCOME_COLOURS.get(o, "#999999"),
-              label="event (came into force)" if o == "event" else o)
+        b.bar(
+            checks,
+            vals,
+            bottom=bottom,
+            color=_OUTCOME_COLOURS.get(o, "#999999"),
+            label="event (came into force)" if o == "event" else o,
+        )
         bottom = [x + y for x, y in zip(bottom, vals)]
-    b.set(title="records by kind (contract, plan: events; the rest: checks)"
-          if len(with_records) == 1 else "records by kind (all runs)", ylabel="records")
+    b.set(
+        title="records by kind (contract, plan: events; the rest: checks)"
+        if len(with_records) == 1
+        else "records by kind (all runs)",
+        ylabel="records",
+    )
     b.legend(fontsize=7)
     return _save(fig, path)
 
 
 # ------------------------------------------------------------------------------ html
 def _table(rows: list[dict[str, Any]]) -> str:
-    cols = [("method", "method"), ("seed", "seed"), ("test top-1", "top1"),
-            ("encoder digest", "encoder_digest"), ("peak, live tensors", "peak_bytes"),
-            ("peak, accounted", "accounted_peak_bytes"), ("budget", "budget_bytes"),
-            ("median step (steady)", "median_step_ms"), ("replays", "replays"),
-            ("checks m/r/d", "records"), ("vs reference", "vs_reference")]
+    cols = [
+        ("method", "method"),
+        ("seed", "seed"),
+        ("test top-1", "top1"),
+        ("encoder digest", "encoder_digest"),
+        ("peak, live tensors", "peak_bytes"),
+        ("peak, accounted", "accounted_peak_bytes"),
+        ("budget", "budget_bytes"),
+        ("median step (steady)", "median_step_ms"),
+        ("replays", "replays"),
+        ("checks m/r/d", "records"),
+        ("vs reference", "vs_reference"),
+    ]
     out = ["<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c, _ in cols) + "</tr>"]
     for r in rows:
         cells = []
@@ -390,24 +500,31 @@ def _fit_headline(run: Mapping[str, Any]) -> list[str]:
     steady = steady_rows(tel)
     peaks = [t["peak_bytes"] for t in steady if t.get("peak_bytes")]
     accounted = [t["accounted_peak_bytes"] for t in steady if t.get("accounted_peak_bytes")]
-    retain = next((t["retain_all_peak_bytes"] for t in reversed(tel)
-                   if t.get("retain_all_peak_bytes")), None)
+    retain = next(
+        (t["retain_all_peak_bytes"] for t in reversed(tel) if t.get("retain_all_peak_bytes")), None
+    )
     times = sorted(t["step_time_ms"] for t in _timed(steady)[0] if t.get("step_time_ms"))
     live = any(t.get("memory") in ("live", "cuda") for t in tel)
-    out = [f"<p>Run <code>{html.escape(str(run.get('run_id')))}</code>: {len(tel)} steps, "
-           f"{len(steady)} with the plan in force (the probe, calibration and checked steps "
-           "are the others)."]
+    out = [
+        f"<p>Run <code>{html.escape(str(run.get('run_id')))}</code>: {len(tel)} steps, "
+        f"{len(steady)} with the plan in force (the probe, calibration and checked steps "
+        "are the others)."
+    ]
     if peaks:
         peak = max(peaks)
-        out.append(f" Peak memory over those steps {format_bytes(peak)} "
-                   f"({'live tensors' if live else 'the engine accounting'})")
+        out.append(
+            f" Peak memory over those steps {format_bytes(peak)} "
+            f"({'live tensors' if live else 'the engine accounting'})"
+        )
         if accounted and live:
             out.append(f", accounted {format_bytes(max(accounted))}")
         if retain:
             ref = max(accounted) if accounted else peak
-            out.append(f"; retaining every segment would take {format_bytes(retain)} by the "
-                       f"measured costs: {format_bytes(retain - ref)} "
-                       f"({(retain - ref) / retain:.0%}) saved")
+            out.append(
+                f"; retaining every segment would take {format_bytes(retain)} by the "
+                f"measured costs: {format_bytes(retain - ref)} "
+                f"({(retain - ref) / retain:.0%}) saved"
+            )
         out.append(".")
     if times:
         out.append(f" Median step time {times[len(times) // 2]:.1f} ms.")
@@ -415,27 +532,38 @@ def _fit_headline(run: Mapping[str, Any]) -> list[str]:
     if recs is not None:
         checks = [r for r in recs if r.is_check]
         n = Counter(r.outcome for r in checks)
-        out.append(f" Checks on {len({r.step for r in checks if r.check in ('grad', 'bytes')})}"
-                   f" steps: {n['match']} matched, {n['divergence']} diverged, "
-                   f"{n['rejection']} rejections.")
+        out.append(
+            f" Checks on {len({r.step for r in checks if r.check in ('grad', 'bytes')})}"
+            f" steps: {n['match']} matched, {n['divergence']} diverged, "
+            f"{n['rejection']} rejections."
+        )
     parts = ["".join(out) + "</p>"]
     others = [r for r in run.get("runs", []) if r != run.get("run_id")]
     if others:
-        parts.append(f"<p>This directory holds {len(others)} other run(s): "
-                     f"{', '.join(f'<code>{html.escape(r)}</code>' for r in others)}. Show one "
-                     "with <code>lightning-replay report DIR --run RUN_ID</code>.</p>")
+        parts.append(
+            f"<p>This directory holds {len(others)} other run(s): "
+            f"{', '.join(f'<code>{html.escape(r)}</code>' for r in others)}. Show one "
+            "with <code>lightning-replay report DIR --run RUN_ID</code>.</p>"
+        )
     return parts
 
 
 def _methods(study: Mapping[str, Any]) -> str:
     methods = list(dict.fromkeys(r["method"] for r in study["rows"]))
-    return ("<h2>Methods</h2><dl>" + "".join(
-        f"<dt><code>{html.escape(m)}</code></dt><dd>{html.escape(METHOD_DESCRIPTIONS.get(m, ''))}"
-        "</dd>" for m in methods) + "</dl>")
+    return (
+        "<h2>Methods</h2><dl>"
+        + "".join(
+            f"<dt><code>{html.escape(m)}</code></dt><dd>{html.escape(METHOD_DESCRIPTIONS.get(m, ''))}"
+            "</dd>"
+            for m in methods
+        )
+        + "</dl>"
+    )
 
 
-def write_report(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = None,
-                 run_id: str | None = None) -> Path:
+def write_report(
+    run_dir: str | os.PathLike, result: Mapping[str, Any] | None = None, run_id: str | None = None
+) -> Path:
     """Write ``report.html`` and ``plots/*.png`` into ``run_dir``; return the HTML's path.
 
     Args:
@@ -451,49 +579,73 @@ def write_report(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = 
     runs, study = load_runs(root, result, run_id=run_id)
     plots = root / "plots"
     plots.mkdir(parents=True, exist_ok=True)
-    medians = ({f"{r['method']} s{r['seed']}": r["median_step_ms"] for r in study["rows"]
-                if r.get("median_step_ms") is not None} if study is not None else None)
-    images = [("Memory per step", _plot_memory(runs, plots / "memory.png")),
-              ("Step time", _plot_time(runs, plots / "step_time.png", medians)),
-              ("Plan per segment over time", _plot_plans(runs, plots / "plans.png")),
-              ("Record outcomes", _plot_records(runs, plots / "records.png"))]
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>lightning_replay "
-             f"report: {html.escape(root.name)}</title><style>{_CSS}</style></head><body>",
-             f"<h1>lightning_replay report: {html.escape(root.name)}</h1>"]
+    medians = (
+        {
+            f"{r['method']} s{r['seed']}": r["median_step_ms"]
+            for r in study["rows"]
+            if r.get("median_step_ms") is not None
+        }
+        if study is not None
+        else None
+    )
+    images = [
+        ("Memory per step", _plot_memory(runs, plots / "memory.png")),
+        ("Step time", _plot_time(runs, plots / "step_time.png", medians)),
+        ("Plan per segment over time", _plot_plans(runs, plots / "plans.png")),
+        ("Record outcomes", _plot_records(runs, plots / "records.png")),
+    ]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>lightning_replay "
+        f"report: {html.escape(root.name)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>lightning_replay report: {html.escape(root.name)}</h1>",
+    ]
     if study is not None:
         ok = study.get("identical")
-        parts.append(f"<p>Data: {html.escape(str(study.get('data', '')))}. "
-                     f"Wall time {study.get('wall_s', 0):.0f} s.</p>")
-        parts.append(f"<p class='{'ok' if ok else 'bad'}'>State-aware methods byte-identical "
-                     f"within every seed: {'yes' if ok else 'NO'}</p>")
+        parts.append(
+            f"<p>Data: {html.escape(str(study.get('data', '')))}. "
+            f"Wall time {study.get('wall_s', 0):.0f} s.</p>"
+        )
+        parts.append(
+            f"<p class='{'ok' if ok else 'bad'}'>State-aware methods byte-identical "
+            f"within every seed: {'yes' if ok else 'NO'}</p>"
+        )
         parts.append(_table(study["rows"]))
-        parts.append("<p>Peak, live tensors: the largest bytes of live tensors in a steady "
-                     "step (on CPU, sampled steps tracked by a dispatch mode; the CUDA "
-                     "allocator on GPU); it also counts what the engine does not plan "
-                     "(optimizer state, the batch, temporaries), so it can sit above the "
-                     "budget. Peak, accounted: the engine's exact accounting of what the "
-                     "planner costs (parameters, gradients, saved activations, snapshots): "
-                     "the quantity the budget bounds. Median step: the steady contrastive "
-                     "steps (plan in force, unchecked, not memory-tracked); the bars below "
-                     "show the same figure. Checks m/r/d: matched / rejected / diverged "
-                     "checks (contract and plan events are not counted).</p>")
+        parts.append(
+            "<p>Peak, live tensors: the largest bytes of live tensors in a steady "
+            "step (on CPU, sampled steps tracked by a dispatch mode; the CUDA "
+            "allocator on GPU); it also counts what the engine does not plan "
+            "(optimizer state, the batch, temporaries), so it can sit above the "
+            "budget. Peak, accounted: the engine's exact accounting of what the "
+            "planner costs (parameters, gradients, saved activations, snapshots): "
+            "the quantity the budget bounds. Median step: the steady contrastive "
+            "steps (plan in force, unchecked, not memory-tracked); the bars below "
+            "show the same figure. Checks m/r/d: matched / rejected / diverged "
+            "checks (contract and plan events are not counted).</p>"
+        )
         parts.append("<ul>")
         for seed, s in study["seeds"].items():
-            verdict = ("byte-identical test top-1 and encoder weights"
-                       if s["state_aware_identical"] else
-                       f"NOT identical: {', '.join(s['not_identical'])}")
-            parts.append(f"<li>seed {html.escape(str(seed))}: {', '.join(s['state_aware'])}: "
-                         f"{verdict}</li>")
+            verdict = (
+                "byte-identical test top-1 and encoder weights"
+                if s["state_aware_identical"]
+                else f"NOT identical: {', '.join(s['not_identical'])}"
+            )
+            parts.append(
+                f"<li>seed {html.escape(str(seed))}: {', '.join(s['state_aware'])}: {verdict}</li>"
+            )
             for m, how in s["state_unaware"].items():
-                parts.append(f"<li>seed {html.escape(str(seed))}: {html.escape(m)}: "
-                             f"{html.escape(str(how))}</li>")
+                parts.append(
+                    f"<li>seed {html.escape(str(seed))}: {html.escape(m)}: "
+                    f"{html.escape(str(how))}</li>"
+                )
         b = study.get("budget") or {}
         if b.get("bytes"):
             mf = b["min_feasible"]
-            parts.append(f"<li>budget of eager_whole and joint: {format_bytes(b['bytes'])} "
-                         f"(minimum feasible: joint {format_bytes(mf['joint'])}, eager_whole "
-                         f"{format_bytes(mf['eager_whole'])}, retain all "
-                         f"{format_bytes(mf['retain_all'])})</li>")
+            parts.append(
+                f"<li>budget of eager_whole and joint: {format_bytes(b['bytes'])} "
+                f"(minimum feasible: joint {format_bytes(mf['joint'])}, eager_whole "
+                f"{format_bytes(mf['eager_whole'])}, retain all "
+                f"{format_bytes(mf['retain_all'])})</li>"
+            )
         parts.append("</ul>")
         parts.append(_methods(study))
     else:
@@ -501,8 +653,9 @@ def write_report(run_dir: str | os.PathLike, result: Mapping[str, Any] | None = 
     for title, name in images:
         if name is None:
             continue
-        parts.append(f"<h2>{html.escape(title)}</h2><img src='plots/{name}' "
-                     f"alt='{html.escape(title)}'>")
+        parts.append(
+            f"<h2>{html.escape(title)}</h2><img src='plots/{name}' alt='{html.escape(title)}'>"
+        )
     parts.append("</body></html>")
     out = root / "report.html"
     out.write_text("\n".join(parts), encoding="utf-8")

@@ -14,6 +14,7 @@ Example:
     >>> m(torch.randn(8, 32)).shape
     torch.Size([8, 1])
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,7 @@ class SparseWriteBlock(nn.Module):
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
         self.query = nn.Linear(dim, dim)
-        self.register_buffer("memory", torch.randn(buffer_rows, dim) / dim ** 0.5)
+        self.register_buffer("memory", torch.randn(buffer_rows, dim) / dim**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc2(F.gelu(self.fc1(x)))
@@ -52,13 +53,20 @@ class SparseWriteModel(nn.Module):
         write_rows: rows written per buffer per step (sets the ``regions`` bytes).
     """
 
-    def __init__(self, blocks: int = 4, dim: int = 128, hidden: int = 1024,
-                 buffer_rows: int = 8192, write_rows: int = 16) -> None:
+    def __init__(
+        self,
+        blocks: int = 4,
+        dim: int = 128,
+        hidden: int = 1024,
+        buffer_rows: int = 8192,
+        write_rows: int = 16,
+    ) -> None:
         super().__init__()
         if not 0 < write_rows <= buffer_rows:
             raise ValueError(f"write_rows={write_rows} must be in 1..buffer_rows={buffer_rows}")
-        self.blocks = nn.ModuleList(SparseWriteBlock(dim, hidden, buffer_rows)
-                                    for _ in range(blocks))
+        self.blocks = nn.ModuleList(
+            SparseWriteBlock(dim, hidden, buffer_rows) for _ in range(blocks)
+        )
         self.head = nn.Linear(dim, 1)
         self.write_rows = write_rows
 
@@ -107,8 +115,14 @@ try:  # the Lightning shells; the model above never needs Lightning
     class SparseWriteDataModule(L.LightningDataModule):
         """Synthetic regression data sized for the sparse-write model."""
 
-        def __init__(self, dim: int = 128, batch_size: int = 256, train_size: int = 4096,
-                     val_size: int = 512, seed: int = 0) -> None:
+        def __init__(
+            self,
+            dim: int = 128,
+            batch_size: int = 256,
+            train_size: int = 4096,
+            val_size: int = 512,
+            seed: int = 0,
+        ) -> None:
             super().__init__()
             self.save_hyperparameters()
 
@@ -129,8 +143,15 @@ try:  # the Lightning shells; the model above never needs Lightning
     class SparseWriteModule(L.LightningModule):
         """LightningModule around :class:`SparseWriteModel` (segments: its blocks)."""
 
-        def __init__(self, blocks: int = 4, dim: int = 128, hidden: int = 1024,
-                     buffer_rows: int = 8192, write_rows: int = 16, lr: float = 0.01) -> None:
+        def __init__(
+            self,
+            blocks: int = 4,
+            dim: int = 128,
+            hidden: int = 1024,
+            buffer_rows: int = 8192,
+            write_rows: int = 16,
+            lr: float = 0.01,
+        ) -> None:
             super().__init__()
             self.save_hyperparameters()
             self.model = SparseWriteModel(blocks, dim, hidden, buffer_rows, write_rows)

@@ -43,6 +43,7 @@ Example:
     >>> StudySettings.from_config(cfg).methods
     ['none', 'torch_checkpoint', 'torch_sac', 'whole', 'regions', 'eager_whole', 'joint']
 """
+
 from __future__ import annotations
 
 import os
@@ -53,25 +54,66 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from lightning_replay.apps.study_compare import (StudyResult, add_steady_figures,
-                                                 compare_to_reference, describe_divergence,
-                                                 module_state, seed_summaries, steady_cutoff)
-from lightning_replay.apps.study_config import (DEMO_CONFIG, METHOD_DESCRIPTIONS, METHODS,
-                                                REPLAY_METHODS, STATE_AWARE, STATE_UNAWARE,
-                                                StudySettings, load_study_config)
-from lightning_replay.apps.study_output import (clean_outputs, format_markdown, format_top1,
-                                                write_results)
-from lightning_replay.apps.study_run import (finish_wandb, fit_run, measure_budget, own_env,
-                                             quiet_lightning, result_row, test_run)
+from lightning_replay.apps.study_compare import (
+    StudyResult,
+    add_steady_figures,
+    compare_to_reference,
+    describe_divergence,
+    module_state,
+    seed_summaries,
+    steady_cutoff,
+)
+from lightning_replay.apps.study_config import (
+    DEMO_CONFIG,
+    METHOD_DESCRIPTIONS,
+    METHODS,
+    REPLAY_METHODS,
+    STATE_AWARE,
+    STATE_UNAWARE,
+    StudySettings,
+    load_study_config,
+)
+from lightning_replay.apps.study_output import (
+    clean_outputs,
+    format_markdown,
+    format_top1,
+    write_results,
+)
+from lightning_replay.apps.study_run import (
+    finish_wandb,
+    fit_run,
+    measure_budget,
+    own_env,
+    quiet_lightning,
+    result_row,
+    test_run,
+)
 from lightning_replay.budget import format_bytes
 
-__all__ = ["METHODS", "STATE_AWARE", "STATE_UNAWARE", "METHOD_DESCRIPTIONS", "DEMO_CONFIG",
-           "StudySettings", "StudyResult", "load_study_config", "run_study", "measure_budget",
-           "describe_divergence", "format_markdown", "format_top1"]
+__all__ = [
+    "METHODS",
+    "STATE_AWARE",
+    "STATE_UNAWARE",
+    "METHOD_DESCRIPTIONS",
+    "DEMO_CONFIG",
+    "StudySettings",
+    "StudyResult",
+    "load_study_config",
+    "run_study",
+    "measure_budget",
+    "describe_divergence",
+    "format_markdown",
+    "format_top1",
+]
 
 
-def run_study(config: str | os.PathLike | Mapping[str, Any], *, progress: bool = True,
-              quiet: bool = True, echo: Callable[[str], None] | None = None) -> StudyResult:
+def run_study(
+    config: str | os.PathLike | Mapping[str, Any],
+    *,
+    progress: bool = True,
+    quiet: bool = True,
+    echo: Callable[[str], None] | None = None,
+) -> StudyResult:
     """Run the comparison a study config describes and write its results.
 
     Args:
@@ -92,12 +134,16 @@ def run_study(config: str | os.PathLike | Mapping[str, Any], *, progress: bool =
     settings = StudySettings.from_config(base)
     out = Path(settings.output_dir)
     if (out / "results.json").exists() and not settings.overwrite:
-        raise FileExistsError(f"{out} holds an earlier study (results.json); set "
-                              "study.overwrite: true or choose another study.output_dir")
+        raise FileExistsError(
+            f"{out} holds an earlier study (results.json); set "
+            "study.overwrite: true or choose another study.output_dir"
+        )
     if out.is_dir() and any(out.iterdir()) and not (out / "study_config.yaml").exists():
         # never clean a directory the study did not make
-        raise FileExistsError(f"study.output_dir={str(out)!r} is a non-empty directory that "
-                              "holds no study; choose a new or empty directory")
+        raise FileExistsError(
+            f"study.output_dir={str(out)!r} is a non-empty directory that "
+            "holds no study; choose a new or empty directory"
+        )
     out.mkdir(parents=True, exist_ok=True)
     clean_outputs(out)  # an earlier (or interrupted) study here
     (out / "study_config.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
@@ -106,12 +152,17 @@ def run_study(config: str | os.PathLike | Mapping[str, Any], *, progress: bool =
     if wandb_mode == "dryrun":
         wandb_mode = "offline"
     group = f"study-{time.strftime('%Y%m%d-%H%M%S')}"
-    budgeted = [m for m in settings.methods
-                if m in REPLAY_METHODS and REPLAY_METHODS[m].budgeted]
+    budgeted = [m for m in settings.methods if m in REPLAY_METHODS and REPLAY_METHODS[m].budgeted]
     total = len(settings.methods) * len(settings.seeds) + (1 if budgeted else 0)
     t_start = time.perf_counter()
-    bar = tqdm(total=total, desc="study", unit="run", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=total,
+        desc="study",
+        unit="run",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
     budget: dict[str, Any] = {"bytes": None}
     raw: list[dict[str, Any]] = []
     telemetry: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -124,17 +175,28 @@ def run_study(config: str | os.PathLike | Mapping[str, Any], *, progress: bool =
                 budget = measure_budget(base, settings, out, settings.seeds[0])
                 bar.update(1)
                 if echo:
-                    echo(f"budget for eager_whole/joint: {format_bytes(budget['bytes'])} "
-                         f"(min feasible: joint {format_bytes(budget['min_feasible']['joint'])}"
-                         f", eager_whole {format_bytes(budget['min_feasible']['eager_whole'])}"
-                         f", retain all {format_bytes(budget['min_feasible']['retain_all'])})")
+                    echo(
+                        f"budget for eager_whole/joint: {format_bytes(budget['bytes'])} "
+                        f"(min feasible: joint {format_bytes(budget['min_feasible']['joint'])}"
+                        f", eager_whole {format_bytes(budget['min_feasible']['eager_whole'])}"
+                        f", retain all {format_bytes(budget['min_feasible']['retain_all'])})"
+                    )
             for seed in settings.seeds:
                 for method in settings.methods:
                     bar.set_postfix_str(f"{method} seed {seed}")
                     run_dir = out / "runs" / f"{method}-seed{seed}"
                     with own_env():
-                        run = fit_run(base, settings, method, seed, run_dir, records,
-                                      budget["bytes"], wandb_mode, group)
+                        run = fit_run(
+                            base,
+                            settings,
+                            method,
+                            seed,
+                            run_dir,
+                            records,
+                            budget["bytes"],
+                            wandb_mode,
+                            group,
+                        )
                         result = test_run(run, base)
                     data_desc = getattr(run.datamodule, "description", "") or data_desc
                     row = result_row(run, result, records, budget["bytes"])
@@ -149,9 +211,11 @@ def run_study(config: str | os.PathLike | Mapping[str, Any], *, progress: bool =
                     raw.append(row)
                     bar.update(1)
                     if echo:
-                        echo(f"{method:>16} seed {seed}: top-1 {format_top1(row['top1'])}  "
-                             f"encoder {row['encoder_digest'][:12]}  "
-                             f"{row.get('vs_reference', '')}  ({row['wall_s']:.1f} s)")
+                        echo(
+                            f"{method:>16} seed {seed}: top-1 {format_top1(row['top1'])}  "
+                            f"encoder {row['encoder_digest'][:12]}  "
+                            f"{row.get('vs_reference', '')}  ({row['wall_s']:.1f} s)"
+                        )
                     del run
     finally:
         bar.close()
@@ -159,7 +223,14 @@ def run_study(config: str | os.PathLike | Mapping[str, Any], *, progress: bool =
     for row in raw:
         add_steady_figures(row, telemetry[(row["method"], row["seed"])], cutoff)
     seeds = seed_summaries(raw, settings)
-    result = StudyResult(settings, raw, seeds, {**budget, "steady_from_step": cutoff}, out,
-                         time.perf_counter() - t_start, data_desc)
+    result = StudyResult(
+        settings,
+        raw,
+        seeds,
+        {**budget, "steady_from_step": cutoff},
+        out,
+        time.perf_counter() - t_start,
+        data_desc,
+    )
     write_results(result)
     return result

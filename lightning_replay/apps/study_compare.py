@@ -6,6 +6,7 @@ Example:
     >>> divergence_text(describe_divergence(a, a), 0.0)
     'identical'
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,16 @@ import torch
 
 from lightning_replay.apps.study_config import StudySettings
 
-__all__ = ["StudyResult", "describe_divergence", "divergence_text", "module_state",
-           "compare_to_reference", "seed_summaries", "steady_cutoff", "add_steady_figures"]
+__all__ = [
+    "StudyResult",
+    "describe_divergence",
+    "divergence_text",
+    "module_state",
+    "compare_to_reference",
+    "seed_summaries",
+    "steady_cutoff",
+    "add_steady_figures",
+]
 
 
 @dataclasses.dataclass
@@ -43,10 +52,16 @@ class StudyResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The result as JSON-ready data (``results.json``)."""
-        return {"settings": dataclasses.asdict(self.settings), "rows": self.rows,
-                "seeds": {str(k): v for k, v in self.seeds.items()}, "budget": self.budget,
-                "identical": self.identical, "wall_s": self.wall_s, "data": self.data,
-                "paths": self.paths}
+        return {
+            "settings": dataclasses.asdict(self.settings),
+            "rows": self.rows,
+            "seeds": {str(k): v for k, v in self.seeds.items()},
+            "budget": self.budget,
+            "identical": self.identical,
+            "wall_s": self.wall_s,
+            "data": self.data,
+            "paths": self.paths,
+        }
 
 
 # ------------------------------------------------------------------------------ one run vs ref
@@ -55,8 +70,9 @@ def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
-def describe_divergence(ref: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor]
-                        ) -> dict[str, Any]:
+def describe_divergence(
+    ref: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor]
+) -> dict[str, Any]:
     """How two encoder states differ: counts, the largest relative difference of a floating
     tensor, and how batch-norm counters (``num_batches_tracked``) compare.
 
@@ -85,27 +101,32 @@ def describe_divergence(ref: Mapping[str, torch.Tensor], other: Mapping[str, tor
             rel = float((a.double() - b.double()).norm()) / den if den > 0 else math.inf
             if rel > worst:
                 worst, worst_name = rel, k
-    return {"differ": differ, "tensors": len(ref), "max_rel_diff": worst,
-            "max_rel_diff_tensor": worst_name,
-            "bn_counter_ratio": (statistics.median(ratios) if ratios else None)}
+    return {
+        "differ": differ,
+        "tensors": len(ref),
+        "max_rel_diff": worst,
+        "max_rel_diff_tensor": worst_name,
+        "bn_counter_ratio": (statistics.median(ratios) if ratios else None),
+    }
 
 
 def divergence_text(d: dict[str, Any], top1_delta: float) -> str:
     """One line for people: how a run differs from its reference (``"identical"`` if not)."""
     if d["differ"] == 0 and top1_delta == 0:
         return "identical"
-    parts = [f"top-1 {top1_delta:+.4f}",
-             f"{d['differ']}/{d['tensors']} encoder tensors differ"]
+    parts = [f"top-1 {top1_delta:+.4f}", f"{d['differ']}/{d['tensors']} encoder tensors differ"]
     if d["max_rel_diff_tensor"]:
         parts.append(f"max rel. diff {d['max_rel_diff']:.2e} ({d['max_rel_diff_tensor']})")
     if d["bn_counter_ratio"] not in (None, 1.0):
-        parts.append(f"BN counters x{d['bn_counter_ratio']:.2f} (statistics updated again "
-                     "on every replay)")
+        parts.append(
+            f"BN counters x{d['bn_counter_ratio']:.2f} (statistics updated again on every replay)"
+        )
     return "; ".join(parts)
 
 
-def compare_to_reference(row: dict[str, Any], state: Mapping[str, torch.Tensor],
-                         ref: Mapping[str, Any]) -> None:
+def compare_to_reference(
+    row: dict[str, Any], state: Mapping[str, torch.Tensor], ref: Mapping[str, Any]
+) -> None:
     """Set a result row's comparison with its seed's reference run: ``ref`` holds that run's
     ``method``, encoder ``state`` (:func:`module_state`) and ``top1``."""
     d = describe_divergence(ref["state"], state)
@@ -134,8 +155,9 @@ def _steady(rows: Sequence[dict[str, Any]], cutoff: int) -> list[dict[str, Any]]
     return steady or enc
 
 
-def add_steady_figures(row: dict[str, Any], telemetry: Sequence[dict[str, Any]],
-                       cutoff: int) -> None:
+def add_steady_figures(
+    row: dict[str, Any], telemetry: Sequence[dict[str, Any]], cutoff: int
+) -> None:
     """Set a result row's peak memory and median step time over its run's steady contrastive
     steps (from ``cutoff``, checked steps excluded; steps with memory tracking are left out of
     the median, they are slower)."""
@@ -164,9 +186,11 @@ def seed_summaries(rows: list[dict[str, Any]], settings: StudySettings) -> dict[
             "state_aware_identical": identical,
             "top1": aware[0]["top1"] if aware else None,
             "encoder_digest": aware[0]["encoder_digest"] if aware else None,
-            "not_identical": [r["method"] for r in aware
-                              if not (r.get("same_top1") and r.get("same_weights"))],
-            "state_unaware": {r["method"]: r.get("vs_reference") for r in mine
-                              if r["kind"] == "state-unaware"},
+            "not_identical": [
+                r["method"] for r in aware if not (r.get("same_top1") and r.get("same_weights"))
+            ],
+            "state_unaware": {
+                r["method"]: r.get("vs_reference") for r in mine if r["kind"] == "state-unaware"
+            },
         }
     return out

@@ -12,6 +12,7 @@ Example:
     >>> names_subclass("lightning_replay.apps.dense_queue.DenseQueueModule", L.LightningModule)
     True
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,12 +24,23 @@ from typing import Any, Mapping, NamedTuple
 
 import yaml
 
+from lightning_replay.config import check_count
 from lightning_replay.apps.dense_queue import DenseQueueDataModule, DenseQueueModule
 from lightning_replay.budget import parse_budget
 
-__all__ = ["METHODS", "STATE_AWARE", "STATE_UNAWARE", "METHOD_DESCRIPTIONS", "REPLAY_METHODS",
-           "DEMO_CONFIG", "ReplayMethod", "StudySettings", "load_study_config", "class_path",
-           "names_subclass"]
+__all__ = [
+    "METHODS",
+    "STATE_AWARE",
+    "STATE_UNAWARE",
+    "METHOD_DESCRIPTIONS",
+    "REPLAY_METHODS",
+    "DEMO_CONFIG",
+    "ReplayMethod",
+    "StudySettings",
+    "load_study_config",
+    "class_path",
+    "names_subclass",
+]
 
 METHODS = ("none", "torch_checkpoint", "torch_sac", "whole", "regions", "eager_whole", "joint")
 STATE_AWARE = ("none", "whole", "regions", "eager_whole", "joint")
@@ -39,15 +51,15 @@ METHOD_DESCRIPTIONS = {
     "none": "no recomputation: every activation kept (the reference; exact by definition)",
     "torch_checkpoint": "torch.utils.checkpoint on every segment (state-unaware)",
     "torch_sac": "torch's selective activation checkpointing, saving matmul outputs and "
-                 "recomputing the rest (state-unaware)",
+    "recomputing the rest (state-unaware)",
     "whole": "strategy='replay', every segment replayed, changing state preserved whole "
-             "(planner whole_all)",
+    "(planner whole_all)",
     "regions": "strategy='replay', every segment replayed, only the overwritten regions "
-               "preserved where it can (planner fixed_regions)",
+    "preserved where it can (planner fixed_regions)",
     "eager_whole": "strategy='replay' under the budget, greedy over retain/whole, best bytes "
-                   "saved per second added first (planner eager_whole)",
+    "saved per second added first (planner eager_whole)",
     "joint": "strategy='replay' under the same budget, the optimal plan over every option "
-             "(planner joint)",
+    "(planner joint)",
 }
 
 
@@ -61,10 +73,12 @@ class ReplayMethod(NamedTuple):
     budgeted: bool
 
 
-REPLAY_METHODS = {"whole": ReplayMethod("whole_all", "whole", False),
-                  "regions": ReplayMethod("fixed_regions", "regions", False),
-                  "eager_whole": ReplayMethod("eager_whole", "auto", True),
-                  "joint": ReplayMethod("joint", "auto", True)}
+REPLAY_METHODS = {
+    "whole": ReplayMethod("whole_all", "whole", False),
+    "regions": ReplayMethod("fixed_regions", "regions", False),
+    "eager_whole": ReplayMethod("eager_whole", "auto", True),
+    "joint": ReplayMethod("joint", "auto", True),
+}
 
 #: The demo's config (``python -m lightning_replay.demos.demo``, ``make demo``): small sizes for
 #: 2 CPU cores, a ResNet with one block per stage at width 16 on a synthetic CIFAR-100 of 1,000
@@ -114,31 +128,28 @@ class StudySettings:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown or not self.methods:
-            raise ValueError(f"study.methods={self.methods!r}: unknown {unknown}; choose from "
-                             f"{list(METHODS)}")
+            raise ValueError(
+                f"study.methods={self.methods!r}: unknown {unknown}; choose from {list(METHODS)}"
+            )
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"study.methods={self.methods!r} lists a method twice")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or \
-                not all(isinstance(s, int) and not isinstance(s, bool) for s in self.seeds):
+        if (
+            not self.seeds
+            or len(set(self.seeds)) != len(self.seeds)
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in self.seeds)
+        ):
             raise ValueError(f"study.seeds={self.seeds!r} must be distinct ints (at least one)")
         if not 0 <= self.budget_fraction <= 1:
             raise ValueError(f"study.budget_fraction={self.budget_fraction!r} must be in [0, 1]")
         if self.budget is not None:
             self.budget = parse_budget(self.budget)
-        if isinstance(self.measure_steps, bool) or not isinstance(self.measure_steps, int) or \
-                self.measure_steps < 2:
-            raise ValueError(f"study.measure_steps={self.measure_steps!r} must be an int >= 2")
-        if self.check_every_n_steps is not None and (
-                isinstance(self.check_every_n_steps, bool) or self.check_every_n_steps < 1):
-            raise ValueError(f"study.check_every_n_steps={self.check_every_n_steps!r} must be "
-                             "a positive int or null")
-        if isinstance(self.memory_every_n_steps, bool) or \
-                not isinstance(self.memory_every_n_steps, int) or self.memory_every_n_steps < 1:
-            raise ValueError(f"study.memory_every_n_steps={self.memory_every_n_steps!r} must be "
-                             "an int >= 1")
+        check_count("study", "measure_steps", self.measure_steps, minimum=2)
+        check_count("study", "check_every_n_steps", self.check_every_n_steps, none="no checks")
+        check_count("study", "memory_every_n_steps", self.memory_every_n_steps)
         if self.wandb_mode not in (None, "offline", "online", "disabled"):
-            raise ValueError(f"study.wandb_mode={self.wandb_mode!r} must be offline, online, "
-                             "disabled or null")
+            raise ValueError(
+                f"study.wandb_mode={self.wandb_mode!r} must be offline, online, disabled or null"
+            )
         # `none` first: the reference every other method is compared with
         if "none" in self.methods:
             self.methods = ["none"] + [m for m in self.methods if m != "none"]

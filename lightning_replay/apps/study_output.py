@@ -5,6 +5,7 @@ Example:
     >>> format_top1(0.25)
     '25.00 %'
 """
+
 from __future__ import annotations
 
 import csv
@@ -40,10 +41,12 @@ def _fmt_records(rec: dict[str, int] | None) -> str:
 
 def format_markdown(result: StudyResult) -> str:
     """The result table (one row per method and seed) and the per-seed verdicts, in Markdown."""
-    lines = ["| method | seed | test top-1 | encoder digest | peak memory (live) | "
-             "median step (steady) | replays | checks (match / rejection / divergence) | "
-             "vs reference |",
-             "|---|---:|---|---|---:|---:|---:|---|---|"]
+    lines = [
+        "| method | seed | test top-1 | encoder digest | peak memory (live) | "
+        "median step (steady) | replays | checks (match / rejection / divergence) | "
+        "vs reference |",
+        "|---|---:|---|---|---:|---:|---:|---|---|",
+    ]
     for r in result.rows:
         peak = format_bytes(r["peak_bytes"]) if r.get("peak_bytes") is not None else "n/a"
         lines.append(
@@ -52,20 +55,27 @@ def format_markdown(result: StudyResult) -> str:
             f"{peak} | {r['median_step_ms']:.1f} ms | {r['replays']} | "
             f"{_fmt_records(r.get('records'))} | "
             f"{'reference' if r.get('reference') == r['method'] else r.get('vs_reference', '')}"
-            " |")
+            " |"
+        )
     lines.append("")
     for seed, s in result.seeds.items():
         if len(s["state_aware"]) == 1:
-            lines.append(f"- seed {seed}: {s['state_aware'][0]} is the only state-aware method "
-                         "run: nothing to compare it with.")
+            lines.append(
+                f"- seed {seed}: {s['state_aware'][0]} is the only state-aware method "
+                "run: nothing to compare it with."
+            )
         elif s["state_aware_identical"]:
-            lines.append(f"- seed {seed}: state-aware methods {', '.join(s['state_aware'])} give "
-                         f"**byte-identical** test top-1 ({format_top1(s['top1'])}) and "
-                         "encoder weights "
-                         f"(`{s['encoder_digest'][:16]}`).")
+            lines.append(
+                f"- seed {seed}: state-aware methods {', '.join(s['state_aware'])} give "
+                f"**byte-identical** test top-1 ({format_top1(s['top1'])}) and "
+                "encoder weights "
+                f"(`{s['encoder_digest'][:16]}`)."
+            )
         else:
-            lines.append(f"- seed {seed}: state-aware methods are **NOT identical**: "
-                         f"{', '.join(s['not_identical'])} differ from {s['reference']}.")
+            lines.append(
+                f"- seed {seed}: state-aware methods are **NOT identical**: "
+                f"{', '.join(s['not_identical'])} differ from {s['reference']}."
+            )
         for m, how in s["state_unaware"].items():
             lines.append(f"- seed {seed}: {m} (state-unaware): {how}.")
     b = result.budget
@@ -76,18 +86,24 @@ def format_markdown(result: StudyResult) -> str:
             f"- budget of eager_whole and joint: {format_bytes(b['bytes'])} "
             f"({how}; minimum feasible "
             f"budgets from measured costs: joint {format_bytes(mf['joint'])}, eager_whole "
-            f"{format_bytes(mf['eager_whole'])}, retain all {format_bytes(mf['retain_all'])}).")
+            f"{format_bytes(mf['eager_whole'])}, retain all {format_bytes(mf['retain_all'])})."
+        )
         held = []
         for m in ("eager_whole", "joint"):
-            peaks = [r["accounted_peak_bytes"] for r in result.rows
-                     if r["method"] == m and r.get("accounted_peak_bytes")]
+            peaks = [
+                r["accounted_peak_bytes"]
+                for r in result.rows
+                if r["method"] == m and r.get("accounted_peak_bytes")
+            ]
             if peaks:
                 held.append(f"{m} {format_bytes(max(peaks))}")
         if held:
-            lines.append(f"- the engine's accounted peak (the quantity the budget bounds) over "
-                         f"the steady steps, largest over seeds: {', '.join(held)}; the live "
-                         "tensor peak in the table also counts what the engine does not "
-                         "(optimizer state, the batch and its augmentations, temporaries).")
+            lines.append(
+                f"- the engine's accounted peak (the quantity the budget bounds) over "
+                f"the steady steps, largest over seeds: {', '.join(held)}; the live "
+                "tensor peak in the table also counts what the engine does not "
+                "(optimizer state, the batch and its augmentations, temporaries)."
+            )
     skipped = {}
     for r in result.rows:
         if r.get("checks_skipped"):
@@ -96,15 +112,22 @@ def format_markdown(result: StudyResult) -> str:
         lines.append(
             "- derivative checks skipped under the budget (keeping even one segment's graph "
             "would exceed it; byte checks still ran on those steps), most in one run: "
-            + ", ".join(f"{m} {n}" for m, n in skipped.items()) + ".")
+            + ", ".join(f"{m} {n}" for m, n in skipped.items())
+            + "."
+        )
     cutoff = b.get("steady_from_step", 1)
-    when = (f"from step {cutoff}, when every replay run's plan is in force; checked steps "
-            "excluded" if cutoff > 1 else "all of them")
-    lines.append(f"- peak memory and median step time over the contrastive steps ({when}); "
-                 "peak memory is the largest live tensor bytes of a "
-                 "step (on CPU tracked every "
-                 f"{result.settings.memory_every_n_steps} steps, whose times are left out of "
-                 "the median; the CUDA allocator's peak on GPU).")
+    when = (
+        f"from step {cutoff}, when every replay run's plan is in force; checked steps excluded"
+        if cutoff > 1
+        else "all of them"
+    )
+    lines.append(
+        f"- peak memory and median step time over the contrastive steps ({when}); "
+        "peak memory is the largest live tensor bytes of a "
+        "step (on CPU tracked every "
+        f"{result.settings.memory_every_n_steps} steps, whose times are left out of "
+        "the median; the CUDA allocator's peak on GPU)."
+    )
     lines.append("")
     lines.append("Methods:")
     for m in result.settings.methods:
@@ -112,10 +135,28 @@ def format_markdown(result: StudyResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-_CSV_COLUMNS = ("method", "seed", "kind", "top1", "test_images", "encoder_digest", "peak_bytes",
-                "accounted_peak_bytes", "median_step_ms", "replays", "records_match",
-                "records_rejection", "records_divergence", "budget_bytes", "same_top1",
-                "same_weights", "vs_reference", "wall_s", "run_id", "run_dir")
+_CSV_COLUMNS = (
+    "method",
+    "seed",
+    "kind",
+    "top1",
+    "test_images",
+    "encoder_digest",
+    "peak_bytes",
+    "accounted_peak_bytes",
+    "median_step_ms",
+    "replays",
+    "records_match",
+    "records_rejection",
+    "records_divergence",
+    "budget_bytes",
+    "same_top1",
+    "same_weights",
+    "vs_reference",
+    "wall_s",
+    "run_id",
+    "run_dir",
+)
 
 
 def write_results(result: StudyResult) -> None:
@@ -127,14 +168,22 @@ def write_results(result: StudyResult) -> None:
     w.writeheader()
     for r in result.rows:
         rec = r.get("records") or {}
-        w.writerow({**r, "top1": repr(r["top1"]),
-                    **{f"records_{o}": rec.get(o, "") if r.get("records") else ""
-                       for o in OUTCOMES}})
+        w.writerow(
+            {
+                **r,
+                "top1": repr(r["top1"]),
+                **{f"records_{o}": rec.get(o, "") if r.get("records") else "" for o in OUTCOMES},
+            }
+        )
     (out / "results.csv").write_text(buf.getvalue())
-    result.paths = {"results_md": str(out / "results.md"), "results_csv": str(out / "results.csv"),
-                    "results_json": str(out / "results.json"),
-                    "records": str(out / "records.sqlite"),
-                    "wandb": str(out / "wandb"), "runs": str(out / "runs")}
+    result.paths = {
+        "results_md": str(out / "results.md"),
+        "results_csv": str(out / "results.csv"),
+        "results_json": str(out / "results.json"),
+        "records": str(out / "records.sqlite"),
+        "wandb": str(out / "wandb"),
+        "runs": str(out / "runs"),
+    }
     if result.settings.report:
         # imported here: the report module imports this one (format_top1)
         from lightning_replay.apps.report import write_report
@@ -145,8 +194,16 @@ def write_results(result: StudyResult) -> None:
 
 def clean_outputs(out: Path) -> None:
     """Remove what an earlier (or interrupted) study wrote into ``out``."""
-    for name in ("results.md", "results.csv", "results.json", "report.html", "study_config.yaml",
-                 "records.sqlite", "records.sqlite-wal", "records.sqlite-shm"):
+    for name in (
+        "results.md",
+        "results.csv",
+        "results.json",
+        "report.html",
+        "study_config.yaml",
+        "records.sqlite",
+        "records.sqlite-wal",
+        "records.sqlite-shm",
+    ):
         (out / name).unlink(missing_ok=True)
     for name in ("runs", "wandb", "plots", "measure"):
         shutil.rmtree(out / name, ignore_errors=True)

@@ -25,6 +25,7 @@ Example:
     >>> live.peak, live.current
     (8192, 4096)
 """
+
 from __future__ import annotations
 
 import json
@@ -38,6 +39,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_replay.config import check_count
 from lightning_replay._compat import TorchDispatchMode, tree_leaves
 from lightning_replay.apps.torch_recompute import recompute_counts
 from lightning_replay.records import CHECKS, CONTRACT
@@ -145,18 +147,21 @@ class StepTelemetry(Callback):
         'live'
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, memory: str = "auto",
-                 log: bool = True, memory_every_n_steps: int = 1) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        memory: str = "auto",
+        log: bool = True,
+        memory_every_n_steps: int = 1,
+    ) -> None:
         if memory not in MEMORY_MODES:
-            raise ValueError(f"StepTelemetry(memory={memory!r}) is not known; use one of "
-                             f"{list(MEMORY_MODES)}")
+            raise ValueError(
+                f"StepTelemetry(memory={memory!r}) is not known; use one of {list(MEMORY_MODES)}"
+            )
         self.path = None if path is None else os.fspath(path)
         self.memory = memory
         self.log = bool(log)
-        if isinstance(memory_every_n_steps, bool) or not isinstance(memory_every_n_steps, int) \
-                or memory_every_n_steps < 1:
-            raise ValueError(f"StepTelemetry(memory_every_n_steps={memory_every_n_steps!r}) "
-                             "must be an int >= 1")
+        check_count("StepTelemetry", "memory_every_n_steps", memory_every_n_steps)
         self.memory_every_n_steps = memory_every_n_steps
         self.rows: list[dict[str, Any]] = []
         self._file: Any = None
@@ -176,20 +181,25 @@ class StepTelemetry(Callback):
         # a resumed fit appends to the file; a new fit starts it afresh
         self._file = open(path, "a" if trainer.ckpt_path else "w", encoding="utf-8")
         engine = _engine(trainer)
-        self._replays = (_total_replays(engine) if engine is not None else
-                         sum(c["replays"] for c in recompute_counts(pl_module).values()))
+        self._replays = (
+            _total_replays(engine)
+            if engine is not None
+            else sum(c["replays"] for c in recompute_counts(pl_module).values())
+        )
         self._seq = 0
         if engine is not None:
-            self._seq = max((r.seq for r in engine.records.read(run_id=engine.records.run_id)),
-                            default=0)
+            self._seq = max(
+                (r.seq for r in engine.records.read(run_id=engine.records.run_id)), default=0
+            )
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._exit_mode()
         self._close()
 
@@ -205,8 +215,9 @@ class StepTelemetry(Callback):
 
     # ------------------------------------------------------------------ every step
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                             batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         device = trainer.strategy.root_device
         mode = self._memory_mode(device)
         if mode == "cuda":
@@ -220,8 +231,14 @@ class StepTelemetry(Callback):
         self._t0 = time.perf_counter()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         device = trainer.strategy.root_device
         mode = self._memory_mode(device)
         if mode == "cuda":
@@ -232,24 +249,34 @@ class StepTelemetry(Callback):
             peak = int(torch.cuda.max_memory_allocated(device))
         elif mode == "live":
             peak = self._exit_mode()
-        row: dict[str, Any] = {"step": trainer.global_step, "epoch": trainer.current_epoch,
-                               "batch_idx": batch_idx, "step_time_ms": step_ms,
-                               "peak_bytes": peak, "memory": mode,
-                               "memory_tracked": mode == "live" and peak is not None}
+        row: dict[str, Any] = {
+            "step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "batch_idx": batch_idx,
+            "step_time_ms": step_ms,
+            "peak_bytes": peak,
+            "memory": mode,
+            "memory_tracked": mode == "live" and peak is not None,
+        }
         phase = getattr(pl_module, "phase", None)
         if isinstance(phase, str):
             row["phase"] = phase
         engine = _engine(trainer)
         if engine is not None:
             total = _total_replays(engine)
-            row.update({"run_id": engine.records.run_id,
-                        "accounted_peak_bytes": engine.window_stats()["accounted_peak_bytes"],
-                        "budget": engine.budget,
-                        "plan_version": engine.plan_version,
-                        "replays": total - self._replays,
-                        "plan": {n: s["mode"] for n, s in engine.summary().items()},
-                        "predicted_peak_bytes": (engine.plan.peak_memory
-                                                 if engine.plan is not None else None)})
+            row.update(
+                {
+                    "run_id": engine.records.run_id,
+                    "accounted_peak_bytes": engine.window_stats()["accounted_peak_bytes"],
+                    "budget": engine.budget,
+                    "plan_version": engine.plan_version,
+                    "replays": total - self._replays,
+                    "plan": {n: s["mode"] for n, s in engine.summary().items()},
+                    "predicted_peak_bytes": (
+                        engine.plan.peak_memory if engine.plan is not None else None
+                    ),
+                }
+            )
             self._replays = total
             store = engine.records
             new = store.read(run_id=store.run_id, since_seq=self._seq)
@@ -259,8 +286,10 @@ class StepTelemetry(Callback):
             for r in new:  # a segment probed in this step ran retained, under discovery
                 if r.check == CONTRACT and r.segment in row["plan"]:
                     row["plan"][r.segment] = "probe"
-            row["records"] = {o: sum(1 for r in new if r.is_check and r.outcome == o)
-                              for o in ("match", "rejection", "divergence")}
+            row["records"] = {
+                o: sum(1 for r in new if r.is_check and r.outcome == o)
+                for o in ("match", "rejection", "divergence")
+            }
         else:
             counts = recompute_counts(pl_module)
             if counts:
@@ -272,12 +301,21 @@ class StepTelemetry(Callback):
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
         if self.log:
-            pl_module.log("telemetry/step_time_ms", torch.tensor(step_ms, dtype=torch.float64),
-                          on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log(
+                "telemetry/step_time_ms",
+                torch.tensor(step_ms, dtype=torch.float64),
+                on_step=True,
+                on_epoch=False,
+                batch_size=1,
+            )
             if peak is not None:
-                pl_module.log("telemetry/peak_bytes", torch.tensor(float(peak),
-                                                                   dtype=torch.float64),
-                              on_step=True, on_epoch=False, batch_size=1)
+                pl_module.log(
+                    "telemetry/peak_bytes",
+                    torch.tensor(float(peak), dtype=torch.float64),
+                    on_step=True,
+                    on_epoch=False,
+                    batch_size=1,
+                )
 
     def _exit_mode(self) -> int | None:
         mode, self._mode = self._mode, None

@@ -23,6 +23,7 @@ Example:
     >>> recompute_method(m[0]) is None
     True
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,15 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.segments import SegmentSpec, resolve_segments
 
-__all__ = ["METHODS", "DEFAULT_SAC_OPS", "apply_torch_recompute", "remove_torch_recompute",
-           "recompute_counts", "recompute_method", "sac_ops"]
+__all__ = [
+    "METHODS",
+    "DEFAULT_SAC_OPS",
+    "apply_torch_recompute",
+    "remove_torch_recompute",
+    "recompute_counts",
+    "recompute_method",
+    "sac_ops",
+]
 
 METHODS = ("none", "torch_checkpoint", "torch_sac")
 
@@ -57,8 +65,10 @@ def sac_ops(names: Iterable[str]) -> list[Any]:
     for n in names:
         packet = getattr(torch.ops.aten, str(n), None)
         if packet is None or not hasattr(packet, "overloads"):
-            raise ReplayConfigError(f"sac op {n!r} is not an aten operator; use names such as "
-                                    f"{list(DEFAULT_SAC_OPS)} or 'convolution'")
+            raise ReplayConfigError(
+                f"sac op {n!r} is not an aten operator; use names such as "
+                f"{list(DEFAULT_SAC_OPS)} or 'convolution'"
+            )
         out.append(packet)
     return out
 
@@ -72,6 +82,7 @@ def _policy(names: tuple[str, ...]):
     def policy(ctx, op, *args, **kwargs):
         packet = getattr(op, "overloadpacket", op)
         return CheckpointPolicy.MUST_SAVE if packet in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
     return policy
 
 
@@ -88,20 +99,32 @@ def _checkpointed_class(cls: type) -> type:
         def fn(*a, **k):  # the first call is the forward, every later one a recomputation
             spec["calls"] += 1
             return cls.forward(self, *a, **k)
+
         if spec["method"] == "torch_sac":
             ctx = functools.partial(create_selective_checkpoint_contexts, _policy(spec["ops"]))
             return checkpoint(fn, *args, use_reentrant=False, context_fn=ctx, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
-    new = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__,
-                                      "_lightning_replay_torch_base": cls})
+    new = type(
+        cls.__name__,
+        (cls,),
+        {
+            "forward": forward,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_lightning_replay_torch_base": cls,
+        },
+    )
     _CLASSES[cls] = new
     return new
 
 
-def apply_torch_recompute(model: nn.Module, segments: SegmentSpec | Iterable[SegmentSpec],
-                          method: str, ops: Sequence[str] = DEFAULT_SAC_OPS) -> list[str]:
+def apply_torch_recompute(
+    model: nn.Module,
+    segments: SegmentSpec | Iterable[SegmentSpec],
+    method: str,
+    ops: Sequence[str] = DEFAULT_SAC_OPS,
+) -> list[str]:
     """Wrap the given submodules of ``model`` in torch's activation recomputation.
 
     Args:
@@ -126,8 +149,10 @@ def apply_torch_recompute(model: nn.Module, segments: SegmentSpec | Iterable[Seg
     resolved = resolve_segments(model, segments)
     for name, mod in resolved.items():
         if recompute_method(mod) is not None:
-            raise ReplayConfigError(f"segment {name!r} is already wrapped with "
-                                    f"{recompute_method(mod)!r}; call remove_torch_recompute first")
+            raise ReplayConfigError(
+                f"segment {name!r} is already wrapped with "
+                f"{recompute_method(mod)!r}; call remove_torch_recompute first"
+            )
     for mod in resolved.values():
         mod.__dict__[_ATTR] = {"method": method, "ops": names, "forwards": 0, "calls": 0}
         mod.__class__ = _checkpointed_class(type(mod))
@@ -155,8 +180,7 @@ def recompute_counts(model: nn.Module) -> dict[str, dict[str, int]]:
     for name, mod in model.named_modules():
         spec = mod.__dict__.get(_ATTR)
         if spec is not None:
-            out[name] = {"forwards": spec["forwards"],
-                         "replays": spec["calls"] - spec["forwards"]}
+            out[name] = {"forwards": spec["forwards"], "replays": spec["calls"] - spec["forwards"]}
     return out
 
 

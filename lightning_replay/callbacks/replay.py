@@ -12,6 +12,11 @@ the peak against what retaining every segment would take, replays, checks and wh
 are. With a ``WandbLogger`` it also puts the replay settings into the run's config, defines metric
 summaries and logs the records and the plan as tables.
 
+It is long (over 600 lines once ruff-formatted) because a callback carries the Lightning hooks
+of every user-facing piece: check scheduling, the re-plan shell over
+:class:`~lightning_replay.replan.ReplanPolicy`, telemetry, wandb tables, the end-of-fit summary
+and its resumable state; the decisions themselves are in the core.
+
 Example:
     >>> import lightning as L, lightning_replay
     >>> from lightning_replay import ReplayCallback
@@ -19,6 +24,7 @@ Example:
     ...                     accelerator="cpu", devices=1, max_steps=1, logger=False,
     ...                     enable_checkpointing=False, enable_progress_bar=False)
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +54,13 @@ from lightning_replay.strategies.replay_fsdp import ReplayFSDPStrategy
 CHECKS = ("grad", "bytes")
 
 _SUM_KEYS = ("replays", "matches", "rejections", "divergences")
-_MAX_KEYS = ("peak_memory_bytes", "step_time_ms", "preserved_bytes", "plan_version",
-             "checks_skipped")
+_MAX_KEYS = (
+    "peak_memory_bytes",
+    "step_time_ms",
+    "preserved_bytes",
+    "plan_version",
+    "checks_skipped",
+)
 _STATE_VERSION = 1
 _MIB = 2**20
 
@@ -131,14 +142,25 @@ class ReplayCallback(Callback):
         summary: bool = True,
     ) -> None:
         call = "ReplayCallback"
-        self.check_every_n_steps = check_count(call, "check_every_n_steps", check_every_n_steps,
-                                               none="no checks")
-        self.checks = check_choices(call, "checks", checks, CHECKS, allow_empty=False,
-                                    empty_hint=", or check_every_n_steps=None for no checks")
+        self.check_every_n_steps = check_count(
+            call, "check_every_n_steps", check_every_n_steps, none="no checks"
+        )
+        self.checks = check_choices(
+            call,
+            "checks",
+            checks,
+            CHECKS,
+            allow_empty=False,
+            empty_hint=", or check_every_n_steps=None for no checks",
+        )
         #: When to re-plan (validated here; the policy itself is the core's).
         self.replan_settings = ReplanSettings(
-            replan_on=replan_on, replan_cooldown_steps=replan_cooldown_steps,
-            memory_headroom=memory_headroom, shape_patience=shape_patience, caller=call)
+            replan_on=replan_on,
+            replan_cooldown_steps=replan_cooldown_steps,
+            memory_headroom=memory_headroom,
+            shape_patience=shape_patience,
+            caller=call,
+        )
         self._policy = ReplanPolicy(self.replan_settings)
         self.records_path = None if records_path is None else _check_records_path(records_path)
         if not isinstance(log_records, bool):
@@ -188,7 +210,8 @@ class ReplayCallback(Callback):
             raise ReplayConfigError(
                 f"ReplayCallback needs Trainer(strategy='replay') (a ReplayStrategy); this "
                 f"trainer uses {type(strategy).__name__}. Add `import lightning_replay` and "
-                "pass strategy='replay'.")
+                "pass strategy='replay'."
+            )
         path = self.records_path or default_records_path(trainer.default_root_dir)
         _check_records_path(path)
         strategy.configure_records(path, default=self.records_path is None)
@@ -236,27 +259,32 @@ class ReplayCallback(Callback):
         strategy = strategy or self._require_strategy()
         engine = strategy.engine
         preservation = strategy.preservation
-        return {"budget_bytes": engine.budget if engine is not None else strategy.budget,
-                "planner": strategy.planner,
-                "preservation": (dict(preservation) if isinstance(preservation, Mapping)
-                                 else preservation),
-                "on_violation": strategy.on_violation,
-                "calibration_steps": strategy.calibration_steps,
-                "segments": list(engine.segments) if engine is not None else [],
-                "world_size": strategy.world_size,
-                "check_every_n_steps": self.check_every_n_steps,
-                "checks": list(self.checks),
-                "replan_on": list(self.replan_on),
-                "memory_headroom": self.memory_headroom}
+        return {
+            "budget_bytes": engine.budget if engine is not None else strategy.budget,
+            "planner": strategy.planner,
+            "preservation": (
+                dict(preservation) if isinstance(preservation, Mapping) else preservation
+            ),
+            "on_violation": strategy.on_violation,
+            "calibration_steps": strategy.calibration_steps,
+            "segments": list(engine.segments) if engine is not None else [],
+            "world_size": strategy.world_size,
+            "check_every_n_steps": self.check_every_n_steps,
+            "checks": list(self.checks),
+            "replan_on": list(self.replan_on),
+            "memory_headroom": self.memory_headroom,
+        }
 
     # ------------------------------------------------------------------ every step
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                             batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         engine = self._require_strategy().engine
         if self.check_every_n_steps and (
-                (engine.step + 1) % self.check_every_n_steps == 0
-                or (not self._checked_first and settled(engine))):
+            (engine.step + 1) % self.check_every_n_steps == 0
+            or (not self._checked_first and settled(engine))
+        ):
             # the first settled step too: a run shorter than check_every_n_steps still checks
             self._checked_first = True
             engine.request_check(grad="grad" in self.checks, bytes="bytes" in self.checks)
@@ -267,8 +295,14 @@ class ReplayCallback(Callback):
         self._t0 = time.perf_counter()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         strategy = self._require_strategy()
         engine = strategy.engine
         stats = engine.window_stats()
@@ -287,15 +321,21 @@ class ReplayCallback(Callback):
             self.counters[k] += v
 
         wants = self._policy.reasons(
-            engine, violations=any(r.is_check and r.outcome in ("rejection", "divergence")
-                                   for r in mine),
-            peak=peak, checked=bool(stats["checked"]))
-        local = {"replays": replays, **self.counters,
-                 "peak_memory_bytes": peak, "step_time_ms": step_ms,
-                 "preserved_bytes": sum(s["preserved_bytes"] for s in summary.values()),
-                 "plan_version": engine.plan_version,
-                 # checked steps whose derivative check did not fit the budget
-                 "checks_skipped": engine.checks_skipped}
+            engine,
+            violations=any(r.is_check and r.outcome in ("rejection", "divergence") for r in mine),
+            peak=peak,
+            checked=bool(stats["checked"]),
+        )
+        local = {
+            "replays": replays,
+            **self.counters,
+            "peak_memory_bytes": peak,
+            "step_time_ms": step_ms,
+            "preserved_bytes": sum(s["preserved_bytes"] for s in summary.values()),
+            "plan_version": engine.plan_version,
+            # checked steps whose derivative check did not fit the budget
+            "checks_skipped": engine.checks_skipped,
+        }
         totals, votes = _reduce(strategy, local, [r in wants for r in REPLAN_ON])
         reasons = [r for r, v in zip(REPLAN_ON, votes) if v]
         if reasons:
@@ -308,28 +348,47 @@ class ReplayCallback(Callback):
         if settled(engine) and not checked and peak:
             self._steady_peak = max(self._steady_peak or 0, peak)
         if self._telemetry is not None:
-            self._write_telemetry(trainer, engine, stats, peak, step_ms, replays, new,
-                                  checked, retain_all)
+            self._write_telemetry(
+                trainer, engine, stats, peak, step_ms, replays, new, checked, retain_all
+            )
         if self.progress_bar:
             bar = {"replay/peak": peak / _MIB}
             if retain_all is not None:
                 bar["replay/saved"] = (retain_all - peak) / _MIB
             for name, value in bar.items():
-                pl_module.log(name, float(value), prog_bar=True, logger=False, on_step=True,
-                              on_epoch=False, batch_size=1)
+                pl_module.log(
+                    name,
+                    float(value),
+                    prog_bar=True,
+                    logger=False,
+                    on_step=True,
+                    on_epoch=False,
+                    batch_size=1,
+                )
         # self.log costs about a millisecond per metric: log on the steps Lightning passes to
         # the loggers (log_every_n_steps; it would drop the others), on the last step, and
         # whenever a rejection, a divergence or a new plan appears.
         events = {k: totals[k] for k in ("rejections", "divergences", "plan_version")}
-        if logger_connector(trainer).should_update_logs or events != self._logged_events \
-                or _is_last_step(trainer, batch_idx):
+        if (
+            logger_connector(trainer).should_update_logs
+            or events != self._logged_events
+            or _is_last_step(trainer, batch_idx)
+        ):
             self._logged_events = events
-            mib = {"peak_memory_mib": totals["peak_memory_bytes"] / _MIB,
-                   "preserved_mib": totals["preserved_bytes"] / _MIB}
+            mib = {
+                "peak_memory_mib": totals["peak_memory_bytes"] / _MIB,
+                "preserved_mib": totals["preserved_bytes"] / _MIB,
+            }
             for name, value in {**totals, **mib}.items():
                 # float64: byte counts stay exact (float32 rounds above 16 MiB).
-                pl_module.log(f"replay/{name}", torch.tensor(float(value), dtype=torch.float64),
-                              on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+                pl_module.log(
+                    f"replay/{name}",
+                    torch.tensor(float(value), dtype=torch.float64),
+                    on_step=True,
+                    on_epoch=False,
+                    batch_size=1,
+                    sync_dist=False,
+                )
 
         if self._writers:
             self._log_wandb(trainer, engine, new)
@@ -338,11 +397,15 @@ class ReplayCallback(Callback):
         engine = strategy.engine
         out = self._policy.replan(engine, reasons, replan=strategy.replan)
         if out.error is not None:
-            rank_zero_warn(f"ReplayCallback: re-plan ({', '.join(reasons)}) failed, keeping "
-                           f"plan v{engine.plan_version}: {out.error}")
+            rank_zero_warn(
+                f"ReplayCallback: re-plan ({', '.join(reasons)}) failed, keeping "
+                f"plan v{engine.plan_version}: {out.error}"
+            )
         elif out.changed:
-            rank_zero_info(f"ReplayCallback: re-planned ({', '.join(reasons)}) at step "
-                           f"{engine.step}: plan v{engine.plan_version} {out.plan.choices}")
+            rank_zero_info(
+                f"ReplayCallback: re-planned ({', '.join(reasons)}) at step "
+                f"{engine.step}: plan v{engine.plan_version} {out.plan.choices}"
+            )
 
     def _log_wandb(self, trainer: pl.Trainer, engine: Any, new: list[Record]) -> None:
         step = trainer.global_step
@@ -352,8 +415,9 @@ class ReplayCallback(Callback):
             if plan_changed or (trainer.global_step % max(trainer.log_every_n_steps, 1) == 0):
                 w.flush_records(step)
             if plan_changed:
-                w.log_plan(plan_rows(engine.plan_version, engine.plan.choices, engine.summary()),
-                           step)
+                w.log_plan(
+                    plan_rows(engine.plan_version, engine.plan.choices, engine.summary()), step
+                )
         if plan_changed:
             self._logged_plan_version = engine.plan_version
 
@@ -373,8 +437,9 @@ class ReplayCallback(Callback):
             rank_zero_info(format_fit_summary(self.fit_summary))
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._close_telemetry()
 
     # ------------------------------------------------------------------ telemetry, summary
@@ -386,32 +451,53 @@ class ReplayCallback(Callback):
             return self._retain_all_peak
         try:
             self._retain_all_peak = _planner.predicted_peak(
-                costs, {c.name: "retain" for c in costs}, engine.base_memory)
+                costs, {c.name: "retain" for c in costs}, engine.base_memory
+            )
         except (KeyError, ValueError):  # a segment without a measured retain option
             pass
         return self._retain_all_peak
 
-    def _write_telemetry(self, trainer: pl.Trainer, engine: Any, stats: Mapping[str, Any],
-                         peak: int, step_ms: float, replays: int, new: list[Record],
-                         checked: bool, retain_all: int | None) -> None:
+    def _write_telemetry(
+        self,
+        trainer: pl.Trainer,
+        engine: Any,
+        stats: Mapping[str, Any],
+        peak: int,
+        step_ms: float,
+        replays: int,
+        new: list[Record],
+        checked: bool,
+        retain_all: int | None,
+    ) -> None:
         plan = {n: s["mode"] for n, s in engine.summary().items()}
         for r in new:  # a segment probed in this step ran retained, under discovery
             if r.check == CONTRACT and r.segment in plan:
                 plan[r.segment] = "probe"
-        row = {"run_id": engine.records.run_id, "step": trainer.global_step,
-               "epoch": trainer.current_epoch, "window": engine.step,
-               "step_time_ms": step_ms, "peak_bytes": peak or None,
-               "memory": "cuda" if torch.cuda.is_available() and
-               trainer.strategy.root_device.type == "cuda" else "accounted",
-               "accounted_peak_bytes": stats.get("accounted_peak_bytes"),
-               "predicted_peak_bytes": (engine.plan.peak_memory if engine.plan is not None
-                                        else None),
-               "retain_all_peak_bytes": retain_all, "budget": engine.budget,
-               "plan_version": engine.plan_version, "plan": plan, "replays": replays,
-               "preserved_bytes": stats.get("preserved_bytes"), "checked": checked,
-               "checks_skipped": engine.checks_skipped,
-               "records": {o: sum(1 for r in new if r.is_check and r.outcome == o)
-                           for o in ("match", "rejection", "divergence")}}
+        row = {
+            "run_id": engine.records.run_id,
+            "step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "window": engine.step,
+            "step_time_ms": step_ms,
+            "peak_bytes": peak or None,
+            "memory": "cuda"
+            if torch.cuda.is_available() and trainer.strategy.root_device.type == "cuda"
+            else "accounted",
+            "accounted_peak_bytes": stats.get("accounted_peak_bytes"),
+            "predicted_peak_bytes": (engine.plan.peak_memory if engine.plan is not None else None),
+            "retain_all_peak_bytes": retain_all,
+            "budget": engine.budget,
+            "plan_version": engine.plan_version,
+            "plan": plan,
+            "replays": replays,
+            "preserved_bytes": stats.get("preserved_bytes"),
+            "checked": checked,
+            "checks_skipped": engine.checks_skipped,
+            "records": {
+                o: sum(1 for r in new if r.is_check and r.outcome == o)
+                for o in ("match", "rejection", "divergence")
+            },
+        }
         self._telemetry.write(json.dumps(row) + "\n")
         self._telemetry.flush()
 
@@ -424,34 +510,48 @@ class ReplayCallback(Callback):
         m = self.last_metrics
         summary = engine.summary()
         choices = dict(engine.plan.choices) if engine.plan is not None else {}
-        return {"run_id": engine.records.run_id, "steps": engine.step,
-                "plan_version": engine.plan_version,
-                "planner": engine.planner, "budget": engine.budget,
-                "segments": {n: {"option": choices.get(n, s["mode"]),
-                                 "contract_version": s.get("contract_version"),
-                                 "replays": s.get("replays", 0)} for n, s in summary.items()},
-                "peak_bytes": self._steady_peak, "retain_all_peak_bytes": self._retain_all_peak,
-                "replays": int(sum(s.get("replays", 0) for s in summary.values())),
-                "checked_steps": self._checked_steps,
-                "check_every_n_steps": self.check_every_n_steps,
-                "matches": int(m.get("matches", 0)), "divergences": int(m.get("divergences", 0)),
-                "rejections": int(m.get("rejections", 0)),
-                "checks_skipped": int(m.get("checks_skipped", 0)),
-                "records_path": engine.records.path, "telemetry_path": self.telemetry_path,
-                "root_dir": trainer.default_root_dir}
+        return {
+            "run_id": engine.records.run_id,
+            "steps": engine.step,
+            "plan_version": engine.plan_version,
+            "planner": engine.planner,
+            "budget": engine.budget,
+            "segments": {
+                n: {
+                    "option": choices.get(n, s["mode"]),
+                    "contract_version": s.get("contract_version"),
+                    "replays": s.get("replays", 0),
+                }
+                for n, s in summary.items()
+            },
+            "peak_bytes": self._steady_peak,
+            "retain_all_peak_bytes": self._retain_all_peak,
+            "replays": int(sum(s.get("replays", 0) for s in summary.values())),
+            "checked_steps": self._checked_steps,
+            "check_every_n_steps": self.check_every_n_steps,
+            "matches": int(m.get("matches", 0)),
+            "divergences": int(m.get("divergences", 0)),
+            "rejections": int(m.get("rejections", 0)),
+            "checks_skipped": int(m.get("checks_skipped", 0)),
+            "records_path": engine.records.path,
+            "telemetry_path": self.telemetry_path,
+            "root_dir": trainer.default_root_dir,
+        }
 
     # ------------------------------------------------------------------ resumable state
     @override
     def state_dict(self) -> dict[str, Any]:
         strategy = self._strategy
         engine_state = strategy.engine_state_dict() if strategy is not None else None
-        return {"version": _STATE_VERSION,
-                "run_id": strategy.run_id if strategy is not None else None,
-                "record_seq": self.record_seq,
-                "counters": dict(self.counters),
-                "replans": self.replans,
-                "plan_version": engine_state["plan_version"] if engine_state else 0,
-                "engine": engine_state}
+        return {
+            "version": _STATE_VERSION,
+            "run_id": strategy.run_id if strategy is not None else None,
+            "record_seq": self.record_seq,
+            "counters": dict(self.counters),
+            "replans": self.replans,
+            "plan_version": engine_state["plan_version"] if engine_state else 0,
+            "engine": engine_state,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -459,7 +559,8 @@ class ReplayCallback(Callback):
             raise ReplayConfigError(
                 f"ReplayCallback state has version {state_dict.get('version')!r}; this "
                 f"lightning_replay reads version {_STATE_VERSION}. Resume without the "
-                "callback's state (it re-probes and re-plans) or with a matching version.")
+                "callback's state (it re-probes and re-plans) or with a matching version."
+            )
         self._loaded = dict(state_dict)
         self.record_seq = int(state_dict["record_seq"])
         self.counters = {k: int(state_dict["counters"].get(k, 0)) for k in self.counters}
@@ -477,8 +578,9 @@ class ReplayCallback(Callback):
 
     def _require_strategy(self) -> ReplayStrategy:
         if self._strategy is None or self._strategy.engine is None:
-            raise ReplayConfigError("ReplayCallback is not set up: it runs inside "
-                                    "trainer.fit() with strategy='replay'")
+            raise ReplayConfigError(
+                "ReplayCallback is not set up: it runs inside trainer.fit() with strategy='replay'"
+            )
         return self._strategy
 
 
@@ -502,39 +604,50 @@ def format_fit_summary(s: Mapping[str, Any]) -> str:
           records runs/replay/records.sqlite (lightning-replay records runs --summary; report: lightning-replay report runs)
     """
     budget = s.get("budget")
-    lines = [f"lightning_replay: {s['steps']} steps, run {s['run_id']}, plan "
-             f"v{s['plan_version']} ({s['planner']}, "
-             f"{'budget ' + format_bytes(budget) if budget else 'lowest-memory plan'})"]
+    lines = [
+        f"lightning_replay: {s['steps']} steps, run {s['run_id']}, plan "
+        f"v{s['plan_version']} ({s['planner']}, "
+        f"{'budget ' + format_bytes(budget) if budget else 'lowest-memory plan'})"
+    ]
     segs = s.get("segments") or {}
     width = max((len(n) for n in segs), default=0)
     owidth = max((len(str(d["option"])) for d in segs.values()), default=0)
     for name, d in segs.items():
-        lines.append(f"  {name.ljust(width)}  {str(d['option']).ljust(owidth)}  contract "
-                     f"v{d['contract_version']}  {d['replays']} replays")
+        lines.append(
+            f"  {name.ljust(width)}  {str(d['option']).ljust(owidth)}  contract "
+            f"v{d['contract_version']}  {d['replays']} replays"
+        )
     peak, full = s.get("peak_bytes"), s.get("retain_all_peak_bytes")
     if peak and full:
         saved = full - peak
-        lines.append(f"  peak {format_bytes(peak)} vs {format_bytes(full)} retaining every "
-                     f"segment: {format_bytes(abs(saved))} ({abs(saved) / full:.0%}) "
-                     f"{'saved' if saved >= 0 else 'more'}")
+        lines.append(
+            f"  peak {format_bytes(peak)} vs {format_bytes(full)} retaining every "
+            f"segment: {format_bytes(abs(saved))} ({abs(saved) / full:.0%}) "
+            f"{'saved' if saved >= 0 else 'more'}"
+        )
     elif peak:
         lines.append(f"  peak {format_bytes(peak)} (no measured costs to compare with)")
     else:
         lines.append("  peak: n/a (no step ran with a plan in force)")
     n = s.get("check_every_n_steps")
-    cadence = (f"first settled step, then every {n}" if n else "checks off")
+    cadence = f"first settled step, then every {n}" if n else "checks off"
     step_word = "step" if s["checked_steps"] == 1 else "steps"
-    lines.append(f"  replays {s['replays']}; checks on {s['checked_steps']} {step_word} "
-                 f"({cadence}): {s['matches']} matched, {s['divergences']} diverged, "
-                 f"{s['checks_skipped']} skipped; {s['rejections']} rejections")
+    lines.append(
+        f"  replays {s['replays']}; checks on {s['checked_steps']} {step_word} "
+        f"({cadence}): {s['matches']} matched, {s['divergences']} diverged, "
+        f"{s['checks_skipped']} skipped; {s['rejections']} rejections"
+    )
     where = s.get("records_path")
     root = s.get("root_dir")
     if where:
-        lines.append(f"  records {where} (lightning-replay records {root} --summary; report: "
-                     f"lightning-replay report {root})")
+        lines.append(
+            f"  records {where} (lightning-replay records {root} --summary; report: "
+            f"lightning-replay report {root})"
+        )
     else:
-        lines.append("  records kept in memory (pass ReplayCallback(records_path=...) to keep "
-                     "them)")
+        lines.append(
+            "  records kept in memory (pass ReplayCallback(records_path=...) to keep them)"
+        )
     return "\n".join(lines)
 
 
@@ -543,8 +656,9 @@ def _count(records: Iterable[Record]) -> dict[str, int]:
     for r in records:
         if r.is_event and r.outcome == "match":
             continue
-        out[{"match": "matches", "rejection": "rejections",
-             "divergence": "divergences"}[r.outcome]] += 1
+        out[
+            {"match": "matches", "rejection": "rejections", "divergence": "divergences"}[r.outcome]
+        ] += 1
     return out
 
 
@@ -552,30 +666,39 @@ def _is_last_step(trainer: pl.Trainer, batch_idx: int) -> bool:
     """Whether the fit loop stops after this batch (max_steps, max_epochs or should_stop)."""
     if trainer.should_stop:
         return True
-    if trainer.max_steps is not None and trainer.max_steps >= 0 and \
-            trainer.global_step >= trainer.max_steps:
+    if (
+        trainer.max_steps is not None
+        and trainer.max_steps >= 0
+        and trainer.global_step >= trainer.max_steps
+    ):
         return True
     max_epochs = trainer.max_epochs
-    return (max_epochs is not None and max_epochs >= 0
-            and trainer.current_epoch + 1 >= max_epochs
-            and batch_idx + 1 >= trainer.num_training_batches)
+    return (
+        max_epochs is not None
+        and max_epochs >= 0
+        and trainer.current_epoch + 1 >= max_epochs
+        and batch_idx + 1 >= trainer.num_training_batches
+    )
 
 
-def _reduce(strategy: ReplayStrategy, local: Mapping[str, float],
-            votes: list[bool]) -> tuple[dict[str, float], list[bool]]:
+def _reduce(
+    strategy: ReplayStrategy, local: Mapping[str, float], votes: list[bool]
+) -> tuple[dict[str, float], list[bool]]:
     """Sum counts and votes, max sizes and times, across ranks (two all-reduces)."""
     if strategy.world_size <= 1 or not torch.distributed.is_initialized():
         return dict(local), votes
     device = strategy.root_device
-    sums = torch.tensor([float(local[k]) for k in _SUM_KEYS] + [float(v) for v in votes],
-                        dtype=torch.float64, device=device)
-    maxes = torch.tensor([float(local[k]) for k in _MAX_KEYS], dtype=torch.float64,
-                         device=device)
+    sums = torch.tensor(
+        [float(local[k]) for k in _SUM_KEYS] + [float(v) for v in votes],
+        dtype=torch.float64,
+        device=device,
+    )
+    maxes = torch.tensor([float(local[k]) for k in _MAX_KEYS], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
     torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX)
     out = dict(zip(_SUM_KEYS, sums.tolist()))
     out.update(zip(_MAX_KEYS, maxes.tolist()))
-    return out, [v > 0 for v in sums.tolist()[len(_SUM_KEYS):]]
+    return out, [v > 0 for v in sums.tolist()[len(_SUM_KEYS) :]]
 
 
 def _check_records_path(path: Any) -> str:
@@ -584,8 +707,10 @@ def _check_records_path(path: Any) -> str:
         raise ReplayConfigError(f"ReplayCallback(records_path={path!r}) must be a path")
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path):
-        raise ReplayConfigError(f"records path {path!r} is a directory; name a file such as "
-                                f"{os.path.join(path, 'records.sqlite')!r}")
+        raise ReplayConfigError(
+            f"records path {path!r} is a directory; name a file such as "
+            f"{os.path.join(path, 'records.sqlite')!r}"
+        )
     if os.path.exists(path):
         if not os.access(path, os.W_OK):
             raise ReplayConfigError(f"records path {path!r} exists but is not writable")
@@ -594,6 +719,8 @@ def _check_records_path(path: Any) -> str:
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise ReplayConfigError(f"records path {path!r} cannot be created: {parent!r} is not a "
-                                "writable directory. Pass records_path= to a writable place.")
+        raise ReplayConfigError(
+            f"records path {path!r} cannot be created: {parent!r} is not a "
+            "writable directory. Pass records_path= to a writable place."
+        )
     return path

@@ -8,6 +8,7 @@
 >>> next(iter(hazard_loader(n_batches=1)))[0].shape
 torch.Size([8, 16])
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -47,8 +48,14 @@ class HazardNet(L.LightningModule):
     def __init__(self, rows: int = 32, lr: float = 0.05, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.blocks = nn.ModuleList([BNBlock(DIM), QueueReader(self, "queue", DIM),
-                                     PicklableNoiseBlock(DIM, seed=1234 + seed), MLPBlock(DIM)])
+        self.blocks = nn.ModuleList(
+            [
+                BNBlock(DIM),
+                QueueReader(self, "queue", DIM),
+                PicklableNoiseBlock(DIM, seed=1234 + seed),
+                MLPBlock(DIM),
+            ]
+        )
         self.head = nn.Linear(DIM, 1)
         self.register_buffer("queue", F.normalize(torch.randn(rows, DIM), dim=1))
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
@@ -61,7 +68,7 @@ class HazardNet(L.LightningModule):
         if self.training:
             k = F.normalize(h.detach()[: BATCH // 2], dim=1)
             p = int(self.ptr)
-            self.queue[p:p + k.shape[0]] = k
+            self.queue[p : p + k.shape[0]] = k
             self.ptr.fill_((p + k.shape[0]) % self.queue.shape[0])
         return self.head(h)
 

@@ -8,6 +8,7 @@ Example:
     >>> h.model(h.make_input(0)).shape
     torch.Size([8, 1])
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +36,7 @@ def _inputs(seed_base: int = 0, batch: int = B, dim: int = D) -> Callable[[int],
     def make(step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed_base + step)
         return torch.randn(batch, dim, generator=g)
+
     return make
 
 
@@ -126,7 +128,7 @@ class QueueModel(_Stack):
     def after_blocks(self, h):
         k = F.normalize(h.detach()[: self.write_rows], dim=1)
         p = int(self.ptr)
-        self.queue[p:p + k.shape[0]] = k
+        self.queue[p : p + k.shape[0]] = k
         self.ptr.fill_((p + k.shape[0]) % self.queue.shape[0])
 
 
@@ -232,8 +234,17 @@ class FlagModel(_Stack):
 # ------------------------------------------------------------------ everything at once
 class CombinedModel(_Stack):
     def __init__(self, dim: int = D) -> None:
-        super().__init__([BNBlock(dim), CounterBlock(dim), QueueReader(self, "queue", dim),
-                          NoiseBlock(dim), FlagBlock(dim), MLPBlock(dim)], dim)
+        super().__init__(
+            [
+                BNBlock(dim),
+                CounterBlock(dim),
+                QueueReader(self, "queue", dim),
+                NoiseBlock(dim),
+                FlagBlock(dim),
+                MLPBlock(dim),
+            ],
+            dim,
+        )
         self.register_buffer("queue", torch.randn(16, dim))
 
     def after_blocks(self, h):
@@ -250,30 +261,62 @@ def _make(name, desc, model, segments, rng=False, seed=0) -> Hazard:
 
 
 HAZARDS: dict[str, Callable[[], Hazard]] = {
-    "stateless": lambda: _make("stateless", "stateless MLP blocks", _Stack(
-        [MLPBlock(), MLPBlock(), MLPBlock()]), _blocks(3)),
-    "batch_norm": lambda: _make("batch_norm", "batch norm running stats (CPU: no version bump)",
-                                _Stack([BNBlock(), BNBlock()]), _blocks(2)),
-    "counter": lambda: _make("counter", "write-then-read step counter buffer",
-                             _Stack([CounterBlock(), CounterBlock()]), _blocks(2)),
-    "queue": lambda: _make("queue", "dense queue read inside, enqueued after (MoCo)",
-                           QueueModel(), _blocks(2)),
-    "bank_index_copy": lambda: _make("bank_index_copy", "memory bank, index_copy_ rows after",
-                                     BankModel(op="index_copy"), _blocks(2)),
-    "bank_index_put": lambda: _make("bank_index_put", "memory bank, index_put_ rows after",
-                                    BankModel(op="index_put"), _blocks(2)),
-    "bank_scatter": lambda: _make("bank_scatter", "memory bank, scatter_ rows after",
-                                  BankModel(op="scatter"), _blocks(2)),
-    "inplace_whole": lambda: _make("inplace_whole", "whole-tensor in-place EMA update after",
-                                   BankModel(op="ema"), _blocks(2)),
-    "tensor_attr": lambda: _make("tensor_attr", "plain tensor attribute shared by two modules",
-                                 AttrModel(), _blocks(2)),
-    "alias_input": lambda: _make("alias_input", "segment input is a view of state written after",
-                                 AliasModel(), ["block"]),
-    "rng": lambda: _make("rng", "dropout (global RNG) and a private torch.Generator",
-                         _Stack([NoiseBlock(seed=1), NoiseBlock(seed=2)]), _blocks(2), rng=True),
-    "python_attrs": lambda: _make("python_attrs", "Python counter and control-flow flag",
-                                  FlagModel(), _blocks(2)),
-    "combined": lambda: _make("combined", "all of the above in one model", CombinedModel(),
-                              _blocks(6), rng=True),
+    "stateless": lambda: _make(
+        "stateless",
+        "stateless MLP blocks",
+        _Stack([MLPBlock(), MLPBlock(), MLPBlock()]),
+        _blocks(3),
+    ),
+    "batch_norm": lambda: _make(
+        "batch_norm",
+        "batch norm running stats (CPU: no version bump)",
+        _Stack([BNBlock(), BNBlock()]),
+        _blocks(2),
+    ),
+    "counter": lambda: _make(
+        "counter",
+        "write-then-read step counter buffer",
+        _Stack([CounterBlock(), CounterBlock()]),
+        _blocks(2),
+    ),
+    "queue": lambda: _make(
+        "queue", "dense queue read inside, enqueued after (MoCo)", QueueModel(), _blocks(2)
+    ),
+    "bank_index_copy": lambda: _make(
+        "bank_index_copy",
+        "memory bank, index_copy_ rows after",
+        BankModel(op="index_copy"),
+        _blocks(2),
+    ),
+    "bank_index_put": lambda: _make(
+        "bank_index_put",
+        "memory bank, index_put_ rows after",
+        BankModel(op="index_put"),
+        _blocks(2),
+    ),
+    "bank_scatter": lambda: _make(
+        "bank_scatter", "memory bank, scatter_ rows after", BankModel(op="scatter"), _blocks(2)
+    ),
+    "inplace_whole": lambda: _make(
+        "inplace_whole", "whole-tensor in-place EMA update after", BankModel(op="ema"), _blocks(2)
+    ),
+    "tensor_attr": lambda: _make(
+        "tensor_attr", "plain tensor attribute shared by two modules", AttrModel(), _blocks(2)
+    ),
+    "alias_input": lambda: _make(
+        "alias_input", "segment input is a view of state written after", AliasModel(), ["block"]
+    ),
+    "rng": lambda: _make(
+        "rng",
+        "dropout (global RNG) and a private torch.Generator",
+        _Stack([NoiseBlock(seed=1), NoiseBlock(seed=2)]),
+        _blocks(2),
+        rng=True,
+    ),
+    "python_attrs": lambda: _make(
+        "python_attrs", "Python counter and control-flow flag", FlagModel(), _blocks(2)
+    ),
+    "combined": lambda: _make(
+        "combined", "all of the above in one model", CombinedModel(), _blocks(6), rng=True
+    ),
 }

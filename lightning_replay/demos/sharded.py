@@ -14,6 +14,7 @@ written inside the block: state a replay must not update twice) and dropout; its
 >>> next(iter(data.train_dataloader()))[0].shape
 torch.Size([8, 16])
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -49,8 +50,14 @@ class ShardedDemoNet(L.LightningModule):
         reshard_after_forward: FSDP2's ``reshard_after_forward`` for every unit.
     """
 
-    def __init__(self, blocks: int = 4, dim: int = 64, dropout: float = 0.1, lr: float = 0.05,
-                 reshard_after_forward: bool = True) -> None:
+    def __init__(
+        self,
+        blocks: int = 4,
+        dim: int = 64,
+        dropout: float = 0.1,
+        lr: float = 0.05,
+        reshard_after_forward: bool = True,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.blocks = nn.ModuleList([ResidualBNBlock(dim, dropout) for _ in range(blocks)])
@@ -95,13 +102,14 @@ class ShardedDemoData(L.LightningDataModule):
         seed: the data's seed.
     """
 
-    def __init__(self, dim: int = 64, batch_size: int = 32, n_batches: int = 64,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, dim: int = 64, batch_size: int = 32, n_batches: int = 64, seed: int = 0
+    ) -> None:
         super().__init__()
         self.dim, self.batch_size, self.n_batches, self.seed = dim, batch_size, n_batches, seed
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(self.seed)
         x = torch.randn(self.n_batches * self.batch_size, self.dim, generator=g)
-        w = torch.randn(self.dim, generator=g) / self.dim ** 0.5
+        w = torch.randn(self.dim, generator=g) / self.dim**0.5
         return DataLoader(TensorDataset(x, x @ w), batch_size=self.batch_size, shuffle=False)

@@ -11,6 +11,7 @@ Example:
     >>> [s.name for s in ws.sections]
     ['Replay: memory and time', 'Replay: checks and plans', 'Replay: records']
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,18 @@ RECORDS_KEY = "replay/records"
 PLAN_KEY = "replay/plan"
 
 #: Columns of the plan table.
-PLAN_COLUMNS = ("plan_version", "segment", "option", "mode", "contract_version",
-                "activation_bytes", "preserved_bytes", "replays", "checks", "divergences")
+PLAN_COLUMNS = (
+    "plan_version",
+    "segment",
+    "option",
+    "mode",
+    "contract_version",
+    "activation_bytes",
+    "preserved_bytes",
+    "replays",
+    "checks",
+    "divergences",
+)
 
 
 class WandbReplayWriter:
@@ -113,8 +124,11 @@ class WandbReplayWriter:
         self.run.log({PLAN_KEY: table, self.step_metric: step})
 
 
-def plan_rows(plan_version: int, plan_choices: Mapping[str, str] | None,
-              summary: Mapping[str, Mapping[str, Any]]) -> list[list[Any]]:
+def plan_rows(
+    plan_version: int,
+    plan_choices: Mapping[str, str] | None,
+    summary: Mapping[str, Mapping[str, Any]],
+) -> list[list[Any]]:
     """Rows of the plan table from ``engine.plan.choices`` and ``engine.summary()``.
 
     Example:
@@ -124,10 +138,21 @@ def plan_rows(plan_version: int, plan_choices: Mapping[str, str] | None,
         [[1, 'b0', 'whole', 'whole', 1, 64, 8, 3, 1, 0]]
     """
     choices = plan_choices or {}
-    return [[plan_version, name, choices.get(name, s.get("mode")), s.get("mode"),
-             s.get("contract_version", 0), s.get("activation_bytes", 0),
-             s.get("preserved_bytes", 0), s.get("replays", 0), s.get("checks", 0),
-             s.get("divergences", 0)] for name, s in summary.items()]
+    return [
+        [
+            plan_version,
+            name,
+            choices.get(name, s.get("mode")),
+            s.get("mode"),
+            s.get("contract_version", 0),
+            s.get("activation_bytes", 0),
+            s.get("preserved_bytes", 0),
+            s.get("replays", 0),
+            s.get("checks", 0),
+            s.get("divergences", 0),
+        ]
+        for name, s in summary.items()
+    ]
 
 
 def _record_row(r: Record) -> list[Any]:
@@ -144,8 +169,9 @@ def wandb_runs(loggers: Iterable[Any]) -> list[Any]:
     return [lg.experiment for lg in loggers if isinstance(lg, WandbLogger)]
 
 
-def build_workspace(entity: str, project: str, *, name: str = "lightning_replay",
-                    step_metric: str = STEP_METRIC) -> Any:
+def build_workspace(
+    entity: str, project: str, *, name: str = "lightning_replay", step_metric: str = STEP_METRIC
+) -> Any:
     """A ``wandb_workspaces.workspaces.Workspace`` with a panel per replay metric and the
     records table. Built offline; ``workspace.save()`` (with your API key) publishes it.
 
@@ -169,31 +195,47 @@ def build_workspace(entity: str, project: str, *, name: str = "lightning_replay"
     def line(metric: str, title: str) -> Any:
         return wr.LinePlot(title=title, x=step_metric, y=[metric])
 
-    memory = ws.Section(name="Replay: memory and time", is_open=True, panels=[
-        line("replay/peak_memory_mib", "Peak memory (MiB)"),
-        line("replay/preserved_mib", "Preserved state (MiB)"),
-        line("replay/peak_memory_bytes", "Peak memory (bytes, exact)"),
-        line("replay/preserved_bytes", "Preserved state (bytes, exact)"),
-        line("replay/step_time_ms", "Step time (ms)"),
-        line("replay/replays", "Replays per step"),
-    ])
-    checks = ws.Section(name="Replay: checks and plans", is_open=True, panels=[
-        line("replay/matches", "Checks that matched"),
-        line("replay/divergences", "Divergences"),
-        line("replay/rejections", "Contract rejections"),
-        line("replay/plan_version", "Plan version"),
-        line("replay/checks_skipped", "Checks skipped (no budget headroom)"),
-    ])
-    records = ws.Section(name="Replay: records", is_open=True, panels=[
-        wr.WeavePanelSummaryTable(table_name=RECORDS_KEY),
-        wr.WeavePanelSummaryTable(table_name=PLAN_KEY),
-        wr.MarkdownPanel(markdown=(
-            "Records: one row per check or contract event (`match`, `rejection`, "
-            "`divergence`). A divergence means a replay differed from the retained graph; on "
-            "a checked step training used the reference gradients.")),
-    ])
-    return ws.Workspace(entity=entity, project=project, name=name,
-                        sections=[memory, checks, records])
+    memory = ws.Section(
+        name="Replay: memory and time",
+        is_open=True,
+        panels=[
+            line("replay/peak_memory_mib", "Peak memory (MiB)"),
+            line("replay/preserved_mib", "Preserved state (MiB)"),
+            line("replay/peak_memory_bytes", "Peak memory (bytes, exact)"),
+            line("replay/preserved_bytes", "Preserved state (bytes, exact)"),
+            line("replay/step_time_ms", "Step time (ms)"),
+            line("replay/replays", "Replays per step"),
+        ],
+    )
+    checks = ws.Section(
+        name="Replay: checks and plans",
+        is_open=True,
+        panels=[
+            line("replay/matches", "Checks that matched"),
+            line("replay/divergences", "Divergences"),
+            line("replay/rejections", "Contract rejections"),
+            line("replay/plan_version", "Plan version"),
+            line("replay/checks_skipped", "Checks skipped (no budget headroom)"),
+        ],
+    )
+    records = ws.Section(
+        name="Replay: records",
+        is_open=True,
+        panels=[
+            wr.WeavePanelSummaryTable(table_name=RECORDS_KEY),
+            wr.WeavePanelSummaryTable(table_name=PLAN_KEY),
+            wr.MarkdownPanel(
+                markdown=(
+                    "Records: one row per check or contract event (`match`, `rejection`, "
+                    "`divergence`). A divergence means a replay differed from the retained graph; on "
+                    "a checked step training used the reference gradients."
+                )
+            ),
+        ],
+    )
+    return ws.Workspace(
+        entity=entity, project=project, name=name, sections=[memory, checks, records]
+    )
 
 
 def workspace_spec(workspace: Any) -> dict[str, Any]:
@@ -206,5 +248,4 @@ def workspace_spec(workspace: Any) -> dict[str, Any]:
     """
     # wandb_workspaces exposes the serialized form only through its internal model.
     model = workspace._to_model()
-    return json.loads(json.dumps(model.model_dump(by_alias=True, exclude_none=True),
-                                 default=str))
+    return json.loads(json.dumps(model.model_dump(by_alias=True, exclude_none=True), default=str))

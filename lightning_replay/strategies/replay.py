@@ -16,6 +16,10 @@ It leans on Lightning internals, hence the ``lightning>=2.4,<2.7`` pin: ``_setup
 ``_configure_launcher``, ``_register_ddp_hooks``, ``_precision_plugin``, ``_start_method`` and
 the trainer's ``_accelerator_connector.use_distributed_sampler``.
 
+It is long (over 600 lines once ruff-formatted) because a Lightning strategy is where the replay
+arguments, their validation, DDP's launchers and hooks, rank 0's plan and the checkpointed
+engine state meet; the engine does the work.
+
 Example:
     >>> import lightning as L, lightning_replay
     >>> trainer = L.Trainer(strategy="replay", accelerator="cpu", devices=1, max_steps=1,
@@ -24,6 +28,7 @@ Example:
     >>> type(trainer.strategy).__name__
     'ReplayStrategy'
 """
+
 from __future__ import annotations
 
 import difflib
@@ -129,9 +134,16 @@ class ReplayStrategy(DDPStrategy):
         #: The replay arguments, validated (what the engine is installed with, once the
         #: segments and the budget are resolved for the model and its device).
         self.config = strategy_config(
-            "ReplayStrategy", segments=segments, budget=budget, planner=planner,
-            preservation=preservation, on_violation=on_violation, records=records,
-            calibration_steps=calibration_steps, real_peak=real_peak)
+            "ReplayStrategy",
+            segments=segments,
+            budget=budget,
+            planner=planner,
+            preservation=preservation,
+            on_violation=on_violation,
+            records=records,
+            calibration_steps=calibration_steps,
+            real_peak=real_peak,
+        )
         self._records_path: str | None = None
         self.run_id: str | None = None
         self.engine: ReplayEngine | None = None
@@ -153,8 +165,9 @@ class ReplayStrategy(DDPStrategy):
     _records_arg = property(lambda self: self.config.records)
 
     # ------------------------------------------------------------------ records
-    def configure_records(self, path: str | os.PathLike | None, run_id: str | None = None, *,
-                          default: bool = False) -> None:
+    def configure_records(
+        self, path: str | os.PathLike | None, run_id: str | None = None, *, default: bool = False
+    ) -> None:
         """Send records to ``path`` (SQLite) under ``run_id``; :class:`ReplayCallback` calls it
         before the engine is installed.
 
@@ -172,12 +185,14 @@ class ReplayStrategy(DDPStrategy):
                 path = None  # the strategy's own records win over a default
             else:
                 given_path = given.path if isinstance(given, RecordStore) else os.fspath(given)
-                if given_path is None or \
-                        os.path.abspath(given_path) != os.path.abspath(os.fspath(path)):
+                if given_path is None or os.path.abspath(given_path) != os.path.abspath(
+                    os.fspath(path)
+                ):
                     raise ReplayConfigError(
                         f"records are configured twice: ReplayStrategy(records={given_path!r}) "
                         f"and ReplayCallback(records_path={os.fspath(path)!r}). Pass the "
-                        "place to one of them.")
+                        "place to one of them."
+                    )
         self._records_path = None if path is None else os.fspath(path)
         if run_id is not None:
             self.run_id = run_id
@@ -231,14 +246,16 @@ class ReplayStrategy(DDPStrategy):
                 "ReplayStrategy is DDP underneath and replays whole-parameter modules, while "
                 "that plugin belongs to a sharded or compiled strategy. Use FSDPStrategy's own "
                 "activation_checkpointing_policy, or drop the plugin (precision='bf16-mixed' "
-                "and '16-mixed' work).")
+                "and '16-mixed' work)."
+            )
         devices = self.parallel_devices or []
         bad = sorted({d.type for d in devices} - {"cpu", "cuda"})
         if bad:
             raise ReplayConfigError(
                 f"Trainer(strategy='replay') runs on CPU or CUDA devices only, got "
                 f"{bad[0]!r} (accelerator {type(self.accelerator).__name__}). Use "
-                "accelerator='cpu' or 'cuda'.")
+                "accelerator='cpu' or 'cuda'."
+            )
 
     @override
     def setup_environment(self) -> None:
@@ -246,9 +263,11 @@ class ReplayStrategy(DDPStrategy):
             # A forked child inherits the parent's OpenMP thread pool without its threads: the
             # first parallel CPU kernel (batch norm, a large elementwise op) then waits forever
             # once the parent has run one. One intra-op thread per child cannot deadlock.
-            rank_zero_info(f"ReplayStrategy(start_method='fork'): each process uses 1 CPU "
-                           f"thread (was {torch.get_num_threads()}); a forked OpenMP pool "
-                           "deadlocks. Use start_method='spawn' or 'popen' to keep threads.")
+            rank_zero_info(
+                f"ReplayStrategy(start_method='fork'): each process uses 1 CPU "
+                f"thread (was {torch.get_num_threads()}); a forked OpenMP pool "
+                "deadlocks. Use start_method='spawn' or 'popen' to keep threads."
+            )
             torch.set_num_threads(1)
         super().setup_environment()
 
@@ -300,8 +319,9 @@ class ReplayStrategy(DDPStrategy):
         names = list(resolve_segments(model, spec))
         self._check_segments(model, names)
         budget = self._resolve_budget()
-        engine = install_config(model, config.replace(segments=spec, budget=budget,
-                                                      records=self._make_records()))
+        engine = install_config(
+            model, config.replace(segments=spec, budget=budget, records=self._make_records())
+        )
         if self._pending_engine_state is not None:
             engine.load_state_dict(self._pending_engine_state)
             self._pending_engine_state = None
@@ -320,7 +340,8 @@ class ReplayStrategy(DDPStrategy):
             f"ReplayStrategy: replaying {len(names)} segment(s) of {type(model).__name__} "
             f"({origin}): {', '.join(names)}; budget "
             f"{'lowest-memory plan' if budget == 'min' else format_bytes(budget)}, planner "
-            f"{self.planner!r}")
+            f"{self.planner!r}"
+        )
 
     def _resolve_spec(self, model: nn.Module) -> tuple[Any, str]:
         if self.segments_spec is not None:
@@ -329,9 +350,11 @@ class ReplayStrategy(DDPStrategy):
         if callable(hook):
             spec = hook()
             if spec is None:
-                raise SegmentError(f"{type(model).__name__}.configure_replay_segments() returned "
-                                   "None; return names, glob patterns, module classes or a "
-                                   "callable")
+                raise SegmentError(
+                    f"{type(model).__name__}.configure_replay_segments() returned "
+                    "None; return names, glob patterns, module classes or a "
+                    "callable"
+                )
             return spec, "configure_replay_segments()"
         containers, names = default_segments(model)
         return names, "repeated blocks of " + ", ".join(repr(c) for c in containers)
@@ -344,7 +367,8 @@ class ReplayStrategy(DDPStrategy):
                     raise ReplayConfigError(
                         f"segment {name!r} holds a SyncBatchNorm ({where!r}): its replay would "
                         "run collectives a second time on some ranks only. Use "
-                        "Trainer(sync_batchnorm=False), or leave that module out of segments=.")
+                        "Trainer(sync_batchnorm=False), or leave that module out of segments=."
+                    )
 
     def _resolve_budget(self) -> int | str:
         """Bytes for this device, or ``"min"`` for the lowest-memory correct plan."""
@@ -378,8 +402,11 @@ class ReplayStrategy(DDPStrategy):
         self.activation_shares = {n: (b / total if total else 0.0) for n, b in sizes.items()}
         rank_zero_info(
             f"ReplayStrategy: activation bytes per segment (probe step, {format_bytes(total)} "
-            "in all): " + ", ".join(f"{n} {format_bytes(b)} ({self.activation_shares[n]:.1%})"
-                                    for n, b in sizes.items()))
+            "in all): "
+            + ", ".join(
+                f"{n} {format_bytes(b)} ({self.activation_shares[n]:.1%})" for n, b in sizes.items()
+            )
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -405,8 +432,11 @@ class ReplayStrategy(DDPStrategy):
             self._pending_engine_state = engine.state_dict()
             engine.uninstall()
         super().teardown()
-        if self._start_method != "popen" and distributed_is_initialized() and \
-                multiprocessing.parent_process() is not None:
+        if (
+            self._start_method != "popen"
+            and distributed_is_initialized()
+            and multiprocessing.parent_process() is not None
+        ):
             # A spawned or forked rank exits right after this. Left to interpreter shutdown,
             # gloo's worker threads sometimes outlive it and abort the process ("terminate
             # called without an active exception", SIGABRT) after a successful fit.
@@ -457,8 +487,11 @@ class ReplayStrategy(DDPStrategy):
         changed = engine.plan_version != self._synced_plan_version
         if not self.reduce_boolean_decision(force or changed, all=False):
             return
-        payload = ((engine.plan.to_dict() if engine.plan is not None else None,
-                    engine.plan_version) if self.global_rank == 0 else None)
+        payload = (
+            (engine.plan.to_dict() if engine.plan is not None else None, engine.plan_version)
+            if self.global_rank == 0
+            else None
+        )
         plan_dict, version = self.broadcast(payload)
         if plan_dict is not None and self.global_rank != 0:
             engine.adopt_plan(_planner.Plan.from_dict(plan_dict), version, from_rank=0)
@@ -484,8 +517,10 @@ class ReplayStrategy(DDPStrategy):
 
     def _require_engine(self) -> ReplayEngine:
         if self.engine is None or not self.engine.installed:
-            raise ReplayConfigError("ReplayStrategy has no installed engine: it is installed "
-                                    "when trainer.fit() sets up the model")
+            raise ReplayConfigError(
+                "ReplayStrategy has no installed engine: it is installed "
+                "when trainer.fit() sets up the model"
+            )
         return self.engine
 
     @classmethod
@@ -495,10 +530,18 @@ class ReplayStrategy(DDPStrategy):
         register(strategy_registry)
 
 
-def strategy_config(name: str, *, segments: Any = None, budget: Any = None,
-                    planner: Any = "joint", preservation: Any = "auto",
-                    on_violation: Any = "record", records: Any = None,
-                    calibration_steps: Any = 2, real_peak: Any = True) -> ReplayConfig:
+def strategy_config(
+    name: str,
+    *,
+    segments: Any = None,
+    budget: Any = None,
+    planner: Any = "joint",
+    preservation: Any = "auto",
+    on_violation: Any = "record",
+    records: Any = None,
+    calibration_steps: Any = 2,
+    real_peak: Any = True,
+) -> ReplayConfig:
     """The :class:`~lightning_replay.config.ReplayConfig` of a replay strategy named ``name``
     (for the messages): manual windows (each ``training_step`` is one), memory always tracked,
     and costs always measured (without a budget the plan is the lowest-memory correct one,
@@ -507,20 +550,44 @@ def strategy_config(name: str, *, segments: Any = None, budget: Any = None,
     Raises:
         ReplayConfigError: a bad argument, named as ``name(argument=value)``.
     """
-    return ReplayConfig(segments=segments, budget=budget, planner=planner,
-                        preservation=preservation, on_violation=on_violation, records=records,
-                        calibration_steps=calibration_steps, real_peak=real_peak,
-                        window="manual", track_memory=True, measure_costs=True, caller=name)
+    return ReplayConfig(
+        segments=segments,
+        budget=budget,
+        planner=planner,
+        preservation=preservation,
+        on_violation=on_violation,
+        records=records,
+        calibration_steps=calibration_steps,
+        real_peak=real_peak,
+        window="manual",
+        track_memory=True,
+        measure_costs=True,
+        caller=name,
+    )
 
 
-def _check_replay_args(name: str, *, budget: Any, planner: Any, preservation: Any,
-                       on_violation: Any, records: Any, calibration_steps: Any) -> Budget:
+def _check_replay_args(
+    name: str,
+    *,
+    budget: Any,
+    planner: Any,
+    preservation: Any,
+    on_violation: Any,
+    records: Any,
+    calibration_steps: Any,
+) -> Budget:
     """Validate the replay arguments of a strategy that keeps them as attributes; returns the
     parsed budget. Kept for :class:`ReplayFSDPStrategy`; new code keeps
     :func:`strategy_config` as ``self.config``."""
-    return strategy_config(name, budget=budget, planner=planner, preservation=preservation,
-                           on_violation=on_violation, records=records,
-                           calibration_steps=calibration_steps).budget
+    return strategy_config(
+        name,
+        budget=budget,
+        planner=planner,
+        preservation=preservation,
+        on_violation=on_violation,
+        records=records,
+        calibration_steps=calibration_steps,
+    ).budget
 
 
 def _config_of(strategy: Any) -> ReplayConfig:
@@ -529,12 +596,17 @@ def _config_of(strategy: Any) -> ReplayConfig:
     config = getattr(strategy, "config", None)
     if isinstance(config, ReplayConfig):
         return config
-    return strategy_config(type(strategy).__name__, segments=strategy.segments_spec,
-                           budget=strategy.budget, planner=strategy.planner,
-                           preservation=strategy.preservation,
-                           on_violation=strategy.on_violation, records=strategy._records_arg,
-                           calibration_steps=strategy.calibration_steps,
-                           real_peak=getattr(strategy, "real_peak", True))
+    return strategy_config(
+        type(strategy).__name__,
+        segments=strategy.segments_spec,
+        budget=strategy.budget,
+        planner=strategy.planner,
+        preservation=strategy.preservation,
+        on_violation=strategy.on_violation,
+        records=strategy._records_arg,
+        calibration_steps=strategy.calibration_steps,
+        real_peak=getattr(strategy, "real_peak", True),
+    )
 
 
 def _valid_kwargs() -> dict[str, list[str]]:
@@ -542,15 +614,19 @@ def _valid_kwargs() -> dict[str, list[str]]:
     from torch.nn.parallel import DistributedDataParallel
 
     def names(fn: Any, drop: set[str]) -> list[str]:
-        return [p.name for p in inspect.signature(fn).parameters.values()
-                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in drop]
+        return [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in drop
+        ]
 
     return {
         "ReplayStrategy": names(ReplayStrategy.__init__, {"self"}),
         "DDPStrategy": names(DDPStrategy.__init__, {"self"}),
         # DDPStrategy hands its other keywords to DistributedDataParallel; it sets these itself
-        "DistributedDataParallel": names(DistributedDataParallel.__init__,
-                                         {"self", "module", "device_ids"}),
+        "DistributedDataParallel": names(
+            DistributedDataParallel.__init__, {"self", "module", "device_ids"}
+        ),
     }
 
 
@@ -568,8 +644,8 @@ def _check_known_kwargs(kwargs: Mapping[str, Any]) -> None:
         hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     listed = "; ".join(f"{where}: {', '.join(group)}" for where, group in valid.items())
     raise ReplayConfigError(
-        f"ReplayStrategy got unknown argument(s) {', '.join(hints)}. Valid arguments are "
-        f"{listed}.")
+        f"ReplayStrategy got unknown argument(s) {', '.join(hints)}. Valid arguments are {listed}."
+    )
 
 
 def register(registry: Any = StrategyRegistry) -> None:
@@ -577,14 +653,20 @@ def register(registry: Any = StrategyRegistry) -> None:
     for name in STRATEGY_NAMES:
         if name in registry:
             held = registry[name]["strategy"]
-            if getattr(held, "__qualname__", None) == ReplayStrategy.__qualname__ and \
-                    getattr(held, "__module__", None) == ReplayStrategy.__module__:
+            if (
+                getattr(held, "__qualname__", None) == ReplayStrategy.__qualname__
+                and getattr(held, "__module__", None) == ReplayStrategy.__module__
+            ):
                 continue  # ours (possibly from a reloaded module): nothing to do
             raise ReplayConfigError(
                 f"strategy name {name!r} is already registered by {held!r}; lightning_replay "
                 "cannot register ReplayStrategy under it. Remove the other registration or use "
-                "ReplayStrategy(...) directly.")
-        registry.register(name, ReplayStrategy,
-                          description=f"lightning_replay ReplayStrategy with start_method "
-                                      f"{STRATEGY_NAMES[name]!r}",
-                          start_method=STRATEGY_NAMES[name])
+                "ReplayStrategy(...) directly."
+            )
+        registry.register(
+            name,
+            ReplayStrategy,
+            description=f"lightning_replay ReplayStrategy with start_method "
+            f"{STRATEGY_NAMES[name]!r}",
+            start_method=STRATEGY_NAMES[name],
+        )

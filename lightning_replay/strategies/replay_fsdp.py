@@ -41,6 +41,7 @@ Example:
     >>> type(trainer.strategy).__name__
     'ReplayFSDPStrategy'
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -133,17 +134,28 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(data_parallel_size=data_parallel_size,
-                         tensor_parallel_size=tensor_parallel_size,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         name = type(self).__name__
         self.budget: Budget = _check_replay_args(
-            name, budget=budget, planner=planner, preservation=preservation,
-            on_violation=on_violation, records=records, calibration_steps=calibration_steps)
+            name,
+            budget=budget,
+            planner=planner,
+            preservation=preservation,
+            on_violation=on_violation,
+            records=records,
+            calibration_steps=calibration_steps,
+        )
         if start_method not in _START_METHODS:
-            raise ReplayConfigError(f"{name}(start_method={start_method!r}) is not known; use "
-                                    f"one of {list(_START_METHODS)}")
+            raise ReplayConfigError(
+                f"{name}(start_method={start_method!r}) is not known; use "
+                f"one of {list(_START_METHODS)}"
+            )
         self.segments_spec = segments
         self.planner = planner
         self.preservation = preservation
@@ -194,7 +206,8 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
             raise ReplayConfigError(
                 f"Trainer(strategy='replay_fsdp') runs on CPU or CUDA devices only, got "
                 f"{bad[0]!r} (accelerator {type(self.accelerator).__name__}). Use "
-                "accelerator='cpu' or 'cuda'.")
+                "accelerator='cpu' or 'cuda'."
+            )
         if self._start_method == "popen":
             super()._configure_launcher()
             return
@@ -205,9 +218,11 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         if self._start_method == "fork" and self.world_size > 1 and torch.get_num_threads() > 1:
             # A forked child inherits the parent's OpenMP pool without its threads (see
             # ReplayStrategy.setup_environment): one intra-op thread per child cannot deadlock.
-            rank_zero_info(f"ReplayFSDPStrategy(start_method='fork'): each process uses 1 CPU "
-                           f"thread (was {torch.get_num_threads()}); a forked OpenMP pool "
-                           "deadlocks. Use start_method='spawn' or 'popen' to keep threads.")
+            rank_zero_info(
+                f"ReplayFSDPStrategy(start_method='fork'): each process uses 1 CPU "
+                f"thread (was {torch.get_num_threads()}); a forked OpenMP pool "
+                "deadlocks. Use start_method='spawn' or 'popen' to keep threads."
+            )
             torch.set_num_threads(1)
         super().setup_environment()
 
@@ -231,8 +246,11 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
     def _count_base(self) -> None:
         """The engine's extra base on this rank: gathered parameters and optimizer state."""
         engine = self.engine
-        base = (self._base_given + self.gathered_bytes
-                + live_model_bytes(nn.Module(), list(self.optimizers)))
+        base = (
+            self._base_given
+            + self.gathered_bytes
+            + live_model_bytes(nn.Module(), list(self.optimizers))
+        )
         if base != _base_memory(engine):
             _set_base_memory(engine, base)
         if engine.accountant is not None:
@@ -268,8 +286,11 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
             self._pending_engine_state = engine.state_dict()
             engine.uninstall()
         super().teardown()
-        if self._start_method != "popen" and distributed_is_initialized() and \
-                multiprocessing.parent_process() is not None:
+        if (
+            self._start_method != "popen"
+            and distributed_is_initialized()
+            and multiprocessing.parent_process() is not None
+        ):
             # The launcher hands the parent the trained weights after this, with no process
             # group left: gather them now, on every rank (a collective).
             self._full_state_dict = _full_state_dict(self.lightning_module)
@@ -310,12 +331,15 @@ def _full_state_dict(module: nn.Module | None) -> dict[str, Any] | None:
     if module is None or not _is_sharded(module):
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
-                                                                 cpu_offload=True))
+
+    return get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def _is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
+
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
@@ -354,10 +378,14 @@ class _GatheredParameters:
         return t.untyped_storage()._cdata in self._storages
 
     def _refresh(self) -> None:
-        params = [getattr(fp, "_unsharded_param", None)
-                  for _, _, group in self.units for fp in group.fsdp_params]
-        self._storages = {getattr(p, "_local_tensor", p).untyped_storage()._cdata
-                          for p in params if p is not None}
+        params = [
+            getattr(fp, "_unsharded_param", None)
+            for _, _, group in self.units
+            for fp in group.fsdp_params
+        ]
+        self._storages = {
+            getattr(p, "_local_tensor", p).untyped_storage()._cdata for p in params if p is not None
+        }
         self._complete = all(p is not None for p in params)
 
     def held_bytes(self) -> int:
@@ -367,8 +395,10 @@ class _GatheredParameters:
         kept, resharded = 0, []
         for _, root, group in self.units:
             nbytes = sum(_unsharded_bytes(fp, group) for fp in group.fsdp_params)
-            reshards = group.post_forward_mesh_info is not None and \
-                group.post_forward_mesh_info == group.mesh_info
+            reshards = (
+                group.post_forward_mesh_info is not None
+                and group.post_forward_mesh_info == group.mesh_info
+            )
             if root or not reshards:  # FSDP never reshards the root after forward
                 kept += nbytes
             else:
@@ -399,8 +429,11 @@ def _unsharded_bytes(fsdp_param: Any, group: Any) -> int:
     only at the first forward)."""
     policy = getattr(group, "mp_policy", None)
     dtype = getattr(policy, "param_dtype", None) or fsdp_param.sharded_param.dtype
-    return (fsdp_param.padded_sharded_param_size.numel() * fsdp_param.mesh_info.shard_mesh_size
-            * dtype.itemsize)
+    return (
+        fsdp_param.padded_sharded_param_size.numel()
+        * fsdp_param.mesh_info.shard_mesh_size
+        * dtype.itemsize
+    )
 
 
 def _fsdp_units(model: nn.Module, segments: list[str]) -> dict[str, str]:
@@ -421,7 +454,8 @@ def _fsdp_units(model: nn.Module, segments: list[str]) -> dict[str, str]:
             "unit. Trainer(strategy='replay_fsdp') replays a model sharded with "
             "torch.distributed.fsdp.fully_shard in configure_model (each block, then the root "
             "module), as for ModelParallelStrategy; for an unsharded model use "
-            "strategy='replay'.")
+            "strategy='replay'."
+        )
     out = {}
     for seg in segments:
         inner = sorted(u for u in units if u.startswith(seg + "."))
@@ -430,12 +464,14 @@ def _fsdp_units(model: nn.Module, segments: list[str]) -> dict[str, str]:
                 f"segment {seg!r} crosses FSDP units: it contains the unit(s) {inner}. Its "
                 "replay in backward would need their parameters gathered, which FSDP does only "
                 "around each unit's own forward and backward. Replay each unit instead "
-                f"(segments={inner!r}), or shard {seg!r} as one unit.")
+                f"(segments={inner!r}), or shard {seg!r} as one unit."
+            )
         owner = [u for u in units if u in (seg, "") or seg.startswith(u + ".")]
         if not owner:
             raise SegmentError(
                 f"segment {seg!r} lies in no FSDP unit: nothing gathers or reduces its "
-                f"parameters. Call fully_shard on it (or on the root module) in configure_model.")
+                f"parameters. Call fully_shard on it (or on the root module) in configure_model."
+            )
         out[seg] = max(owner, key=len)
     return out
 
@@ -445,14 +481,20 @@ def register(registry: Any = StrategyRegistry) -> None:
     for name in STRATEGY_NAMES:
         if name in registry:
             held = registry[name]["strategy"]
-            if getattr(held, "__qualname__", None) == ReplayFSDPStrategy.__qualname__ and \
-                    getattr(held, "__module__", None) == ReplayFSDPStrategy.__module__:
+            if (
+                getattr(held, "__qualname__", None) == ReplayFSDPStrategy.__qualname__
+                and getattr(held, "__module__", None) == ReplayFSDPStrategy.__module__
+            ):
                 continue  # ours (possibly from a reloaded module): nothing to do
             raise ReplayConfigError(
                 f"strategy name {name!r} is already registered by {held!r}; lightning_replay "
                 "cannot register ReplayFSDPStrategy under it. Remove the other registration or "
-                "use ReplayFSDPStrategy(...) directly.")
-        registry.register(name, ReplayFSDPStrategy,
-                          description=f"lightning_replay ReplayFSDPStrategy with start_method "
-                                      f"{STRATEGY_NAMES[name]!r}",
-                          start_method=STRATEGY_NAMES[name])
+                "use ReplayFSDPStrategy(...) directly."
+            )
+        registry.register(
+            name,
+            ReplayFSDPStrategy,
+            description=f"lightning_replay ReplayFSDPStrategy with start_method "
+            f"{STRATEGY_NAMES[name]!r}",
+            start_method=STRATEGY_NAMES[name],
+        )

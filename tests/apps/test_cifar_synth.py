@@ -1,4 +1,5 @@
 """The synthetic CIFAR-100: CIFAR-100's on-disk format, read by torchvision's own code."""
+
 from __future__ import annotations
 
 import pickle
@@ -9,9 +10,14 @@ import torchvision
 from torchvision.datasets import CIFAR100
 
 from lightning_replay.apps import cifar_synth
-from lightning_replay.apps.cifar_synth import (DatasetNotFound, SyntheticCIFAR100,
-                                               has_real_cifar100, has_synthetic_cifar100,
-                                               open_cifar100, write_synthetic_cifar100)
+from lightning_replay.apps.cifar_synth import (
+    DatasetNotFound,
+    SyntheticCIFAR100,
+    has_real_cifar100,
+    has_synthetic_cifar100,
+    open_cifar100,
+    write_synthetic_cifar100,
+)
 
 
 def test_files_have_cifar100_layout(tiny_data):
@@ -66,8 +72,9 @@ def test_deterministic_idempotent_and_guarded(tmp_path):
     write_synthetic_cifar100(a, 2, 1, seed=3)
     write_synthetic_cifar100(b, 2, 1, seed=3)
     for name in ("train", "test", "meta"):
-        assert (a / "cifar-100-python" / name).read_bytes() == \
-            (b / "cifar-100-python" / name).read_bytes()
+        assert (a / "cifar-100-python" / name).read_bytes() == (
+            b / "cifar-100-python" / name
+        ).read_bytes()
     mtime = (a / "cifar-100-python" / "train").stat().st_mtime_ns
     write_synthetic_cifar100(a, 2, 1, seed=3)  # same parameters: kept
     assert (a / "cifar-100-python" / "train").stat().st_mtime_ns == mtime

@@ -1,4 +1,5 @@
 """The `lightning-replay` console script: fit from each CPU config, report, records, help."""
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,17 @@ from lightning_replay.errors import ReplayConfigError
 
 from .conftest import CONFIGS, REPO, TINY_DATA, guard_launcher_env
 
-TINY_FIT = ["--trainer.max_epochs=2", "--trainer.enable_progress_bar=false",
-            "--model.init_args.layers=[1, 1, 1, 1]", "--model.init_args.width=8",
-            "--model.init_args.proj_dim=16", "--model.init_args.queue_size=64",
-            "--model.init_args.encoder_epochs=1", "--data.init_args.batch_size=32",
-            "--data.init_args.eval_batch_size=200"] + \
-    [f"--data.init_args.{k}={v}" for k, v in TINY_DATA.items()]
+TINY_FIT = [
+    "--trainer.max_epochs=2",
+    "--trainer.enable_progress_bar=false",
+    "--model.init_args.layers=[1, 1, 1, 1]",
+    "--model.init_args.width=8",
+    "--model.init_args.proj_dim=16",
+    "--model.init_args.queue_size=64",
+    "--model.init_args.encoder_epochs=1",
+    "--data.init_args.batch_size=32",
+    "--data.init_args.eval_batch_size=200",
+] + [f"--data.init_args.{k}={v}" for k, v in TINY_DATA.items()]
 
 
 def _records(path):
@@ -38,9 +44,19 @@ def fit_dir(tmp_path_factory, tiny_data):
     mp.setenv("WANDB_MODE", "disabled")
     guard_launcher_env(mp)
     try:
-        assert cli.main(["fit", "--config", str(CONFIGS / "dense_queue_cpu.yaml"), *TINY_FIT,
-                         f"--data.init_args.data_dir={tiny_data}",
-                         f"--trainer.default_root_dir={run}"]) == 0
+        assert (
+            cli.main(
+                [
+                    "fit",
+                    "--config",
+                    str(CONFIGS / "dense_queue_cpu.yaml"),
+                    *TINY_FIT,
+                    f"--data.init_args.data_dir={tiny_data}",
+                    f"--trainer.default_root_dir={run}",
+                ]
+            )
+            == 0
+        )
     finally:
         mp.undo()
     return run
@@ -62,8 +78,12 @@ def test_report_of_a_fit_run_has_its_images(fit_dir, capsys):
     assert "report.html" in capsys.readouterr().out
     html = (fit_dir / "report.html").read_text()
     images = re.findall(r"<img src='([^']+)'", html)
-    assert {os.path.basename(i) for i in images} == {"memory.png", "step_time.png",
-                                                     "plans.png", "records.png"}
+    assert {os.path.basename(i) for i in images} == {
+        "memory.png",
+        "step_time.png",
+        "plans.png",
+        "records.png",
+    }
     for src in images:
         data = (fit_dir / src).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
@@ -73,8 +93,10 @@ def test_records_queries(fit_dir, capsys):
     assert cli.main(["records", str(fit_dir), "--summary"]) == 0
     out = capsys.readouterr().out
     assert "contract" in out and "grad" in out and "match" in out
-    assert cli.main(["records", str(fit_dir), "--check", "grad", "--format", "json",
-                     "--limit", "2"]) == 0
+    assert (
+        cli.main(["records", str(fit_dir), "--check", "grad", "--format", "json", "--limit", "2"])
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 2 and all(r["check"] == "grad" for r in rows)
     assert rows[0]["seq"] < rows[1]["seq"]
@@ -85,26 +107,50 @@ def test_records_queries(fit_dir, capsys):
 
 
 def test_test_subcommand_runs_with_a_replay_config(tmp_path, tiny_data):
-    assert cli.main(["test", "--config", str(CONFIGS / "dense_queue_cpu.yaml"), *TINY_FIT,
-                     f"--data.init_args.data_dir={tiny_data}",
-                     f"--trainer.default_root_dir={tmp_path}"]) == 0
+    assert (
+        cli.main(
+            [
+                "test",
+                "--config",
+                str(CONFIGS / "dense_queue_cpu.yaml"),
+                *TINY_FIT,
+                f"--data.init_args.data_dir={tiny_data}",
+                f"--trainer.default_root_dir={tmp_path}",
+            ]
+        )
+        == 0
+    )
     metrics = (next(tmp_path.glob("lightning_logs/version_*")) / "metrics.csv").read_text()
     assert "test/top1" in metrics
 
 
 def test_fit_sparse_write_config(tmp_path):
-    assert cli.main(["fit", "--config", str(CONFIGS / "sparse_write.yaml"),
-                     "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
-                     "--model.init_args.blocks=2", "--model.init_args.dim=16",
-                     "--model.init_args.hidden=64", "--model.init_args.buffer_rows=256",
-                     "--model.init_args.write_rows=4", "--data.init_args.dim=16",
-                     "--data.init_args.train_size=512", "--data.init_args.val_size=64",
-                     "--data.init_args.batch_size=64",
-                     f"--trainer.default_root_dir={tmp_path}"]) == 0
+    assert (
+        cli.main(
+            [
+                "fit",
+                "--config",
+                str(CONFIGS / "sparse_write.yaml"),
+                "--trainer.max_epochs=1",
+                "--trainer.enable_progress_bar=false",
+                "--model.init_args.blocks=2",
+                "--model.init_args.dim=16",
+                "--model.init_args.hidden=64",
+                "--model.init_args.buffer_rows=256",
+                "--model.init_args.write_rows=4",
+                "--data.init_args.dim=16",
+                "--data.init_args.train_size=512",
+                "--data.init_args.val_size=64",
+                "--data.init_args.batch_size=64",
+                f"--trainer.default_root_dir={tmp_path}",
+            ]
+        )
+        == 0
+    )
     rows = (tmp_path / "telemetry.jsonl").read_text().splitlines()
     assert len(rows) == 8
     recs = _records(tmp_path / "replay" / "records.sqlite")
-    assert ("plan" in {c for _, c, _ in recs})
+    assert "plan" in {c for _, c, _ in recs}
     assert all(o != "divergence" for _, _, o in recs)
 
 
@@ -120,12 +166,20 @@ def test_fit_ddp_config_two_processes(tmp_path, tiny_data):
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=str(REPO))
     for k in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "lightning_replay.cli", "fit", "--config",
-           str(CONFIGS / "dense_queue_ddp.yaml"), *TINY_FIT,
-           "--trainer.limit_train_batches=2", "--data.init_args.batch_size=8",
-           f"--data.init_args.data_dir={tiny_data}", f"--trainer.default_root_dir={tmp_path}"]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_replay.cli",
+        "fit",
+        "--config",
+        str(CONFIGS / "dense_queue_ddp.yaml"),
+        *TINY_FIT,
+        "--trainer.limit_train_batches=2",
+        "--data.init_args.batch_size=8",
+        f"--data.init_args.data_dir={tiny_data}",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = _records(tmp_path / "replay" / "records.sqlite")
     assert {r for r, _, _ in recs} == {0, 1}  # both ranks made contracts and recorded them
@@ -141,11 +195,13 @@ def test_help_is_useful(capsys):
     out = capsys.readouterr().out
     for cmd in ("fit", "validate", "test", "study", "report", "records"):
         assert cmd in out
-    for argv, expect in ((["fit", "--help"], "--model.help DenseQueueModule"),
-                         (["fit", "--model.help", "DenseQueueModule"], "--model.queue_size"),
-                         (["study", "--help"], "--study.budget_fraction"),
-                         (["records", "--help"], "--outcome"),
-                         (["report", "--help"], "RUN_DIR")):
+    for argv, expect in (
+        (["fit", "--help"], "--model.help DenseQueueModule"),
+        (["fit", "--model.help", "DenseQueueModule"], "--model.queue_size"),
+        (["study", "--help"], "--study.budget_fraction"),
+        (["records", "--help"], "--outcome"),
+        (["report", "--help"], "RUN_DIR"),
+    ):
         with pytest.raises(SystemExit) as exc:
             cli.main(argv)
         assert exc.value.code == 0
@@ -153,20 +209,32 @@ def test_help_is_useful(capsys):
 
 
 def test_study_args_from_config_and_overrides(tmp_path):
-    cfg = cli.parse_study_args(["--config", str(CONFIGS / "dense_queue_cpu.yaml"),
-                                "--study.seeds=[3, 4]", "--model.init_args.width=8"])
+    cfg = cli.parse_study_args(
+        [
+            "--config",
+            str(CONFIGS / "dense_queue_cpu.yaml"),
+            "--study.seeds=[3, 4]",
+            "--model.init_args.width=8",
+        ]
+    )
     assert cfg["study"]["seeds"] == [3, 4]
     assert cfg["model"]["class_path"].endswith("DenseQueueModule")
     assert cfg["model"]["init_args"]["width"] == 8
     gpu = cli.parse_study_args(["--config", str(CONFIGS / "dense_queue_gpu_study.yaml")])
-    assert gpu["trainer"]["max_epochs"] == 125 and gpu["model"]["init_args"]["encoder_epochs"] \
-        == 100 and len(gpu["study"]["seeds"]) == 6 and gpu["data"]["init_args"]["source"] == \
-        "cifar100"
+    assert (
+        gpu["trainer"]["max_epochs"] == 125
+        and gpu["model"]["init_args"]["encoder_epochs"] == 100
+        and len(gpu["study"]["seeds"]) == 6
+        and gpu["data"]["init_args"]["source"] == "cifar100"
+    )
 
 
 def test_a_config_that_fails_to_build_is_a_replay_config_error(capsys):
-    argv = ["--config", str(CONFIGS / "dense_queue_cpu.yaml"),
-            "--trainer.strategy.init_args.budget=lots"]
+    argv = [
+        "--config",
+        str(CONFIGS / "dense_queue_cpu.yaml"),
+        "--trainer.strategy.init_args.budget=lots",
+    ]
     with pytest.raises(cli.ConfigInstantiationError, match="budget='lots'") as info:
         cli.parse_doctor_args(argv)
     # under the package's error tree, and still the ValueError callers caught before
@@ -180,8 +248,11 @@ def test_a_config_that_fails_to_build_is_a_replay_config_error(capsys):
 # ------------------------------------------------------------------------------ README-style run
 def _points(ax) -> int:
     """How much data an axis shows: line points, bars and other patches, collections."""
-    return (sum(len(line.get_xdata()) for line in ax.lines) + len(ax.patches)
-            + sum(len(c.get_paths()) for c in ax.collections))
+    return (
+        sum(len(line.get_xdata()) for line in ax.lines)
+        + len(ax.patches)
+        + sum(len(c.get_paths()) for c in ax.collections)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +283,14 @@ def test_report_of_a_readme_style_run(readme_runs, monkeypatch, capsys):
     save = report._save
 
     def spy(fig, path):
-        seen[path.name] = [(ax.get_title(), _points(ax), sum(p.get_height() for p in ax.patches
-                                                            if hasattr(p, "get_height")))
-                           for ax in fig.axes]
+        seen[path.name] = [
+            (
+                ax.get_title(),
+                _points(ax),
+                sum(p.get_height() for p in ax.patches if hasattr(p, "get_height")),
+            )
+            for ax in fig.axes
+        ]
         return save(fig, path)
 
     monkeypatch.setattr(report, "_save", spy)
@@ -250,6 +326,7 @@ def test_report_of_a_readme_style_run(readme_runs, monkeypatch, capsys):
 
 def cli_format_bytes(n: int) -> str:
     from lightning_replay import format_bytes
+
     return format_bytes(n)
 
 
@@ -260,21 +337,41 @@ def test_records_command_lists_runs_separates_events_and_emits_plain_json(readme
     err = capsys.readouterr().err
     assert "no run 'nosuchrun'" in err and first in err and latest in err
 
-    assert cli.main(["records", str(root), "--run", latest, "--format", "json", "--limit",
-                     "0"]) == 0
+    assert (
+        cli.main(["records", str(root), "--run", latest, "--format", "json", "--limit", "0"]) == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert {r["run_id"] for r in rows} == {latest}
     plan = next(r for r in rows if r["check"] == "plan")
     assert isinstance(plan["detail"], dict) and plan["detail"]["plan_version"] == 1
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?\+00:00", rows[0]["created_at"])
 
-    assert cli.main(["records", str(root), "--run", latest, "--kind", "check", "--format",
-                     "json", "--limit", "0"]) == 0
+    assert (
+        cli.main(
+            [
+                "records",
+                str(root),
+                "--run",
+                latest,
+                "--kind",
+                "check",
+                "--format",
+                "json",
+                "--limit",
+                "0",
+            ]
+        )
+        == 0
+    )
     checks = json.loads(capsys.readouterr().out)
     assert checks and {r["check"] for r in checks} == {"grad", "bytes"}
 
     assert cli.main(["records", str(root), "--summary"]) == 0
     out = capsys.readouterr().out
     lines = [ln.split() for ln in out.splitlines()[1:]]
-    assert {(ln[1], ln[2]) for ln in lines} == {("event", "contract"), ("event", "plan"),
-                                                ("check", "grad"), ("check", "bytes")}
+    assert {(ln[1], ln[2]) for ln in lines} == {
+        ("event", "contract"),
+        ("event", "plan"),
+        ("check", "grad"),
+        ("check", "bytes"),
+    }

@@ -1,4 +1,5 @@
 """`lightning-replay doctor --config`: the fit config's model and data, diagnosed on copies."""
+
 from __future__ import annotations
 
 import json
@@ -7,16 +8,27 @@ from lightning_replay import cli
 
 from .conftest import CONFIGS, TINY_DATA
 
-TINY = ["--model.init_args.layers=[1, 1, 1, 1]", "--model.init_args.width=8",
-        "--model.init_args.proj_dim=16", "--model.init_args.queue_size=64",
-        "--data.init_args.batch_size=16"] + \
-    [f"--data.init_args.{k}={v}" for k, v in TINY_DATA.items()]
+TINY = [
+    "--model.init_args.layers=[1, 1, 1, 1]",
+    "--model.init_args.width=8",
+    "--model.init_args.proj_dim=16",
+    "--model.init_args.queue_size=64",
+    "--data.init_args.batch_size=16",
+] + [f"--data.init_args.{k}={v}" for k, v in TINY_DATA.items()]
 
 
 def _doctor(tmp_path, tiny_data, *extra):
-    return cli.main(["doctor", "--config", str(CONFIGS / "dense_queue_cpu.yaml"), *TINY,
-                     f"--data.init_args.data_dir={tiny_data}",
-                     f"--trainer.default_root_dir={tmp_path}", *extra])
+    return cli.main(
+        [
+            "doctor",
+            "--config",
+            str(CONFIGS / "dense_queue_cpu.yaml"),
+            *TINY,
+            f"--data.init_args.data_dir={tiny_data}",
+            f"--trainer.default_root_dir={tmp_path}",
+            *extra,
+        ]
+    )
 
 
 def test_doctor_dense_queue_config(tmp_path, tiny_data, capsys):
@@ -31,12 +43,17 @@ def test_doctor_dense_queue_config(tmp_path, tiny_data, capsys):
     assert "criterion.queue" in differing
     assert "encoder_q.backbone.layer1.0.bn1.num_batches_tracked" in differing
     assert data["replay"]["exact"] is True
-    assert data["segments"] == ["encoder_q.backbone.layer1", "encoder_q.backbone.layer2",
-                                "encoder_q.backbone.layer3", "encoder_q.backbone.layer4",
-                                "criterion"]
+    assert data["segments"] == [
+        "encoder_q.backbone.layer1",
+        "encoder_q.backbone.layer2",
+        "encoder_q.backbone.layer3",
+        "encoder_q.backbone.layer4",
+        "criterion",
+    ]
     criterion = {d["name"]: d for d in data["diagnoses"]}["criterion"]
-    assert ("criterion.queue", True) in [(s["name"], s["changes_in_window"])
-                                         for s in criterion["state"]]
+    assert ("criterion.queue", True) in [
+        (s["name"], s["changes_in_window"]) for s in criterion["state"]
+    ]
     page = (tmp_path / "doctor.html").read_text()
     assert "<section id='lightning-replay-doctor'>" in page and data["verdict"] in page
 
@@ -45,6 +62,7 @@ def test_doctor_bad_segments_is_one_clear_error(tmp_path, tiny_data, capsys):
     rc = _doctor(tmp_path, tiny_data, "--trainer.strategy.init_args.segments=[nope]")
     err = capsys.readouterr().err
     assert rc == 2
-    assert err.strip().startswith("lightning-replay doctor: error: segment 'nope' is not a "
-                                  "submodule of DenseQueueModule")
+    assert err.strip().startswith(
+        "lightning-replay doctor: error: segment 'nope' is not a submodule of DenseQueueModule"
+    )
     assert "Traceback" not in err and not (tmp_path / "doctor.json").exists()

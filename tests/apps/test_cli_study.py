@@ -1,5 +1,6 @@
 """README: `lightning-replay study --config ...` runs the comparison through the console
 script's parser, and `lightning-replay records` queries the study directory it wrote."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ def study_dir(tmp_path_factory, tiny_data):
     guard_launcher_env(mp)
     try:
         # a config file, then overrides on the command line, as the README writes it
-        rc = cli.main(["study", "--config", str(config), "--study.seeds=[0]",
-                       "--study.methods=[none, joint]"])
+        rc = cli.main(
+            ["study", "--config", str(config), "--study.seeds=[0]", "--study.methods=[none, joint]"]
+        )
     finally:
         mp.undo()
     assert rc == 0
@@ -44,8 +46,12 @@ def test_records_command_reads_the_study_directory(study_dir, capsys):
     assert cli.main(["records", str(study_dir), "--summary"]) == 0
     summary = capsys.readouterr().out
     assert "joint" in summary and "match" in summary
-    assert cli.main(["records", str(study_dir), "--check", "grad", "--format", "json",
-                     "--limit", "1000"]) == 0
+    assert (
+        cli.main(
+            ["records", str(study_dir), "--check", "grad", "--format", "json", "--limit", "1000"]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert rows and {r["outcome"] for r in rows} == {"match"}
     assert cli.main(["records", str(study_dir), "--outcome", "divergence"]) == 0

@@ -1,4 +1,5 @@
 """`python -m lightning_replay.demos.demo` (make demo) and the hazard table it replaced."""
+
 from __future__ import annotations
 
 import yaml
@@ -12,8 +13,22 @@ def test_demo_prints_table_and_where_things_are(tmp_path, tiny_data, monkeypatch
     cfg = tiny_study_config(tmp_path / "unused", tiny_data)
     monkeypatch.setattr(demo, "DEMO_CONFIG", yaml.safe_dump(cfg))
     out_dir = tmp_path / "demo"
-    assert demo.main(["--methods", "none", "torch_checkpoint", "whole", "--seeds", "0",
-                      "--output-dir", str(out_dir), "--no-progress"]) == 0
+    assert (
+        demo.main(
+            [
+                "--methods",
+                "none",
+                "torch_checkpoint",
+                "whole",
+                "--seeds",
+                "0",
+                "--output-dir",
+                str(out_dir),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| none | 0 |" in out and "| whole | 0 |" in out and "| torch_checkpoint | 0 |" in out
     assert "byte-identical" in out and "BN counters x2.00" in out

@@ -1,4 +1,5 @@
 """The dense-queue application's parts: queue, augmentation, sampler, baselines, telemetry."""
+
 from __future__ import annotations
 
 import copy
@@ -7,12 +8,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_replay.apps.dense_queue import (BatchAugment, CifarResNet, DenseQueueDataModule,
-                                               DenseQueueModule, QueueInfoNCE, _SeededSampler,
-                                               weights_digest)
+from lightning_replay.apps.dense_queue import (
+    BatchAugment,
+    CifarResNet,
+    DenseQueueDataModule,
+    DenseQueueModule,
+    QueueInfoNCE,
+    _SeededSampler,
+    weights_digest,
+)
 from lightning_replay.apps.telemetry import LiveBytes
-from lightning_replay.apps.torch_recompute import (apply_torch_recompute, recompute_counts,
-                                                   remove_torch_recompute)
+from lightning_replay.apps.torch_recompute import (
+    apply_torch_recompute,
+    recompute_counts,
+    remove_torch_recompute,
+)
 from lightning_replay.errors import ReplayConfigError
 
 from .conftest import TINY_DATA, TINY_MODEL
@@ -90,13 +100,15 @@ def test_torch_baselines_keep_state_dict_and_drop_activations(method):
     keys = list(model.state_dict())
     wrapped = DenseQueueModule(**TINY_MODEL, recompute=method)
     assert list(wrapped.state_dict()) == keys
-    assert wrapped.recomputed == [f"encoder_q.backbone.layer{i}" for i in range(1, 5)] + \
-        ["criterion"]
+    assert wrapped.recomputed == [f"encoder_q.backbone.layer{i}" for i in range(1, 5)] + [
+        "criterion"
+    ]
     x = torch.randn(4, 3, 32, 32)
     wrapped.encoder_q(x).sum().backward()
     counts = recompute_counts(wrapped)
-    assert all(c == {"forwards": 1, "replays": 1} for n, c in counts.items()
-               if n.startswith("encoder_q"))
+    assert all(
+        c == {"forwards": 1, "replays": 1} for n, c in counts.items() if n.startswith("encoder_q")
+    )
     remove_torch_recompute(wrapped)
     assert recompute_counts(wrapped) == {}
     with pytest.raises(ReplayConfigError, match="not an aten operator"):
@@ -128,11 +140,11 @@ def test_live_bytes_counts_creation_and_frees():
     resident = torch.zeros(256)  # 1 KiB
     with LiveBytes() as live:
         live.add_resident([resident])
-        a = torch.ones(1024)              # +4 KiB
-        b = a * 2                         # +4 KiB
-        del b                             # -4 KiB
-        c = a.view(32, 32)                # a view: no new storage
-        d = a + 1                         # +4 KiB
+        a = torch.ones(1024)  # +4 KiB
+        b = a * 2  # +4 KiB
+        del b  # -4 KiB
+        c = a.view(32, 32)  # a view: no new storage
+        d = a + 1  # +4 KiB
     assert live.peak == 1024 + 4096 + 4096
     assert live.current == 1024 + 4096 + 4096
     del c, d
@@ -153,8 +165,9 @@ def test_live_bytes_leaves_nothing_behind():
 
 
 def test_datamodule_splits(tiny_data):
-    dm = DenseQueueDataModule(data_dir=str(tiny_data), batch_size=32, val_size=40,
-                              test_size=50, **TINY_DATA)
+    dm = DenseQueueDataModule(
+        data_dir=str(tiny_data), batch_size=32, val_size=40, test_size=50, **TINY_DATA
+    )
     dm.prepare_data()
     dm.setup("fit")
     assert "synthetic CIFAR-100" in dm.description

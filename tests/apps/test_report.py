@@ -1,4 +1,5 @@
 """``write_report``'s errors: a ReplayError, still a FileNotFoundError for older callers."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The seven-method study at tiny size: state-aware methods byte-identical within a seed."""
+
 from __future__ import annotations
 
 import csv
@@ -10,8 +11,14 @@ import time
 import pytest
 import torch
 
-from lightning_replay.apps.study import (METHODS, STATE_AWARE, StudySettings,
-                                         describe_divergence, format_markdown, run_study)
+from lightning_replay.apps.study import (
+    METHODS,
+    STATE_AWARE,
+    StudySettings,
+    describe_divergence,
+    format_markdown,
+    run_study,
+)
 
 from .conftest import LAUNCHER_ENV, guard_launcher_env, tiny_study_config
 
@@ -61,8 +68,11 @@ def test_replay_runs_recorded_checks_without_divergence(study):
         assert rec["match"] > 0 and rec["divergence"] == 0 and rec["rejection"] == 0, (m, rec)
         assert rows[m]["replays"] > 0 and rows[m]["plan"] is not None
     budget = study.budget
-    assert budget["min_feasible"]["joint"] <= budget["bytes"] <= \
-        max(budget["min_feasible"]["retain_all"], budget["min_feasible"]["eager_whole"])
+    assert (
+        budget["min_feasible"]["joint"]
+        <= budget["bytes"]
+        <= max(budget["min_feasible"]["retain_all"], budget["min_feasible"]["eager_whole"])
+    )
     for m in ("eager_whole", "joint"):
         assert rows[m]["budget_bytes"] == budget["bytes"]
         assert rows[m]["plan"]["predicted_peak_bytes"] <= budget["bytes"]
@@ -129,8 +139,7 @@ def test_output_dir_is_guarded(tmp_path, tiny_data, study):
 
 
 def test_too_short_a_cost_measurement_is_an_error(tmp_path, tiny_data):
-    cfg = tiny_study_config(tmp_path / "s", tiny_data, methods=["none", "joint"],
-                            measure_steps=3)
+    cfg = tiny_study_config(tmp_path / "s", tiny_data, methods=["none", "joint"], measure_steps=3)
     with pytest.raises(RuntimeError, match="too short to measure every option"):
         run_study(cfg, progress=False)
 
@@ -160,8 +169,7 @@ def test_offline_wandb_runs_are_written(tmp_path, tiny_data, monkeypatch):
     from tests.helpers.wandb_reader import read_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = tiny_study_config(tmp_path / "study", tiny_data, methods=["none", "whole"],
-                            report=False)
+    cfg = tiny_study_config(tmp_path / "study", tiny_data, methods=["none", "whole"], report=False)
     result = run_study(cfg, progress=False)
     assert result.identical
     files = sorted((tmp_path / "study" / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -170,8 +178,10 @@ def test_offline_wandb_runs_are_written(tmp_path, tiny_data, monkeypatch):
     by_name = {r.summary.get("study/method"): r for r in runs}
     assert set(by_name) == {"none", "whole"}
     for m, r in by_name.items():
-        assert r.summary["test/top1"] == result.rows[[x["method"] for x in result.rows]
-                                                     .index(m)]["top1"]
+        assert (
+            r.summary["test/top1"]
+            == result.rows[[x["method"] for x in result.rows].index(m)]["top1"]
+        )
     assert any("replay/peak_memory_bytes" in h for h in by_name["whole"].history)
 
 

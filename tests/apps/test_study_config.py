@@ -1,4 +1,5 @@
 """The study's configuration: the packaged demo config and class paths resolved to types."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,8 +37,10 @@ def test_config_loads_from_yaml_text_path_and_mapping(tmp_path):
     for source in (text, tmp_path / "c.yaml", str(tmp_path / "c.yaml"), yaml.safe_load(text)):
         cfg = load_study_config(source)
         # a bare model/data section is the dense-queue application's arguments
-        assert cfg["model"] == {"class_path": "lightning_replay.apps.dense_queue.DenseQueueModule",
-                                "init_args": {"width": 8}}
+        assert cfg["model"] == {
+            "class_path": "lightning_replay.apps.dense_queue.DenseQueueModule",
+            "init_args": {"width": 8},
+        }
         assert cfg["data"]["class_path"].endswith(".DenseQueueDataModule")
         assert cfg["study"] == {"seeds": [3]}
 
@@ -53,6 +56,7 @@ def test_class_paths_are_matched_by_type_not_by_name():
     assert not names_subclass("mypkg.NotAReplayStrategy", ReplayStrategy)
     assert not names_subclass("lightning_replay.apps.telemetry.StepTelemetry", ReplayCallback)
     assert names_subclass("lightning_replay.apps.telemetry.StepTelemetry", StepTelemetry)
-    assert not names_subclass("lightning_replay.strategies.replay_fsdp.ReplayFSDPStrategy",
-                              ReplayStrategy)
+    assert not names_subclass(
+        "lightning_replay.strategies.replay_fsdp.ReplayFSDPStrategy", ReplayStrategy
+    )
     assert not names_subclass(None, ReplayStrategy) and not names_subclass("", ReplayStrategy)

@@ -1,5 +1,6 @@
 """ReplayCallback: telemetry through the trainer's loggers, checks, divergences, re-plans,
 records, and resume."""
+
 from __future__ import annotations
 
 import csv
@@ -18,12 +19,28 @@ from lightning_replay import ReplayCallback, ReplayConfigError, ReplayStrategy, 
 from lightning_replay.planner import min_feasible_budget
 from lightning_replay.records import COLUMNS
 
-from tests.helpers.lit_hazards import (DIM, HazardNet, OutsideStateNet, ViolationNet,
-                                       differing, loader, state, trainer)
+from tests.helpers.lit_hazards import (
+    DIM,
+    HazardNet,
+    OutsideStateNet,
+    ViolationNet,
+    differing,
+    loader,
+    state,
+    trainer,
+)
 
-METRICS = ("replay/peak_memory_bytes", "replay/step_time_ms", "replay/replays",
-           "replay/preserved_bytes", "replay/matches", "replay/rejections",
-           "replay/divergences", "replay/plan_version", "replay/checks_skipped")
+METRICS = (
+    "replay/peak_memory_bytes",
+    "replay/step_time_ms",
+    "replay/replays",
+    "replay/preserved_bytes",
+    "replay/matches",
+    "replay/rejections",
+    "replay/divergences",
+    "replay/plan_version",
+    "replay/checks_skipped",
+)
 
 
 def _records(path, where: str = "1"):
@@ -44,21 +61,24 @@ class _At(L.Callback):
 
 
 # ---------------------------------------------------------------------- arguments
-@pytest.mark.parametrize("kwargs, match", [
-    ({"check_every_n_steps": 0}, r"check_every_n_steps=0\) must be a positive int or None"),
-    ({"check_every_n_steps": -3}, "check_every_n_steps=-3"),
-    ({"check_every_n_steps": 2.5}, "check_every_n_steps=2.5"),
-    ({"check_every_n_steps": True}, "check_every_n_steps=True"),
-    ({"checks": ("grad", "hash")}, r"checks=...\) has unknown entries \['hash'\]; allowed"),
-    ({"checks": ()}, r"checks=\(\)\) is empty"),
-    ({"replan_on": ("memory", "weather")}, r"unknown entries \['weather'\]"),
-    ({"log_records": "yes"}, "log_records='yes'"),
-    ({"memory_headroom": 1.5}, "memory_headroom=1.5"),
-    ({"replan_cooldown_steps": 0}, "replan_cooldown_steps=0"),
-    ({"shape_patience": None}, "shape_patience=None"),
-    ({"progress_bar": 1}, "progress_bar=1"),
-    ({"summary": "no"}, "summary='no'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"check_every_n_steps": 0}, r"check_every_n_steps=0\) must be a positive int or None"),
+        ({"check_every_n_steps": -3}, "check_every_n_steps=-3"),
+        ({"check_every_n_steps": 2.5}, "check_every_n_steps=2.5"),
+        ({"check_every_n_steps": True}, "check_every_n_steps=True"),
+        ({"checks": ("grad", "hash")}, r"checks=...\) has unknown entries \['hash'\]; allowed"),
+        ({"checks": ()}, r"checks=\(\)\) is empty"),
+        ({"replan_on": ("memory", "weather")}, r"unknown entries \['weather'\]"),
+        ({"log_records": "yes"}, "log_records='yes'"),
+        ({"memory_headroom": 1.5}, "memory_headroom=1.5"),
+        ({"replan_cooldown_steps": 0}, "replan_cooldown_steps=0"),
+        ({"shape_patience": None}, "shape_patience=None"),
+        ({"progress_bar": 1}, "progress_bar=1"),
+        ({"summary": "no"}, "summary='no'"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ReplayConfigError, match=match):
         ReplayCallback(**kwargs)
@@ -71,8 +91,9 @@ def test_unwritable_records_path_is_refused(tmp_path):
         ReplayCallback(records_path=blocker / "replay" / "records.sqlite")
     with pytest.raises(ReplayConfigError, match="is a directory"):
         ReplayCallback(records_path=tmp_path)
-    cb = ReplayCallback(records_path=tmp_path / "new" / "dir" / "records.sqlite", checks="grad",
-                        replan_on=())
+    cb = ReplayCallback(
+        records_path=tmp_path / "new" / "dir" / "records.sqlite", checks="grad", replan_on=()
+    )
     assert cb.checks == ("grad",) and cb.replan_on == ()
     assert not (tmp_path / "new").exists()  # validating creates nothing
 
@@ -87,8 +108,14 @@ def test_needs_the_replay_strategy(tmp_path):
 def test_metrics_reach_the_trainer_loggers_and_records_the_default_file(tmp_path):
     logger = CSVLogger(tmp_path, name="csv")
     cb = ReplayCallback(check_every_n_steps=3)
-    t = trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=9,
-                callbacks=[cb], logger=logger, log_every_n_steps=1)
+    t = trainer(
+        tmp_path,
+        strategy=ReplayStrategy(calibration_steps=1),
+        max_steps=9,
+        callbacks=[cb],
+        logger=logger,
+        log_every_n_steps=1,
+    )
     t.fit(HazardNet(), loader(16))
 
     with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
@@ -114,8 +141,12 @@ def test_metrics_reach_the_trainer_loggers_and_records_the_default_file(tmp_path
 
 
 def test_only_the_requested_checks_run(tmp_path):
-    t = trainer(tmp_path, strategy="replay", max_steps=4,
-                callbacks=[ReplayCallback(check_every_n_steps=2, checks=("grad",))])
+    t = trainer(
+        tmp_path,
+        strategy="replay",
+        max_steps=4,
+        callbacks=[ReplayCallback(check_every_n_steps=2, checks=("grad",))],
+    )
     t.fit(HazardNet(), loader())
     checks = {r.check for r in t.strategy.engine.records.read()}
     assert "grad" in checks and "bytes" not in checks
@@ -132,8 +163,9 @@ def test_state_changed_outside_the_contract_is_caught_recorded_and_counted(tmp_p
 
     model = OutsideStateNet(bump_at=(3,))
     cb = ReplayCallback(check_every_n_steps=1, records_path=tmp_path / "checked.sqlite")
-    t = trainer(tmp_path, strategy=ReplayStrategy(planner="fixed_regions"), max_steps=6,
-                callbacks=[cb])
+    t = trainer(
+        tmp_path, strategy=ReplayStrategy(planner="fixed_regions"), max_steps=6, callbacks=[cb]
+    )
     t.fit(model, loader())
 
     diverged = _records(tmp_path / "checked.sqlite", "outcome = 'divergence'")
@@ -147,8 +179,9 @@ def test_state_changed_outside_the_contract_is_caught_recorded_and_counted(tmp_p
     # Unchecked, the same hazard silently reaches the weights: that is what checks are for.
     model = OutsideStateNet(bump_at=(3,))
     cb = ReplayCallback(check_every_n_steps=None, records_path=tmp_path / "unchecked.sqlite")
-    trainer(tmp_path, strategy=ReplayStrategy(planner="fixed_regions"), max_steps=6,
-            callbacks=[cb]).fit(model, loader())
+    trainer(
+        tmp_path, strategy=ReplayStrategy(planner="fixed_regions"), max_steps=6, callbacks=[cb]
+    ).fit(model, loader())
     assert differing(state(ref), state(model)) != []
     assert cb.last_metrics["divergences"] == 0
 
@@ -157,10 +190,14 @@ def test_a_divergence_replans_like_a_rejection(tmp_path):
     """Issue 12: a check's divergence counts as a contract violation for re-planning."""
     replans = {}
     for replan_on in (("violations",), ()):
-        cb = ReplayCallback(check_every_n_steps=1, replan_on=replan_on,
-                            records_path=tmp_path / f"{len(replan_on)}.sqlite")
-        t = trainer(tmp_path, strategy=ReplayStrategy(planner="fixed_regions"), max_steps=6,
-                    callbacks=[cb])
+        cb = ReplayCallback(
+            check_every_n_steps=1,
+            replan_on=replan_on,
+            records_path=tmp_path / f"{len(replan_on)}.sqlite",
+        )
+        t = trainer(
+            tmp_path, strategy=ReplayStrategy(planner="fixed_regions"), max_steps=6, callbacks=[cb]
+        )
         t.fit(OutsideStateNet(bump_at=(3,)), loader())
         assert cb.last_metrics["divergences"] > 0
         # the version guard saw nothing (a .data write): the divergence is what re-plans
@@ -176,14 +213,21 @@ def test_fit_ends_with_a_summary_of_plan_memory_checks_and_records(tmp_path, cap
     the records file. The retain-everything figure (predicted from the measured costs) is
     held against a run that really retains every segment."""
     retained_cb = ReplayCallback(check_every_n_steps=None, summary=False)
-    trainer(tmp_path / "retained", strategy=ReplayStrategy(planner="retain_all",
-                                                           calibration_steps=1),
-            max_steps=8, callbacks=[retained_cb]).fit(HazardNet(), loader(16))
+    trainer(
+        tmp_path / "retained",
+        strategy=ReplayStrategy(planner="retain_all", calibration_steps=1),
+        max_steps=8,
+        callbacks=[retained_cb],
+    ).fit(HazardNet(), loader(16))
     retained_peak = retained_cb.fit_summary["peak_bytes"]
 
     cb = ReplayCallback(check_every_n_steps=50, progress_bar=True)
-    t = trainer(tmp_path / "replayed", strategy=ReplayStrategy(calibration_steps=1),
-                max_steps=8, callbacks=[cb])
+    t = trainer(
+        tmp_path / "replayed",
+        strategy=ReplayStrategy(calibration_steps=1),
+        max_steps=8,
+        callbacks=[cb],
+    )
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         t.fit(HazardNet(), loader(16))
     engine = t.strategy.engine
@@ -194,17 +238,22 @@ def test_fit_ends_with_a_summary_of_plan_memory_checks_and_records(tmp_path, cap
     assert {n: d["option"] for n, d in s["segments"].items()} == engine.plan.choices
     assert s["replays"] == sum(x["replays"] for x in engine.summary().values()) > 0
     # the prediction for retaining everything is what retaining everything measures ...
-    assert abs(s["retain_all_peak_bytes"] - retained_peak) <= 0.02 * retained_peak, \
-        (s["retain_all_peak_bytes"], retained_peak)
+    assert abs(s["retain_all_peak_bytes"] - retained_peak) <= 0.02 * retained_peak, (
+        s["retain_all_peak_bytes"],
+        retained_peak,
+    )
     # ... and replaying really used less
     assert s["peak_bytes"] < retained_peak
-    text = "\n".join(r.getMessage() for r in caplog.records
-                     if r.getMessage().startswith("lightning_replay:"))
+    text = "\n".join(
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("lightning_replay:")
+    )
     assert text.startswith("lightning_replay: 8 steps, run ")
     for name, option in engine.plan.choices.items():
         assert re.search(rf"\n  {re.escape(name)}\s+{option}\s+contract v1", text), text
-    assert f"peak {format_bytes(s['peak_bytes'])} vs " \
-           f"{format_bytes(s['retain_all_peak_bytes'])} retaining every segment" in text
+    assert (
+        f"peak {format_bytes(s['peak_bytes'])} vs "
+        f"{format_bytes(s['retain_all_peak_bytes'])} retaining every segment" in text
+    )
     assert f"checks on 1 step (first settled step, then every 50): {len(checks)} matched" in text
     assert str(tmp_path / "replayed" / "replay" / "records.sqlite") in text
     # progress_bar=True: this step's peak and the saving, in MiB, beside Lightning's own
@@ -217,8 +266,9 @@ def test_fit_ends_with_a_summary_of_plan_memory_checks_and_records(tmp_path, cap
 def test_summary_off_prints_nothing(tmp_path, caplog):
     cb = ReplayCallback(check_every_n_steps=None, summary=False)
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
-        trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=4,
-                callbacks=[cb]).fit(HazardNet(), loader(16))
+        trainer(
+            tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=4, callbacks=[cb]
+        ).fit(HazardNet(), loader(16))
     assert not any(r.getMessage().startswith("lightning_replay:") for r in caplog.records)
     assert cb.fit_summary["checked_steps"] == 0 and "replay/peak" not in cb.last_metrics
 
@@ -231,12 +281,12 @@ def test_a_lowered_budget_replans_and_the_measured_peak_holds_it(tmp_path):
         engine = t.strategy.engine
         budgets["new"] = min_feasible_budget(engine.costs, engine.real_base_memory)
         # in the budget's terms: the accounted peak plus what the measured step held beyond it
-        budgets["peak_before"] = int(cb.last_metrics["peak_memory_bytes"]) + \
-            engine.unaccounted_bytes
+        budgets["peak_before"] = (
+            int(cb.last_metrics["peak_memory_bytes"]) + engine.unaccounted_bytes
+        )
         engine.reconfigure(budget=budgets["new"])
 
-    cb = ReplayCallback(check_every_n_steps=None, replan_on=("memory",),
-                        replan_cooldown_steps=1)
+    cb = ReplayCallback(check_every_n_steps=None, replan_on=("memory",), replan_cooldown_steps=1)
     logged, engine_stats = {}, {}
 
     def record(t):  # runs after ReplayCallback: its peak for this window, the engine's for the last
@@ -244,8 +294,12 @@ def test_a_lowered_budget_replans_and_the_measured_peak_holds_it(tmp_path):
         stats = t.strategy.engine.step_stats()
         engine_stats[stats["step"]] = stats["peak_bytes"]
 
-    t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
-                max_steps=12, callbacks=[_At([7], lower), cb, _At(range(1, 13), record)])
+    t = trainer(
+        tmp_path,
+        strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
+        max_steps=12,
+        callbacks=[_At([7], lower), cb, _At(range(1, 13), record)],
+    )
     t.fit(HazardNet(), loader(16))
 
     engine = t.strategy.engine
@@ -273,8 +327,12 @@ def test_checked_steps_stay_within_the_budget_and_trigger_no_memory_replan(tmp_p
         peaks[engine.step] = (engine.window_stats()["peak_bytes"], engine.budget)
 
     cb = ReplayCallback(check_every_n_steps=4, replan_on=("memory",), replan_cooldown_steps=1)
-    t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
-                max_steps=16, callbacks=[_At([5], lower), cb, _At(range(1, 17), record)])
+    t = trainer(
+        tmp_path,
+        strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
+        max_steps=16,
+        callbacks=[_At([5], lower), cb, _At(range(1, 17), record)],
+    )
     with pytest.warns(RuntimeWarning, match="derivative check skipped"):
         t.fit(HazardNet(), loader(16))
     after = {s: p for s, p in peaks.items() if s >= 7}
@@ -286,8 +344,12 @@ def test_checked_steps_stay_within_the_budget_and_trigger_no_memory_replan(tmp_p
 def test_an_infeasible_budget_is_recorded_and_the_plan_kept(tmp_path):
     cb = ReplayCallback(check_every_n_steps=None, replan_on=("memory",))
     lower = _At([7], lambda t: t.strategy.engine.reconfigure(budget=1024))
-    t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
-                max_steps=8, callbacks=[lower, cb])
+    t = trainer(
+        tmp_path,
+        strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
+        max_steps=8,
+        callbacks=[lower, cb],
+    )
     with pytest.warns(UserWarning, match="re-plan \\(memory\\) failed, keeping plan v1"):
         t.fit(HazardNet(), loader(16))
     engine = t.strategy.engine
@@ -298,15 +360,20 @@ def test_an_infeasible_budget_is_recorded_and_the_plan_kept(tmp_path):
 
 def test_a_violation_replans_once_the_new_contract_is_in_force(tmp_path):
     cb = ReplayCallback(check_every_n_steps=None, replan_on=("violations",))
-    t = trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1, planner="fixed_regions"),
-                max_steps=12, callbacks=[cb])
+    t = trainer(
+        tmp_path,
+        strategy=ReplayStrategy(calibration_steps=1, planner="fixed_regions"),
+        max_steps=12,
+        callbacks=[cb],
+    )
     with pytest.warns(RuntimeWarning, match="segment 'blocks.1'.*'shift'"):
         t.fit(ViolationNet(bump_at=tuple(range(7, 12))), loader(16))  # from step 8 on
     engine = t.strategy.engine
     rejected = engine.records.read(outcome="rejection")
     assert [(r.step, r.segment, r.check) for r in rejected] == [(8, "blocks.1", "version")]
-    contracts = [r for r in engine.records.read() if r.check == "contract"
-                 and r.segment == "blocks.1"]
+    contracts = [
+        r for r in engine.records.read() if r.check == "contract" and r.segment == "blocks.1"
+    ]
     assert [r.contract_version for r in contracts] == [1, 2]
     assert '"shift"' in contracts[1].detail  # the new version preserves the moved buffer
     plans = [r for r in engine.records.read() if r.check == "plan"]
@@ -319,18 +386,23 @@ def test_a_violation_replans_once_the_new_contract_is_in_force(tmp_path):
 def _varying(sizes):
     x = torch.randn(sum(sizes), DIM, generator=torch.Generator().manual_seed(0))
     bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return DataLoader(TensorDataset(x),
-                      batch_sampler=[list(range(a, b)) for a, b in zip(bounds, bounds[1:])])
+    return DataLoader(
+        TensorDataset(x), batch_sampler=[list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    )
 
 
-@pytest.mark.parametrize("sizes, replans", [
-    ([8] * 7 + [4] * 3, 1),   # the shapes change for good: one re-plan
-    ([8] * 7 + [4] + [8] * 2, 0),  # one short batch: no re-plan
-])
+@pytest.mark.parametrize(
+    "sizes, replans",
+    [
+        ([8] * 7 + [4] * 3, 1),  # the shapes change for good: one re-plan
+        ([8] * 7 + [4] + [8] * 2, 0),  # one short batch: no re-plan
+    ],
+)
 def test_changed_input_shapes_replan_once_they_persist(tmp_path, sizes, replans):
     cb = ReplayCallback(check_every_n_steps=None, replan_on=("shapes",), replan_cooldown_steps=1)
-    t = trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=len(sizes),
-                callbacks=[cb])
+    t = trainer(
+        tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=len(sizes), callbacks=[cb]
+    )
     t.fit(HazardNet(), _varying(sizes))
     assert cb.replans == replans
     # a re-plan that gives the same choices makes no new plan version (issue 17.7)
@@ -340,8 +412,9 @@ def test_changed_input_shapes_replan_once_they_persist(tmp_path, sizes, replans)
 def test_a_shape_replan_plans_with_activation_bytes_measured_at_the_new_shapes(tmp_path):
     sizes = [8] * 7 + [16] * 3
     cb = ReplayCallback(check_every_n_steps=None, replan_on=("shapes",), replan_cooldown_steps=1)
-    t = trainer(tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=len(sizes),
-                callbacks=[cb])
+    t = trainer(
+        tmp_path, strategy=ReplayStrategy(calibration_steps=1), max_steps=len(sizes), callbacks=[cb]
+    )
     t.fit(HazardNet(), _varying(sizes))
     engine = t.strategy.engine
     assert cb.replans == 1
@@ -358,10 +431,16 @@ def test_a_shape_replan_plans_with_activation_bytes_measured_at_the_new_shapes(t
 def test_resume_continues_plan_version_records_and_weights(tmp_path):
     """An interrupted run resumed from its checkpoint ends with the weights of an uninterrupted
     run; the plan version, the engine's step and the records continue (one run id, appended)."""
+
     def fit(model, root, epochs, ckpt_path=None, callbacks=()):
         cb = ReplayCallback(check_every_n_steps=3)
-        t = trainer(root, strategy=ReplayStrategy(calibration_steps=1), max_steps=-1,
-                    max_epochs=epochs, callbacks=[*callbacks, cb])
+        t = trainer(
+            root,
+            strategy=ReplayStrategy(calibration_steps=1),
+            max_steps=-1,
+            max_epochs=epochs,
+            callbacks=[*callbacks, cb],
+        )
         t.fit(model, loader(6), ckpt_path=ckpt_path)
         return t, cb
 
@@ -404,9 +483,15 @@ def test_resume_continues_plan_version_records_and_weights(tmp_path):
 
 def test_state_dict_round_trip_and_version_check():
     cb = ReplayCallback()
-    state_dict = {"version": 1, "run_id": "abc", "record_seq": 41,
-                  "counters": {"matches": 3, "rejections": 1, "divergences": 2},
-                  "replans": 4, "plan_version": 5, "engine": None}
+    state_dict = {
+        "version": 1,
+        "run_id": "abc",
+        "record_seq": 41,
+        "counters": {"matches": 3, "rejections": 1, "divergences": 2},
+        "replans": 4,
+        "plan_version": 5,
+        "engine": None,
+    }
     cb.load_state_dict(state_dict)
     assert cb.record_seq == 41 and cb.replans == 4
     assert cb.counters == {"matches": 3, "rejections": 1, "divergences": 2}
@@ -420,8 +505,13 @@ def test_checks_under_mixed_precision_report_no_divergence(tmp_path):
     trainer(tmp_path, max_steps=4, precision="bf16-mixed").fit(ref, loader())
     model = HazardNet()
     L.seed_everything(7)
-    t = trainer(tmp_path, strategy="replay", max_steps=4, precision="bf16-mixed",
-                callbacks=[ReplayCallback(check_every_n_steps=2)])
+    t = trainer(
+        tmp_path,
+        strategy="replay",
+        max_steps=4,
+        precision="bf16-mixed",
+        callbacks=[ReplayCallback(check_every_n_steps=2)],
+    )
     t.fit(model, loader())
     assert differing(state(ref), state(model)) == []
     records = t.strategy.engine.records.read()

@@ -3,17 +3,31 @@
 The comparison itself lives in :mod:`lightning_replay.verify` (public, so users can run it on
 their own models); these are the assertion forms the tests use.
 """
+
 from __future__ import annotations
 
 import copy
 
 from torch import nn
 
-from lightning_replay.verify import (diff_state, grad_diffs, snapshot_state, torch_checkpoint,
-                                     train_steps)
+from lightning_replay.verify import (
+    diff_state,
+    grad_diffs,
+    snapshot_state,
+    torch_checkpoint,
+    train_steps,
+)
 
-__all__ = ["assert_same_grads", "assert_same_state", "clone_model", "diff_state", "grad_diffs",
-           "snapshot_state", "torch_checkpoint", "train_steps"]
+__all__ = [
+    "assert_same_grads",
+    "assert_same_state",
+    "clone_model",
+    "diff_state",
+    "grad_diffs",
+    "snapshot_state",
+    "torch_checkpoint",
+    "train_steps",
+]
 
 
 def assert_same_grads(ga: list[dict], gb: list[dict], what: str = "") -> None:

@@ -7,6 +7,7 @@ deterministic algorithms on for good, Lightning's launcher resets the thread cou
 ``MASTER_PORT`` and friends behind, and wandb keeps the mode of its first run for every later
 ``wandb.init``. ``tests/conftest.py`` runs every test inside :func:`isolated_globals`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,7 @@ def torch_switches() -> dict:
 
 
 def set_torch_switches(s: dict) -> None:
-    torch.use_deterministic_algorithms(s["deterministic"],
-                                       warn_only=s["deterministic_warn_only"])
+    torch.use_deterministic_algorithms(s["deterministic"], warn_only=s["deterministic_warn_only"])
     torch.set_default_dtype(s["default_dtype"])
     torch.set_grad_enabled(s["grad"])
     torch.set_num_threads(s["threads"])

@@ -1,5 +1,6 @@
 """Helpers to train the demo LightningModules, and fault-injecting ones, shared by the Lightning
 tests (:class:`HazardNet` itself lives in :mod:`lightning_replay.demos.hazard_net`)."""
+
 from __future__ import annotations
 
 import os
@@ -16,12 +17,21 @@ from lightning_replay.demos.hazards import MLPBlock
 __all__ = ["BATCH", "DIM", "HazardNet", "PicklableNoiseBlock", "loader"]  # shared by the tests
 
 
-def trainer(root: str | os.PathLike, strategy: Any = "auto", max_steps: int = 6, **kwargs: Any
-            ) -> L.Trainer:
+def trainer(
+    root: str | os.PathLike, strategy: Any = "auto", max_steps: int = 6, **kwargs: Any
+) -> L.Trainer:
     """A quiet CPU trainer."""
-    opts = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, default_root_dir=str(root), num_sanity_val_steps=0)
+    opts = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        num_sanity_val_steps=0,
+    )
     opts.update(kwargs)
     return L.Trainer(strategy=strategy, **opts)
 
@@ -33,9 +43,15 @@ def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def differing(a: dict, b: dict) -> list[str]:
     """Keys whose tensors are not bit-identical (or missing on one side)."""
-    return sorted(k for k in a.keys() | b.keys()
-                  if k not in a or k not in b or a[k].dtype != b[k].dtype
-                  or a[k].shape != b[k].shape or not torch.equal(a[k], b[k]))
+    return sorted(
+        k
+        for k in a.keys() | b.keys()
+        if k not in a
+        or k not in b
+        or a[k].dtype != b[k].dtype
+        or a[k].shape != b[k].shape
+        or not torch.equal(a[k], b[k])
+    )
 
 
 class SaveRankState(L.Callback):
@@ -46,14 +62,21 @@ class SaveRankState(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = getattr(trainer.strategy, "engine", None)
-        torch.save({"state": state(pl_module),
-                    "gen": pl_module.blocks[2].gen.get_state(),
-                    "summary": engine.summary() if engine is not None else None,
-                    "plan": engine.plan.to_dict() if engine is not None and engine.plan else None,
-                    "plan_version": engine.plan_version if engine is not None else None,
-                    "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()
-                                if k.startswith("replay/")}},
-                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+        torch.save(
+            {
+                "state": state(pl_module),
+                "gen": pl_module.blocks[2].gen.get_state(),
+                "summary": engine.summary() if engine is not None else None,
+                "plan": engine.plan.to_dict() if engine is not None and engine.plan else None,
+                "plan_version": engine.plan_version if engine is not None else None,
+                "metrics": {
+                    k: float(v)
+                    for k, v in trainer.callback_metrics.items()
+                    if k.startswith("replay/")
+                },
+            },
+            os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
+        )
 
 
 class Temperature:
@@ -82,8 +105,9 @@ class OutsideStateNet(L.LightningModule):
         super().__init__()
         torch.manual_seed(seed)
         self.temperature = Temperature()
-        self.blocks = nn.Sequential(MLPBlock(DIM), TemperatureBlock(self.temperature),
-                                    MLPBlock(DIM))
+        self.blocks = nn.Sequential(
+            MLPBlock(DIM), TemperatureBlock(self.temperature), MLPBlock(DIM)
+        )
         self.head = nn.Linear(DIM, 1)
         self.bump_at = tuple(bump_at)
 

@@ -6,6 +6,7 @@ step, plus the bytes already live when it began, is the step's real peak. None o
 code with ``lightning_replay.accounting`` (which counts saved tensors and snapshots through
 hooks), so it can referee the engine's budget claims.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -19,11 +20,16 @@ def allocation_peak(fn: Callable[[], object]) -> int:
     allocation events: bytes allocated during ``fn`` and live at once, above the start."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    events = [
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
     if not events:
-        raise AssertionError("torch.profiler recorded no CPU memory events: is the allocator "
-                             "reporting to the profiler?")
+        raise AssertionError(
+            "torch.profiler recorded no CPU memory events: is the allocator "
+            "reporting to the profiler?"
+        )
     running = peak = 0
     for _, nbytes in sorted(events, key=lambda e: e[0]):
         running += nbytes

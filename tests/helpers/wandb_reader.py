@@ -12,6 +12,7 @@ Example:
     >>> run.history[-1]["replay/plan_version"]  # doctest: +SKIP
     1
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,12 +61,12 @@ def iter_records(path: str | Path) -> Iterator[pb.Record]:
         if left_in_block < _HEADER:
             pos += left_in_block  # zero padding at the end of a block
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + _HEADER])
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
         if crc == 0 and length == 0 and kind == 0:
             # a zero header: padding, or the end of what the writer flushed
             pos += left_in_block
             continue
-        payload = data[pos + _HEADER:pos + _HEADER + length]
+        payload = data[pos + _HEADER : pos + _HEADER + length]
         if len(payload) < length:
             break  # truncated tail: the run was still being written
         if zlib.crc32(bytes([kind]) + payload) & 0xFFFFFFFF != crc:
@@ -148,8 +149,9 @@ def find_run_file(root: str | Path, timeout: float = 30.0) -> Path:
     ``wandb.finish()`` can return before wandb's service has flushed the file, so this waits
     (up to ``timeout`` seconds) until the run's ``exit`` record is readable.
     """
-    found = sorted(p for p in Path(root).glob("**/offline-run-*/run-*.wandb")
-                   if "latest-run" not in p.parts)
+    found = sorted(
+        p for p in Path(root).glob("**/offline-run-*/run-*.wandb") if "latest-run" not in p.parts
+    )
     if len(found) != 1:
         raise FileNotFoundError(f"expected one offline run under {root}, found {found}")
     deadline = time.monotonic() + timeout
@@ -160,6 +162,8 @@ def find_run_file(root: str | Path, timeout: float = 30.0) -> Path:
         except ValueError:
             pass  # a chunk still being written
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{found[0]} has no exit record after {timeout} s: call "
-                               "wandb.finish() before reading the run")
+            raise TimeoutError(
+                f"{found[0]} has no exit record after {timeout} s: call "
+                "wandb.finish() before reading the run"
+            )
         time.sleep(0.1)

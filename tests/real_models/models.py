@@ -3,6 +3,7 @@
 Each entry builds the model under a fixed seed, makes batches from a private generator, and
 computes the loss a user would train with. Sizes are tiny so a test takes a few seconds on CPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,10 @@ def _gen(step: int) -> torch.Generator:
 def _images(size: int, batch: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
     def make(step: int) -> tuple[torch.Tensor, ...]:
         g = _gen(step)
-        return (torch.randn(batch, 3, size, size, generator=g),
-                torch.randint(0, 10, (batch,), generator=g))
+        return (
+            torch.randn(batch, 3, size, size, generator=g),
+            torch.randint(0, 10, (batch,), generator=g),
+        )
 
     return make
 
@@ -75,17 +78,33 @@ def _resnet18() -> nn.Module:
 def _vit() -> nn.Module:
     from timm.models.vision_transformer import VisionTransformer
 
-    return VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2,
-                             mlp_ratio=2.0, num_classes=10, drop_rate=0.1, drop_path_rate=0.2)
+    return VisionTransformer(
+        img_size=32,
+        patch_size=8,
+        embed_dim=32,
+        depth=3,
+        num_heads=2,
+        mlp_ratio=2.0,
+        num_classes=10,
+        drop_rate=0.1,
+        drop_path_rate=0.2,
+    )
 
 
 def _gpt2(use_cache: bool = False) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-                            bos_token_id=0, eos_token_id=0,
-                            use_cache=use_cache)  # dropout 0.1 everywhere (GPT-2's default)
+        config = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=0,
+            use_cache=use_cache,
+        )  # dropout 0.1 everywhere (GPT-2's default)
         return GPT2LMHeadModel(config)
 
     return build
@@ -94,34 +113,51 @@ def _gpt2(use_cache: bool = False) -> Callable[[], nn.Module]:
 def _llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=SEQ, attention_dropout=0.1, use_cache=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        attention_dropout=0.1,
+        use_cache=False,
+    )
     return LlamaForCausalLM(config)
 
 
 def _bert() -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64,
-                        max_position_embeddings=SEQ)  # dropout 0.1 (BERT's default)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+    )  # dropout 0.1 (BERT's default)
     return BertForMaskedLM(config)
 
 
-MODELS: dict[str, RealModel] = {m.name: m for m in [
-    # 16x16 keeps resnet18's 11M parameters to a few seconds; layer4 still sees 1x1 maps of a
-    # batch of 2 (batch norm needs more than one value per channel)
-    RealModel("resnet18", _resnet18, _images(16, 2), _classify, "layer*.*"),
-    RealModel("vit_drop_path", _vit, _images(32, BATCH), _classify, "blocks.*"),
-    RealModel("gpt2", _gpt2(), _tokens, _causal_lm, "transformer.h.*"),
-    RealModel("llama", _llama, _tokens, _causal_lm, "model.layers.*"),
-    RealModel("bert", _bert, _tokens, _causal_lm, "bert.encoder.layer.*"),
-]}
+MODELS: dict[str, RealModel] = {
+    m.name: m
+    for m in [
+        # 16x16 keeps resnet18's 11M parameters to a few seconds; layer4 still sees 1x1 maps of a
+        # batch of 2 (batch norm needs more than one value per channel)
+        RealModel("resnet18", _resnet18, _images(16, 2), _classify, "layer*.*"),
+        RealModel("vit_drop_path", _vit, _images(32, BATCH), _classify, "blocks.*"),
+        RealModel("gpt2", _gpt2(), _tokens, _causal_lm, "transformer.h.*"),
+        RealModel("llama", _llama, _tokens, _causal_lm, "model.layers.*"),
+        RealModel("bert", _bert, _tokens, _causal_lm, "bert.encoder.layer.*"),
+    ]
+}
 
 #: GPT-2 at its default config: use_cache=True hands a mutable cache object to every layer.
-GPT2_WITH_CACHE = RealModel("gpt2_use_cache", _gpt2(use_cache=True), _tokens, _causal_lm,
-                            "transformer.h.*")
+GPT2_WITH_CACHE = RealModel(
+    "gpt2_use_cache", _gpt2(use_cache=True), _tokens, _causal_lm, "transformer.h.*"
+)
 
 
 def build(spec: RealModel, seed: int = 0) -> nn.Module:
@@ -129,8 +165,9 @@ def build(spec: RealModel, seed: int = 0) -> nn.Module:
     return spec.build()
 
 
-def train(model: nn.Module, spec: RealModel, steps: int, lr: float = 0.05,
-          seed: int = 7) -> list[dict[str, torch.Tensor]]:
+def train(
+    model: nn.Module, spec: RealModel, steps: int, lr: float = 0.05, seed: int = 7
+) -> list[dict[str, torch.Tensor]]:
     """Plain SGD steps; the global RNG (dropout, drop_path) seeded once. Returns each step's
     gradients."""
     torch.manual_seed(seed)
@@ -140,8 +177,7 @@ def train(model: nn.Module, spec: RealModel, steps: int, lr: float = 0.05,
     for step in range(steps):
         opt.zero_grad()
         spec.loss(model, spec.batch(step)).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
     return grads
 

@@ -4,6 +4,7 @@ trained with replay and without, compared bit for bit (issue 14).
 Each model is trained the way a user would: through ``lr.install`` with a plain loop, and
 through ``Trainer(strategy="replay")`` with sampled checks against a plain ``Trainer()``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,9 @@ SPECS = list(MODELS.values())
 
 
 def _differing(a: dict, b: dict) -> list[str]:
-    return sorted(k for k in a.keys() | b.keys()
-                  if k not in a or k not in b or not torch.equal(a[k], b[k]))
+    return sorted(
+        k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k])
+    )
 
 
 # ---------------------------------------------------------------------- framework-free
@@ -72,17 +74,30 @@ def _loader(spec: RealModel, steps: int) -> DataLoader:
 def _fit(spec: RealModel, root, steps: int = STEPS, **kwargs) -> tuple[L.Trainer, LitReal]:
     L.seed_everything(7)
     module = LitReal(spec)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(root), **kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        **kwargs,
+    )
     trainer.fit(module, _loader(spec, steps))
     return trainer, module
 
 
 def _assert_trainer_matches(spec: RealModel, tmp_path, **kwargs) -> L.Trainer:
     _, ref = _fit(spec, tmp_path / "plain", **kwargs)
-    t, model = _fit(spec, tmp_path / "replay", strategy="replay",
-                    callbacks=[ReplayCallback(check_every_n_steps=2)], **kwargs)
+    t, model = _fit(
+        spec,
+        tmp_path / "replay",
+        strategy="replay",
+        callbacks=[ReplayCallback(check_every_n_steps=2)],
+        **kwargs,
+    )
     assert _differing(state(ref), state(model)) == []
     summary = t.strategy.engine.summary()
     assert all(s["replays"] >= 1 for s in summary.values()), summary
@@ -122,8 +137,12 @@ def test_hf_cache_is_refused_at_the_first_step_naming_the_fix(tmp_path) -> None:
     """GPT-2 at its default use_cache=True passes a mutable cache object into every layer,
     which a replay would append to a second time: stop at step one with the fix."""
     with pytest.raises(lr.ReplayError, match="use_cache") as info:
-        _fit(GPT2_WITH_CACHE, tmp_path, strategy=ReplayStrategy(),
-             callbacks=[ReplayCallback(check_every_n_steps=2)])
+        _fit(
+            GPT2_WITH_CACHE,
+            tmp_path,
+            strategy=ReplayStrategy(),
+            callbacks=[ReplayCallback(check_every_n_steps=2)],
+        )
     assert "transformer.h.0" in str(info.value)
 
 

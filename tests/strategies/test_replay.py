@@ -1,4 +1,5 @@
 """Trainer(strategy="replay"): exactness against plain training, DDP, segments, composability."""
+
 from __future__ import annotations
 
 import datetime
@@ -16,15 +17,28 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import lightning_replay
-from lightning_replay import (RecordStore, ReplayCallback, ReplayConfigError, ReplayStrategy,
-                              SegmentError)
+from lightning_replay import (
+    RecordStore,
+    ReplayCallback,
+    ReplayConfigError,
+    ReplayStrategy,
+    SegmentError,
+)
 from lightning_replay.budget import Budget
 from lightning_replay.demos.hazards import BNBlock, MLPBlock
 from lightning_replay.planner import InfeasibleBudget, min_feasible_budget
 from lightning_replay.strategies import STRATEGY_NAMES, default_segments, register
 
-from tests.helpers.lit_hazards import (DIM, HazardNet, OneThreadInChild, SaveRankState,
-                                       differing, loader, state, trainer)
+from tests.helpers.lit_hazards import (
+    DIM,
+    HazardNet,
+    OneThreadInChild,
+    SaveRankState,
+    differing,
+    loader,
+    state,
+    trainer,
+)
 
 
 def _load(path):
@@ -45,6 +59,7 @@ def test_registering_again_is_a_no_op_and_a_foreign_holder_is_an_error():
     register()  # a second import (or reload) must not raise "already present"
     assert StrategyRegistry["replay"]["strategy"] is ReplayStrategy
     from lightning.fabric.strategies.registry import _StrategyRegistry
+
     registry = _StrategyRegistry()
     registry.register("replay", L.pytorch.strategies.DDPStrategy)
     with pytest.raises(ReplayConfigError, match="'replay' is already registered by"):
@@ -96,8 +111,9 @@ def test_evaluation_after_fit_runs_on_one_process(tmp_path):
     L.seed_everything(7)
     trainer(tmp_path, max_steps=2).fit(ref, loader(2))
     # (before validate: the noise block's private generator advances in eval too)
-    assert torch.equal(torch.cat(trainer(tmp_path).predict(ref, loader(2))),
-                       torch.cat(t.predict(model, loader(2))))
+    assert torch.equal(
+        torch.cat(trainer(tmp_path).predict(ref, loader(2))), torch.cat(t.predict(model, loader(2)))
+    )
     assert "val_loss" in t.validate(model, loader(2))[0]
 
 
@@ -109,14 +125,23 @@ def test_ddp_two_ranks_match_plain_ddp_and_run_one_plan(tmp_path):
     plain_dir.mkdir(), replay_dir.mkdir()
     ref = HazardNet()
     L.seed_everything(7)
-    trainer(tmp_path, strategy="ddp_fork", devices=2, max_steps=8,
-            callbacks=[OneThreadInChild(), SaveRankState(plain_dir)]).fit(ref, loader(16))
+    trainer(
+        tmp_path,
+        strategy="ddp_fork",
+        devices=2,
+        max_steps=8,
+        callbacks=[OneThreadInChild(), SaveRankState(plain_dir)],
+    ).fit(ref, loader(16))
 
     model = HazardNet()
     L.seed_everything(7)
-    trainer(tmp_path, strategy="replay_fork", devices=2, max_steps=8,
-            callbacks=[ReplayCallback(check_every_n_steps=3), SaveRankState(replay_dir)]
-            ).fit(model, loader(16))
+    trainer(
+        tmp_path,
+        strategy="replay_fork",
+        devices=2,
+        max_steps=8,
+        callbacks=[ReplayCallback(check_every_n_steps=3), SaveRankState(replay_dir)],
+    ).fit(model, loader(16))
 
     ranks = [_load(replay_dir / f"rank{r}.pt") for r in (0, 1)]
     for r, got in enumerate(ranks):
@@ -136,7 +161,11 @@ def test_ddp_two_ranks_match_plain_ddp_and_run_one_plan(tmp_path):
     assert {r[0] for r in rows} == {rows[0][0]}  # one run id across ranks
     assert {r[1] for r in rows} == {0, 1}
     assert {(r[1], r[2]) for r in rows if r[3] == "match"} >= {
-        (0, "grad"), (1, "grad"), (0, "bytes"), (1, "bytes")}
+        (0, "grad"),
+        (1, "grad"),
+        (0, "bytes"),
+        (1, "bytes"),
+    }
     assert not [r for r in rows if r[3] != "match"]
     # logged metrics are reduced across ranks: counts summed, every rank logs the same
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
@@ -150,15 +179,22 @@ def test_resume_under_spawn_matches_an_uninterrupted_run(tmp_path):
     weights back, and the result equals an uninterrupted run."""
     L.seed_everything(7)
     full = HazardNet()
-    trainer(tmp_path / "full", strategy="replay_fork", devices=2, max_steps=-1, max_epochs=2
-            ).fit(full, loader(8))
+    trainer(tmp_path / "full", strategy="replay_fork", devices=2, max_steps=-1, max_epochs=2).fit(
+        full, loader(8)
+    )
 
     ckpt_dir = tmp_path / "ckpt"
     L.seed_everything(7)
     first = HazardNet()
-    trainer(tmp_path / "run", strategy="replay_fork", devices=2, max_steps=-1, max_epochs=1,
-            enable_checkpointing=True,
-            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]).fit(first, loader(8))
+    trainer(
+        tmp_path / "run",
+        strategy="replay_fork",
+        devices=2,
+        max_steps=-1,
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+    ).fit(first, loader(8))
     ckpt = _load(ckpt_dir / "last.ckpt")
     assert sorted(ckpt["state_dict"]) == sorted(HazardNet().state_dict())
 
@@ -168,9 +204,14 @@ def test_resume_under_spawn_matches_an_uninterrupted_run(tmp_path):
     resumed = HazardNet(seed=5)
     assert differing(state(first), state(resumed))
     # one CPU thread, like the forked runs: a bit-for-bit comparison needs equal thread counts
-    trainer(tmp_path / "run", strategy="replay_spawn", devices=2, max_steps=-1, max_epochs=2,
-            callbacks=[OneThreadInChild()]
-            ).fit(resumed, loader(8), ckpt_path=ckpt_dir / "last.ckpt")
+    trainer(
+        tmp_path / "run",
+        strategy="replay_spawn",
+        devices=2,
+        max_steps=-1,
+        max_epochs=2,
+        callbacks=[OneThreadInChild()],
+    ).fit(resumed, loader(8), ckpt_path=ckpt_dir / "last.ckpt")
     assert differing(state(full), state(resumed)) == []
 
 
@@ -192,11 +233,15 @@ def test_default_segments_are_every_repeated_block():
     net = nn.Module()
     net.stem = nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM))
     net.stage1 = nn.Sequential(MLPBlock(DIM), MLPBlock(DIM))
-    net.stage2 = nn.Sequential(nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM)),
-                               nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM)),
-                               MLPBlock(DIM))
-    assert default_segments(net) == (["stage1", "stage2"], [
-        "stage1.0", "stage1.1", "stage2.0", "stage2.1", "stage2.2"])
+    net.stage2 = nn.Sequential(
+        nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM)),
+        nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM)),
+        MLPBlock(DIM),
+    )
+    assert default_segments(net) == (
+        ["stage1", "stage2"],
+        ["stage1.0", "stage1.1", "stage2.0", "stage2.1", "stage2.2"],
+    )
     # Lists of unlike blocks only (HazardNet's): every such list counts.
     assert default_segments(HazardNet())[1] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
 
@@ -281,8 +326,9 @@ class _MetaAccelerator(Accelerator):
         return "meta"
 
 
-@pytest.mark.parametrize("plugin", [FSDPPrecision("32-true"), DeepSpeedPrecision("32-true")],
-                         ids=["fsdp", "deepspeed"])
+@pytest.mark.parametrize(
+    "plugin", [FSDPPrecision("32-true"), DeepSpeedPrecision("32-true")], ids=["fsdp", "deepspeed"]
+)
 def test_sharded_precision_plugins_are_refused_at_trainer_construction(plugin):
     with pytest.raises(ReplayConfigError, match=f"cannot use the {type(plugin).__name__}"):
         L.Trainer(strategy="replay", accelerator="cpu", devices=1, plugins=[plugin], logger=False)
@@ -299,16 +345,19 @@ def test_sync_batchnorm_inside_a_segment_is_refused(tmp_path):
         t.fit(HazardNet(), loader(1))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"planner": "greedy"}, r"planner='greedy'\) is not known; use one of \['joint'"),
-    ({"preservation": "copy"}, r"preservation='copy'\) is not known"),
-    ({"preservation": 3}, "must be a string or a dict"),
-    ({"on_violation": "ignore"}, r"on_violation='ignore'\) is not known"),
-    ({"budget": "lots"}, "budget='lots'"),
-    ({"budget": -5}, "budget=-5"),
-    ({"records": 42}, "records=...\\) must be None, a path or a RecordStore"),
-    ({"calibration_steps": 0}, "calibration_steps=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"planner": "greedy"}, r"planner='greedy'\) is not known; use one of \['joint'"),
+        ({"preservation": "copy"}, r"preservation='copy'\) is not known"),
+        ({"preservation": 3}, "must be a string or a dict"),
+        ({"on_violation": "ignore"}, r"on_violation='ignore'\) is not known"),
+        ({"budget": "lots"}, "budget='lots'"),
+        ({"budget": -5}, "budget=-5"),
+        ({"records": 42}, "records=...\\) must be None, a path or a RecordStore"),
+        ({"calibration_steps": 0}, "calibration_steps=0"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ReplayConfigError, match=match):
         ReplayStrategy(**kwargs)
@@ -325,8 +374,12 @@ def test_records_configured_twice_is_an_error(tmp_path):
 
 def test_a_record_store_given_to_the_strategy_wins_over_the_callback_default(tmp_path):
     store = RecordStore(None, run_id="mine")
-    t = trainer(tmp_path, strategy=ReplayStrategy(records=store), max_steps=2,
-                callbacks=[ReplayCallback(check_every_n_steps=2)])
+    t = trainer(
+        tmp_path,
+        strategy=ReplayStrategy(records=store),
+        max_steps=2,
+        callbacks=[ReplayCallback(check_every_n_steps=2)],
+    )
     t.fit(HazardNet(), loader(2))
     assert t.strategy.engine.records is store and t.strategy.run_id == "mine"
     assert {r.check for r in store.read()} >= {"contract", "grad"}
@@ -365,8 +418,15 @@ def test_unknown_arguments_are_refused_with_the_valid_ones():
         ReplayStrategy(segmnts="blocks.*")
     text = str(info.value)
     assert "unknown argument(s) 'segmnts' (did you mean 'segments'?)" in text
-    for valid in ("segments", "budget", "preservation", "start_method", "timeout",
-                  "find_unused_parameters", "static_graph"):
+    for valid in (
+        "segments",
+        "budget",
+        "preservation",
+        "start_method",
+        "timeout",
+        "find_unused_parameters",
+        "static_graph",
+    ):
         assert valid in text
     # what DDPStrategy and DistributedDataParallel take still passes
     s = ReplayStrategy(find_unused_parameters=True, timeout=datetime.timedelta(seconds=60))
@@ -377,8 +437,9 @@ def test_a_preservation_pin_holds_under_the_plan(tmp_path):
     """Issue 11, bug 3: a budget (always set under the strategy) no longer overrides a pin."""
     pins = {"blocks.1": "retain", "blocks.3": "retain"}
     seen = _ReplaysPerStep()
-    t = trainer(tmp_path, strategy=ReplayStrategy(preservation=pins), max_steps=12,
-                callbacks=[seen])
+    t = trainer(
+        tmp_path, strategy=ReplayStrategy(preservation=pins), max_steps=12, callbacks=[seen]
+    )
     t.fit(HazardNet(), loader(12))
     engine = t.strategy.engine
     assert engine.plan is not None
@@ -405,12 +466,14 @@ class _ReplaysPerStep(L.Callback):
 
     def on_train_batch_end(self, trainer, *args):
         engine = trainer.strategy.engine
-        self.steps.append((engine.plan_version,
-                           {n: s["replays"] for n, s in engine.summary().items()}))
+        self.steps.append(
+            (engine.plan_version, {n: s["replays"] for n, s in engine.summary().items()})
+        )
         if trainer.global_step == trainer.max_steps:
             pins = {n for n, rt in engine.runtimes.items() if rt.preservation == "retain"}
-            self.pinned = min_feasible_budget(engine.costs, engine.real_base_memory,
-                                              allowed={n: {"retain"} for n in pins})
+            self.pinned = min_feasible_budget(
+                engine.costs, engine.real_base_memory, allowed={n: {"retain"} for n in pins}
+            )
             self.replanned = trainer.strategy.replan(budget=self.pinned)
             # a pinned segment is never calibrated in other options, so its costs hold only
             # retain: one byte below the pinned minimum cannot be met, and the error names pins
@@ -422,8 +485,7 @@ class _ReplaysPerStep(L.Callback):
 
 
 def test_a_retain_pin_is_never_replayed(tmp_path):
-    t = trainer(tmp_path, strategy=ReplayStrategy(preservation={"blocks.1": "retain"}),
-                max_steps=9)
+    t = trainer(tmp_path, strategy=ReplayStrategy(preservation={"blocks.1": "retain"}), max_steps=9)
     t.fit(HazardNet(), loader(9))
     assert t.strategy.engine.summary()["blocks.1"]["replays"] == 0
 
@@ -465,8 +527,7 @@ def test_real_peak_plans_with_the_measured_step(tmp_path):
     """ReplayStrategy(real_peak=True): once the plan's first step is measured, the base the
     engine plans with holds what the accountant did not count, and window_stats shows the
     prediction beside the measured peak."""
-    t = trainer(tmp_path, strategy=ReplayStrategy(real_peak=True, calibration_steps=1),
-                max_steps=8)
+    t = trainer(tmp_path, strategy=ReplayStrategy(real_peak=True, calibration_steps=1), max_steps=8)
     t.fit(HazardNet(), loader(8))
     engine = t.strategy.engine
     assert engine.real_peak and engine.last_real_peak is not None
@@ -491,8 +552,12 @@ def test_replan_before_the_probe_answers_none_and_keeps_the_new_budget(tmp_path)
     """Issue 11: not ready to plan is the engine's explicit answer (``ready_to_plan``), not a
     swallowed ReplayConfigError, so a bad budget still raises."""
     seen = _ReplanBeforeTheProbe()
-    t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
-                max_steps=6, callbacks=[seen])
+    t = trainer(
+        tmp_path,
+        strategy=ReplayStrategy(budget="1GiB", calibration_steps=1),
+        max_steps=6,
+        callbacks=[seen],
+    )
     t.fit(HazardNet(), loader(6))
     assert seen.plan is None and seen.budget == 64 * 2**20
     assert t.strategy.engine.plan.budget == 64 * 2**20  # the first plan used it

@@ -4,6 +4,7 @@ Two ranks on CPU with gloo, spawned: forked ranks abort now and then in autograd
 start ("Invalid thread pool", an OpenMP pool inherited through fork), with or without replay. The references are Lightning's own
 ModelParallelStrategy with the same sharding and the same launcher.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,12 @@ from tests.helpers.torch_memory import live_bytes
 
 from lightning_replay import ReplayCallback, ReplayConfigError, ReplayFSDPStrategy
 from lightning_replay.planner import min_feasible_budget, predicted_peak
-from lightning_replay.strategies.replay_fsdp import (STRATEGY_NAMES, _full_state_dict,
-                                                     _ShardedMultiProcessingLauncher, register)
+from lightning_replay.strategies.replay_fsdp import (
+    STRATEGY_NAMES,
+    _full_state_dict,
+    _ShardedMultiProcessingLauncher,
+    register,
+)
 
 DIM = 16
 BATCH = 8
@@ -69,6 +74,7 @@ class FSDPNet(L.LightningModule):
         if not self.shard:
             return
         from torch.distributed.fsdp import fully_shard
+
         mesh = self.device_mesh["data_parallel"]
         for block in self.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
@@ -81,7 +87,7 @@ class FSDPNet(L.LightningModule):
         # MoCo-style: enqueue after the blocks, in place, in the same step
         k = F.normalize(h.detach()[: BATCH // 2], dim=1)
         p = int(self.ptr)
-        self.queue[p:p + k.shape[0]] = k
+        self.queue[p : p + k.shape[0]] = k
         self.ptr.fill_((p + k.shape[0]) % ROWS)
         return self.head(h)
 
@@ -100,8 +106,11 @@ class FSDPNet(L.LightningModule):
 
 def loader(n_batches: int = 12) -> DataLoader:
     g = torch.Generator().manual_seed(3)
-    return DataLoader(TensorDataset(torch.randn(n_batches * BATCH, DIM, generator=g)),
-                      batch_size=BATCH, shuffle=False)
+    return DataLoader(
+        TensorDataset(torch.randn(n_batches * BATCH, DIM, generator=g)),
+        batch_size=BATCH,
+        shuffle=False,
+    )
 
 
 class ForkedModelParallel(ModelParallelStrategy):
@@ -130,17 +139,30 @@ class SaveRank(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.tensor import DTensor
-        state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                 for k, v in pl_module.state_dict().items()}
+
+        state = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in pl_module.state_dict().items()
+        }
         engine = getattr(trainer.strategy, "engine", None)
-        out = {"state": state, "losses": list(pl_module.losses),
-               "keys": list(pl_module.state_dict())}
+        out = {
+            "state": state,
+            "losses": list(pl_module.losses),
+            "keys": list(pl_module.state_dict()),
+        }
         if engine is not None:
-            out.update(summary=engine.summary(), plan_version=engine.plan_version,
-                       plan=engine.plan.to_dict() if engine.plan is not None else None,
-                       budget=engine.budget, peaks=list(self.peaks),
-                       metrics={k: float(v) for k, v in trainer.callback_metrics.items()
-                                if k.startswith("replay/")})
+            out.update(
+                summary=engine.summary(),
+                plan_version=engine.plan_version,
+                plan=engine.plan.to_dict() if engine.plan is not None else None,
+                budget=engine.budget,
+                peaks=list(self.peaks),
+                metrics={
+                    k: float(v)
+                    for k, v in trainer.callback_metrics.items()
+                    if k.startswith("replay/")
+                },
+            )
         torch.save(out, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
     def on_train_start(self, *args: Any) -> None:
@@ -152,12 +174,18 @@ class SaveRank(L.Callback):
             stats = engine.window_stats()
             retain_all = None
             if engine.plan is not None and engine.costs:
-                retain_all = predicted_peak(engine.costs, {c.name: "retain" for c in engine.costs},
-                                            engine.base_memory)
-            self.peaks.append({"step": stats["step"], "peak": stats["peak_bytes"],
-                               "choices": dict(engine.plan.choices) if engine.plan else None,
-                               "predicted": engine.plan.peak_memory if engine.plan else None,
-                               "retain_all": retain_all})
+                retain_all = predicted_peak(
+                    engine.costs, {c.name: "retain" for c in engine.costs}, engine.base_memory
+                )
+            self.peaks.append(
+                {
+                    "step": stats["step"],
+                    "peak": stats["peak_bytes"],
+                    "choices": dict(engine.plan.choices) if engine.plan else None,
+                    "predicted": engine.plan.peak_memory if engine.plan else None,
+                    "retain_all": retain_all,
+                }
+            )
 
 
 class RequestChecks(L.Callback):
@@ -173,23 +201,39 @@ class RequestChecks(L.Callback):
             engine.request_check(grad=True, bytes=True)
 
 
-def fit(root: Any, strategy: Any, model: FSDPNet, steps: int, callbacks=(), ckpt_path=None,
-        **kwargs: Any) -> list[dict]:
+def fit(
+    root: Any,
+    strategy: Any,
+    model: FSDPNet,
+    steps: int,
+    callbacks=(),
+    ckpt_path=None,
+    **kwargs: Any,
+) -> list[dict]:
     """Fit on two forked ranks; returns what each rank saved at the end (see SaveRank)."""
     os.makedirs(root, exist_ok=True)
     kwargs.setdefault("enable_checkpointing", False)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps,
-                        logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(root),
-                        num_sanity_val_steps=0, callbacks=[SaveRank(root), *callbacks],
-                        **kwargs)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        num_sanity_val_steps=0,
+        callbacks=[SaveRank(root), *callbacks],
+        **kwargs,
+    )
     trainer.fit(model, loader(), ckpt_path=ckpt_path)
     return [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in (0, 1)]
 
 
 def replay_fsdp(**kwargs: Any) -> ReplayFSDPStrategy:
-    return ReplayFSDPStrategy(start_method="spawn", data_parallel_size=2, tensor_parallel_size=1,
-                              **kwargs)
+    return ReplayFSDPStrategy(
+        start_method="spawn", data_parallel_size=2, tensor_parallel_size=1, **kwargs
+    )
 
 
 def reference() -> ForkedModelParallel:
@@ -197,9 +241,15 @@ def reference() -> ForkedModelParallel:
 
 
 def differing(a: dict, b: dict) -> list[str]:
-    return sorted(k for k in a.keys() | b.keys()
-                  if k not in a or k not in b or a[k].dtype != b[k].dtype
-                  or a[k].shape != b[k].shape or not torch.equal(a[k], b[k]))
+    return sorted(
+        k
+        for k in a.keys() | b.keys()
+        if k not in a
+        or k not in b
+        or a[k].dtype != b[k].dtype
+        or a[k].shape != b[k].shape
+        or not torch.equal(a[k], b[k])
+    )
 
 
 # ---------------------------------------------------------------------- registration
@@ -211,18 +261,22 @@ def test_import_registers_replay_fsdp_once():
     assert isinstance(trainer.strategy, ModelParallelStrategy)
     register()  # a second import (or reload) is a no-op
     from lightning.fabric.strategies.registry import _StrategyRegistry
+
     foreign = _StrategyRegistry()
     foreign.register("replay_fsdp", ModelParallelStrategy)
     with pytest.raises(ReplayConfigError, match="'replay_fsdp' is already registered by"):
         register(foreign)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"planner": "greedy"}, r"ReplayFSDPStrategy\(planner='greedy'\) is not known"),
-    ({"budget": "lots"}, r"ReplayFSDPStrategy\(budget='lots'\)"),
-    ({"start_method": "thread"}, r"ReplayFSDPStrategy\(start_method='thread'\) is not known"),
-    ({"calibration_steps": 0}, r"calibration_steps=0\) must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"planner": "greedy"}, r"ReplayFSDPStrategy\(planner='greedy'\) is not known"),
+        ({"budget": "lots"}, r"ReplayFSDPStrategy\(budget='lots'\)"),
+        ({"start_method": "thread"}, r"ReplayFSDPStrategy\(start_method='thread'\) is not known"),
+        ({"calibration_steps": 0}, r"calibration_steps=0\) must be an int >= 1"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ReplayConfigError, match=match):
         ReplayFSDPStrategy(**kwargs)
@@ -235,13 +289,21 @@ def test_matches_plain_model_parallel_bit_for_bit(tmp_path, reshard_after_forwar
     ModelParallelStrategy's with the same sharding, every block having replayed, and the
     callback's grad and bytes checks recorded as matches on both ranks."""
     L.seed_everything(7)
-    want = fit(tmp_path / "plain", reference(),
-               FSDPNet(reshard_after_forward=reshard_after_forward), steps=10)
+    want = fit(
+        tmp_path / "plain",
+        reference(),
+        FSDPNet(reshard_after_forward=reshard_after_forward),
+        steps=10,
+    )
     L.seed_everything(7)
     records = tmp_path / "records.sqlite"
-    got = fit(tmp_path / "replay", replay_fsdp(records=records, calibration_steps=1),
-              FSDPNet(reshard_after_forward=reshard_after_forward), steps=10,
-              callbacks=[RequestChecks(every=3)])
+    got = fit(
+        tmp_path / "replay",
+        replay_fsdp(records=records, calibration_steps=1),
+        FSDPNet(reshard_after_forward=reshard_after_forward),
+        steps=10,
+        callbacks=[RequestChecks(every=3)],
+    )
     for r in (0, 1):
         assert differing(want[r]["state"], got[r]["state"]) == [], f"rank {r}"
         assert want[r]["losses"] == got[r]["losses"], f"rank {r}"
@@ -250,8 +312,10 @@ def test_matches_plain_model_parallel_bit_for_bit(tmp_path, reshard_after_forwar
         assert set(summary) == {"blocks.0", "blocks.1", "blocks.2"}
         assert all(s["replays"] >= 3 for s in summary.values()), summary
         # FSDP's gathered parameters are no contract state: BN stats (written) and the queue
-        assert all(not any(n.endswith(("weight", "bias")) for n in s["changing_state"])
-                   for s in summary.values()), summary
+        assert all(
+            not any(n.endswith(("weight", "bias")) for n in s["changing_state"])
+            for s in summary.values()
+        ), summary
     # rank 0's plan on every rank (each rank predicts its own peak from its own base)
     assert got[0]["plan"] is not None
     assert got[0]["plan"]["choices"] == got[1]["plan"]["choices"]
@@ -259,7 +323,11 @@ def test_matches_plain_model_parallel_bit_for_bit(tmp_path, reshard_after_forwar
     with sqlite3.connect(records) as db:
         rows = db.execute('SELECT rank, "check", outcome FROM records').fetchall()
     assert {(r, c) for r, c, o in rows if o == "match"} >= {
-        (0, "grad"), (1, "grad"), (0, "bytes"), (1, "bytes")}
+        (0, "grad"),
+        (1, "grad"),
+        (0, "bytes"),
+        (1, "bytes"),
+    }
     assert [row for row in rows if row[2] != "match"] == []
 
 
@@ -273,14 +341,22 @@ def test_resume_from_a_distributed_checkpoint_carries_on_bit_identically(tmp_pat
     from rank 0's."""
     runs = {}
     for name, make in (("plain", reference), ("replay", replay_fsdp)):
-        ckpt = ModelCheckpoint(dirpath=tmp_path / name / "ckpt", every_n_train_steps=6,
-                               save_top_k=-1)
-        fit(tmp_path / name / "first", make(), FSDPNet(), steps=6, callbacks=[ckpt],
-            enable_checkpointing=True)
+        ckpt = ModelCheckpoint(
+            dirpath=tmp_path / name / "ckpt", every_n_train_steps=6, save_top_k=-1
+        )
+        fit(
+            tmp_path / name / "first",
+            make(),
+            FSDPNet(),
+            steps=6,
+            callbacks=[ckpt],
+            enable_checkpointing=True,
+        )
         path = tmp_path / name / "ckpt" / "epoch=0-step=6.ckpt"
         assert path.is_dir() and len(list(path.glob("*.distcp"))) == 2  # one shard per rank
-        runs[name] = fit(tmp_path / name / "resumed", make(), FSDPNet(), steps=10,
-                         ckpt_path=str(path))
+        runs[name] = fit(
+            tmp_path / name / "resumed", make(), FSDPNet(), steps=10, ckpt_path=str(path)
+        )
     for r in (0, 1):
         assert differing(runs["plain"][r]["state"], runs["replay"][r]["state"]) == [], r
         assert runs["plain"][r]["losses"] == runs["replay"][r]["losses"], r
@@ -300,15 +376,23 @@ class HeldAtBackward(L.Callback):
         self.out_dir = str(out_dir)
         self.rows: list[dict] = []
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                             *args: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
+    ) -> None:
         from torch.profiler import ProfilerActivity, profile
-        tensors = [getattr(t, "_local_tensor", t) for t in
-                   list(pl_module.parameters()) + list(pl_module.buffers())]
+
+        tensors = [
+            getattr(t, "_local_tensor", t)
+            for t in list(pl_module.parameters()) + list(pl_module.buffers())
+        ]
         tensors += [getattr(p.grad, "_local_tensor", p.grad) for p in pl_module.parameters()]
-        tensors += [getattr(v, "_local_tensor", v) for opt in trainer.optimizers
-                    for state in opt.state.values() for v in state.values()
-                    if isinstance(v, torch.Tensor)]
+        tensors += [
+            getattr(v, "_local_tensor", v)
+            for opt in trainer.optimizers
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ]
         self.live_at_start = live_bytes(tensors)
         self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self.prof.__enter__()
@@ -321,29 +405,50 @@ class HeldAtBackward(L.Callback):
         self.prof.__exit__(None, None, None)
         events = list(self.prof.profiler.kineto_results.events())
         mark = min(e.start_ns() for e in events if e.name() == self.MARK)
-        net = sum(e.nbytes() for e in events if e.name() == "[memory]" and e.start_ns() < mark
-                  and e.device_type() == torch.autograd.DeviceType.CPU)
+        net = sum(
+            e.nbytes()
+            for e in events
+            if e.name() == "[memory]"
+            and e.start_ns() < mark
+            and e.device_type() == torch.autograd.DeviceType.CPU
+        )
         engine = trainer.strategy.engine
         stats = engine.window_stats()
-        self.rows.append({"step": stats["step"], "held": self.live_at_start + net,
-                          "accounted": stats["accounted_peak_bytes"],
-                          "predicted": stats["predicted_peak_bytes"],
-                          "choices": dict(engine.plan.choices) if engine.plan else None})
+        self.rows.append(
+            {
+                "step": stats["step"],
+                "held": self.live_at_start + net,
+                "accounted": stats["accounted_peak_bytes"],
+                "predicted": stats["predicted_peak_bytes"],
+                "choices": dict(engine.plan.choices) if engine.plan else None,
+            }
+        )
 
     def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
         engine = trainer.strategy.engine
         costs = engine.costs
         base = engine.real_base_memory
-        torch.save({"rows": self.rows, "costs": costs, "base": base,
-                    "gathered_bytes": trainer.strategy.gathered_bytes,
-                    "min_budget": min_feasible_budget(costs, base),
-                    "retain_all": predicted_peak(costs, {c.name: "retain" for c in costs}, base)},
-                   os.path.join(self.out_dir, f"held{trainer.global_rank}.pt"))
+        torch.save(
+            {
+                "rows": self.rows,
+                "costs": costs,
+                "base": base,
+                "gathered_bytes": trainer.strategy.gathered_bytes,
+                "min_budget": min_feasible_budget(costs, base),
+                "retain_all": predicted_peak(costs, {c.name: "retain" for c in costs}, base),
+            },
+            os.path.join(self.out_dir, f"held{trainer.global_rank}.pt"),
+        )
 
 
 def fit_refereed(root: Any, **kwargs: Any) -> list[dict]:
-    fit(root, replay_fsdp(calibration_steps=1, **kwargs), FSDPNet(), steps=8,
-        callbacks=[HeldAtBackward(root)])
+    fit(
+        root,
+        replay_fsdp(calibration_steps=1, **kwargs),
+        FSDPNet(),
+        steps=8,
+        callbacks=[HeldAtBackward(root)],
+    )
     return [torch.load(os.path.join(root, f"held{r}.pt"), weights_only=False) for r in (0, 1)]
 
 
@@ -353,8 +458,11 @@ def budget_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("budget")
     retained = fit_refereed(root / "retain_all", planner="retain_all")
     budget = max((rank["min_budget"] + rank["retain_all"]) // 2 for rank in retained)
-    return {"retained": retained, "budget": budget,
-            "planned": fit_refereed(root / "budget", budget=budget)}
+    return {
+        "retained": retained,
+        "budget": budget,
+        "planned": fit_refereed(root / "budget", budget=budget),
+    }
 
 
 def _planned(rank: dict) -> list[dict]:
@@ -366,8 +474,7 @@ def test_a_budget_holds_on_every_rank(budget_runs):
     counted once, in the base, not as a segment's saved bytes) is within the plan's predicted
     peak, and that within the budget; every rank runs the same plan, and it replays a block."""
     budget, got = budget_runs["budget"], budget_runs["planned"]
-    assert all(rank["min_budget"] < budget < rank["retain_all"]
-               for rank in budget_runs["retained"])
+    assert all(rank["min_budget"] < budget < rank["retain_all"] for rank in budget_runs["retained"])
     for r in (0, 1):
         planned = _planned(got[r])
         assert len(planned) >= 3, got[r]["rows"]
@@ -382,10 +489,14 @@ def test_a_budget_holds_on_every_rank(budget_runs):
     assert any(o != "retain" for o in choices[0].values()), choices
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 15, measured: under FSDP2 a recomputed block (whole or regions) holds about 5 KB "
-    "more at backward's start than retaining it (all retained 16,408 B, one block on regions "
-    "18,656 B, profiler allocation events, rank 0), though its costs say it frees 2,808 B"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "issue 15, measured: under FSDP2 a recomputed block (whole or regions) holds about 5 KB "
+        "more at backward's start than retaining it (all retained 16,408 B, one block on regions "
+        "18,656 B, profiler allocation events, rank 0), though its costs say it frees 2,808 B"
+    ),
+)
 def test_the_plan_frees_real_memory_on_every_rank(budget_runs):
     """The referee, outside the accountant: the bytes really live when backward begins
     (profiler allocation events, per rank) fall from the all-retained run by at least what the
@@ -394,8 +505,10 @@ def test_the_plan_frees_real_memory_on_every_rank(budget_runs):
     for r in (0, 1):
         planned = _planned(budget_runs["planned"][r])
         choices = planned[-1]["choices"]
-        freed = sum(c.options["retain"].memory - c.options[choices[c.name]].memory
-                    for c in budget_runs["planned"][r]["costs"])
+        freed = sum(
+            c.options["retain"].memory - c.options[choices[c.name]].memory
+            for c in budget_runs["planned"][r]["costs"]
+        )
         all_retained = min(row["held"] for row in _planned(budget_runs["retained"][r]))
         held = min(row["held"] for row in planned)
         assert all_retained - held >= freed > 0, (r, all_retained, held, freed)
@@ -408,8 +521,9 @@ class Unsharded(FSDPNet):
 
 
 def test_a_model_that_configure_model_does_not_shard_is_refused(tmp_path):
-    with pytest.raises(ProcessRaisedException, match=r"configure_model\(\) sharded nothing"
-                       ) as info:
+    with pytest.raises(
+        ProcessRaisedException, match=r"configure_model\(\) sharded nothing"
+    ) as info:
         fit(tmp_path, replay_fsdp(), Unsharded(), steps=1)
     assert "lightning_replay.errors.ReplayConfigError" in str(info.value)
     assert "strategy='replay'" in str(info.value)  # what to do instead
@@ -417,8 +531,10 @@ def test_a_model_that_configure_model_does_not_shard_is_refused(tmp_path):
 
 def test_a_segment_crossing_fsdp_units_is_refused(tmp_path):
     """Each block is a unit: a segment over their container would replay three units."""
-    crossing = (r"segment 'blocks' crosses FSDP units: it contains the unit\(s\) "
-                r"\['blocks.0', 'blocks.1', 'blocks.2'\]")
+    crossing = (
+        r"segment 'blocks' crosses FSDP units: it contains the unit\(s\) "
+        r"\['blocks.0', 'blocks.1', 'blocks.2'\]"
+    )
     with pytest.raises(ProcessRaisedException, match=crossing) as info:
         fit(tmp_path, replay_fsdp(segments="blocks"), FSDPNet(), steps=1)
     assert "lightning_replay.errors.SegmentError" in str(info.value)
@@ -429,28 +545,49 @@ def test_replay_callback_checks_match_and_its_engine_state_resumes(tmp_path):
     """ReplayCallback's grad and bytes checks record matches on both ranks, and its state
     (the engine's plan and contract versions) travels in the distributed checkpoint."""
     callback = ReplayCallback()
-    trainer = L.Trainer(strategy=replay_fsdp(), accelerator="cpu", devices=2, logger=False,
-                        default_root_dir=str(tmp_path), callbacks=[callback])
+    trainer = L.Trainer(
+        strategy=replay_fsdp(),
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[callback],
+    )
     callback.setup(trainer, FSDPNet(), "fit")  # in this process: the blocker, as it is
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
-    first = fit(tmp_path / "first", replay_fsdp(calibration_steps=1), FSDPNet(), steps=6,
-                callbacks=[ReplayCallback(check_every_n_steps=2), ckpt],
-                enable_checkpointing=True)
+    first = fit(
+        tmp_path / "first",
+        replay_fsdp(calibration_steps=1),
+        FSDPNet(),
+        steps=6,
+        callbacks=[ReplayCallback(check_every_n_steps=2), ckpt],
+        enable_checkpointing=True,
+    )
     with sqlite3.connect(tmp_path / "first" / "replay" / "records.sqlite") as db:
         rows = db.execute('SELECT rank, "check", outcome FROM records').fetchall()
     assert {(r, c) for r, c, o in rows if o == "match"} >= {
-        (0, "grad"), (1, "grad"), (0, "bytes"), (1, "bytes")}
+        (0, "grad"),
+        (1, "grad"),
+        (0, "bytes"),
+        (1, "bytes"),
+    }
     assert [row for row in rows if row[2] != "match"] == []
-    resumed = fit(tmp_path / "first", replay_fsdp(calibration_steps=1), FSDPNet(), steps=10,
-                  callbacks=[ReplayCallback(check_every_n_steps=2)],
-                  ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=6.ckpt"))
+    resumed = fit(
+        tmp_path / "first",
+        replay_fsdp(calibration_steps=1),
+        FSDPNet(),
+        steps=10,
+        callbacks=[ReplayCallback(check_every_n_steps=2)],
+        ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=6.ckpt"),
+    )
     for r in (0, 1):  # the plan carried on: no new plan version, contracts re-probed once
         assert resumed[r]["plan_version"] == first[r]["plan_version"]
 
 
 # ---------------------------------------------------------------------- the config
-CONFIG = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "configs",
-                                      "replay_fsdp_cpu.yaml"))
+CONFIG = os.path.normpath(
+    os.path.join(os.path.dirname(__file__), "..", "..", "configs", "replay_fsdp_cpu.yaml")
+)
 
 
 def test_the_replay_fsdp_config_trains_through_the_console_script(tmp_path):
@@ -458,23 +595,37 @@ def test_the_replay_fsdp_config_trains_through_the_console_script(tmp_path):
     launcher, which re-runs the command line in the child, hence a process of its own (most of
     its ~20 s is two interpreters starting): the demo model shards itself in configure_model,
     both ranks probe every block and record its contract, and nothing diverges."""
-    env = dict(os.environ, WANDB_MODE="disabled",
-               PYTHONPATH=os.path.dirname(os.path.dirname(CONFIG)))
+    env = dict(
+        os.environ, WANDB_MODE="disabled", PYTHONPATH=os.path.dirname(os.path.dirname(CONFIG))
+    )
     for k in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "lightning_replay.cli", "fit", "--config", CONFIG,
-           "--trainer.max_steps=6", "--trainer.enable_progress_bar=false",
-           "--model.init_args.dim=16", "--data.init_args.dim=16",
-           "--data.init_args.batch_size=8", "--data.init_args.n_batches=6",
-           "--trainer.strategy.init_args.calibration_steps=1",
-           f"--trainer.default_root_dir={tmp_path}"]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_replay.cli",
+        "fit",
+        "--config",
+        CONFIG,
+        "--trainer.max_steps=6",
+        "--trainer.enable_progress_bar=false",
+        "--model.init_args.dim=16",
+        "--data.init_args.dim=16",
+        "--data.init_args.batch_size=8",
+        "--data.init_args.n_batches=6",
+        "--trainer.strategy.init_args.calibration_steps=1",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with sqlite3.connect(tmp_path / "replay" / "records.sqlite") as db:
         rows = db.execute('SELECT rank, segment, "check", outcome FROM records').fetchall()
     assert {r for r, *_ in rows} == {0, 1}
     for rank in (0, 1):  # every block of the demo's configure_replay_segments, on each rank
         assert {s for r, s, c, _ in rows if r == rank and c == "contract"} == {
-            "blocks.0", "blocks.1", "blocks.2", "blocks.3"}
+            "blocks.0",
+            "blocks.1",
+            "blocks.2",
+            "blocks.3",
+        }
     assert [row for row in rows if row[3] == "divergence"] == []

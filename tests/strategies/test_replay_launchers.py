@@ -1,12 +1,12 @@
 """README claims about ReplayStrategy's processes: one device trains without a process group,
 and the "replay_notebook" launcher trains two ranks like plain "ddp_notebook"."""
+
 from __future__ import annotations
 
 import lightning as L
 import torch
 
-from tests.helpers.lit_hazards import HazardNet, OneThreadInChild, differing, loader, state, \
-    trainer
+from tests.helpers.lit_hazards import HazardNet, OneThreadInChild, differing, loader, state, trainer
 
 
 class _SeesProcessGroup(HazardNet):
@@ -36,8 +36,9 @@ def test_one_device_trains_without_a_process_group(tmp_path):
 def test_notebook_launcher_matches_plain_ddp_notebook(tmp_path):
     L.seed_everything(7)
     ref = HazardNet()
-    trainer(tmp_path, strategy="ddp_notebook", devices=2, max_steps=4,
-            callbacks=[OneThreadInChild()]).fit(ref, loader(8))
+    trainer(
+        tmp_path, strategy="ddp_notebook", devices=2, max_steps=4, callbacks=[OneThreadInChild()]
+    ).fit(ref, loader(8))
     L.seed_everything(7)
     model = HazardNet()
     t = trainer(tmp_path, strategy="replay_notebook", devices=2, max_steps=4)
