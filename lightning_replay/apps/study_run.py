@@ -189,6 +189,10 @@ def fit_run(
         kwargs.update(
             planner=planner, preservation=preservation, budget=budget if budgeted else None
         )
+        # The study's budget is set between the methods' lowest feasible budgets in the
+        # accountant's terms (what its summary compares): held in those terms, not as the
+        # process's real memory (which also holds the optimizer state, the batch, temporaries).
+        kwargs["real_peak"] = False
         overrides["strategy"] = ReplayStrategy(**kwargs)
         described["strategy"] = {"class_path": class_path(ReplayStrategy), "init_args": kwargs}
         if records is not None:
