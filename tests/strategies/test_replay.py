@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import datetime
 import logging
 import os
@@ -67,6 +69,30 @@ def test_registering_again_is_a_no_op_and_a_foreign_holder_is_an_error():
 
 
 # ---------------------------------------------------------------------- single device
+def test_under_a_byte_budget_the_probe_replays_and_matches_plain_trainer(tmp_path):
+    """With a byte budget (as on a GPU by default) the probe step keeps no activations: every
+    segment replays from the first step, each probe replay is compared with its forward, and
+    the run is bit-identical to a plain Trainer's."""
+    ref = HazardNet()
+    L.seed_everything(7)
+    trainer(tmp_path, max_steps=6).fit(ref, loader())
+    model = HazardNet()
+    L.seed_everything(7)
+    t = trainer(tmp_path, strategy=ReplayStrategy(budget="1GiB"), max_steps=6)
+    t.fit(model, loader())
+    assert differing(state(ref), state(model)) == []
+    assert torch.equal(ref.blocks[2].gen.get_state(), model.blocks[2].gen.get_state())
+    engine = t.strategy.engine
+    probes = [
+        r
+        for r in engine.records.read(check="bytes")
+        if "replayed probe" in json.loads(r.detail).get("what", "")
+    ]
+    assert {r.segment for r in probes} == set(engine.segments)
+    assert all(r.outcome == "match" and r.step == 1 for r in probes), probes
+    assert all(s["replays"] == 6 for s in engine.summary().values()), engine.summary()
+
+
 def test_single_device_matches_plain_trainer_bit_for_bit(tmp_path):
     """Queue + batch norm + dropout + private generator: weights, buffers and generator state
     after 8 steps equal a plain Trainer's, with every segment having really replayed."""
