@@ -100,7 +100,7 @@ class DiscoveryMode(TorchDispatchMode):
                 snap,
                 self.log.arm(key),
                 is_input=key in self.input_keys,
-                source=weakref.ref(t) if key not in self.params else None,
+                source=weakref.ref(t),
             )
             self.touched[key] = touch
         return touch
@@ -158,6 +158,11 @@ class DiscoveryMode(TorchDispatchMode):
                     touch.changed_in_segment = not torch.equal(
                         storage_bytes(touch.tensor), touch.snapshot
                     )
+
+
+def _storage_id(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
 
 
 def _is_default_generator(g: torch.Generator) -> bool:
@@ -253,10 +258,14 @@ def observe_window(
         for key, touch in mode.touched.items():
             entries = log.since(key, touch.mark)
             if touch.snapshot is None:
-                # a parameter (or an uncopied argument): its writes in the window are annotated and logged (the optimizer
-                # writes it between steps); a version counter is no help here, as parameters
-                # may be swapped (swap_tensors) with their counters between forward and backward
-                changed = bool(entries) or touch.annotated_write
+                # a parameter (or an uncopied argument): its writes in the window are annotated
+                # and logged (the optimizer writes it between steps); a version counter is no
+                # help here, as parameters may be swapped (swap_tensors) with their counters
+                # between forward and backward. Pointed at other bytes (``.data =``) is a change
+                # too: the replay must read the old bytes.
+                src = touch.source() if touch.source is not None else None
+                moved = src is not None and _storage_id(src) != _storage_id(touch.tensor)
+                changed = bool(entries) or touch.annotated_write or moved
                 out.append(
                     Observation(
                         touch,

@@ -580,10 +580,6 @@ XFAIL = {
         "python_random_stochastic_depth",
         "retained",
     ): "steady replay takes the other branch: raw CheckpointError",
-    (
-        "parameter_repointed_after_segment",
-        "retained",
-    ): "a parameter repointed by .data = in the window: steady replays silent",
 }
 
 
