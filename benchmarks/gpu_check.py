@@ -129,7 +129,7 @@ def budgeted_probe(device: torch.device, steps: int = 4) -> dict:
     g, _ = train_steps(model, make, steps, lr=1e-3)
     probes = [
         r
-        for r in engine.records.read(check="bytes")
+        for r in engine.records.read(check="probe")
         if "replayed probe" in json.loads(r.detail).get("what", "")
     ]
     plain_peak = peak_of_first_step(copy.deepcopy(base))

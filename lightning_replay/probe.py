@@ -342,7 +342,7 @@ class SegmentProbe:
             step=probe.step,
             segment=self.name,
             contract_version=self.version,
-            check="bytes",
+            check="probe",
             outcome="divergence",
             detail={
                 "what": "replayed probe: the replay took another path",

@@ -151,7 +151,7 @@ class _ProbeReplay:
                 step=probe.step,
                 segment=rt.name,
                 contract_version=rt.version,
-                check="bytes",
+                check="probe",
                 outcome="match",
                 detail=detail,
             )
@@ -162,7 +162,7 @@ class _ProbeReplay:
             step=probe.step,
             segment=rt.name,
             contract_version=rt.version,
-            check="bytes",
+            check="probe",
             outcome="divergence",
             detail=detail,
         )

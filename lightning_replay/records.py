@@ -48,6 +48,10 @@ GRAD = "grad"
 """Derivative check: a replay's input and parameter gradients against the retained graph's."""
 BYTES = "bytes"
 """Byte-level check: digests of contract state and replayed outputs against forward time."""
+PROBE = "probe"
+"""A replayed probe's replay (a probe under a memory budget, which keeps no activations) against
+its forward, outputs and saved tensors byte for byte: ``match`` or ``divergence``. Not a sampled
+check: it runs once per probe, whatever checks were asked for."""
 VERSION = "version"
 """Per-step guard: a state tensor outside the contract changed (outcome ``rejection``)."""
 CONTRACT = "contract"

@@ -37,7 +37,7 @@ HUGE = 1 << 40  # a byte budget that every plan meets: only the probe's kind cha
 def _bytes_records(engine, outcome=None):
     return [
         r
-        for r in engine.records.read(check="bytes")
+        for r in engine.records.read(check="probe")
         if json.loads(r.detail).get("what", "").startswith("replayed probe")
         and (outcome is None or r.outcome == outcome)
     ]

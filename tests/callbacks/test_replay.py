@@ -134,7 +134,7 @@ def test_metrics_reach_the_trainer_loggers_and_records_the_default_file(tmp_path
     assert tuple(rows[0]) == COLUMNS
     checked = sorted({r["step"] for r in rows if r["check"] in ("grad", "bytes")})
     assert checked == [3, 6, 9]  # every third window
-    assert last["replay/matches"] == sum(r["check"] in ("grad", "bytes") for r in rows)
+    assert last["replay/matches"] == sum(r["check"] in ("grad", "bytes", "probe") for r in rows)
     assert {r["rank"] for r in rows} == {0}
     assert {r["run_id"] for r in rows} == {engine.records.run_id}
     assert [r for r in rows if r["check"] == "plan"][0]["contract_version"] == 1

@@ -85,7 +85,7 @@ def test_under_a_byte_budget_the_probe_replays_and_matches_plain_trainer(tmp_pat
     engine = t.strategy.engine
     probes = [
         r
-        for r in engine.records.read(check="bytes")
+        for r in engine.records.read(check="probe")
         if "replayed probe" in json.loads(r.detail).get("what", "")
     ]
     assert {r.segment for r in probes} == set(engine.segments)
