@@ -302,8 +302,11 @@ class SegmentProbe:
             params = replay.params
 
             def pack(t: torch.Tensor) -> Any:
-                if storage_key(t) not in params:
+                key = storage_key(t)
+                if key not in params:
                     replay.saved_tokens.append(digest_token(t))
+                if key is not None:  # all alive until backward reads them: keys are distinct
+                    replay.saved_bytes[key] = t.untyped_storage().nbytes()
                 return pack_next(t)
 
             eng._segment_depth += 1

@@ -54,6 +54,7 @@ class _ProbeReplay:
         self.rt = rt
         self.box = box
         self.saved_tokens: list = []
+        self.saved_bytes: dict = {}  # storage key -> bytes of what the replay saved
         self.params: set = set()
 
     def __enter__(self) -> None:
@@ -65,6 +66,7 @@ class _ProbeReplay:
             k for k in (storage_key(p) for p in rt.engine.model.parameters()) if k is not None
         }
         self.saved_tokens = []
+        self.saved_bytes = {}
         for alias, v0 in probe.saved_state.values():
             if alias._version > v0:
                 # autograd saved it and it was written in place since: plain PyTorch refuses
@@ -126,6 +128,7 @@ class _ProbeReplay:
         """The replay's outputs against the forward's digests."""
         rt = self.rt
         eng = rt.engine
+        self._measure_activations()
         mine = digests(tensor_leaves(out))
         expected = self.box["digests"]
         differ = [i for i, (a, b) in enumerate(zip(mine, expected)) if a != b]
@@ -183,6 +186,24 @@ class _ProbeReplay:
         if eng.on_violation == "raise":
             raise ReplayError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _measure_activations(self) -> None:
+        """The segment's activation bytes, from what its replay saved. The forward under
+        checkpoint freed each saved tensor at once, so its storages' addresses were reused and
+        could not be told apart; the replay's are all alive until backward reads them."""
+        probe = self.box["probe"]
+        mode = probe.mode
+        inputs = {k for k in probe.leaf_keys if k is not None}
+        act = sum(
+            n
+            for k, n in self.saved_bytes.items()
+            if k not in mode.touched and k not in inputs and k not in mode.parameter_traffic
+        )
+        probe.activation_bytes = act
+        c = self.rt.contract
+        if c is not None and c.probed_at_step == probe.step and act > c.activation_bytes:
+            c.activation_bytes = act
+        self.rt.engine.meter.activation_bytes.pop(self.rt.name, None)
 
     def __exit__(self, *exc) -> bool:
         self.box.pop("replay", None)

@@ -114,13 +114,14 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             return self._replay_call(args, kwargs)
 
     def _probe_replays(self) -> bool:
-        """Whether this probe keeps no activations: under a memory budget a probe step that
-        kept every segment's activations would peak above a plain step. A segment pinned to
+        """Whether this probe keeps no activations: under a memory budget (bytes, or ``"min"``
+        for the lowest-memory plan) a probe step that kept every segment's activations would
+        peak above a plain step. A segment pinned to
         ``retain``, demoted, or whose replayed probe diverged is probed retained, and so is
         every probe of a derivative-checked step (its reference keeps the graphs anyway)."""
         eng = self.engine
         return (
-            eng.budget is not None
+            (eng.budget is not None or eng.config.budget.min)
             and not self.retained_probe
             and not self.demoted
             and self.preservation != "retain"

@@ -261,3 +261,20 @@ def test_divergence_raises_under_on_violation_raise():
     finally:
         SETTING["scale"] = 1.0
     assert len(_bytes_records(engine, "divergence")) == 1
+
+
+def test_a_replayed_probe_measures_the_activation_bytes_a_retained_probe_does():
+    """The plan charges each segment its activation bytes: a replayed probe measures them from
+    its replay (its forward's saved tensors are freed at once and their addresses reused, as
+    in torchvision's residual blocks), and finds what a retained probe finds."""
+    from torchvision.models.resnet import BasicBlock
+
+    x = torch.randn(4, 16, 16, 16, generator=torch.Generator().manual_seed(2))
+    found = []
+    for budget in (None, HUGE, "min"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(BasicBlock(16, 16) for _ in range(3)))
+        engine = lr.install(model, ["0", "1", "2"], budget=budget)
+        model(x).pow(2).mean().backward()
+        found.append({n: s["activation_bytes"] for n, s in engine.summary().items()})
+    assert found[0] == found[1] == found[2] and all(v > 0 for v in found[0].values()), found

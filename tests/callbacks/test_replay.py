@@ -233,7 +233,8 @@ def test_fit_ends_with_a_summary_of_plan_memory_checks_and_records(tmp_path, cap
     engine = t.strategy.engine
     s = cb.fit_summary
     checks = engine.records.read(kind="check")
-    assert s["checked_steps"] == 1 and {r.check for r in checks} == {"grad", "bytes"}
+    # the sampled checks, and each replayed probe's comparison with its forward (step 1)
+    assert s["checked_steps"] == 1 and {r.check for r in checks} == {"grad", "bytes", "probe"}
     assert s["matches"] == len(checks) > 0 and s["divergences"] == 0
     assert {n: d["option"] for n, d in s["segments"].items()} == engine.plan.choices
     assert s["replays"] == sum(x["replays"] for x in engine.summary().values()) > 0
@@ -478,7 +479,7 @@ def test_resume_continues_plan_version_records_and_weights(tmp_path):
     assert [r["contract_version"] for r in after if r["check"] == "plan"] == []
     assert {r["contract_version"] for r in after if r["check"] == "contract"} == {2}
     assert cb2.counters["matches"] > cb1.counters["matches"]  # counts continue too
-    assert cb2.counters["matches"] == sum(r["check"] in ("grad", "bytes") for r in rows)
+    assert cb2.counters["matches"] == sum(r["check"] in ("grad", "bytes", "probe") for r in rows)
 
 
 def test_state_dict_round_trip_and_version_check():

@@ -195,7 +195,9 @@ def test_ddp_two_ranks_match_plain_ddp_and_run_one_plan(tmp_path):
     assert not [r for r in rows if r[3] != "match"]
     # logged metrics are reduced across ranks: counts summed, every rank logs the same
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
-    assert ranks[0]["metrics"]["replay/matches"] == sum(r[2] in ("grad", "bytes") for r in rows)
+    assert ranks[0]["metrics"]["replay/matches"] == sum(
+        r[2] in ("grad", "bytes", "probe") for r in rows
+    )
     assert ranks[0]["metrics"]["replay/plan_version"] == 1
 
 
