@@ -44,10 +44,12 @@ class _ProbeReplay:
     swapped in, the replay's outputs compared with the forward's, and the live state put back.
 
     What is put back is everything the probe saw: every storage it touched that the window
-    changed (first-touch bytes; parameters are compared by their logged writes, so a changed
-    parameter cannot be put back and the comparison of outputs is what catches it), the slot
-    objects and plain values, every generator's state as the forward first drew from it and
-    the outside attributes it read. Writes the replay makes are undone with the swap.
+    changed (its first-touch bytes; parameters and arguments that are no model state are not
+    copied, their logged writes are undone instead), tensors pointed at other storage since
+    (``.data =``) pointed back, the slot objects and plain values, every generator's state as
+    the forward first drew from it and the outside attributes it read. Writes the replay makes
+    are undone with the swap. What no probe can see (a module-level value, numpy's RNG) is
+    caught by the comparison of outputs and saved tensors.
     """
 
     def __init__(self, rt: "SegmentRuntime", box: dict[str, Any]) -> None:
