@@ -23,7 +23,13 @@ import torch
 
 from lightning_replay._compat import TorchDispatchMode, op_arguments, tree_leaves
 from lightning_replay.preservation import RegionLog, redo, undo, write_args
-from lightning_replay.state import StorageKey, same_generator, storage_bytes, storage_key
+from lightning_replay.state import (
+    StorageKey,
+    same_generator,
+    storage_bytes,
+    storage_identity,
+    storage_key,
+)
 
 _SEEDED = torch.Tag.nondeterministic_seeded
 
@@ -160,11 +166,6 @@ class DiscoveryMode(TorchDispatchMode):
                     )
 
 
-def _storage_id(t: torch.Tensor) -> tuple[int, int]:
-    st = t.untyped_storage()
-    return st.data_ptr(), st.nbytes()
-
-
 def _is_default_generator(g: torch.Generator) -> bool:
     """Whether ``g`` drives the CPU default generator or its device's default generator."""
     if g.device.type == "cpu":
@@ -264,7 +265,7 @@ def observe_window(
                 # between forward and backward. Pointed at other bytes (``.data =``) is a change
                 # too: the replay must read the old bytes.
                 src = touch.source() if touch.source is not None else None
-                moved = src is not None and _storage_id(src) != _storage_id(touch.tensor)
+                moved = src is not None and storage_identity(src) != storage_identity(touch.tensor)
                 changed = bool(entries) or touch.annotated_write or moved
                 out.append(
                     Observation(

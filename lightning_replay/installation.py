@@ -55,6 +55,14 @@ def _replay_class(cls: type) -> type:
             return cls.forward(self, *args, **kwargs)
         return rt(args, kwargs)
 
+    new = _swapped_class(cls, forward)
+    _REPLAY_CLASSES[cls] = new
+    return new
+
+
+def _swapped_class(cls: type, forward: Callable) -> type:
+    """A subclass of ``cls`` with ``forward``, the name of ``cls``, copied and pickled as
+    ``cls``."""
     new = type(
         cls.__name__,
         (cls,),
@@ -66,7 +74,6 @@ def _replay_class(cls: type) -> type:
             "_lightning_replay_base": cls,
         },
     )
-    _REPLAY_CLASSES[cls] = new
     return new
 
 
@@ -93,17 +100,7 @@ def _root_class(cls: type) -> type:
         finally:
             eng.end_forward()
 
-    new = type(
-        cls.__name__,
-        (cls,),
-        {
-            "forward": forward,
-            "__reduce_ex__": _plain_reduce(cls, lambda: new),
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "_lightning_replay_base": cls,
-        },
-    )
+    new = _swapped_class(cls, forward)
     _ROOT_CLASSES[cls] = new
     return new
 

@@ -29,6 +29,7 @@ from lightning_replay.state import (
     digests,
     resolve_tokens,
     storage_bytes,
+    storage_identity,
     storage_key,
     swap_,
     tensor_leaves,
@@ -87,7 +88,7 @@ class _ProbeReplay:
                     self.undone.append(ob.entries)
                     continue
                 src = t.source() if t.source is not None else None
-                if src is not None and _storage_id(src) != _storage_id(t.tensor):
+                if src is not None and storage_identity(src) != storage_identity(t.tensor):
                     # the object the forward read now has another storage: point it back
                     self.repointed.append(
                         (
@@ -238,8 +239,3 @@ def _set_all(items: Any) -> None:
             d.pop(name, None)
         else:
             d[name] = v
-
-
-def _storage_id(t: torch.Tensor) -> tuple[int, int]:
-    st = t.untyped_storage()
-    return st.data_ptr(), st.nbytes()

@@ -38,6 +38,13 @@ def storage_key(t: torch.Tensor) -> StorageKey | None:
     return (str(t.device), ptr)
 
 
+def storage_identity(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t``'s storage lives and how large it is: changes when ``t`` is pointed at other
+    bytes (``.data =``, ``set_``, a reallocating ``resize_``)."""
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage of ``t`` (writes go straight to its bytes).
 
