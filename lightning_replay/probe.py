@@ -28,6 +28,7 @@ from lightning_replay.contract import ReplayContract, StateEntry
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.probe_replay import _ProbeReplay
 from lightning_replay.errors import ReplayConfigError, ReplayError
+from lightning_replay.host_rng import HostRNG, advanced, host_rngs, states
 from lightning_replay.restore import _Bound
 from lightning_replay.slots import (
     MODULE_INTERNALS,
@@ -76,6 +77,7 @@ class _Probe:
         self.changed_inputs: list[int] = []  # argument leaves the window changes
         self.written_inputs: list[int] = []  # ... that the segment itself writes
         self.start_index: StateIndex | None = None  # the model's state names at its start
+        self.host: list = []  # (HostRNG, state at its start) of those its forward drew from
 
 
 class _ProbeHandle:
@@ -239,12 +241,18 @@ class SegmentProbe:
 
         ids = {id(m) for m in self.modules}
         outside = OutsideReads([m for m in eng.model.modules() if id(m) not in ids])
+        hosts = host_rngs(self.modules, self.module_names)  # generators torch never sees
+        host_before = states(hosts)
         eng._segment_depth += 1
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack), mode, outside:
                 out = self.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
+        moved = {id(r) for r in advanced(hosts, host_before)}
+        probe.host = [(r, s) for r, s in zip(hosts, host_before) if id(r) in moved]
+        if replayed:
+            probe.gens += probe.host
         known = {(id(m), k) for m, k in self.outside}
         self.outside += [(m, k) for m, k in outside.reads if (id(m), k) not in known]
         if replayed and outside.reads:
@@ -356,10 +364,10 @@ class SegmentProbe:
         return ReplayError(
             f"segment {self.name!r}: the replay of its probe (step {probe.step}) took another "
             "path than its forward (torch.utils.checkpoint saw different saved tensors): the "
-            "forward depends on something no probe can put back, such as Python's `random`, "
-            "numpy's RNG or a module-level setting. Draw randomness from torch (a "
-            "torch.Generator, or the global RNG), keep such values on the model, or leave this "
-            f"segment out of `segments`. Recorded as a divergence. ({exc})"
+            "forward depends on something no probe can put back, such as a module-level "
+            "setting, the clock or a file (random generators, torch's, Python's and numpy's, "
+            "are put back). Keep such values on the model or pass them as arguments, or leave "
+            f"this segment out of `segments`. Recorded as a divergence. ({exc})"
         )
 
     def _grad_arrived(self, probe: _Probe) -> None:
@@ -436,7 +444,12 @@ class SegmentProbe:
                 e = dataclasses.replace(b.entry, aliases=list(b.entry.aliases))
                 merged[e.name] = e
                 bound[e.name] = _Bound(e, b.get)
-        gens: dict[int, torch.Generator] = {id(g): g for _, g in self.generators}
+        gens: dict[int, torch.Generator] = {
+            id(g): g for _, g in self.generators if not isinstance(g, HostRNG)
+        }
+        host: dict[int, HostRNG] = {
+            id(g.obj): g for _, g in self.generators if isinstance(g, HostRNG)
+        }
         uses_rng = old.uses_global_rng if old is not None else False
         changed_attrs: set[str] = set(old.python_attrs) if old is not None else set()
         aliases: list[str] = list(old.input_aliases) if old is not None else []
@@ -450,6 +463,7 @@ class SegmentProbe:
             self.state_keys.update(p.mode.touched)
             uses_rng |= p.mode.uses_global_rng
             gens.update(p.mode.generators)
+            host.update((id(r.obj), r) for r, _ in p.host)
             changed_attrs.update(p.changed_attrs)
             changed_inputs.update(p.changed_inputs)
             written_inputs.update(p.written_inputs)
@@ -491,6 +505,9 @@ class SegmentProbe:
                 eng._external.append(g)
             gen_names.append(gname)
             self.generators.append((gname, g))
+        for r in host.values():  # Python's or numpy's: the replay restores these too
+            gen_names.append(r.name)
+            self.generators.append((r.name, r))
         self.version += 1
         if old is not None:
             act = max(act, old.activation_bytes) if not probes else act

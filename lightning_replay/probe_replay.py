@@ -49,8 +49,8 @@ class _ProbeReplay:
     copied, their logged writes are undone instead), tensors pointed at other storage since
     (``.data =``) pointed back, the slot objects and plain values, every generator's state as
     the forward first drew from it and the outside attributes it read. Writes the replay makes
-    are undone with the swap. What no probe can see (a module-level value, numpy's RNG) is
-    caught by the comparison of outputs and saved tensors.
+    are undone with the swap. What no probe can see (a module-level value) is caught by the
+    comparison of outputs and saved tensors.
     """
 
     def __init__(self, rt: "SegmentRuntime", box: dict[str, Any]) -> None:

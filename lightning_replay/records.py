@@ -52,6 +52,10 @@ PROBE = "probe"
 """A replayed probe's replay (a probe under a memory budget, which keeps no activations) against
 its forward, outputs and saved tensors byte for byte: ``match`` or ``divergence``. Not a sampled
 check: it runs once per probe, whatever checks were asked for."""
+REPLAY = "replay"
+"""A steady replay whose recomputation departed from its forward (it saved a different number
+or kind of tensors for backward: it took another branch). Outcome ``divergence``; the step's
+gradients cannot be computed from it, so the error is raised after the record is written."""
 VERSION = "version"
 """Per-step guard: a state tensor outside the contract changed (outcome ``rejection``)."""
 CONTRACT = "contract"

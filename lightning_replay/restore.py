@@ -14,11 +14,13 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.utils.checkpoint import CheckpointError
 
 from lightning_replay._compat import set_versions
 from lightning_replay.contract import StateEntry
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
+from lightning_replay.records import REPLAY
 from lightning_replay.preservation import (
     CaptureMode,
     RegionLog,
@@ -211,11 +213,13 @@ class _ReplayContext:
         "_sandbox",
         "_stage",
         "_resized",
+        "_recompute",
     )
 
-    def __init__(self, inv: _Invocation) -> None:
+    def __init__(self, inv: _Invocation, recompute: bool = False) -> None:
         self.inv = inv
         self._stage = 0
+        self._recompute = recompute  # checkpoint's recomputation (it checks saved tensors)
 
     def __enter__(self) -> None:
         inv = self.inv
@@ -281,9 +285,17 @@ class _ReplayContext:
                 eng.meter.activation_bytes.get(rt.name, rt.contract.activation_bytes)
             )
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> bool:
         inv = self.inv
         stage = self._stage
+        departed = self._recompute and stage >= 4 and _departed(exc_type)
+        self._undo(stage)
+        if departed:
+            _replay_departed(inv, exc)
+        return False
+
+    def _undo(self, stage: int) -> None:
+        inv = self.inv
         self._stage = 0
         if stage >= 4:
             inv.replaying = False
@@ -311,7 +323,6 @@ class _ReplayContext:
                 if eng._sync:
                     torch.cuda.synchronize(eng._cuda_device)
                 eng._record_replay_time(inv, clock(eng._cuda) - self._t0)
-        return False
 
     def _check_versions(self) -> None:
         inv = self.inv
@@ -342,6 +353,49 @@ class _ReplayContext:
                     f"replay, expected {expected})",
                     inv,
                 )
+
+
+def _departed(exc_type: type | None) -> bool:
+    """Whether checkpoint's recomputation of a segment left its forward's path.
+
+    Under early stop (torch's default) a recomputation that saves as many tensors as the
+    forward did ends with checkpoint's stop signal raised through the replay context; one that
+    ends normally saved fewer, and checkpoint refuses it right after. One that saves more is
+    refused inside, with a CheckpointError."""
+    if exc_type is None:
+        early = torch.utils.checkpoint._enable_checkpoint_early_stop
+        return early is None or early
+    return issubclass(exc_type, CheckpointError)
+
+
+def _replay_departed(inv: _Invocation, exc: BaseException | None) -> None:
+    """Record the departed replay as a divergence, then raise it as a ReplayError that names
+    the segment, instead of checkpoint's error from deep inside backward."""
+    rt = inv.rt
+    eng = rt.engine
+    rt.divergences += 1
+    seen = (
+        "it saved fewer tensors for backward than its forward did"
+        if exc is None
+        else str(exc).splitlines()[0].replace("torch.utils.checkpoint: ", "")
+    )
+    eng.records.append(
+        step=inv.step,
+        segment=rt.name,
+        contract_version=inv.version,
+        check=REPLAY,
+        outcome="divergence",
+        detail={"seen": seen, "action": "raise"},
+    )
+    raise ReplayError(
+        f"segment {rt.name!r} (contract v{inv.version}): its replay in backward took another "
+        f"path than its forward of step {inv.step} ({seen}), so this step's gradients cannot be "
+        "computed from it. Its forward depends on something its contract does not restore: a "
+        "value read from outside the model (a module-level variable, the clock, a file), or a "
+        "random draw from a generator nobody passes to the segment. Make that value an "
+        "attribute of the model or an argument of the segment, or keep this segment's "
+        f"activations (preservation={{{rt.name!r}: 'retain'}}). Recorded as a divergence."
+    ) from exc
 
 
 def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:

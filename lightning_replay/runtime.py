@@ -241,7 +241,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             *call,
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv)),
+            context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True)),
         )
 
     def _violation(self, state: str, detail: str, inv: _Invocation) -> None:

@@ -357,6 +357,52 @@ class PyStochasticDepth(nn.Module):  # stochastic depth decided by random.random
         return x + self.f(x)
 
 
+class OwnRandomDepth(nn.Module):  # stochastic depth from a random.Random the module holds
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.rng = random.Random(7)
+
+    def forward(self, x):
+        if self.training and self.rng.random() < 0.5:
+            return x
+        return x + self.f(x)
+
+
+class NumpyHeldNoise(nn.Module):  # noise from a numpy Generator or RandomState the module holds
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.kind = kind
+        self.rng = np.random.default_rng(7) if kind == "generator" else np.random.RandomState(7)
+
+    def forward(self, x):
+        if self.kind == "generator":
+            noise = self.rng.random(tuple(x.shape), dtype=np.float32)
+        else:
+            noise = self.rng.rand(*x.shape).astype("float32")
+        return x + self.f(x) * torch.from_numpy(noise)
+
+
+class LateNumpyNoise(nn.Module):  # draws from numpy's global RNG only once switched on
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.noise = False
+
+    def forward(self, x):
+        y = x + self.f(x)
+        if self.noise:
+            y = y * torch.from_numpy(np.random.rand(*x.shape).astype("float32"))
+        return y
+
+
+def _noise_on_from_second_forward(model, x, y):  # set after the segment ran, in its window
+    model.calls = getattr(model, "calls", 0) + 1
+    if model.calls >= 2:
+        model.blk.noise = True
+
+
 _SCHEDULE = {"lam": 1.0}  # a module-level gradient-reversal coefficient, stepped in the window
 
 
@@ -550,6 +596,12 @@ CASES = {
     "numpy_gradient_scaling": Case(stack(lambda: GradScale("numpy")), TWO),
     "numpy_noise": Case(stack(NumpyNoise), TWO),
     "python_random_stochastic_depth": Case(stack(PyStochasticDepth), TWO),
+    "module_held_python_random": Case(stack(OwnRandomDepth), TWO),
+    "module_held_numpy_generator": Case(stack(lambda: NumpyHeldNoise("generator")), TWO),
+    "module_held_numpy_randomstate": Case(stack(lambda: NumpyHeldNoise("state")), TWO),
+    "numpy_noise_switched_on_later": Case(
+        with_head(LateNumpyNoise, _noise_on_from_second_forward), ("blk",), steps=6
+    ),
     "parameter_repointed_after_segment": Case(with_head(MLP, _repoint_tied), ("blk",)),
     "parameters_foreach_written_after": Case(with_head(MLP, _foreach_after), ("blk",)),
     "queue_resized_not_saved": Case(with_head(QueueMean, _grow_queue), ("blk",)),
@@ -570,16 +622,6 @@ XFAIL = {
         "global_schedule_gradient_only",
         "retained",
     ): "module-level value read only by the gradient: steady replays silent",
-    ("numpy_gradient_scaling", "retained"): "numpy RNG: steady replays silent",
-    ("numpy_noise", "retained"): "numpy RNG: steady replays silent",
-    (
-        "python_random_stochastic_depth",
-        "replayed",
-    ): "a steady replay after the probe takes the other branch: raw CheckpointError",
-    (
-        "python_random_stochastic_depth",
-        "retained",
-    ): "steady replay takes the other branch: raw CheckpointError",
 }
 
 
@@ -686,3 +728,53 @@ def test_double_backward_is_refused_clearly(kind):
     case = Case(stack(BNCumulative), TWO, step=_grad_penalty_step)
     _, _, _, error = _train(case, KINDS[kind], engine=True)
     assert isinstance(error, lr.ReplayError) and "blocks." in str(error), repr(error)
+
+
+# --------------------------------------------------------------------------- departed replays
+_BRANCH = {"on": False}
+
+
+class GlobalBranch(nn.Module):
+    """Branches on a module-level flag the step flips after the segment: its replay takes the
+    other path. ``more``: the other path does more work (checkpoint refuses it mid-replay);
+    otherwise it skips the block (the replay saves fewer tensors than the forward did)."""
+
+    def __init__(self, more: bool) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.more = more
+
+    def forward(self, x):
+        if _BRANCH["on"]:
+            return x + self.f(torch.tanh(self.f(x))) if self.more else x * 1.0
+        return x + self.f(x)
+
+
+def _flip_branch(model, x, y):
+    _BRANCH["on"] = not _BRANCH["on"]
+
+
+def _branch_model(more: bool) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        _BRANCH["on"] = False
+        return with_head(lambda: GlobalBranch(more), _flip_branch)()
+
+    return make
+
+
+@pytest.mark.parametrize("more", [True, False], ids=["more_work", "skipped"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_replay_that_takes_another_path_is_raised_with_a_record(kind, more):
+    """A steady replay whose forward depends on a value outside the model (here a module-level
+    flag flipped between forward and backward) takes another branch: the step cannot be
+    computed. It is refused with a ReplayError naming the segment (never checkpoint's raw
+    CheckpointError), after a divergence record of kind 'replay'."""
+    case = Case(_branch_model(more), ("blk",), steps=6)
+    _, _, records, error = _train(case, KINDS[kind], engine=True)
+    assert isinstance(error, lr.ReplayError), repr(error)
+    assert "'blk'" in str(error) and "another path" in str(error), str(error)
+    # a replayed probe's own replay departs first (kind 'probe'); a retained probe's steady
+    # replays later (kind 'replay')
+    departed = [r for r in records if r.check in ("replay", "probe") and r.outcome != "match"]
+    assert departed and all(r.outcome == "divergence" for r in departed), departed
+    assert departed[-1].check == ("probe" if kind == "replayed" else "replay"), departed

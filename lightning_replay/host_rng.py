@@ -1,0 +1,110 @@
+"""Random number generators outside torch that a segment's forward may draw from.
+
+Python's ``random`` module, numpy's global RNG (``np.random.rand`` and friends), and
+``random.Random``, ``np.random.RandomState`` or ``np.random.Generator`` objects a module holds
+as attributes. Torch's dispatcher never sees them, so the probe compares their states before
+and after the segment's forward; those that moved join the contract, and every replay runs
+from their forward states and puts them back after (the stream the rest of the step sees is
+the one plain PyTorch gives). Each is wrapped in a :class:`HostRNG`, which has the
+``get_state``/``set_state`` pair of a ``torch.Generator``: the replay context handles both
+alike.
+
+>>> import random
+>>> rngs = host_rngs([])
+>>> rngs[0].name
+'random (Python global)'
+>>> before = states(rngs)
+>>> _ = random.random()
+>>> [r.name for r in advanced(rngs, before)][:1]
+['random (Python global)']
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+
+class HostRNG:
+    """One generator outside torch, with a ``torch.Generator``'s state interface."""
+
+    __slots__ = ("name", "obj", "get_state", "set_state")
+
+    def __init__(
+        self, name: str, obj: Any, get: Callable[[], Any], set: Callable[[Any], None]
+    ) -> None:
+        self.name = name
+        self.obj = obj  # the generator object itself: its identity says which one it is
+        self.get_state = get
+        self.set_state = set
+
+    def __repr__(self) -> str:
+        return f"HostRNG({self.name!r})"
+
+
+def _wrap(name: str, obj: Any) -> HostRNG | None:
+    if isinstance(obj, random.Random):
+        return HostRNG(name, obj, obj.getstate, obj.setstate)
+    np = sys.modules.get("numpy")
+    if np is None:
+        return None
+    if isinstance(obj, np.random.RandomState):
+        return HostRNG(name, obj, obj.get_state, obj.set_state)
+    if isinstance(obj, np.random.Generator):
+        bit = obj.bit_generator
+        return HostRNG(name, obj, lambda: bit.state, lambda s: setattr(bit, "state", s))
+    return None
+
+
+def host_rngs(modules: Iterable[nn.Module], names: dict[int, str] | None = None) -> list[HostRNG]:
+    """The global host generators (Python's; numpy's once numpy is imported) and those held
+    as direct attributes of ``modules`` (named ``<module>.<attribute>`` through ``names``,
+    module id to qualified name)."""
+    out = [HostRNG("random (Python global)", random._inst, random.getstate, random.setstate)]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        # np.random.rand & co. draw from this RandomState (np.random.seed reseeds it)
+        out.append(_wrap("numpy.random (global)", np.random.mtrand._rand))
+    seen = {id(r.obj) for r in out}
+    for m in modules:
+        for k, v in vars(m).items():
+            if id(v) in seen:
+                continue
+            rng = _wrap(f"{(names or {}).get(id(m), type(m).__name__)}.{k}", v)
+            if rng is not None:
+                seen.add(id(v))
+                out.append(rng)
+    return out
+
+
+def states(rngs: list[HostRNG]) -> list[Any]:
+    return [r.get_state() for r in rngs]
+
+
+def advanced(rngs: list[HostRNG], before: list[Any]) -> list[HostRNG]:
+    """Those of ``rngs`` whose state differs from ``before``."""
+    return [r for r, s in zip(rngs, before) if not _same_state(r.get_state(), s)]
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)  # Python's state: a tuple of ints, compared in C
+    except ValueError:  # numpy arrays inside: compare element by element
+        pass
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (tuple, list)):
+        return (
+            isinstance(b, (tuple, list))
+            and len(a) == len(b)
+            and all(_same_state(x, y) for x, y in zip(a, b))
+        )
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a numpy array (MT19937's key)
+        return hasattr(b, "shape") and a.shape == b.shape and bool((a == b).all())
+    return a == b
