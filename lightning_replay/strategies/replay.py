@@ -57,6 +57,7 @@ from lightning_replay.installation import install_config
 from lightning_replay.errors import ReplayConfigError, SegmentError
 from lightning_replay.records import RecordStore
 from lightning_replay.segments import SegmentSpec, default_segments, resolve_segments
+from lightning_replay.strategies.launchers import RankExitLauncher
 
 #: Registered strategy names and their launcher (``start_method``).
 STRATEGY_NAMES: dict[str, str] = {
@@ -237,6 +238,8 @@ class ReplayStrategy(DDPStrategy):
             self._launcher = None
             return
         super()._configure_launcher()
+        if self._start_method != "popen":  # spawned ranks that end cleanly (see launchers.py)
+            self._launcher = RankExitLauncher(self, start_method=self._start_method)
 
     def _check_composable(self) -> None:
         precision = self._precision_plugin
@@ -437,9 +440,9 @@ class ReplayStrategy(DDPStrategy):
             and distributed_is_initialized()
             and multiprocessing.parent_process() is not None
         ):
-            # A spawned or forked rank exits right after this. Left to interpreter shutdown,
-            # gloo's worker threads sometimes outlive it and abort the process ("terminate
-            # called without an active exception", SIGABRT) after a successful fit.
+            # A spawned or forked rank exits right after this (RankExitLauncher ends it
+            # without interpreter finalization, where gloo's threads could abort it): its
+            # process group goes first, while every rank is still there.
             torch.distributed.destroy_process_group()
 
     # ------------------------------------------------------------------ plans across ranks

@@ -55,7 +55,6 @@ from torch import nn
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -67,6 +66,7 @@ from lightning_replay.errors import ReplayConfigError, SegmentError
 from lightning_replay.memory import live_model_bytes
 from lightning_replay.records import RecordStore
 from lightning_replay.segments import SegmentSpec, resolve_segments
+from lightning_replay.strategies.launchers import RankExitLauncher
 from lightning_replay.strategies.replay import ReplayStrategy, _check_replay_args
 
 #: Registered strategy names and their launcher (``start_method``).
@@ -294,8 +294,8 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
             # The launcher hands the parent the trained weights after this, with no process
             # group left: gather them now, on every rank (a collective).
             self._full_state_dict = _full_state_dict(self.lightning_module)
-            # A child rank exits right after this; gloo's threads left to interpreter shutdown
-            # can abort it after a successful fit.
+            # A child rank exits right after this (see launchers.py): its process group goes
+            # first, while every rank is still there.
             torch.distributed.destroy_process_group()
 
     @classmethod
@@ -305,7 +305,7 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         register(strategy_registry)
 
 
-class _ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
+class _ShardedMultiProcessingLauncher(RankExitLauncher):
     """Lightning's spawn/fork launcher, handing the parent the trained weights unsharded.
 
     The stock launcher sends rank 0's ``state_dict()`` back: under FSDP2 those are rank 0's
