@@ -108,3 +108,33 @@ def _same_state(a: Any, b: Any) -> bool:
     if hasattr(a, "shape") and hasattr(a, "dtype"):  # a numpy array (MT19937's key)
         return hasattr(b, "shape") and a.shape == b.shape and bool((a == b).all())
     return a == b
+
+
+class HostWatch:
+    """The global host generators across each window's forward.
+
+    A probe sees only the draws of its own forward; a segment may start drawing later (a noise
+    switched on by a schedule nobody guards). Once a global host generator moves in a window's
+    forward, every segment call from then on captures it, so every replay runs from its
+    forward state (:attr:`capture`). The window where it first moved is reported by the engine
+    when no probe accounts for the draw."""
+
+    def __init__(self) -> None:
+        self.capture: list[HostRNG] = []
+        self._rngs: list[HostRNG] = []
+        self._before: list[Any] | None = None
+
+    def begin(self) -> None:
+        self._rngs = host_rngs([])
+        self._before = states(self._rngs)
+
+    def end(self) -> list[HostRNG]:
+        """Those that moved in this window's forward for the first time."""
+        if self._before is None:
+            return []
+        moved = advanced(self._rngs, self._before)
+        self._before = None
+        known = {id(r.obj) for r in self.capture}
+        new = [r for r in moved if id(r.obj) not in known]
+        self.capture += new
+        return new

@@ -168,6 +168,9 @@ class _Invocation:
         gens = slot_generators(self.slots)
         ids = {id(g) for g in gens}
         gens += [g for _, g in rt.generators if id(g) not in ids]
+        if eng.host_watch.capture:  # host generators seen moving in some window (host_rng.py)
+            objs = {id(getattr(g, "obj", g)) for g in gens}
+            gens += [r for r in eng.host_watch.capture if id(r.obj) not in objs]
         self.gens = capture_generators(gens)
         self.digests = [digest(t) for _, t in self.tensors] if check_bytes else None
         eng._held_bytes += self.preserved_bytes

@@ -778,3 +778,57 @@ def test_a_replay_that_takes_another_path_is_raised_with_a_record(kind, more):
     departed = [r for r in records if r.check in ("replay", "probe") and r.outcome != "match"]
     assert departed and all(r.outcome == "divergence" for r in departed), departed
     assert departed[-1].check == ("probe" if kind == "replayed" else "replay"), departed
+
+
+# --------------------------------------------------------------------------- late host draws
+_NOISE = {"on": False}
+
+
+class GloballySwitchedNoise(nn.Module):
+    """Numpy noise switched on by a module-level flag: no guard sees the switch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+
+    def forward(self, x):
+        y = x + self.f(x)
+        if _NOISE["on"]:
+            y = y * torch.from_numpy(np.random.rand(*x.shape).astype("float32"))
+        return y
+
+
+def _switched_noise_model(outside_draw: bool = False) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        _NOISE["on"] = False
+
+        def switch(model, x, y):  # from the third forward on, for the forwards after it
+            model.calls = getattr(model, "calls", 0) + 1
+            _NOISE["on"] = model.calls >= 3
+            if outside_draw:  # the step itself draws from numpy too, outside the segments
+                model.jitter = float(np.random.rand())
+
+        return with_head(GloballySwitchedNoise, switch)()
+
+    return make
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_host_rng_drawn_after_the_probe_is_recorded_then_captured(kind):
+    """A segment starts drawing from numpy's global RNG after its probe, switched by a
+    module-level flag (no guard, no re-probe). The first step it draws in differs from plain
+    PyTorch and carries a record (a 'guard' rejection naming the generator, with a warning).
+    Once a host generator has moved in a forward, every segment call captures it: where the
+    step itself drew from numpy from step 1 on (outside the segments), the segment's late
+    draws replay exactly, and only step 1 is recorded."""
+    first_draw = 4  # the flag is on from the fourth forward (steps count from 1)
+    for outside, bad, recorded in ((False, [first_draw], [first_draw]), (True, [], [1])):
+        case = Case(_switched_noise_model(outside), ("blk",), steps=7)
+        g_ref, _, _, err = _train(case, None, engine=False)
+        assert err is None
+        grads, _, records, error = _train(case, KINDS[kind], engine=True)
+        assert error is None, repr(error)
+        diffs = sorted({s + 1 for s, _ in grad_diffs(g_ref, grads)})
+        assert diffs[:1] == bad, (outside, diffs)  # later steps train on other weights
+        seen = [r for r in records if r.check == "guard" and "numpy.random (global)" in r.detail]
+        assert [r.step for r in seen] == recorded, (outside, records)
