@@ -131,6 +131,7 @@ class ReplayEngine:
         self._optimizers: list[Any] = []
         self._residual = 0  # bytes a measured step held beyond the accountant's figures
         self.host_watch = HostWatch()  # Python's and numpy's global RNGs across each forward
+        self.last_replay: tuple | None = None  # (runtime, step, contract version) last replayed
         self.last_real_peak: tuple[int, int] | None = None  # (step, bytes) last measured
         self._window_depth = 0
         self._explicit_windows = 0  # root or manual windows opened so far

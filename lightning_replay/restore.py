@@ -281,6 +281,7 @@ class _ReplayContext:
         self._stage = 4
         inv.replaying = True
         eng._segment_depth += 1
+        eng.last_replay = (rt, inv.step, inv.version)  # whose replay an error comes from
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
@@ -374,7 +375,27 @@ def _departed(exc_type: type | None) -> bool:
 def _replay_departed(inv: _Invocation, exc: BaseException | None) -> None:
     """Record the departed replay as a divergence, then raise it as a ReplayError that names
     the segment, instead of checkpoint's error from deep inside backward."""
-    rt = inv.rt
+    raise departed_error(inv.rt, inv.step, inv.version, exc) from exc
+
+
+def replay_error_from(eng: Any, exc: BaseException) -> ReplayError | None:
+    """A ``CheckpointError`` that reached the step's backward call, as the error of the
+    segment whose replay it refused (its divergence record written), or None when it is not
+    one of ours. The replay context converts the errors it sees; this is the one it cannot
+    (the same number of saved tensors with other shapes or dtypes, refused by checkpoint
+    after the replay context has exited)."""
+    last = eng.last_replay
+    if last is None or not isinstance(exc, CheckpointError) or "metadata" not in str(exc):
+        return None
+    rt, step, version = last
+    return departed_error(rt, step, version, exc)
+
+
+def departed_error(
+    rt: "SegmentRuntime", step: int, version: int, exc: BaseException | None
+) -> ReplayError:
+    """The error for a replay of ``rt`` (forward of ``step``, contract ``version``) that left
+    its forward's path, after its divergence record. ``exc``: checkpoint's error, if any."""
     eng = rt.engine
     rt.divergences += 1
     seen = (
@@ -383,22 +404,22 @@ def _replay_departed(inv: _Invocation, exc: BaseException | None) -> None:
         else str(exc).splitlines()[0].replace("torch.utils.checkpoint: ", "")
     )
     eng.records.append(
-        step=inv.step,
+        step=step,
         segment=rt.name,
-        contract_version=inv.version,
+        contract_version=version,
         check=REPLAY,
         outcome="divergence",
         detail={"seen": seen, "action": "raise"},
     )
-    raise ReplayError(
-        f"segment {rt.name!r} (contract v{inv.version}): its replay in backward took another "
-        f"path than its forward of step {inv.step} ({seen}), so this step's gradients cannot be "
+    return ReplayError(
+        f"segment {rt.name!r} (contract v{version}): its replay in backward took another "
+        f"path than its forward of step {step} ({seen}), so this step's gradients cannot be "
         "computed from it. Its forward depends on something its contract does not restore: a "
         "value read from outside the model (a module-level variable, the clock, a file), or a "
         "random draw from a generator nobody passes to the segment. Make that value an "
         "attribute of the model or an argument of the segment, or keep this segment's "
         f"activations (preservation={{{rt.name!r}: 'retain'}}). Recorded as a divergence."
-    ) from exc
+    )
 
 
 def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:

@@ -40,6 +40,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointError
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, FSDPPrecision, XLAPrecision
@@ -57,6 +58,7 @@ from lightning_replay.installation import install_config
 from lightning_replay.errors import ReplayConfigError, SegmentError
 from lightning_replay.records import RecordStore
 from lightning_replay.segments import SegmentSpec, default_segments, resolve_segments
+from lightning_replay.restore import replay_error_from
 from lightning_replay.strategies.launchers import RankExitLauncher
 
 #: Registered strategy names and their launcher (``start_method``).
@@ -384,6 +386,18 @@ class ReplayStrategy(DDPStrategy):
             return budget.resolve(self.root_device)
         except ValueError as exc:
             raise ReplayConfigError(f"ReplayStrategy(budget={budget}): {exc}") from None
+
+    @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except CheckpointError as exc:
+            error = replay_error_from(self.engine, exc) if self.engine is not None else None
+            if error is None:
+                raise
+            raise error from exc
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -589,3 +589,49 @@ def test_replan_before_the_probe_answers_none_and_keeps_the_new_budget(tmp_path)
     t.fit(HazardNet(), loader(6))
     assert seen.plan is None and seen.budget == 64 * 2**20
     assert t.strategy.engine.plan.budget == 64 * 2**20  # the first plan used it
+
+
+_SHAPE_FLAG = {"summed": False}
+
+
+class _ShapeBranch(nn.Module):
+    """Two paths that save the same number of tensors for backward with other shapes: the
+    error torch's checkpoint raises after the replay, which the replay context cannot see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if _SHAPE_FLAG["summed"]:
+            h = h.sum(0, keepdim=True)
+        return x + torch.sin(h)  # saves h: (batch, DIM) or (1, DIM)
+
+
+class _FlippedBetweenForwardAndBackward(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = _ShapeBranch()
+        self.head = nn.Linear(DIM, DIM)
+
+    def training_step(self, batch, batch_idx):
+        out = self.head(self.blk(batch[0]))
+        if self.global_step >= 2:  # after the probe: a steady replay sees the flip
+            _SHAPE_FLAG["summed"] = not _SHAPE_FLAG["summed"]  # module-level: no guard sees it
+        return out.pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_replay_refused_for_other_shapes_is_a_replay_error_with_a_record(tmp_path):
+    _SHAPE_FLAG["summed"] = False
+    store = RecordStore(tmp_path / "records.sqlite")
+    t = trainer(
+        tmp_path, strategy=ReplayStrategy(segments=["blk"], records=store), max_steps=6
+    )
+    with pytest.raises(lightning_replay.ReplayError, match=r"'blk'.*another path") as err:
+        t.fit(_FlippedBetweenForwardAndBackward(), loader())
+    assert "metadata" in str(err.value.__cause__)
+    assert [r.outcome for r in store.read() if r.check == "replay"] == ["divergence"]
