@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointError, set_checkpoint_early_stop
 
+import lightning as L
 import lightning_replay as lr
 from tests.helpers.compare import diff_state, snapshot_state
 from tests.test_adversary_probe import (
@@ -305,6 +306,62 @@ class SystemRandomHolder(nn.Module):
         return x + self.f(x)
 
 
+class NoiseFromAttribute(nn.Module):
+    """Noise from whatever numpy Generator its ``rng`` attribute holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.rng = np.random.default_rng(0)
+
+    def forward(self, x):
+        return x + self.f(x) * torch.from_numpy(self.rng.random(tuple(x.shape), dtype=np.float32))
+
+
+class PerStepGenerators(nn.Module):
+    """Gives its blocks a fresh numpy Generator seeded from its call count every step (per-step
+    reproducible noise, as resumable pipelines do): a direct attribute, another object each
+    step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(NoiseFromAttribute() for _ in range(2))
+        self.head = nn.Linear(D, D)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        for i, b in enumerate(self.blocks):
+            b.rng = np.random.default_rng(1000 * i + self.calls)
+            x = b(x)
+        return self.head(x)
+
+
+class NoiseFromArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+
+    def forward(self, x, rng):
+        return x + self.f(x) * torch.from_numpy(rng.random(tuple(x.shape), dtype=np.float32))
+
+
+class PassesGenerator(nn.Module):
+    """Passes the numpy Generator it holds to its blocks as an argument (``forward(x, rng)``,
+    as diffusers-style code passes ``generator=``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(NoiseFromArgument() for _ in range(2))
+        self.head = nn.Linear(D, D)
+        self.rng = np.random.default_rng(6)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x, self.rng)
+        return self.head(x)
+
+
 @dataclasses.dataclass(frozen=True)
 class Expect:
     """``exact``: the probe can know every host generator involved, so gradients and state must
@@ -338,6 +395,9 @@ HOST = {
         Case(stack(PeekedNoise), TWO, step=_draw_after_forward_step), False
     ),
     "system_random_held_for_logging": Expect(Case(stack(SystemRandomHolder), TWO)),
+    # a direct attribute, another object each step; a generator passed as an argument
+    "generator_rebound_every_step": Expect(Case(PerStepGenerators, TWO, steps=5), False),
+    "generator_passed_as_argument": Expect(Case(PassesGenerator, TWO), False),
 }
 
 _CONTAINED = (
@@ -372,6 +432,17 @@ XFAIL: dict[tuple[str, str], str] = {
         "(a random.Random subclass) and states() calls its getstate()"
         for kind in KINDS
     },
+    ("generator_rebound_every_step", "retained"): "a fresh np Generator bound to the same "
+    "attribute every step: the guards re-probe at step 2, then leave the changing identity to "
+    "the replay; restore._Invocation captures only the objects probes saw (rt.generators), "
+    "slots.slot_generators only torch.Generators: steps 3-5 silently wrong",
+    ("generator_rebound_every_step", "replayed"): "as retained: steps 3-4 silently wrong, the "
+    "only record a 'guard' at step 2",
+    ("generator_passed_as_argument", "retained"): "a numpy Generator passed as a segment "
+    "argument: host_rngs sees module attributes and globals only (a torch.Generator argument "
+    "is exact): steps 2-4 silently wrong, no record",
+    ("generator_passed_as_argument", "replayed"): "the probe's replay is a divergence at step "
+    "1; steps 2-4 silently wrong, unrecorded",
 }
 
 
@@ -636,3 +707,82 @@ def test_draws_outside_the_segments_from_a_later_step_are_no_false_alarm(kind):
     assert run.error is None, repr(run.error)
     assert not run.bad and not run.leaks, (run.wrong_steps, run.leaks)
     assert not run.flagged and not run.warned, (run.flagged, run.warned)
+
+
+class _PyNoiseBlock(nn.Module):
+    """Per-feature scale noise from Python's global ``random`` inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+
+    def forward(self, x):
+        return x + self.f(x) * torch.tensor([random.uniform(0.8, 1.2) for _ in range(D)])
+
+
+class AugmentingModule(L.LightningModule):
+    """DataLoader-style augmentation inside ``training_step`` (a random flip from Python's
+    ``random``, additive noise from numpy's global RNG), before blocks that draw from Python's
+    ``random`` themselves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_PyNoiseBlock() for _ in range(3))
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        if random.random() < 0.5:
+            x = x.flip(1)
+        x = x + torch.from_numpy(np.random.normal(0.0, 0.1, size=tuple(x.shape)).astype("float32"))
+        return (self(x) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _fit_augmenting(root, strategy):
+    L.seed_everything(5, verbose=False)
+    model = AugmentingModule()
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(40, D, generator=torch.Generator().manual_seed(2))),
+        batch_size=8,
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        num_sanity_val_steps=0,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        trainer.fit(model, data)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return trainer, state, [w for w in caught if "moved during the forward" in str(w.message)]
+
+
+def test_lightning_augmentation_in_training_step(tmp_path):
+    """Under ``Trainer(strategy="replay")`` (a replayed probe: budget "min"), augmentation in
+    ``training_step`` draws from the global host generators outside the segments every step:
+    the weights equal plain ``Trainer()``'s bit for bit, and HostWatch flags numpy's generator
+    (which no probe saw move) once, at step 1."""
+    _, plain, _ = _fit_augmenting(tmp_path / "plain", "auto")
+    trainer, ours, moved = _fit_augmenting(tmp_path / "replay", "replay")
+    assert [k for k in plain if not torch.equal(plain[k], ours[k])] == []
+    records = trainer.strategy.engine.records.read()
+    guards = [(r.step, r.detail) for r in records if r.check == "guard"]
+    assert [s for s, _ in guards] == [1] and "numpy.random (global)" in guards[0][1], guards
+    assert not [r for r in records if r.outcome == "divergence"]
+    assert len(moved) == 1, [str(w.message) for w in moved]
+    assert sum(s["replays"] for s in trainer.strategy.engine.summary().values()) > 0
