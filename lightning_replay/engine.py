@@ -60,9 +60,10 @@ _UNCHANGED = object()  # an argument left out: keep the current value
 
 
 def _rank_count() -> int:
-    """Processes in the default group (1 without one). The CPU real-peak measurement runs only
-    in a single process: each rank would measure its own base, and torch's profiler is not
-    safe in forked ranks."""
+    """Processes in the default group (1 without one). On several ranks the CPU real-peak
+    measurement runs only where a strategy agrees the ranks' bases (see
+    :meth:`ReplayEngine.agree_real_base`): every rank runs one plan, so a residual measured on
+    one rank must reach the plan of all."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return 1
@@ -130,6 +131,7 @@ class ReplayEngine:
         self._truth_rounds = 0
         self._optimizers: list[Any] = []
         self._residual = 0  # bytes a measured step held beyond the accountant's figures
+        self._ranks_base: int | None = None  # the largest real base over the ranks (a strategy)
         self.host_watch = HostWatch()  # Python's and numpy's global RNGs across each forward
         self.last_replay: tuple | None = None  # (runtime, step, contract version) last replayed
         self.last_real_peak: tuple[int, int] | None = None  # (step, bytes) last measured
@@ -239,8 +241,20 @@ class ReplayEngine:
     def real_base_memory(self) -> int:
         """:attr:`base_memory` plus what a measured step held beyond the accountant's figures
         (backward temporaries, optimizer state; see :mod:`lightning_replay.memory`): the base
-        plans are made with, so that their predicted peak bounds the real one."""
-        return self.base_memory + self._residual
+        plans are made with, so that their predicted peak bounds the real one. On ranks that
+        run one plan, the largest rank's (:meth:`agree_real_base`) where it is larger."""
+        own = self.base_memory + self._residual
+        return own if self._ranks_base is None else max(own, self._ranks_base)
+
+    def agree_real_base(self, nbytes: int) -> None:
+        """Plan with ``nbytes`` as the real base where it exceeds this rank's own: the largest
+        ``base_memory + unaccounted_bytes`` over the ranks that run one plan (a strategy reduces
+        it across ranks and calls this on every rank at the same point). It also lets each rank
+        measure its own real peak on CPU (see :func:`_rank_count`). The plan in force is
+        re-fitted as after a measured step: its prediction grows, or, over the budget, it is
+        made again."""
+        self._ranks_base = int(nbytes)
+        self._refit_plan()
 
     def _static_bytes(self) -> int:
         """Parameters, buffers, gradients and the caller's extra base: held all step."""
@@ -422,6 +436,7 @@ class ReplayEngine:
         rank run rank 0's plan), and record it."""
         if self.plan is None or self.plan.choices != plan.choices:
             self.set_options(plan.choices)
+            self._measure_plan()
         self.plan = plan
         self.plan_version = version
         self.records.append(
@@ -439,8 +454,7 @@ class ReplayEngine:
             return
         self.set_options(p.choices)
         self.plan = p
-        if self.measure_costs and self.real_peak and not self._cuda and self._truth_rounds < 3:
-            self._truth_pending = True  # measure the real peak of the plan's first step
+        self._measure_plan()
         self.plan_version += 1
         self.records.append(
             step=self.step,
@@ -589,11 +603,15 @@ class ReplayEngine:
                 asked = self._check_next or (True, False, None)
                 self._check_next = (True, asked[1], asked[2])
         self._maybe_plan()
-        if self._truth_pending and self.accountant is not None:
+        if (
+            self._truth_pending
+            and self.accountant is not None
+            and (_rank_count() == 1 or self._ranks_base is not None)
+            and not profiler_busy()  # another profiler runs: measure a later step
+        ):
             self._truth_pending = False
             self._truth_rounds += 1
-            if not profiler_busy() and _rank_count() == 1:
-                self._start_truth()
+            self._start_truth()
         self.step += 1
         self.host_watch.begin()
         self._replays_this_step = 0
@@ -691,21 +709,30 @@ class ReplayEngine:
         else:
             return
         self.last_real_peak = (self._last_step, real)
-        residual = max(0, real - accounted)
-        if residual <= self._residual:
+        self._residual = max(self._residual, real - accounted)
+        self._refit_plan()
+
+    def _refit_plan(self) -> None:
+        """The real base grew past the one the plan was made with: re-plan if the plan no
+        longer fits the budget, else only its prediction grows."""
+        plan = self.plan
+        grown = self.real_base_memory - plan.base_memory if plan is not None else 0
+        if grown <= 0:
             return
-        grown, self._residual = residual - self._residual, residual
-        if self.budget is not None and self.plan.peak_memory + grown > self.budget:
+        if self.budget is not None and plan.peak_memory + grown > self.budget:
             try:
                 self.replan()  # the plan no longer fits once the real figure is known
             except InfeasibleBudget as exc:
                 self._residual_warning(exc)
         else:  # it still fits: only its prediction changes
             self.plan = dataclasses.replace(
-                self.plan,
-                peak_memory=self.plan.peak_memory + grown,
-                base_memory=self.plan.base_memory + grown,
+                plan, peak_memory=plan.peak_memory + grown, base_memory=plan.base_memory + grown
             )
+
+    def _measure_plan(self) -> None:
+        """Measure the real peak of the next step (CPU), the first under a new plan."""
+        if self.measure_costs and self.real_peak and not self._cuda and self._truth_rounds < 3:
+            self._truth_pending = True
 
     def _start_truth(self) -> None:
         truth = StepPeak(self.model)

@@ -59,6 +59,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_replay import planner as _planner
 from lightning_replay._compat import distributed_is_initialized
 from lightning_replay.budget import Budget
 from lightning_replay.engine import ReplayEngine
@@ -169,6 +170,7 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         self.segment_names: list[str] = []
         self._pending_engine_state: dict[str, Any] | None = None
         self._synced_plan_version = 0
+        self._synced_real_base: int | None = None
         #: Each segment's share of the segments' activation bytes (probe step; empty until).
         self.activation_shares: dict[str, float] = {}
         #: Each segment's FSDP unit (the segment itself, or the unit it lies in).
@@ -188,7 +190,6 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
     _resolve_budget = ReplayStrategy._resolve_budget
     _report_activation_shares = ReplayStrategy._report_activation_shares
     replan = ReplayStrategy.replan
-    _sync_plan = ReplayStrategy._sync_plan
     engine_state_dict = ReplayStrategy.engine_state_dict
     load_engine_state_dict = ReplayStrategy.load_engine_state_dict
     _require_engine = ReplayStrategy._require_engine
@@ -278,6 +279,43 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
             return super().training_step(*args, **kwargs)
         finally:
             engine.end_forward()
+
+    def _sync_plan(self, force: bool = False) -> None:
+        """Make every rank run rank 0's plan, made for the largest real base of any rank.
+
+        One all-reduce per step (as :meth:`ReplayStrategy._sync_plan`'s boolean, with no further
+        host sync): the largest of each rank's real base (its own parameter shards, optimizer
+        state and what its measured step held beyond the accountant), and whether any rank's
+        plan changed. Each rank measures its own real peak (the engine's CPU referee); ranks'
+        bases differ (uneven shards, a rank's own extra tensors), and rank 0's plan must fit the
+        worst. When the largest base changes, every rank re-fits its plan to it (a prediction
+        that grows, or a new plan over the budget), and rank 0's is sent to all.
+        """
+        engine = self.engine
+        if engine is None or self.world_size <= 1 or not distributed_is_initialized():
+            return
+        changed = engine.plan_version != self._synced_plan_version
+        own = engine.base_memory + engine.unaccounted_bytes
+        reduced = self.reduce(
+            torch.tensor([int(force or changed), own], dtype=torch.int64, device=self.root_device),
+            reduce_op="max",
+        ).tolist()
+        any_changed, top = bool(reduced[0]), int(reduced[1])
+        if top != self._synced_real_base:  # the same on every rank: all reduced the same
+            self._synced_real_base = top
+            engine.agree_real_base(top)
+            any_changed = True
+        if not any_changed:
+            return
+        payload = (
+            (engine.plan.to_dict() if engine.plan is not None else None, engine.plan_version)
+            if self.global_rank == 0
+            else None
+        )
+        plan_dict, version = self.broadcast(payload)
+        if plan_dict is not None and self.global_rank != 0:
+            engine.adopt_plan(_planner.Plan.from_dict(plan_dict), version, from_rank=0)
+        self._synced_plan_version = engine.plan_version
 
     @override
     def teardown(self) -> None:

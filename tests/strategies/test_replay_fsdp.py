@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from tests.helpers.torch_memory import live_bytes
 
 from lightning_replay import ReplayCallback, ReplayConfigError, ReplayFSDPStrategy
-from lightning_replay.planner import min_feasible_budget, predicted_peak
+from lightning_replay.demos.sharded import ShardedDemoData, ShardedDemoNet
+from lightning_replay.planner import min_feasible_budget, plan, predicted_peak
 from lightning_replay.strategies.replay_fsdp import (
     STRATEGY_NAMES,
     _full_state_dict,
@@ -208,9 +209,10 @@ def fit(
     steps: int,
     callbacks=(),
     ckpt_path=None,
+    data: Any = None,
     **kwargs: Any,
 ) -> list[dict]:
-    """Fit on two forked ranks; returns what each rank saved at the end (see SaveRank)."""
+    """Fit on two spawned ranks; returns what each rank saved at the end (see SaveRank)."""
     os.makedirs(root, exist_ok=True)
     kwargs.setdefault("enable_checkpointing", False)
     trainer = L.Trainer(
@@ -226,7 +228,10 @@ def fit(
         callbacks=[SaveRank(root), *callbacks],
         **kwargs,
     )
-    trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    if data is None:
+        trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    else:
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return [torch.load(os.path.join(root, f"rank{r}.pt"), weights_only=False) for r in (0, 1)]
 
 
@@ -512,6 +517,182 @@ def test_the_plan_frees_real_memory_on_every_rank(budget_runs):
         all_retained = min(row["held"] for row in _planned(budget_runs["retained"][r]))
         held = min(row["held"] for row in planned)
         assert all_retained - held >= freed > 0, (r, all_retained, held, freed)
+
+
+# ---------------------------------------------------------------------- real peak per rank
+#: Bytes rank 1 alone holds through each of its steps (see UnevenRanks).
+EXTRA = 24 * 1024
+_HELD: dict[str, torch.Tensor] = {}
+
+
+class UnevenRanks(ShardedDemoNet):
+    """The demo model (batch-norm blocks with dropout, one FSDP unit each), where rank 1 keeps
+    an extra tensor alive through each of its steps (a per-rank cache, say): bytes that no
+    accountant counts, which only rank 1's measured real peak shows."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1:
+            _HELD["cache"] = torch.ones(EXTRA // 4)
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        _HELD.clear()
+
+
+class RealStepPeak(L.Callback):
+    """The referee, independent of the engine: per rank and planned step, the step's real peak
+    (tensors live at its start plus the highest running sum of the profiler's CPU allocation
+    events from batch start to batch end, as tests/helpers/torch_memory.py measures), beside
+    the plan's prediction. The engine measures the first steps of each plan with the profiler
+    itself; the referee, a profiler too, stays off until this rank has measured one, and on the
+    steps the engine measures."""
+
+    def __init__(self, out_dir: Any) -> None:
+        self.out_dir = str(out_dir)
+        self.rows: list[dict] = []
+        self.prof: Any = None
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
+    ) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        engine = trainer.strategy.engine
+        if engine.plan is None or engine.last_real_peak is None or engine._truth_pending:
+            return
+        tensors = [
+            getattr(t, "_local_tensor", t)
+            for t in list(pl_module.parameters()) + list(pl_module.buffers())
+        ]
+        tensors += [getattr(p.grad, "_local_tensor", p.grad) for p in pl_module.parameters()]
+        tensors += [
+            getattr(v, "_local_tensor", v)
+            for opt in trainer.optimizers
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        self.live_at_start = live_bytes(tensors)
+        self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        engine = trainer.strategy.engine
+        if self.prof is None:
+            return
+        self.prof.__exit__(None, None, None)
+        events = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in self.prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+        self.prof = None
+        running = peak = 0
+        for _, nbytes in events:
+            running += nbytes
+            peak = max(peak, running)
+        self.rows.append(
+            {
+                "step": engine.step,
+                "real": self.live_at_start + peak,
+                "predicted": engine.plan.peak_memory,
+                "choices": dict(engine.plan.choices),
+            }
+        )
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        engine = trainer.strategy.engine
+        torch.save(
+            {
+                "rows": self.rows,
+                "costs": engine.costs,
+                "own_base": engine.base_memory + engine.unaccounted_bytes,
+                "real_base": engine.real_base_memory,
+                "unaccounted": engine.unaccounted_bytes,
+                "plan": engine.plan.to_dict(),
+                "plan_version": engine.plan_version,
+            },
+            os.path.join(self.out_dir, f"real{trainer.global_rank}.pt"),
+        )
+
+
+class BudgetRankZeroWouldRetainAll(L.Callback):
+    """At training step ``at`` (each rank has measured its real peak, under the lowest-memory
+    plan), every rank sets the budget, through the strategy's own ``replan``, where rank 0 would
+    retain every block if it planned for its own real base: a plan rank 1's larger base cannot
+    hold. Called on all ranks at the same point, as ``replan`` asks."""
+
+    def __init__(self, at: int, out_dir: Any) -> None:
+        self.at = at
+        self.out_dir = str(out_dir)
+        self.figures: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step != self.at:
+            return
+        strategy, engine = trainer.strategy, trainer.strategy.engine
+        own = torch.tensor([engine.base_memory + engine.unaccounted_bytes])
+        bases = [int(b) for b in strategy.all_gather(own).flatten()]
+        costs = engine.costs
+        retain = {c.name: "retain" for c in costs}
+        budget = strategy.broadcast(predicted_peak(costs, retain, bases[0]))
+        self.figures = {
+            "bases": bases,
+            "budget": budget,
+            "rank0_alone": plan(costs, budget, bases[0]).choices,
+            "retain": retain,
+            "rank1_retain_all": predicted_peak(costs, retain, bases[1]),
+            "rank1_min": min_feasible_budget(costs, bases[1]),
+        }
+        strategy.replan(budget=budget)
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        path = os.path.join(self.out_dir, f"budget{trainer.global_rank}.pt")
+        torch.save(self.figures, path)
+
+
+def test_every_rank_holds_the_budget_when_the_ranks_bases_differ(tmp_path):
+    """Each rank measures its own real peak, and rank 0's plan is made for the largest real base
+    of any rank. Rank 1 holds 24 KiB more than rank 0 through every step, which no accountant
+    sees. At step 9 the budget is set where rank 0, planning for its own base, would retain
+    every block: a plan rank 1's real step exceeds. Refereed by the profiler on each rank: on
+    every planned step (after each rank's first measured one) the real peak is within the
+    plan's prediction, and that within the budget once it is set, on both ranks."""
+    at, steps = 9, 14
+    budget = BudgetRankZeroWouldRetainAll(at, tmp_path)
+    L.seed_everything(0)
+    fit(
+        tmp_path,
+        replay_fsdp(calibration_steps=1),  # budget None (the lowest-memory plan) until step 9
+        UnevenRanks(blocks=3, dim=32, dropout=0.1),
+        steps=steps,
+        callbacks=[budget, RealStepPeak(tmp_path)],
+        data=ShardedDemoData(dim=32, batch_size=64, n_batches=steps),
+    )
+    got = [torch.load(tmp_path / f"real{r}.pt", weights_only=False) for r in (0, 1)]
+    fig = torch.load(tmp_path / "budget0.pt", weights_only=False)
+    bases = fig["bases"]  # each rank's own real base, as its engine measured it
+    assert bases[1] - bases[0] >= 0.9 * EXTRA, bases
+    # a plan for rank 0's base alone retains every block, which rank 1 cannot hold
+    assert fig["rank0_alone"] == fig["retain"]
+    assert fig["rank1_min"] <= fig["budget"] < fig["rank1_retain_all"], fig
+    for r in (0, 1):
+        rows = got[r]["rows"]
+        for row in rows:
+            assert row["real"] <= row["predicted"], (r, row)
+            if row["step"] > at:
+                assert row["predicted"] <= fig["budget"], (r, row, fig["budget"])
+        assert len([row for row in rows if row["step"] > at]) >= 4, (r, rows)
+        assert got[r]["plan"] == got[0]["plan"]  # rank 0's plan on every rank
+    assert got[0]["plan"]["base_memory"] == max(bases)
+    assert got[0]["plan"]["budget"] == fig["budget"]
+    assert any(o != "retain" for o in got[0]["plan"]["choices"].values())
 
 
 # ---------------------------------------------------------------------- bad input
