@@ -419,3 +419,96 @@ class WholeSnapshot:
         if self._spent is not None and pool is not None and pool.views is self.views:
             pool.spare = [self._spent, self.buffers[0]]  # both spent: the next call's buffers
         self._spent = None
+
+
+class SharedWhole:
+    """One whole copy of a storage, for every call of a window that reads it at one version.
+
+    Two segments that read a queue the step writes after both (and neither writes it) would
+    each keep a whole copy of it; they read the same bytes, so one copy serves both. It is
+    taken by the first call and shared while the storage keeps the version it had then.
+    :meth:`swap_in` exchanges the live bytes with the copy and :meth:`swap_back` exchanges them
+    again, so the copy still holds the forward's bytes for the next replay (a replay that wrote
+    the storage all the same leaves it :attr:`spoiled`). A tensor whose storage changed size or
+    view since is pointed at the copy itself for its replay.
+    """
+
+    __slots__ = ("key", "meta", "view", "snap", "nbytes", "version", "users", "spoiled", "_live")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.key = storage_key(t)
+        self.meta = (t.storage_offset(), t.shape, t.stride())
+        self.view = storage_bytes(t)
+        with torch.no_grad():
+            self.snap: torch.Tensor | None = self.view.clone()
+        self.nbytes = self.snap.numel()
+        self.version = t._version
+        self.users = 0  # calls that will replay from it
+        self.spoiled = False
+        self._live: tuple | None = None
+
+    def serves(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` reads, now, the bytes this copy was taken of."""
+        return (
+            self.snap is not None
+            and not self.spoiled
+            and t._version == self.version
+            and storage_key(t) == self.key
+            and t.untyped_storage().nbytes() == self.nbytes
+        )
+
+    def swap_in(self, t: torch.Tensor, writes: bool = False) -> None:
+        """The copy's bytes into ``t``'s storage for a replay. ``writes``: the call's forward
+        wrote the storage, so its replay will: the copy is then copied in, not exchanged,
+        and the live bytes wait in a temporary (a whole copy, for this replay only)."""
+        snap = self.snap
+        st = t.untyped_storage()
+        with torch.no_grad():
+            if (
+                st.nbytes() == self.nbytes
+                and (
+                    t.storage_offset(),
+                    t.shape,
+                    t.stride(),
+                )
+                == self.meta
+            ):
+                view = self.view if self.view.untyped_storage()._cdata == st._cdata else None
+                view = storage_bytes(t) if view is None else view
+                if writes:
+                    self._live = ("copied", view, view.clone(), t._version)
+                    view.copy_(snap)
+                    return
+                swap_(view, snap)
+                self._live = ("swapped", view, t, t._version)
+            else:  # resized or re-viewed since: read the copy (its own, if it writes)
+                live = (st, t.storage_offset(), t.shape, t.stride())
+                src = snap.clone() if writes else snap
+                t.set_(src.untyped_storage(), *self.meta)
+                self._live = ("moved", t, live, t._version if not writes else None)
+
+    def swap_back(self) -> None:
+        live, self._live = self._live, None
+        if live is None:
+            return
+        kind, a, b, version = live
+        with torch.no_grad():
+            if kind == "copied":
+                a.copy_(b)
+            elif kind == "swapped":
+                if b._version != version:  # the replay wrote it: the copy gets those bytes
+                    self.spoiled = True
+                swap_(a, self.snap)
+            else:
+                if version is not None and a._version != version:
+                    self.spoiled = True
+                a.set_(*b)
+
+    def release(self) -> bool:
+        """One call replayed (or was dropped); True when it was the last, and the copy is freed."""
+        self.users -= 1
+        if self.users > 0:
+            return False
+        self.snap = None
+        self.view = None
+        return True

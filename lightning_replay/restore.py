@@ -24,6 +24,7 @@ from lightning_replay.records import REPLAY
 from lightning_replay.preservation import (
     CaptureMode,
     RegionLog,
+    SharedWhole,
     SnapshotPool,
     WholeSnapshot,
     redo,
@@ -77,6 +78,8 @@ class _Invocation:
         "prs",
         "versions",
         "whole",
+        "shared",
+        "shared_writes",
         "storages",
         "regions",
         "gens",
@@ -110,6 +113,8 @@ class _Invocation:
         self.prs: list[str] = []
         self.versions: list[int] = []
         self.whole: WholeSnapshot | None = None
+        self.shared: list[tuple[SharedWhole, torch.Tensor]] = []  # whole copies of a window
+        self.shared_writes: list[bool] | None = None  # the forward wrote each (see runtime)
         self.storages: list[tuple] = []  # (tensor, storage, offset, shape, stride) at forward
         self.regions: list[tuple[Any, int]] = []
         self.sandbox_keys: list = []
@@ -119,6 +124,7 @@ class _Invocation:
         self.done = False
         self.kept = False  # holds preserved bytes that the first replay releases
         self.replaying = False
+        self._token = {"done": False}
         log = eng.log
         capturing = eng._capturing
         whole: list[torch.Tensor] = []
@@ -144,7 +150,10 @@ class _Invocation:
                         if p == "regions" and b.entry.written_by_segment:
                             self.sandbox_keys.append(key)
                 elif p in ("whole", "regions"):
-                    whole.append(t)
+                    if b.entry.kind != "parameter" and not b.entry.written_by_segment:
+                        self.shared.append((None, t))  # read only: one copy per window
+                    else:
+                        whole.append(t)
             if whole:
                 pool = _POOLS.get(rt)
                 if pool is None:
@@ -155,11 +164,20 @@ class _Invocation:
                     key = ("snapshot", id(snap))
                     eng.accountant.hold(key, snap.nbytes, rt.name)
                     self.held.append(key)
-        self.kept = bool(whole or self.regions)
-        self._token = {"done": False}
-        if self.regions:
+            if self.shared:
+                self._share(eng, rt)
+        self.kept = bool(whole or self.regions or self.shared)
+        if self.regions or self.shared:
             # Dropped without replay (graph freed, backward never called): disarm anyway.
-            weakref.finalize(self, _release_keys, log, [k for k, _ in self.regions], self._token)
+            weakref.finalize(
+                self,
+                _dropped,
+                log,
+                [k for k, _ in self.regions],
+                eng,
+                [sw for sw, _ in self.shared],
+                self._token,
+            )
         g = rt.guard
         if len(g.captures) != len(rt.modules):
             g.captures = [MISSING] * len(rt.modules)
@@ -175,12 +193,35 @@ class _Invocation:
         self.digests = [digest(t) for _, t in self.tensors] if check_bytes else None
         eng._held_bytes += self.preserved_bytes
 
+    def _share(self, eng: Any, rt: "SegmentRuntime") -> None:
+        """Each read-only whole-preserved tensor's copy: the window's, while it serves this
+        tensor's bytes, else a new one the window's later calls can share."""
+        step, window = _SHARED.get(eng, (None, None))
+        if step != eng.step:
+            window = {}
+            _SHARED[eng] = (eng.step, window)
+        mine: list[tuple[SharedWhole, torch.Tensor]] = []
+        for _, t in self.shared:
+            key = storage_key(t)
+            if any(sw.key == key for sw, _ in mine):
+                continue  # two entries on one storage (a view and its base): one swap
+            sw = window.get(key)
+            if sw is None or not sw.serves(t):
+                sw = window[key] = SharedWhole(t)
+                eng._held_bytes += sw.nbytes
+                if eng.accountant is not None:
+                    eng.accountant.hold(("shared", id(sw)), sw.nbytes, rt.name)
+            sw.users += 1
+            mine.append((sw, t))
+        self.shared = mine
+
     def release(self) -> None:
         if self.done:
             return
         self.done = True
         self._token["done"] = True
         eng = self.rt.engine
+        _free_shared(eng, [sw for sw, _ in self.shared])
         eng._held_bytes -= self.preserved_bytes
         for key, _ in self.regions:
             eng.log.release(key)
@@ -192,11 +233,24 @@ class _Invocation:
         self.held = []
 
 
-def _release_keys(log: RegionLog, keys: list, token: dict) -> None:
-    if not token["done"]:
+#: per engine: (step, the window's shared whole copies by storage key)
+_SHARED: "weakref.WeakKeyDictionary[Any, tuple[int, dict]]" = weakref.WeakKeyDictionary()
+
+
+def _free_shared(eng: Any, sws: list[SharedWhole]) -> None:
+    for sw in sws:
+        if sw.release():
+            eng._held_bytes -= sw.nbytes
+            if eng.accountant is not None:
+                eng.accountant.drop(("shared", id(sw)))
+
+
+def _dropped(log: RegionLog, keys: list, eng: Any, sws: list[SharedWhole], token: dict) -> None:
+    if not token["done"]:  # dropped without replay (graph freed, backward never called)
         token["done"] = True
         for key in keys:
             log.release(key)
+        _free_shared(eng, sws)
 
 
 class _ReplayContext:
@@ -240,6 +294,14 @@ class _ReplayContext:
         now = [t._version for _, t in inv.tensors]
         if inv.regions or now != inv.versions:  # else every version is as at forward
             self._check_versions()
+        for sw, t in inv.shared:
+            if sw.spoiled:
+                rt._violation(
+                    _entry_name(inv, t),
+                    "was written by the replay of another segment that shares its whole "
+                    "copy: the copy no longer holds the forward's bytes",
+                    inv,
+                )
         self._versions = now
         self._stage = 1
         with torch.no_grad():
@@ -252,6 +314,8 @@ class _ReplayContext:
                     t.set_(st, *meta)
             if inv.whole is not None:
                 inv.whole.swap_in()
+            for i, (sw, t) in enumerate(inv.shared):
+                sw.swap_in(t, writes=bool(inv.shared_writes and inv.shared_writes[i]))
             regions = [eng.log.since(key, mark) for key, mark in inv.regions]
             if regions:
                 rt.last_preserved_bytes = inv.preserved_bytes + sum(
@@ -315,6 +379,8 @@ class _ReplayContext:
             with torch.no_grad():
                 for entries in self._regions:
                     redo(entries)
+                for sw, _ in reversed(inv.shared):
+                    sw.swap_back()
                 if inv.whole is not None:
                     inv.whole.swap_out()
                 for t, live in reversed(self._resized):
@@ -357,6 +423,10 @@ class _ReplayContext:
                     f"replay, expected {expected})",
                     inv,
                 )
+
+
+def _entry_name(inv: _Invocation, t: torch.Tensor) -> str:
+    return next((e.name for e, x in inv.tensors if x is t), "state")
 
 
 def _departed(exc_type: type | None) -> bool:

@@ -230,9 +230,12 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 return forward(*a, **kw)
             eng._segment_depth += 1
             try:
-                return forward(*a, **kw)
+                out = forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
+            if inv.shared:  # a shared whole copy this forward wrote is not exchanged at replay
+                inv.shared_writes = [t._version != sw.version for sw, t in inv.shared]
+            return out
 
         # The global RNG is always preserved (torch's default): a segment may draw from it
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
