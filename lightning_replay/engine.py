@@ -40,7 +40,7 @@ from lightning_replay.config import ReplayConfig
 from lightning_replay.contract import OPTIONS, ReplayContract
 from lightning_replay.costs import CostMeter, dispatch_overhead
 from lightning_replay.errors import ReplayConfigError
-from lightning_replay.host_rng import HostRNG, HostWatch
+from lightning_replay.host_rng import HostWatch
 from lightning_replay.memory import StepPeak, live_model_bytes, profiler_busy
 from lightning_replay.planner import InfeasibleBudget
 from lightning_replay.preservation import CaptureMode, RegionLog
@@ -657,9 +657,7 @@ class ReplayEngine:
             self._last_capture = (self._capture.ops, self._capture.entry_time, n_regions)
             self._capture = None
         self._capturing = False
-        moved = self.host_watch.end()
-        if moved:
-            self._host_rngs_moved(moved)
+        self.host_watch.end(self.step)  # replays of this window check its suspects
         if self._acct_hooks is not None:
             self._acct_hooks.__exit__(None, None, None)
             self._acct_hooks = None
@@ -772,40 +770,6 @@ class ReplayEngine:
 
     def _optimizer_bytes(self) -> int:
         return live_model_bytes(nn.Module(), self._optimizers) if self._optimizers else 0
-
-    def _host_rngs_moved(self, moved: list[HostRNG]) -> None:
-        """A global host generator moved in this forward for the first time: every segment
-        call captures it from the next one on. Drawn outside every probe's sight (a segment
-        that started drawing after its probe, or code outside the segments), this step's
-        replays may have drawn other values: recorded and warned, once per generator."""
-        covered = {
-            id(g.obj)
-            for rt in self.runtimes.values()
-            for g in [g for _, g in rt.generators] + [r for p in rt.probes for r, _ in p.host]
-            if isinstance(g, HostRNG)
-        }
-        unseen = [r.name for r in moved if id(r.obj) not in covered]
-        if not unseen:
-            return
-        self.records.append(
-            step=self.step,
-            segment="*",
-            contract_version=0,
-            check="guard",
-            outcome="rejection",
-            detail={
-                "changed": unseen,
-                "what": "drawn from in the forward, by no probed segment",
-                "action": "captured at every segment call from the next step on",
-            },
-        )
-        warnings.warn(
-            f"step {self.step}: {', '.join(unseen)} moved during the forward, outside what any "
-            "segment's probe saw. If a segment drew from it, this step's replays drew other "
-            "values; from the next step on every replay runs from its forward state. Recorded.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
     def _residual_warning(self, exc: Exception) -> None:
         warnings.warn(

@@ -46,7 +46,26 @@ class HostRNG:
         return f"HostRNG({self.name!r})"
 
 
+def is_host_rng(obj: Any) -> bool:
+    """A generator outside torch with a state to put back (``random.SystemRandom`` has none:
+    it reads the operating system's entropy, which no replay can repeat or needs to)."""
+    if isinstance(obj, random.Random):
+        return not isinstance(obj, random.SystemRandom)
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(obj, (np.random.RandomState, np.random.Generator))
+
+
+def as_host_rng(obj: Any, name: str | None = None) -> HostRNG | None:
+    """``obj`` wrapped as a :class:`HostRNG`, or None if it is not one (see
+    :func:`is_host_rng`)."""
+    if not is_host_rng(obj):
+        return None
+    return _wrap(name or f"{type(obj).__module__}.{type(obj).__qualname__}", obj)
+
+
 def _wrap(name: str, obj: Any) -> HostRNG | None:
+    if isinstance(obj, random.SystemRandom):
+        return None
     if isinstance(obj, random.Random):
         return HostRNG(name, obj, obj.getstate, obj.setstate)
     np = sys.modules.get("numpy")
@@ -115,12 +134,15 @@ class HostWatch:
 
     A probe sees only the draws of its own forward; a segment may start drawing later (a noise
     switched on by a schedule nobody guards). Once a global host generator moves in a window's
-    forward, every segment call from then on captures it, so every replay runs from its
-    forward state (:attr:`capture`). The window where it first moved is reported by the engine
-    when no probe accounts for the draw."""
+    forward, every segment call from then on captures it (:attr:`capture`), so every replay
+    runs from its forward state. In the window where it first moved it is a :attr:`suspect`:
+    each replay of that window reads its state before and after, and one that moves it drew
+    other values than its forward did (the engine records that segment). Draws outside the
+    segments (the step's own augmentation) move it too, but no replay does: no alarm."""
 
     def __init__(self) -> None:
         self.capture: list[HostRNG] = []
+        self.suspects: tuple[int, list[HostRNG]] | None = None  # (step, generators)
         self._rngs: list[HostRNG] = []
         self._before: list[Any] | None = None
 
@@ -128,8 +150,9 @@ class HostWatch:
         self._rngs = host_rngs([])
         self._before = states(self._rngs)
 
-    def end(self) -> list[HostRNG]:
-        """Those that moved in this window's forward for the first time."""
+    def end(self, step: int) -> list[HostRNG]:
+        """Those that moved in this window's forward for the first time (the window's
+        suspects from now until its replays are done)."""
         if self._before is None:
             return []
         moved = advanced(self._rngs, self._before)
@@ -137,4 +160,11 @@ class HostWatch:
         known = {id(r.obj) for r in self.capture}
         new = [r for r in moved if id(r.obj) not in known]
         self.capture += new
+        if new:
+            self.suspects = (step, new)
         return new
+
+    def suspected(self, step: int) -> list[HostRNG]:
+        """The suspects of the window of ``step`` (empty for other windows)."""
+        sus = self.suspects
+        return sus[1] if sus is not None and sus[0] == step else []

@@ -28,7 +28,14 @@ from lightning_replay.contract import ReplayContract, StateEntry
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.probe_replay import _ProbeReplay
 from lightning_replay.errors import ReplayConfigError, ReplayError
-from lightning_replay.host_rng import HostRNG, advanced, host_rngs, states
+from lightning_replay.host_rng import (
+    HostRNG,
+    advanced,
+    as_host_rng,
+    host_rngs,
+    is_host_rng,
+    states,
+)
 from lightning_replay.restore import _Bound
 from lightning_replay.slots import (
     MODULE_INTERNALS,
@@ -242,17 +249,19 @@ class SegmentProbe:
         ids = {id(m) for m in self.modules}
         outside = OutsideReads([m for m in eng.model.modules() if id(m) not in ids])
         hosts = host_rngs(self.modules, self.module_names)  # generators torch never sees
-        host_before = states(hosts)
+        passed = [as_host_rng(x) for x in tree_flatten((args, kwargs))[0] if is_host_rng(x)]
+        host_before = states(hosts + passed)
         eng._segment_depth += 1
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack), mode, outside:
                 out = self.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
-        moved = {id(r) for r in advanced(hosts, host_before)}
-        probe.host = [(r, s) for r, s in zip(hosts, host_before) if id(r) in moved]
-        if replayed:
-            probe.gens += probe.host
+        moved = {id(r) for r in advanced(hosts + passed, host_before)}
+        drawn = [(r, s) for r, s in zip(hosts + passed, host_before) if id(r) in moved]
+        probe.host = [(r, s) for r, s in drawn if r not in passed]  # into the contract
+        if replayed:  # with those passed in, which each call captures as its own
+            probe.gens += drawn
         known = {(id(m), k) for m, k in self.outside}
         self.outside += [(m, k) for m, k in outside.reads if (id(m), k) not in known]
         if replayed and outside.reads:

@@ -10,6 +10,7 @@ exactly what it did also when the replay stops early or fails.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -20,6 +21,7 @@ from lightning_replay._compat import set_versions
 from lightning_replay.contract import StateEntry
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
+from lightning_replay.host_rng import advanced, states
 from lightning_replay.records import REPLAY
 from lightning_replay.preservation import (
     CaptureMode,
@@ -184,8 +186,8 @@ class _Invocation:
         self.slots = capture_slots(rt.modules, g.take_identities(), g.captures)
         self.outside = capture_outside(rt.outside) if rt.outside else None
         gens = slot_generators(self.slots)
-        ids = {id(g) for g in gens}
-        gens += [g for _, g in rt.generators if id(g) not in ids]
+        ids = {id(getattr(g, "obj", g)) for g in gens}  # a HostRNG stands for its object
+        gens += [g for _, g in rt.generators if id(getattr(g, "obj", g)) not in ids]
         if eng.host_watch.capture:  # host generators seen moving in some window (host_rng.py)
             objs = {id(getattr(g, "obj", g)) for g in gens}
             gens += [r for r in eng.host_watch.capture if id(r.obj) not in objs]
@@ -271,12 +273,15 @@ class _ReplayContext:
         "_stage",
         "_resized",
         "_recompute",
+        "_suspects",
     )
 
     def __init__(self, inv: _Invocation, recompute: bool = False) -> None:
         self.inv = inv
         self._stage = 0
-        self._recompute = recompute  # checkpoint's recomputation (it checks saved tensors)
+        # checkpoint's recomputation (it checks saved tensors): None, else whether it stops
+        # early (checkpoint reads that at the forward, when this context is made)
+        self._recompute = _early_stop() if recompute else None
 
     def __enter__(self) -> None:
         inv = self.inv
@@ -343,6 +348,8 @@ class _ReplayContext:
             mode.__enter__()
             self._sandbox = mode
         self._stage = 4
+        suspects = eng.host_watch.suspected(inv.step)
+        self._suspects = (suspects, states(suspects)) if suspects else None
         inv.replaying = True
         eng._segment_depth += 1
         eng.last_replay = (rt, inv.step, inv.version)  # whose replay an error comes from
@@ -356,7 +363,9 @@ class _ReplayContext:
     def __exit__(self, exc_type, exc, tb) -> bool:
         inv = self.inv
         stage = self._stage
-        departed = self._recompute and stage >= 4 and _departed(exc_type)
+        departed = (
+            self._recompute is not None and stage >= 4 and _departed(exc_type, self._recompute)
+        )
         self._undo(stage)
         if departed:
             _replay_departed(inv, exc)
@@ -368,6 +377,8 @@ class _ReplayContext:
         if stage >= 4:
             inv.replaying = False
             inv.rt.engine._segment_depth -= 1
+            if self._suspects is not None:
+                _drew_uncaptured(inv, *self._suspects)
             if self._sandbox is not None:
                 self._sandbox.__exit__(None, None, None)
                 for entries in self._sandbox.log.logs.values():
@@ -425,20 +436,56 @@ class _ReplayContext:
                 )
 
 
+def _drew_uncaptured(inv: _Invocation, rngs: list, before: list) -> None:
+    """The replay drew from a global host generator its forward's state of which was not
+    kept (the forward was the first to draw from it after every probe): it drew other values
+    than the forward did. A divergence of this step, recorded and warned; every call captures
+    the generator from the next step on."""
+    drew = [r.name for r in advanced(rngs, before)]
+    if not drew:
+        return
+    rt = inv.rt
+    rt.divergences += 1
+    rt.engine.records.append(
+        step=inv.step,
+        segment=rt.name,
+        contract_version=inv.version,
+        check=REPLAY,
+        outcome="divergence",
+        detail={
+            "seen": f"the replay drew from {', '.join(drew)}, first drawn after the probe",
+            "action": "captured at every call from the next step on",
+        },
+    )
+    warnings.warn(
+        f"segment {rt.name!r}: its replay for step {inv.step} drew from {', '.join(drew)}, "
+        "which its forward was the first to draw from since its probe: that step's gradients "
+        "used other draws. Every replay runs from the forward's state from the next step on. "
+        "Recorded as a divergence.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
 def _entry_name(inv: _Invocation, t: torch.Tensor) -> str:
     return next((e.name for e, x in inv.tensors if x is t), "state")
 
 
-def _departed(exc_type: type | None) -> bool:
+def _early_stop() -> bool:
+    early = torch.utils.checkpoint._enable_checkpoint_early_stop
+    return early is None or bool(early)
+
+
+def _departed(exc_type: type | None, early_stop: bool) -> bool:
     """Whether checkpoint's recomputation of a segment left its forward's path.
 
     Under early stop (torch's default) a recomputation that saves as many tensors as the
     forward did ends with checkpoint's stop signal raised through the replay context; one that
-    ends normally saved fewer, and checkpoint refuses it right after. One that saves more is
+    ends normally saved fewer, and checkpoint refuses it right after (without early stop that
+    refusal comes after the context, see :func:`replay_error_from`). One that saves more is
     refused inside, with a CheckpointError."""
     if exc_type is None:
-        early = torch.utils.checkpoint._enable_checkpoint_early_stop
-        return early is None or early
+        return early_stop
     return issubclass(exc_type, CheckpointError)
 
 
@@ -451,11 +498,15 @@ def _replay_departed(inv: _Invocation, exc: BaseException | None) -> None:
 def replay_error_from(eng: Any, exc: BaseException) -> ReplayError | None:
     """A ``CheckpointError`` that reached the step's backward call, as the error of the
     segment whose replay it refused (its divergence record written), or None when it is not
-    one of ours. The replay context converts the errors it sees; this is the one it cannot
-    (the same number of saved tensors with other shapes or dtypes, refused by checkpoint
-    after the replay context has exited)."""
+    one of ours. The replay context converts the errors it sees; these are the ones it cannot
+    (refused by checkpoint after the replay context has exited: the same number of saved
+    tensors with other shapes or dtypes, or fewer with checkpoint's early stop turned off)."""
     last = eng.last_replay
-    if last is None or not isinstance(exc, CheckpointError) or "metadata" not in str(exc):
+    if (
+        last is None
+        or not isinstance(exc, CheckpointError)
+        or not any(w in str(exc) for w in ("metadata", "number of tensors", "more tensors"))
+    ):
         return None
     rt, step, version = last
     return departed_error(rt, step, version, exc)

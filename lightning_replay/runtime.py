@@ -23,8 +23,10 @@ from lightning_replay.contract import ReplayContract
 from lightning_replay.costs import clock
 from lightning_replay.errors import ContractViolation
 from lightning_replay.guards import Guard
+from lightning_replay.host_rng import as_host_rng, is_host_rng
 from lightning_replay.probe import SegmentProbe, _Probe
 from lightning_replay.restore import _Bound, _Invocation, _ReplayContext
+from lightning_replay.slots import capture_generators
 from lightning_replay.state import (
     storage_key,
 )
@@ -171,6 +173,9 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             flat, spec = list(args), None  # the common call: tensors only, nothing to flatten
         else:
             flat, spec = tree_flatten((args, kwargs))
+            hosts = [as_host_rng(x) for x in flat if is_host_rng(x)]
+            if hosts:  # a generator outside torch passed in: its state at this call
+                inv.gens = inv.gens + capture_generators(hosts)
         written = self.contract.changed_inputs
         changing = {
             k

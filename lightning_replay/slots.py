@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_replay.host_rng import as_host_rng, is_host_rng
+
 #: Immutable values that are put back by value.
 SCALAR_TYPES = (
     bool,
@@ -152,6 +154,7 @@ def _needs_more(v: Any) -> bool:
         or t is set
         or t is tuple
         or isinstance(v, (torch.Tensor, torch.Generator))
+        or is_host_rng(v)
         or is_holder(v)
     )
 
@@ -225,7 +228,7 @@ class ModuleSlots:
         for k in _attr_plan(module, d):
             v = attrs[k]
             t = type(v)
-            if isinstance(v, torch.Generator):
+            if isinstance(v, torch.Generator) or is_host_rng(v):
                 gens = [v] if gens is None else gens + [v]
             elif isinstance(v, torch.Tensor):
                 if v.layout != torch.strided:
@@ -244,11 +247,11 @@ class ModuleSlots:
                         shallow = {}
                     shallow[k] = t(v)
                 if t is list:
-                    g = [x for x in v if isinstance(x, torch.Generator)]
+                    g = [x for x in v if _is_generator(x)]
                     if g:
                         gens = g if gens is None else gens + g
             elif t is tuple:
-                g = [x for x in v if isinstance(x, torch.Generator)]
+                g = [x for x in v if _is_generator(x)]
                 if g:
                     gens = g if gens is None else gens + g
             elif is_holder(v):
@@ -372,21 +375,26 @@ def restore_slots(live: list[tuple[dict, dict]]) -> None:
                 d[k] = v
 
 
-def slot_generators(slots: list[ModuleSlots]) -> list[torch.Generator]:
+def _is_generator(x: Any) -> bool:
+    return isinstance(x, torch.Generator) or is_host_rng(x)
+
+
+def slot_generators(slots: list[ModuleSlots]) -> list[Any]:
     """Generator objects held as attributes (directly, in tuples or lists, in dict attributes
-    or on plain holder objects) of the modules, each once."""
-    out: list[torch.Generator] = []
+    or on plain holder objects) of the modules, each once: torch's, and those outside torch
+    (``random.Random``, numpy's ``RandomState`` and ``Generator``) as :class:`HostRNG`."""
+    out: list[Any] = []
     seen: set[int] = set()
     for s in slots:
         found = list(s.gens or ())
         for v in (s.shallow or {}).values():
-            found += [x for _, x in _items(v) if isinstance(x, torch.Generator)]
+            found += [x for _, x in _items(v) if _is_generator(x)]
         for _, v in s.holders or ():
-            found += [x for x in v.values() if isinstance(x, torch.Generator)]
+            found += [x for x in v.values() if _is_generator(x)]
         for g in found:
             if id(g) not in seen:
                 seen.add(id(g))
-                out.append(g)
+                out.append(g if isinstance(g, torch.Generator) else as_host_rng(g))
     return out
 
 
