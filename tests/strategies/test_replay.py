@@ -628,9 +628,7 @@ class _FlippedBetweenForwardAndBackward(L.LightningModule):
 def test_a_replay_refused_for_other_shapes_is_a_replay_error_with_a_record(tmp_path):
     _SHAPE_FLAG["summed"] = False
     store = RecordStore(tmp_path / "records.sqlite")
-    t = trainer(
-        tmp_path, strategy=ReplayStrategy(segments=["blk"], records=store), max_steps=6
-    )
+    t = trainer(tmp_path, strategy=ReplayStrategy(segments=["blk"], records=store), max_steps=6)
     with pytest.raises(lightning_replay.ReplayError, match=r"'blk'.*another path") as err:
         t.fit(_FlippedBetweenForwardAndBackward(), loader())
     assert "metadata" in str(err.value.__cause__)
