@@ -497,9 +497,15 @@ def test_a_budget_holds_on_every_rank(budget_runs):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "issue 15, measured: under FSDP2 a recomputed block (whole or regions) holds about 5 KB "
-        "more at backward's start than retaining it (all retained 16,408 B, one block on regions "
-        "18,656 B, profiler allocation events, rank 0), though its costs say it frees 2,808 B"
+        "issue 15, measured (profiler allocation events at backward's start, rank 0): a "
+        "recomputed block holds more than its costs say, and not only under FSDP. (1) 5,056 B "
+        "per recomputed segment: the CPU RNG state torch.utils.checkpoint keeps "
+        "(preserve_rng_state=True), which costs.py does not charge; here one block on regions "
+        "holds 18,528 B against 16,408 B all retained, its costs saying it frees 3,896 B. "
+        "Charged, a 16-wide block (3.8-4.8 KB of activations) never pays for its replay and the "
+        "plan retains everything. (2) A further ~dim*dim*4 B per recomputed block, source not "
+        "found (not FSDP's gathered parameters, freed by then): dim 32 3.7 KB, dim 64 15.6 KB, "
+        "the same at batch 64 and 128"
     ),
 )
 def test_the_plan_frees_real_memory_on_every_rank(budget_runs):
@@ -661,9 +667,9 @@ def test_every_rank_holds_the_budget_when_the_ranks_bases_differ(tmp_path):
     """Each rank measures its own real peak, and rank 0's plan is made for the largest real base
     of any rank. Rank 1 holds 24 KiB more than rank 0 through every step, which no accountant
     sees. At step 9 the budget is set where rank 0, planning for its own base, would retain
-    every block: a plan rank 1's real step exceeds. Refereed by the profiler on each rank: on
-    every planned step (after each rank's first measured one) the real peak is within the
-    plan's prediction, and that within the budget once it is set, on both ranks."""
+    every block: a plan rank 1's real step exceeds (by about 24 KiB). Refereed by the profiler
+    on each rank: on every step under that budget but the ones the engine measures itself, the
+    real peak is within the plan's prediction, and that within the budget, on both ranks."""
     at, steps = 9, 14
     budget = BudgetRankZeroWouldRetainAll(at, tmp_path)
     L.seed_everything(0)
@@ -683,12 +689,10 @@ def test_every_rank_holds_the_budget_when_the_ranks_bases_differ(tmp_path):
     assert fig["rank0_alone"] == fig["retain"]
     assert fig["rank1_min"] <= fig["budget"] < fig["rank1_retain_all"], fig
     for r in (0, 1):
-        rows = got[r]["rows"]
+        rows = [row for row in got[r]["rows"] if row["step"] > at]
         for row in rows:
-            assert row["real"] <= row["predicted"], (r, row)
-            if row["step"] > at:
-                assert row["predicted"] <= fig["budget"], (r, row, fig["budget"])
-        assert len([row for row in rows if row["step"] > at]) >= 4, (r, rows)
+            assert row["real"] <= row["predicted"] <= fig["budget"], (r, row, fig["budget"])
+        assert len(rows) >= 4, (r, got[r]["rows"])
         assert got[r]["plan"] == got[0]["plan"]  # rank 0's plan on every rank
     assert got[0]["plan"]["base_memory"] == max(bases)
     assert got[0]["plan"]["budget"] == fig["budget"]
