@@ -24,7 +24,14 @@ one prefetched). A segment saves the gathered parameters it multiplies by, but F
 refills them on its own schedule whatever the plan does: they are never a segment's cost (the
 probe leaves them out of its activation bytes, and the accountant counts them in the base only),
 so the plan's predicted peak and the accounted peak agree. Backward's transient buffers (FSDP's
-all-gather and reduce-scatter buffers, unsharded gradients) are not counted.
+all-gather and reduce-scatter buffers, unsharded gradients) are not accounted: on CPU each rank
+measures its own real peak on the first step of each plan (the engine's profiler referee, see
+:mod:`lightning_replay.memory`), and what it held beyond the accountant joins that rank's base.
+Ranks' bases differ (uneven shards, a rank's own tensors), so rank 0 plans for the largest real
+base of any rank, reduced in the step's one plan-sync all-reduce (:meth:`ReplayFSDPStrategy.
+_sync_plan`). Under FSDP the real peak also varies from step to step (on the demo config's
+model, 222 KB on most steps and 9-47 KB more on some, not from Python's garbage collector), which
+the measured steps may miss: their prediction is then short by that much.
 
 ``import lightning_replay`` registers ``"replay_fsdp"`` (the ``popen`` launcher, for scripts);
 ``ReplayFSDPStrategy(start_method="spawn" | "fork")`` runs the ranks in child processes.
