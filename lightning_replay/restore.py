@@ -21,7 +21,7 @@ from lightning_replay._compat import set_versions
 from lightning_replay.contract import StateEntry
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
-from lightning_replay.host_rng import advanced, states
+from lightning_replay.host_rng import fingerprints, moved
 from lightning_replay.records import REPLAY
 from lightning_replay.preservation import (
     CaptureMode,
@@ -349,7 +349,7 @@ class _ReplayContext:
             self._sandbox = mode
         self._stage = 4
         suspects = eng.host_watch.suspected(inv.step)
-        self._suspects = (suspects, states(suspects)) if suspects else None
+        self._suspects = (suspects, fingerprints(suspects)) if suspects else None
         inv.replaying = True
         eng._segment_depth += 1
         eng.last_replay = (rt, inv.step, inv.version)  # whose replay an error comes from
@@ -441,7 +441,7 @@ def _drew_uncaptured(inv: _Invocation, rngs: list, before: list) -> None:
     kept (the forward was the first to draw from it after every probe): it drew other values
     than the forward did. A divergence of this step, recorded and warned; every call captures
     the generator from the next step on."""
-    drew = [r.name for r in advanced(rngs, before)]
+    drew = [r.name for r in moved(rngs, before)]
     if not drew:
         return
     rt = inv.rt
