@@ -29,9 +29,10 @@ measures its own real peak on the first step of each plan (the engine's profiler
 :mod:`lightning_replay.memory`), and what it held beyond the accountant joins that rank's base.
 Ranks' bases differ (uneven shards, a rank's own tensors), so rank 0 plans for the largest real
 base of any rank, reduced in the step's one plan-sync all-reduce (:meth:`ReplayFSDPStrategy.
-_sync_plan`). Under FSDP the real peak also varies from step to step (on the demo config's
-model, 222 KB on most steps and 9-47 KB more on some, not from Python's garbage collector), which
-the measured steps may miss: their prediction is then short by that much.
+_sync_plan`). Under FSDP the profiler now and then misses the free of a buffer of one unit's
+gathered size (17,160 B on the demo config's model: one free event fewer on the main thread, the
+same allocations), so a step's measured peak can read one to three units high: the base that
+joins the plan is then high (safe); a referee that uses the profiler reads such steps high too.
 
 ``import lightning_replay`` registers ``"replay_fsdp"`` (the ``popen`` launcher, for scripts);
 ``ReplayFSDPStrategy(start_method="spawn" | "fork")`` runs the ranks in child processes.
