@@ -153,6 +153,7 @@ class ReplayStrategy(DDPStrategy):
         self.segment_names: list[str] = []
         self._pending_engine_state: dict[str, Any] | None = None
         self._synced_plan_version = 0
+        self._synced_real_base: int | None = None  # the largest real base agreed by the ranks
         #: Each segment's share of the segments' activation bytes, measured on the probe step
         #: (empty until then).
         self.activation_shares: dict[str, float] = {}
@@ -393,9 +394,9 @@ class ReplayStrategy(DDPStrategy):
     ) -> torch.Tensor:
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except CheckpointError as exc:
-            error = replay_error_from(self.engine, exc) if self.engine is not None else None
-            if error is None:
+        except CheckpointError as exc:  # a replay checkpoint refused: the segment's error
+            error = as_replay_error(self.engine, exc)
+            if error is exc:
                 raise
             raise error from exc
 
@@ -497,12 +498,30 @@ class ReplayStrategy(DDPStrategy):
         return engine.plan
 
     def _sync_plan(self, force: bool = False) -> None:
-        """Make every rank run rank 0's plan (one all-reduce per step, more only on change)."""
+        """Make every rank run rank 0's plan, made for the largest real base of any rank.
+
+        One all-reduce per step, with no further host sync: the largest of each rank's real
+        base (its own parameter shards, optimizer state and what its measured step held beyond
+        the accountant), and whether any rank's plan changed. Each rank measures its own real peak (the engine's CPU referee); ranks'
+        bases differ (uneven shards, a rank's own extra tensors), and rank 0's plan must fit the
+        worst. When the largest base changes, every rank re-fits its plan to it (a prediction
+        that grows, or a new plan over the budget), and rank 0's is sent to all.
+        """
         engine = self.engine
         if engine is None or self.world_size <= 1 or not distributed_is_initialized():
             return
         changed = engine.plan_version != self._synced_plan_version
-        if not self.reduce_boolean_decision(force or changed, all=False):
+        own = engine.base_memory + engine.unaccounted_bytes
+        reduced = self.reduce(
+            torch.tensor([int(force or changed), own], dtype=torch.int64, device=self.root_device),
+            reduce_op="max",
+        ).tolist()
+        any_changed, top = bool(reduced[0]), int(reduced[1])
+        if top != self._synced_real_base:  # the same on every rank: all reduced the same
+            self._synced_real_base = top
+            engine.agree_real_base(top)
+            any_changed = True
+        if not any_changed:
             return
         payload = (
             (engine.plan.to_dict() if engine.plan is not None else None, engine.plan_version)
@@ -581,6 +600,13 @@ def strategy_config(
         measure_costs=True,
         caller=name,
     )
+
+
+def as_replay_error(engine: ReplayEngine | None, exc: BaseException) -> BaseException:
+    """``exc`` (a ``CheckpointError`` from backward) as the replayed segment's ReplayError, its
+    divergence record written; ``exc`` itself when it is not a replay's."""
+    error = replay_error_from(engine, exc) if engine is not None else None
+    return exc if error is None else error
 
 
 def _check_replay_args(

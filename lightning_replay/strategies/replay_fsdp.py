@@ -59,6 +59,7 @@ from typing import Any, Iterable, Literal, Mapping
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointError
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -67,7 +68,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_replay import planner as _planner
 from lightning_replay._compat import distributed_is_initialized
 from lightning_replay.budget import Budget
 from lightning_replay.engine import ReplayEngine
@@ -76,7 +76,11 @@ from lightning_replay.memory import live_model_bytes
 from lightning_replay.records import RecordStore
 from lightning_replay.segments import SegmentSpec, resolve_segments
 from lightning_replay.strategies.launchers import RankExitLauncher
-from lightning_replay.strategies.replay import ReplayStrategy, _check_replay_args
+from lightning_replay.strategies.replay import (
+    ReplayStrategy,
+    _check_replay_args,
+    as_replay_error,
+)
 
 #: Registered strategy names and their launcher (``start_method``).
 STRATEGY_NAMES: dict[str, str] = {"replay_fsdp": "popen"}
@@ -201,6 +205,7 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
     engine_state_dict = ReplayStrategy.engine_state_dict
     load_engine_state_dict = ReplayStrategy.load_engine_state_dict
     _require_engine = ReplayStrategy._require_engine
+    _sync_plan = ReplayStrategy._sync_plan
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -288,42 +293,17 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         finally:
             engine.end_forward()
 
-    def _sync_plan(self, force: bool = False) -> None:
-        """Make every rank run rank 0's plan, made for the largest real base of any rank.
-
-        One all-reduce per step (as :meth:`ReplayStrategy._sync_plan`'s boolean, with no further
-        host sync): the largest of each rank's real base (its own parameter shards, optimizer
-        state and what its measured step held beyond the accountant), and whether any rank's
-        plan changed. Each rank measures its own real peak (the engine's CPU referee); ranks'
-        bases differ (uneven shards, a rank's own extra tensors), and rank 0's plan must fit the
-        worst. When the largest base changes, every rank re-fits its plan to it (a prediction
-        that grows, or a new plan over the budget), and rank 0's is sent to all.
-        """
-        engine = self.engine
-        if engine is None or self.world_size <= 1 or not distributed_is_initialized():
-            return
-        changed = engine.plan_version != self._synced_plan_version
-        own = engine.base_memory + engine.unaccounted_bytes
-        reduced = self.reduce(
-            torch.tensor([int(force or changed), own], dtype=torch.int64, device=self.root_device),
-            reduce_op="max",
-        ).tolist()
-        any_changed, top = bool(reduced[0]), int(reduced[1])
-        if top != self._synced_real_base:  # the same on every rank: all reduced the same
-            self._synced_real_base = top
-            engine.agree_real_base(top)
-            any_changed = True
-        if not any_changed:
-            return
-        payload = (
-            (engine.plan.to_dict() if engine.plan is not None else None, engine.plan_version)
-            if self.global_rank == 0
-            else None
-        )
-        plan_dict, version = self.broadcast(payload)
-        if plan_dict is not None and self.global_rank != 0:
-            engine.adopt_plan(_planner.Plan.from_dict(plan_dict), version, from_rank=0)
-        self._synced_plan_version = engine.plan_version
+    @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except CheckpointError as exc:  # a replay checkpoint refused: the segment's error
+            error = as_replay_error(self.engine, exc)
+            if error is exc:
+                raise
+            raise error from exc
 
     @override
     def teardown(self) -> None:
