@@ -59,20 +59,25 @@ def _identity_signature(modules: list[nn.Module]) -> tuple:
     out = [_hooks_token([getattr(_module, h, {}) for h in _GLOBAL_HOOKS])]
     for m in modules:
         d = m.__dict__
-        b = d["_buffers"].values()
-        try:  # plain strided buffers (nearly always): no per-buffer Python call
-            ptrs = tuple([t.untyped_storage().data_ptr() for t in b])
-        except (AttributeError, RuntimeError, NotImplementedError):  # None, sparse, wrapper
-            ptrs = tuple(map(_storage_ptr, b))
-        hooks = [d.get(h) for h in _HOOK_DICTS]
-        out.append(
-            (
-                identities(d),
-                ptrs,
-                tuple(map(id, d["_modules"].values())),
-                _hooks_token(hooks) if any(hooks) else 0,
-            )
-        )
+        b = d["_buffers"]
+        if b:
+            try:  # plain strided buffers (nearly always): no per-buffer Python call
+                ptrs = tuple([t.untyped_storage().data_ptr() for t in b.values()])
+            except (AttributeError, RuntimeError, NotImplementedError):  # None, sparse, wrapper
+                ptrs = tuple(map(_storage_ptr, b.values()))
+        else:
+            ptrs = ()
+        sub = d["_modules"]
+        if (
+            d.get("_forward_pre_hooks")
+            or d.get("_forward_hooks")
+            or d.get("_backward_pre_hooks")
+            or d.get("_backward_hooks")
+        ):
+            hooks = _hooks_token([d.get(h) for h in _HOOK_DICTS])
+        else:
+            hooks = 0
+        out.append((identities(d), ptrs, tuple(map(id, sub.values())) if sub else (), hooks))
     return tuple(out)
 
 

@@ -98,6 +98,7 @@ class _Invocation:
         "kept",
         "outside",
         "replaying",
+        "changing",
         "__weakref__",
     )
 
@@ -130,29 +131,36 @@ class _Invocation:
         log = eng.log
         capturing = eng._capturing
         whole: list[torch.Tensor] = []
-        with torch.no_grad():
-            for b in rt.bound:
-                t = b.get()
+        self.changing: list[torch.Tensor] = []  # state whose bytes the window changes
+        tensors, versions, storages, prs = self.tensors, self.versions, self.storages, self.prs
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            for entry, get, p, is_param, written, changes in _entry_plan(rt):
+                t = get()
                 if t is None:
                     continue
-                p = b.entry.preservation
-                self.tensors.append((b.entry, t))
-                self.prs.append(p)
-                self.versions.append(t._version)
-                if b.entry.kind != "parameter":
+                tensors.append((entry, t))
+                prs.append(p)
+                versions.append(t._version)
+                if changes:
+                    self.changing.append(t)
+                if not is_param:
                     # its storage, so that a storage swapped in later (``.data = ...``,
                     # ``set_``: no write, no version bump) is swapped back for the replay
-                    self.storages.append(
+                    storages.append(
                         (t, t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
                     )
+                if p == "none":
+                    continue
                 if p in ("regions", "guard") and capturing:
                     key = storage_key(t)
                     if key is not None:
                         self.regions.append((key, log.arm(key, t)))
-                        if p == "regions" and b.entry.written_by_segment:
+                        if p == "regions" and written:
                             self.sandbox_keys.append(key)
                 elif p in ("whole", "regions"):
-                    if b.entry.kind != "parameter" and not b.entry.written_by_segment:
+                    if not is_param and not written:
                         self.shared.append((None, t))  # read only: one copy per window
                     else:
                         whole.append(t)
@@ -168,6 +176,8 @@ class _Invocation:
                     self.held.append(key)
             if self.shared:
                 self._share(eng, rt)
+        finally:
+            torch._C._set_grad_enabled(prev)
         self.kept = bool(whole or self.regions or self.shared)
         if self.regions or self.shared:
             # Dropped without replay (graph freed, backward never called): disarm anyway.
@@ -233,6 +243,31 @@ class _Invocation:
             for key in self.held:
                 acct.drop(key)
         self.held = []
+
+
+def _entry_plan(rt: "SegmentRuntime") -> list[tuple]:
+    """Per bound state entry of ``rt``'s contract, what each forward reads of it: (entry,
+    getter, preservation, is a parameter, written by the segment, changes in the window).
+    Made once per contract and option (a re-probe binds a new list, a re-plan changes the
+    option), so a steady forward does no attribute lookups on the entries."""
+    c = rt.contract
+    key = (rt.bound, c, c.option)
+    cached = rt._entry_plan
+    if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+        return cached[1]
+    plan = [
+        (
+            b.entry,
+            b.get,
+            b.entry.preservation,
+            b.entry.kind == "parameter",
+            b.entry.written_by_segment,
+            b.entry.changes_in_window,
+        )
+        for b in rt.bound
+    ]
+    rt._entry_plan = (key, plan)
+    return plan
 
 
 #: per engine: (step, the window's shared whole copies by storage key)
@@ -309,11 +344,13 @@ class _ReplayContext:
                 )
         self._versions = now
         self._stage = 1
-        with torch.no_grad():
-            self._resized = []
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            self._resized = resized = []
             for t, st, *meta in inv.storages:
                 if t.untyped_storage().data_ptr() != st.data_ptr():
-                    self._resized.append(
+                    resized.append(
                         (t, (t.untyped_storage(), t.storage_offset(), t.shape, t.stride()))
                     )
                     t.set_(st, *meta)
@@ -321,20 +358,22 @@ class _ReplayContext:
                 inv.whole.swap_in()
             for i, (sw, t) in enumerate(inv.shared):
                 sw.swap_in(t, writes=bool(inv.shared_writes and inv.shared_writes[i]))
-            regions = [eng.log.since(key, mark) for key, mark in inv.regions]
+            regions = [eng.log.since(key, mark) for key, mark in inv.regions] if inv.regions else ()
             if regions:
                 rt.last_preserved_bytes = inv.preserved_bytes + sum(
                     e.nbytes for entries in regions for e in entries
                 )
-            for entries in reversed(regions):
-                undo(entries)
+                for entries in reversed(regions):
+                    undo(entries)
             self._regions = regions
+        finally:
+            torch._C._set_grad_enabled(grad)
         self._stage = 2
         # the objects each slot held at forward (rebound tensors, generators, plain values)
         self._slots = swap_slots(inv.slots)
         if inv.outside:
             self._slots += swap_outside(inv.outside)
-        self._gens = swap_generators(inv.gens)
+        self._gens = swap_generators(inv.gens) if inv.gens else ()
         self._stage = 3
         if inv.digests is not None:
             rt._check_state_digests(inv)
@@ -384,10 +423,14 @@ class _ReplayContext:
                 for entries in self._sandbox.log.logs.values():
                     undo(entries)
         if stage >= 3:
-            restore_generators(self._gens)
-            restore_slots(self._slots)
+            if self._gens:
+                restore_generators(self._gens)
+            if self._slots:
+                restore_slots(self._slots)
         if stage >= 2:
-            with torch.no_grad():
+            grad = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
                 for entries in self._regions:
                     redo(entries)
                 for sw, _ in reversed(inv.shared):
@@ -396,8 +439,12 @@ class _ReplayContext:
                     inv.whole.swap_out()
                 for t, live in reversed(self._resized):
                     t.set_(*live)
+            finally:
+                torch._C._set_grad_enabled(grad)
         if stage >= 1:
-            _reset_versions([t for _, t in inv.tensors], self._versions)
+            tensors = [t for _, t in inv.tensors]
+            if [t._version for t in tensors] != self._versions:
+                _reset_versions(tensors, self._versions)
             inv.release()
             eng = inv.rt.engine
             if eng.measure_costs and stage >= 4 and (eng._sync or not eng._cuda):

@@ -75,6 +75,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.input_bytes = 0
         self.input_saved_bytes = 0
         self.state_keys: set = set()  # storages the probe saw as state (not activations)
+        self._entry_plan: tuple | None = None  # restore._entry_plan's cache
 
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -177,11 +178,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             if hosts:  # a generator outside torch passed in: its state at this call
                 inv.gens = inv.gens + capture_generators(hosts)
         written = self.contract.changed_inputs
-        changing = {
-            k
-            for k in (storage_key(t) for (e, t) in inv.tensors if e.changes_in_window)
-            if k is not None
-        }
+        changing = _aliased_changing(flat, inv.changing) if inv.changing else None
         if written or changing:
             # An argument whose bytes the window changes (the segment writes it in place, the
             # step writes it after the segment, or it is a view of changing state) reaches
@@ -200,7 +197,11 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                         inv.preserved_bytes += snap.untyped_storage().nbytes()
                         eng._held_bytes += snap.untyped_storage().nbytes()
             inv.kept = inv.kept or bool(inv.subs)
-        call = [inv.subs[i][1] if i in inv.subs else x for i, x in enumerate(flat)]
+        call = (
+            [inv.subs[i][1] if i in inv.subs else x for i, x in enumerate(flat)]
+            if inv.subs
+            else flat
+        )
         acct = eng.accountant
         if acct is not None or eng.measure_costs:
             leaves = [x for x in call if isinstance(x, torch.Tensor)]
@@ -297,6 +298,33 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             "changing_state": [s.name for s in c.changing] if c else [],
             "options": c.available_options() if c else [],
         }
+
+
+def _aliased_changing(flat: list, changing: list[torch.Tensor]) -> set | None:
+    """The storage keys of ``changing`` state that some tensor argument in ``flat`` shares, or
+    None (nearly always: the arguments are activations). Data pointers first, the full key
+    only for a pointer that matches."""
+    ptrs = set()
+    for x in flat:
+        if isinstance(x, torch.Tensor) and x.layout == torch.strided and not x.is_meta:
+            try:
+                ptrs.add(x.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                pass
+    ptrs.discard(0)
+    if not ptrs:
+        return None
+    out = set()
+    for t in changing:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if ptr in ptrs:
+            key = storage_key(t)
+            if key is not None:
+                out.add(key)
+    return out or None
 
 
 # Derivative checks compare bit for bit, except on a device whose kernels may be
