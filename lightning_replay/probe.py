@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
+import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -85,6 +87,43 @@ class _Probe:
         self.written_inputs: list[int] = []  # ... that the segment itself writes
         self.start_index: StateIndex | None = None  # the model's state names at its start
         self.host: list = []  # (HostRNG, state at its start) of those its forward drew from
+
+
+class _GlobalStateReads:
+    """While a probe's forward runs: whether it read or set the state of Python's or numpy's
+    global generator (``random.getstate``/``setstate``, ``np.random.get_state``/``set_state``:
+    an RNG fork, drawing and then putting the state back, leaves it where it was).
+    :attr:`read` holds the ids of the generator objects whose state was touched."""
+
+    def __init__(self) -> None:
+        self.read: set[int] = set()
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> "_GlobalStateReads":
+        targets = [(random, random._inst)]
+        np = sys.modules.get("numpy")
+        if np is not None:
+            targets.append((np.random, np.random.mtrand._rand))
+        for module, rng in targets:
+            for name in ("getstate", "setstate", "get_state", "set_state"):
+                fn = getattr(module, name, None)
+                if fn is None or getattr(fn, "__self__", None) is not rng:
+                    continue
+                self._patched.append((module, name, fn))
+                setattr(module, name, self._watch(fn, id(rng)))
+        return self
+
+    def _watch(self, fn: Callable, rng_id: int) -> Callable:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            self.read.add(rng_id)
+            return fn(*args, **kwargs)
+
+        return watched
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, name, fn in reversed(self._patched):
+            setattr(module, name, fn)
+        self._patched = []
 
 
 class _ProbeHandle:
@@ -251,13 +290,22 @@ class SegmentProbe:
         hosts = host_rngs(self.modules, self.module_names)  # generators torch never sees
         passed = [as_host_rng(x) for x in tree_flatten((args, kwargs))[0] if is_host_rng(x)]
         host_before = states(hosts + passed)
+        peeked = _GlobalStateReads()
         eng._segment_depth += 1
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack), mode, outside:
+            with (
+                torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack),
+                mode,
+                outside,
+                peeked,
+            ):
                 out = self.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
+        # a generator whose state the forward read (and may have put back after drawing) is
+        # drawn from as much as one that moved: its replay must start where the forward did
         moved = {id(r) for r in advanced(hosts + passed, host_before)}
+        moved |= {id(r) for r in hosts if id(r.obj) in peeked.read}
         drawn = [(r, s) for r, s in zip(hosts + passed, host_before) if id(r) in moved]
         probe.host = [(r, s) for r, s in drawn if r not in passed]  # into the contract
         if replayed:  # with those passed in, which each call captures as its own

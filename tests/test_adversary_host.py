@@ -400,9 +400,9 @@ HOST = {
         Case(stack(lambda: WarmupNoise(False)), TWO, steps=6), False
     ),
     "held_random_after_warmup": Expect(Case(stack(lambda: WarmupNoise(True)), TWO, steps=6), False),
-    # the state is read, but not moved: the probe's before/after comparison cannot see it
+    # the state is read and put back, not moved: the probe sees the reads themselves
     "peeked_global_random_loss_draws_after": Expect(
-        Case(stack(PeekedNoise), TWO, step=_draw_after_forward_step), False
+        Case(stack(PeekedNoise), TWO, step=_draw_after_forward_step)
     ),
     "system_random_held_for_logging": Expect(Case(stack(SystemRandomHolder), TWO)),
     # a direct attribute, another object each step; a generator passed as an argument
@@ -410,14 +410,7 @@ HOST = {
     "generator_passed_as_argument": Expect(Case(PassesGenerator, TWO), False),
 }
 
-XFAIL: dict[tuple[str, str], str] = {
-    ("peeked_global_random_loss_draws_after", "retained"): "state read but put back "
-    "(getstate/setstate around the draws): probe._probe_forward compares states only, sees no "
-    "move; the loss draws after the root forward (HostWatch does not see it): steps 2-4 "
-    "silently wrong, no record",
-    ("peeked_global_random_loss_draws_after", "replayed"): "the probe's replay is recorded at "
-    "step 1; the retained re-probe sees no move either: steps 3-4 silently wrong, no record",
-}
+XFAIL: dict[tuple[str, str], str] = {}
 
 
 def _params(cases, xfail):
