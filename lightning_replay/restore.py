@@ -15,6 +15,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch.utils.checkpoint as _checkpoint_module
 from torch.utils.checkpoint import CheckpointError
 
 from lightning_replay._compat import set_versions
@@ -196,12 +197,13 @@ class _Invocation:
         self.slots = capture_slots(rt.modules, g.take_identities(), g.captures)
         self.outside = capture_outside(rt.outside) if rt.outside else None
         gens = slot_generators(self.slots)
-        ids = {id(getattr(g, "obj", g)) for g in gens}  # a HostRNG stands for its object
-        gens += [g for _, g in rt.generators if id(getattr(g, "obj", g)) not in ids]
+        if rt.generators:
+            ids = {id(getattr(g, "obj", g)) for g in gens}  # a HostRNG stands for its object
+            gens += [g for _, g in rt.generators if id(getattr(g, "obj", g)) not in ids]
         if eng.host_watch.capture:  # host generators seen moving in some window (host_rng.py)
             objs = {id(getattr(g, "obj", g)) for g in gens}
             gens += [r for r in eng.host_watch.capture if id(r.obj) not in objs]
-        self.gens = capture_generators(gens)
+        self.gens = capture_generators(gens) if gens else []
         self.digests = [digest(t) for _, t in self.tensors] if check_bytes else None
         eng._held_bytes += self.preserved_bytes
 
@@ -387,7 +389,7 @@ class _ReplayContext:
             mode.__enter__()
             self._sandbox = mode
         self._stage = 4
-        suspects = eng.host_watch.suspected(inv.step)
+        suspects = eng.host_watch.suspected(inv.step) if eng.host_watch.suspects else None
         self._suspects = (suspects, fingerprints(suspects)) if suspects else None
         inv.replaying = True
         eng._segment_depth += 1
@@ -519,7 +521,7 @@ def _entry_name(inv: _Invocation, t: torch.Tensor) -> str:
 
 
 def _early_stop() -> bool:
-    early = torch.utils.checkpoint._enable_checkpoint_early_stop
+    early = _checkpoint_module._enable_checkpoint_early_stop
     return early is None or bool(early)
 
 
