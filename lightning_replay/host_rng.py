@@ -99,9 +99,9 @@ def global_rngs() -> list[HostRNG]:
     Both are fixed objects for the life of the process: wrapped once."""
     np = sys.modules.get("numpy")
     if not _GLOBALS:
-        _GLOBALS.append(
-            HostRNG("random (Python global)", random._inst, random.getstate, random.setstate)
-        )
+        # the instance's own methods, not the module's names (which a probe may wrap a while)
+        inst = random._inst
+        _GLOBALS.append(HostRNG("random (Python global)", inst, inst.getstate, inst.setstate))
     if np is not None and len(_GLOBALS) == 1:
         _GLOBALS.append(_wrap("numpy.random (global)", np.random.mtrand._rand))
     return list(_GLOBALS)
