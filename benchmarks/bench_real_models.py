@@ -199,6 +199,50 @@ def _checks(proto, names, loss_fn, batch, clock, blocks: int, every: int) -> dic
     }
 
 
+def side_by_side(models: dict[str, dict], rounds: int, warmup: int = 3) -> dict:
+    """``ratio_vs_torch_checkpoint`` of several models in one process, their rounds
+    interleaved (in each round every model steps once under torch checkpoint and once under
+    lightning_replay, the order alternating), so a slow phase of a shared machine hits every
+    model and both arms alike. Per model: the median of per-round ratios, the medians of both
+    step times and of the per-round differences (seconds of this thread's CPU on CPU)."""
+    dev = device()
+    clock = time.thread_time if dev.type == "cpu" else time.perf_counter
+    arms = {}
+    for name, size in models.items():
+        torch.manual_seed(0)
+        proto, pattern, make_batch, loss_fn = BUILDERS[name](size)
+        proto.to(dev).train()
+        names = _segments(proto, pattern)
+        batch = lambda s, mb=make_batch: tuple(t.to(dev) for t in mb(s))  # noqa: E731
+        naive = torch_checkpoint(copy.deepcopy(proto), names)
+        replay = copy.deepcopy(proto)
+        engine = lr.install(replay, names)
+        for s in range(warmup):  # the first replay step is the probe
+            _step(naive, loss_fn, batch(s), clock)
+            _step(replay, loss_fn, batch(s), clock)
+        arms[name] = (naive, replay, engine, loss_fn, batch, [], [], len(names))
+    for r in range(rounds):
+        for naive, replay, _, loss_fn, batch, t_naive, t_replay, _ in arms.values():
+            order = [(naive, t_naive), (replay, t_replay)]
+            for model, times in order if r % 2 else order[::-1]:
+                times.append(_step(model, loss_fn, batch(warmup + r), clock)[0])
+    out = {}
+    for name, (_, _, engine, _, _, t_naive, t_replay, n) in arms.items():
+        modes = sorted({s["mode"] for s in engine.summary().values()})
+        engine.uninstall()
+        out[name] = {
+            "segments": n,
+            "size": models[name],
+            "rounds": rounds,
+            "modes": modes,
+            "ratio_vs_torch_checkpoint": paired_ratio(t_replay, t_naive),
+            "replay_step_s": statistics.median(t_replay),
+            "torch_step_s": statistics.median(t_naive),
+            "extra_s": statistics.median(a - b for a, b in zip(t_replay, t_naive)),
+        }
+    return out
+
+
 def run(cfg: dict) -> dict:
     """Every model in ``cfg["models"]`` (name -> size), ``rounds`` pairs, ``check_blocks``
     blocks of ``every`` steps."""
@@ -212,3 +256,19 @@ def run(cfg: dict) -> dict:
         }
     finally:
         torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    # python benchmarks/bench_real_models.py [ROUNDS] [SUITE]: the three models side by side,
+    # ratios only (no checks part), one JSON line; run under benchmarks/run.py's malloc
+    # settings (see RECYCLING_MALLOC there) for figures comparable with the suite's.
+    import json
+    import sys
+
+    from run import SUITES
+
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    suite = sys.argv[2] if len(sys.argv) > 2 else "quick"
+    if device().type == "cpu":
+        torch.set_num_threads(1)
+    print(json.dumps(side_by_side(SUITES[suite]["real_models"]["models"], rounds)))
