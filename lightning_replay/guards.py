@@ -62,7 +62,9 @@ def _identity_signature(modules: list[nn.Module]) -> tuple:
         b = d["_buffers"]
         if b:
             try:  # plain strided buffers (nearly always): no per-buffer Python call
-                ptrs = tuple([t.untyped_storage().data_ptr() for t in b.values()])
+                # (a tensor's own data pointer moves with its storage's, without making a
+                # storage object; an offset change alone goes on to the full fingerprint)
+                ptrs = tuple([t.data_ptr() for t in b.values()])
             except (AttributeError, RuntimeError, NotImplementedError):  # None, sparse, wrapper
                 ptrs = tuple(map(_storage_ptr, b.values()))
         else:

@@ -45,7 +45,7 @@ from lightning_replay.slots import (
     swap_outside,
     swap_slots,
 )
-from lightning_replay.state import digest, storage_bytes, storage_key
+from lightning_replay.state import StateRef, digest, storage_bytes, storage_key
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.runtime import SegmentRuntime
@@ -119,7 +119,8 @@ class _Invocation:
         self.whole: WholeSnapshot | None = None
         self.shared: list[tuple[SharedWhole, torch.Tensor]] = []  # whole copies of a window
         self.shared_writes: list[bool] | None = None  # the forward wrote each (see runtime)
-        self.storages: list[tuple] = []  # (tensor, storage, offset, shape, stride) at forward
+        # (tensor, data pointer, storage, offset, shape, stride) at forward
+        self.storages: list[tuple] = []
         self.regions: list[tuple[Any, int]] = []
         self.sandbox_keys: list = []
         self.subs: dict[int, torch.Tensor] = {}  # input leaf -> its bytes at forward
@@ -132,7 +133,7 @@ class _Invocation:
         log = eng.log
         capturing = eng._capturing
         whole: list[torch.Tensor] = []
-        self.changing: list[torch.Tensor] = []  # state whose bytes the window changes
+        self.changing: list = []  # storages of the state whose bytes the window changes
         tensors, versions, storages, prs = self.tensors, self.versions, self.storages, self.prs
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
@@ -144,14 +145,20 @@ class _Invocation:
                 tensors.append((entry, t))
                 prs.append(p)
                 versions.append(t._version)
-                if changes:
-                    self.changing.append(t)
                 if not is_param:
                     # its storage, so that a storage swapped in later (``.data = ...``,
-                    # ``set_``: no write, no version bump) is swapped back for the replay
-                    storages.append(
-                        (t, t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-                    )
+                    # ``set_``: no write, no version bump) is swapped back for the replay;
+                    # its data pointer, which tells at replay whether to look (see __enter__)
+                    st = t.untyped_storage()
+                    try:
+                        ptr = t.data_ptr()
+                    except RuntimeError:  # a wrapper tensor without data: compare storages
+                        ptr = None
+                    storages.append((t, ptr, st, t.storage_offset(), t.shape, t.stride()))
+                    if changes:
+                        self.changing.append(st)
+                elif changes:
+                    self.changing.append(t.untyped_storage())
                 if p == "none":
                     continue
                 if p in ("regions", "guard") and capturing:
@@ -260,7 +267,7 @@ def _entry_plan(rt: "SegmentRuntime") -> list[tuple]:
     plan = [
         (
             b.entry,
-            b.get,
+            _fast_get(b.get),
             b.entry.preservation,
             b.entry.kind == "parameter",
             b.entry.written_by_segment,
@@ -270,6 +277,19 @@ def _entry_plan(rt: "SegmentRuntime") -> list[tuple]:
     ]
     rt._entry_plan = (key, plan)
     return plan
+
+
+def _fast_get(get: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor | None]:
+    """``get`` (a :meth:`StateRef.get`) with its kind resolved once: a read of the slot."""
+    ref = getattr(get, "__self__", None)
+    if not isinstance(ref, StateRef) or getattr(get, "__func__", None) is not StateRef.get:
+        return get
+    d, attr = ref.module.__dict__, ref.attr
+    if ref.kind == "parameter":
+        return lambda: d["_parameters"].get(attr)
+    if ref.kind == "buffer":
+        return lambda: d["_buffers"].get(attr)
+    return get
 
 
 #: per engine: (step, the window's shared whole copies by storage key)
@@ -350,8 +370,12 @@ class _ReplayContext:
         torch._C._set_grad_enabled(False)
         try:
             self._resized = resized = []
-            for t, st, *meta in inv.storages:
-                if t.untyped_storage().data_ptr() != st.data_ptr():
+            for t, ptr, st, *meta in inv.storages:
+                # The same data pointer: the same bytes (``st`` is alive, so no other storage
+                # can be at its address). Else look at the storage itself.
+                if (ptr is None or t.data_ptr() != ptr) and (
+                    t.untyped_storage().data_ptr() != st.data_ptr()
+                ):
                     resized.append(
                         (t, (t.untyped_storage(), t.storage_offset(), t.shape, t.stride()))
                     )

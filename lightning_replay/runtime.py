@@ -300,10 +300,10 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         }
 
 
-def _aliased_changing(flat: list, changing: list[torch.Tensor]) -> set | None:
-    """The storage keys of ``changing`` state that some tensor argument in ``flat`` shares, or
-    None (nearly always: the arguments are activations). Data pointers first, the full key
-    only for a pointer that matches."""
+def _aliased_changing(flat: list, changing: list) -> set | None:
+    """The storage keys of the ``changing`` state storages that some tensor argument in
+    ``flat`` shares, or None (nearly always: the arguments are activations). Data pointers
+    first, the full key only for a pointer that matches."""
     ptrs = set()
     for x in flat:
         if isinstance(x, torch.Tensor) and x.layout == torch.strided and not x.is_meta:
@@ -315,15 +315,13 @@ def _aliased_changing(flat: list, changing: list[torch.Tensor]) -> set | None:
     if not ptrs:
         return None
     out = set()
-    for t in changing:
+    for st in changing:
         try:
-            ptr = t.untyped_storage().data_ptr()
+            ptr = st.data_ptr()
         except (RuntimeError, NotImplementedError):
             continue
-        if ptr in ptrs:
-            key = storage_key(t)
-            if key is not None:
-                out.add(key)
+        if ptr in ptrs and st.nbytes():
+            out.add((str(st.device), ptr))  # storage_key's form
     return out or None
 
 
