@@ -338,19 +338,23 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
     out = []
     for s in slots:
         d = s.module.__dict__
-        if s.plain and identities(d) == s.ids:
+        same = identities(d) == s.ids
+        if same and s.plain:
             continue  # every slot holds the object it held at forward: nothing to swap
         lay = s.layout
-        fb = {k: v for (w, k), v in lay.items() if w == "b"} if lay else None
-        fa = {k: v for (w, k), v in lay.items() if w == "a"} if lay else None
-        for live, saved, skip, copies, frozen in (
-            (d["_parameters"], s.params, frozenset(), None, None),
-            (d["_buffers"], s.buffers, frozenset(), None, fb),
-            (d, s.attrs, MODULE_INTERNALS, s.copies, fa),
-        ):
-            prev = _swap_dict(live, saved, skip, copies, frozen)
-            if prev:
-                out.append((live, prev))
+        if not (same and lay is None and s.copies is None):
+            # (with the same objects in every slot and no sparse copies or container contents
+            # to compare, only the shallow containers and holders below can differ)
+            fb = {k: v for (w, k), v in lay.items() if w == "b"} if lay else None
+            fa = {k: v for (w, k), v in lay.items() if w == "a"} if lay else None
+            for live, saved, skip, copies, frozen in (
+                (d["_parameters"], s.params, frozenset(), None, None),
+                (d["_buffers"], s.buffers, frozenset(), None, fb),
+                (d, s.attrs, MODULE_INTERNALS, s.copies, fa),
+            ):
+                prev = _swap_dict(live, saved, skip, copies, frozen)
+                if prev:
+                    out.append((live, prev))
         if s.shallow:
             for k, saved in s.shallow.items():
                 cur = d.get(k, MISSING)
