@@ -109,3 +109,20 @@ def test_plot_writes_a_png(smoke, tmp_path):
     out = tmp_path / "p.png"
     plot(r, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_steady_profile_times_every_steady_function(monkeypatch):
+    """benchmarks/steady_profile.py wraps the engine's steady-path functions by name: each one
+    it names still exists and is called on a steady ResNet block step, and the wrappers are
+    gone afterwards."""
+    sys.path.insert(0, BENCH)
+    try:
+        import steady_profile as sp
+    finally:
+        sys.path.remove(BENCH)
+    monkeypatch.setitem(sp.SIZES, "resnet18", dict(image=32, batch=2))
+    before = [getattr(owner, attr) for owner, attr in sp.FUNCTIONS]
+    out = sp.functions("resnet18", 1)
+    assert [getattr(owner, attr) for owner, attr in sp.FUNCTIONS] == before
+    assert len(out["us_per_call"]) == len(sp.FUNCTIONS)  # each one ran
+    assert sp.variant("resnet18", 2, "direct")["torch_ms"] > 0
