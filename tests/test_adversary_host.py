@@ -39,6 +39,7 @@ from tests.test_adversary_probe import (
     Case,
     D,
     _branch_model,
+    _params,
     _seed,
     _train,
     stack,
@@ -411,21 +412,6 @@ HOST = {
 }
 
 XFAIL: dict[tuple[str, str], str] = {}
-
-
-def _params(cases, xfail):
-    return [
-        pytest.param(
-            name,
-            kind,
-            marks=[pytest.mark.xfail(strict=True, reason=xfail[name, kind])]
-            if (name, kind) in xfail
-            else [],
-            id=f"{name}-{kind}",
-        )
-        for name in cases
-        for kind in KINDS
-    ]
 
 
 def _bad_records(records) -> list:

@@ -31,12 +31,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import multiprocessing
 import os
 import uuid
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -392,13 +393,8 @@ class ReplayStrategy(DDPStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        try:
+        with replay_errors(self.engine):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except CheckpointError as exc:  # a replay checkpoint refused: the segment's error
-            error = as_replay_error(self.engine, exc)
-            if error is exc:
-                raise
-            raise error from exc
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -602,11 +598,17 @@ def strategy_config(
     )
 
 
-def as_replay_error(engine: ReplayEngine | None, exc: BaseException) -> BaseException:
-    """``exc`` (a ``CheckpointError`` from backward) as the replayed segment's ReplayError, its
-    divergence record written; ``exc`` itself when it is not a replay's."""
-    error = replay_error_from(engine, exc) if engine is not None else None
-    return exc if error is None else error
+@contextlib.contextmanager
+def replay_errors(engine: ReplayEngine | None) -> Iterator[None]:
+    """Around a step's backward: a ``CheckpointError`` a replay's checkpoint raised is raised
+    as that segment's ReplayError (its divergence record written); any other error as is."""
+    try:
+        yield
+    except CheckpointError as exc:
+        error = replay_error_from(engine, exc) if engine is not None else None
+        if error is None:
+            raise
+        raise error from exc
 
 
 def _check_replay_args(

@@ -59,7 +59,6 @@ from typing import Any, Iterable, Literal, Mapping
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointError
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -79,7 +78,7 @@ from lightning_replay.strategies.launchers import RankExitLauncher
 from lightning_replay.strategies.replay import (
     ReplayStrategy,
     _check_replay_args,
-    as_replay_error,
+    replay_errors,
 )
 
 #: Registered strategy names and their launcher (``start_method``).
@@ -297,13 +296,8 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        try:
+        with replay_errors(self.engine):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except CheckpointError as exc:  # a replay checkpoint refused: the segment's error
-            error = as_replay_error(self.engine, exc)
-            if error is exc:
-                raise
-            raise error from exc
 
     @override
     def teardown(self) -> None:
