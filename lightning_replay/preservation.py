@@ -426,7 +426,8 @@ class SharedWhole:
 
     Two segments that read a queue the step writes after both (and neither writes it) would
     each keep a whole copy of it; they read the same bytes, so one copy serves both. It is
-    taken by the first call and shared while the storage keeps the version it had then.
+    taken by the first call and shared while the storage holds the bytes it had then
+    (:meth:`serves`).
     :meth:`swap_in` exchanges the live bytes with the copy and :meth:`swap_back` exchanges them
     again, so the copy still holds the forward's bytes for the next replay (a replay that wrote
     the storage all the same leaves it :attr:`spoiled`). A tensor whose storage changed size or
@@ -448,13 +449,18 @@ class SharedWhole:
         self._live: tuple | None = None
 
     def serves(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` reads, now, the bytes this copy was taken of."""
+        """Whether ``t`` reads, now, the bytes this copy was taken of: the same storage at the
+        same version, and the same bytes, compared (a write through ``.data`` between two
+        calls bumps no version). The comparison reads what a copy would, without allocating;
+        on an accelerator it would wait for the device, so there every call takes its own."""
         return (
             self.snap is not None
             and not self.spoiled
+            and self.snap.device.type == "cpu"
             and t._version == self.version
             and storage_key(t) == self.key
             and t.untyped_storage().nbytes() == self.nbytes
+            and torch.equal(self.view, self.snap)
         )
 
     def swap_in(self, t: torch.Tensor, writes: bool = False) -> None:

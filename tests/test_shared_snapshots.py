@@ -138,3 +138,28 @@ def test_a_sharer_that_starts_writing_the_queue_stays_exact():
     block replays after the middle one (its replay writes the queue again)."""
     _, records = assert_exact(SharedThenWritten, SEGS3, "whole", steps=8, min_replays=9)
     assert not [r for r in records if r.outcome == "divergence"], records
+
+
+class DataWrittenBetween(nn.Module):
+    """Two blocks read the queue; between them the root writes rows the second one reads
+    through ``.data`` (an enqueue that bumps no version): the second block's forward reads
+    other bytes than the first's, at the same version."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(QueueRead(self) for _ in range(2))
+        self.head = nn.Linear(D, 3)
+        self.register_buffer("queue", torch.randn(ROWS, D))
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        with torch.no_grad():
+            self.queue.data[:: ROWS // 4] = x.detach().mean(0)
+        x = self.blocks[1](x)
+        with torch.no_grad():
+            self.queue.mul_(0.5)
+        return self.head(x)
+
+
+def test_a_queue_written_through_data_between_two_readers_is_not_shared():
+    assert_exact(DataWrittenBetween, ["blocks.0", "blocks.1"], "whole", steps=6, min_replays=4)
