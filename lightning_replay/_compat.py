@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "TorchDispatchMode",
     "accelerator_connector",
     "at_backward_end",
+    "checkpoint_frame_recomputing",
     "distributed_is_initialized",
     "logger_connector",
     "op_arguments",
@@ -58,6 +60,25 @@ def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     """The innermost active saved-tensor hooks (pack, unpack), or None: what
     ``torch.utils.checkpoint`` itself uses to find them."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def checkpoint_frame_recomputing() -> Any | None:
+    """The frame of the ``torch.utils.checkpoint`` (non-reentrant) call whose recomputation is
+    running now, or None (not called from inside a recomputation, or torch's internals moved).
+
+    Its ``check_recomputed_tensors_match(gid)`` is what refuses a recomputation that saved other
+    tensors than the forward did, right after the recomputation returns: the one check of
+    checkpoint's that runs outside the recomputation's own context."""
+    hooks = top_saved_tensors_hooks()
+    if hooks is None:
+        return None
+    pack = inspect.unwrap(hooks[0])  # the recomputation hook's pack, under dynamo's disable
+    try:
+        cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or ()))
+        frame = cells["target_frame_ref"].cell_contents()
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    return frame if callable(getattr(frame, "check_recomputed_tensors_match", None)) else None
 
 
 def at_backward_end(fn: Callable[[], None]) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.utils.checkpoint as _checkpoint_module
 from torch.utils.checkpoint import CheckpointError
 
-from lightning_replay._compat import set_versions
+from lightning_replay._compat import checkpoint_frame_recomputing, set_versions
 from lightning_replay.contract import StateEntry
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
@@ -418,6 +418,8 @@ class _ReplayContext:
         inv.replaying = True
         eng._segment_depth += 1
         eng.last_replay = (rt, inv.step, inv.version)  # whose replay an error comes from
+        if self._recompute is not None:
+            _refusals_name_the_segment(inv)
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
@@ -566,6 +568,26 @@ def _replay_departed(inv: _Invocation, exc: BaseException | None) -> None:
     """Record the departed replay as a divergence, then raise it as a ReplayError that names
     the segment, instead of checkpoint's error from deep inside backward."""
     raise departed_error(inv.rt, inv.step, inv.version, exc) from exc
+
+
+def _refusals_name_the_segment(inv: _Invocation) -> None:
+    """Checkpoint refuses some departed recomputations only after this context has exited
+    (the same number of saved tensors with other shapes or dtypes; fewer, with its early stop
+    off): make that refusal the segment's ReplayError, with its record, wherever backward was
+    called from (a bare ``loss.backward()`` under ``install()`` too)."""
+    frame = checkpoint_frame_recomputing()
+    if frame is None or "check_recomputed_tensors_match" in vars(frame):
+        return
+    check = frame.check_recomputed_tensors_match
+    rt, step, version = inv.rt, inv.step, inv.version
+
+    def checked(gid: Any) -> None:
+        try:
+            check(gid)
+        except CheckpointError as exc:
+            raise departed_error(rt, step, version, exc) from exc
+
+    frame.check_recomputed_tensors_match = checked
 
 
 def replay_error_from(eng: Any, exc: BaseException) -> ReplayError | None:

@@ -590,19 +590,7 @@ DEPARTED = {
         True,
     ),
 }
-XFAIL_DEPARTED: dict[tuple[str, str], str] = {
-    ("same_count_other_shapes", "retained"): "raw CheckpointError ('different metadata') "
-    "from checkpoint's check after the recomputation, outside the replay context: converted "
-    "by Trainer(strategy='replay') where backward is called, not with install() and a bare "
-    "loss.backward(); known, README",
-    **{
-        (name, "retained"): "raw CheckpointError ('different number of tensors'): without "
-        "early stop, a recomputation that saved fewer tensors ends normally, like an exact "
-        "one, and checkpoint refuses it after the replay context; converted only under "
-        "Trainer(strategy='replay')"
-        for name in ("early_stop_off_branch_skipped", "early_stop_off_branch_more_work")
-    },
-}
+XFAIL_DEPARTED: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize(("name", "kind"), _params(DEPARTED, XFAIL_DEPARTED))

@@ -31,6 +31,33 @@ def test_top_saved_tensors_hooks_finds_the_active_pair():
     assert top is not None and top[0] is pack and top[1] is unpack
 
 
+def test_checkpoint_frame_recomputing_is_the_frame_being_recomputed():
+    import contextlib
+
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+
+    class Recompute:
+        def __enter__(self):
+            seen.append(_compat.checkpoint_frame_recomputing())
+
+        def __exit__(self, *exc):
+            return False
+
+    assert _compat.checkpoint_frame_recomputing() is None
+    x = torch.ones(3, requires_grad=True)
+    y = checkpoint(
+        lambda x: x.sin().cos(),
+        x,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), Recompute()),
+    )
+    y.sum().backward()
+    [frame] = seen
+    assert callable(frame.check_recomputed_tensors_match) and frame.recompute_fn is not None
+
+
 def test_at_backward_end_runs_after_the_backward():
     order = []
     x = torch.ones(2, requires_grad=True)
