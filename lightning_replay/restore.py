@@ -578,12 +578,13 @@ def _refusals_name_the_segment(inv: _Invocation) -> None:
     frame = checkpoint_frame_recomputing()
     if frame is None or "check_recomputed_tensors_match" in vars(frame):
         return
-    check = frame.check_recomputed_tensors_match
+    check = type(frame).check_recomputed_tensors_match
+    ref = weakref.ref(frame)  # the frame holds this function: no cycle to outlive backward
     rt, step, version = inv.rt, inv.step, inv.version
 
     def checked(gid: Any) -> None:
         try:
-            check(gid)
+            check(ref(), gid)
         except CheckpointError as exc:
             raise departed_error(rt, step, version, exc) from exc
 
