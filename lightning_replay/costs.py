@@ -137,3 +137,85 @@ def dispatch_overhead() -> float:
                 moded.append(loop())
         _DISPATCH_OVERHEAD = max(min(moded) - min(plain), 0.0) / max(ops, 1)
     return _DISPATCH_OVERHEAD
+
+
+_SAVED_TENSOR_OVERHEAD: float | None = None
+
+
+def saved_tensor_overhead() -> float:
+    """Seconds ``torch.utils.checkpoint`` spends per saved tensor of a replayed segment outside
+    the points where the engine times a replay, on this machine.
+
+    The engine times each replayed call in place (see :class:`~lightning_replay.runtime.SegmentRuntime`):
+    its preparation, checkpoint's frame around the forward, checkpoint's work from the start of
+    the recomputation to the replay context and from the context's end to checkpoint's check
+    of the recomputed tensors, and the replay context itself. What it cannot time in place is
+    the work per saved tensor spread through the forward and backward: the pack hook at each
+    saved tensor of the forward and the unpack hook at each use in backward. That is measured
+    here once, as the slope over the number of saved tensors of checkpoint's extra time
+    (forward and backward under checkpoint, against the same without it, less the time inside
+    the recomputation context), on a chain of ``sin`` ops on small tensors, so that the ops
+    themselves cost next to nothing; the least of interleaved repeats (a busy machine only adds
+    time). The per-call part of checkpoint's work does not depend on the count and drops out
+    of the slope. Measured outside any step (0.0, not kept, when called inside one, where the
+    engine's own hooks would be timed instead). In a real step the caches are colder than in this loop, so this is a lower
+    bound; it is a few microseconds per tensor against the per-call work measured in place.
+    """
+    global _SAVED_TENSOR_OVERHEAD
+    if _SAVED_TENSOR_OVERHEAD is None:
+        import contextlib
+
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        if (
+            torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+            or _get_current_dispatch_mode_stack()
+        ):
+            # inside a step (the engine's accounting hooks, a capture mode): the loops below
+            # would time those instead. The engine measures this when it is installed.
+            return 0.0
+
+        from torch.utils.checkpoint import checkpoint
+
+        x = torch.randn(8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        inside = [0.0]
+
+        class _Timed:
+            def __enter__(self) -> None:
+                self.t0 = clock()
+
+            def __exit__(self, *exc: Any) -> bool:
+                inside[0] += clock() - self.t0
+                return False
+
+        def chain(k: int):
+            def fn(t: torch.Tensor) -> torch.Tensor:
+                for _ in range(k):
+                    t = torch.sin(t)  # saves its input
+                return t
+
+            return fn
+
+        def ctx():
+            return contextlib.nullcontext(), _Timed()
+
+        def remainder(k: int, n: int = 20) -> float:
+            fn = chain(k)
+            t0 = clock()
+            for _ in range(n):
+                fn(x).sum().backward()
+            plain = clock() - t0
+            inside[0] = 0.0
+            t0 = clock()
+            for _ in range(n):
+                checkpoint(fn, x, use_reentrant=False, context_fn=ctx).sum().backward()
+            ckpt = clock() - t0
+            return (ckpt - plain - inside[0]) / n
+
+        lo, hi = 1, 17
+        remainder(lo), remainder(hi)  # warm-up
+        few = min(remainder(lo) for _ in range(5))
+        many = min(remainder(hi) for _ in range(5))
+        x.grad = None
+        _SAVED_TENSOR_OVERHEAD = max(many - few, 0.0) / (hi - lo)
+    return _SAVED_TENSOR_OVERHEAD

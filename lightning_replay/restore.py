@@ -94,6 +94,8 @@ class _Invocation:
         "_token",
         "held",
         "t_prep",
+        "t_unpack",
+        "t_pending",
         "sandbox_keys",
         "subs",
         "kept",
@@ -112,6 +114,10 @@ class _Invocation:
         self.step = eng.step
         self.held: list = []  # accountant keys this invocation holds until its replay
         self.t_prep = 0.0
+        # while costs are measured: when checkpoint's backward work for this call began, and
+        # the replay's seconds waiting for checkpoint's check after the replay context
+        self.t_unpack: float | None = None
+        self.t_pending: tuple[float, float] | None = None
         self.checked = check_bytes
         self.tensors: list[tuple[StateEntry, torch.Tensor]] = []
         self.prs: list[str] = []
@@ -331,11 +337,13 @@ class _ReplayContext:
         "_resized",
         "_recompute",
         "_suspects",
+        "_checked_after",
     )
 
     def __init__(self, inv: _Invocation, recompute: bool = False) -> None:
         self.inv = inv
         self._stage = 0
+        self._checked_after = False
         # checkpoint's recomputation (it checks saved tensors): None, else whether it stops
         # early (checkpoint reads that at the forward, when this context is made)
         self._recompute = _early_stop() if recompute else None
@@ -418,8 +426,9 @@ class _ReplayContext:
         inv.replaying = True
         eng._segment_depth += 1
         eng.last_replay = (rt, inv.step, inv.version)  # whose replay an error comes from
-        if self._recompute is not None:
-            _refusals_name_the_segment(inv)
+        self._checked_after = (
+            _refusals_name_the_segment(inv) if self._recompute is not None else False
+        )
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
@@ -478,7 +487,15 @@ class _ReplayContext:
             if eng.measure_costs and stage >= 4 and (eng._sync or not eng._cuda):
                 if eng._sync:
                     torch.cuda.synchronize(eng._cuda_device)
-                eng._record_replay_time(inv, clock(eng._cuda) - self._t0)
+                now = clock(eng._cuda)
+                seconds = now - self._t0
+                if inv.t_unpack is not None:  # checkpoint's work from backward reaching it
+                    seconds += max(self._t0 - inv.t_unpack, 0.0)
+                    inv.t_unpack = None
+                if self._checked_after:  # recorded when checkpoint's check has run
+                    inv.t_pending = (seconds, now)
+                else:
+                    eng._record_replay_time(inv, seconds)
 
     def _check_versions(self) -> None:
         inv = self.inv
@@ -570,14 +587,18 @@ def _replay_departed(inv: _Invocation, exc: BaseException | None) -> None:
     raise departed_error(inv.rt, inv.step, inv.version, exc) from exc
 
 
-def _refusals_name_the_segment(inv: _Invocation) -> None:
+def _refusals_name_the_segment(inv: _Invocation) -> bool:
     """Checkpoint refuses some departed recomputations only after this context has exited
     (the same number of saved tensors with other shapes or dtypes; fewer, with its early stop
     off): make that refusal the segment's ReplayError, with its record, wherever backward was
-    called from (a bare ``loss.backward()`` under ``install()`` too)."""
+    called from (a bare ``loss.backward()`` under ``install()`` too).
+
+    While costs are measured, the replay's time is recorded once that check has passed, with
+    checkpoint's work between the replay context's end and it (``inv.t_pending``). Returns
+    whether the check is wrapped (else the context records the time itself)."""
     frame = checkpoint_frame_recomputing()
     if frame is None or "check_recomputed_tensors_match" in vars(frame):
-        return
+        return False
     check = type(frame).check_recomputed_tensors_match
     ref = weakref.ref(frame)  # the frame holds this function: no cycle to outlive backward
     rt, step, version = inv.rt, inv.step, inv.version
@@ -587,8 +608,16 @@ def _refusals_name_the_segment(inv: _Invocation) -> None:
             check(ref(), gid)
         except CheckpointError as exc:
             raise departed_error(rt, step, version, exc) from exc
+        if inv.t_pending is not None:
+            seconds, exited = inv.t_pending
+            inv.t_pending = None
+            eng = rt.engine
+            if eng._sync:
+                torch.cuda.synchronize(eng._cuda_device)
+            eng._record_replay_time(inv, seconds + max(clock(eng._cuda) - exited, 0.0))
 
     frame.check_recomputed_tensors_match = checked
+    return True
 
 
 def replay_error_from(eng: Any, exc: BaseException) -> ReplayError | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -17,10 +18,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_replay._compat import tree_flatten, tree_unflatten
+from lightning_replay._compat import top_saved_tensors_hooks, tree_flatten, tree_unflatten
 from lightning_replay.checks import SegmentChecks
 from lightning_replay.contract import ReplayContract
-from lightning_replay.costs import clock
+from lightning_replay.costs import clock, saved_tensor_overhead
 from lightning_replay.errors import ContractViolation
 from lightning_replay.guards import Guard
 from lightning_replay.host_rng import as_host_rng, is_host_rng
@@ -76,6 +77,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.input_saved_bytes = 0
         self.state_keys: set = set()  # storages the probe saw as state (not activations)
         self._entry_plan: tuple | None = None  # restore._entry_plan's cache
+        if engine.measure_costs:
+            saved_tensor_overhead()  # measured once per process, outside any step
 
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -221,6 +224,11 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         inv, call, spec = self._prepare(args, kwargs, self.engine._check_bytes)
         eng = self.engine
         forward = self.orig_forward
+        # While costs are measured (calibration, or always when asked), checkpoint's own work
+        # around this call is timed in place too: its frame around the forward here, and in
+        # backward its work before and after the replay context (restore._ReplayContext).
+        timed = eng.measure_costs and (eng._sync or not eng._cuda)
+        inner = [0.0, None]  # the forward's own seconds, checkpoint's frame
 
         def fn(*flat: Any) -> Any:
             if inv.subs:
@@ -235,23 +243,51 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             if inv.replaying:
                 return forward(*a, **kw)
             eng._segment_depth += 1
+            if timed:
+                inner[1] = _forward_frame()
+                t_in = _timed_clock(eng)
             try:
                 out = forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
+            if timed:
+                inner[0] = _timed_clock(eng) - t_in
             if inv.shared:  # a shared whole copy this forward wrote is not exchanged at replay
                 inv.shared_writes = [t._version != sw.version for sw, t in inv.shared]
             return out
 
         # The global RNG is always preserved (torch's default): a segment may draw from it
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
-        return checkpoint(
+        if not timed:
+            return checkpoint(
+                fn,
+                *call,
+                use_reentrant=False,
+                preserve_rng_state=True,
+                context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True)),
+            )
+        t0 = _timed_clock(eng)
+        out = checkpoint(
             fn,
             *call,
             use_reentrant=False,
             preserve_rng_state=True,
             context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True)),
         )
+        inv.t_prep += _timed_clock(eng) - t0 - inner[0]
+        frame, inner[1] = inner[1], None  # (fn, which the frame keeps, must not keep it)
+        if frame is not None:
+            # per saved tensor: its pack hook now and its unpack hook in backward, which no
+            # timing point of the call sees (measured once on this machine)
+            inv.t_prep += len(frame.weak_holders) * saved_tensor_overhead()
+            recompute = frame.recompute_fn
+
+            def stamped(*a: Any) -> Any:  # backward reached this call: checkpoint's work begins
+                inv.t_unpack = _timed_clock(eng)
+                return recompute(*a)
+
+            frame.recompute_fn = stamped
+        return out
 
     def _violation(self, state: str, detail: str, inv: _Invocation) -> None:
         eng = self.engine
@@ -298,6 +334,32 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             "changing_state": [s.name for s in c.changing] if c else [],
             "options": c.available_options() if c else [],
         }
+
+
+def _timed_clock(eng: "ReplayEngine") -> float:
+    if eng._sync:
+        torch.cuda.synchronize(eng._cuda_device)
+    return clock(eng._cuda)
+
+
+def _forward_frame() -> Any | None:
+    """The frame of the ``torch.utils.checkpoint`` (non-reentrant) call whose forward is
+    running now (its pack hook is the innermost saved-tensor hook), or None where torch's
+    internals differ. Only read while costs are measured."""
+    hooks = top_saved_tensors_hooks()
+    if hooks is None:
+        return None
+    pack = inspect.unwrap(hooks[0])
+    try:
+        cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or ()))
+        frame = cells["frame"].cell_contents
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    if not (isinstance(getattr(frame, "weak_holders", None), list) and callable(
+        getattr(frame, "recompute_fn", None)
+    )):
+        return None
+    return frame
 
 
 def _aliased_changing(flat: list, changing: list) -> set | None:
