@@ -39,9 +39,11 @@ from lightning_replay.host_rng import (
     states,
 )
 from lightning_replay.restore import _Bound
+from lightning_replay.module_globals import describe, globals_read
 from lightning_replay.slots import (
     MODULE_INTERNALS,
     OutsideReads,
+    _at_forward,
     capture_generators,
     capture_slots,
     is_scalar,
@@ -291,6 +293,10 @@ class SegmentProbe:
         passed = [as_host_rng(x) for x in tree_flatten((args, kwargs))[0] if is_host_rng(x)]
         host_before = states(hosts + passed)
         peeked = _GlobalStateReads()
+        # module-level plain values the segment's code names, as before its forward
+        glob = [
+            (mod, name, _at_forward(mod.__dict__[name])) for mod, name in globals_read(self.modules)
+        ]
         eng._segment_depth += 1
         try:
             with (
@@ -310,10 +316,11 @@ class SegmentProbe:
         probe.host = [(r, s) for r, s in drawn if r not in passed]  # into the contract
         if replayed:  # with those passed in, which each call captures as its own
             probe.gens += drawn
-        known = {(id(m), k) for m, k in self.outside}
-        self.outside += [(m, k) for m, k in outside.reads if (id(m), k) not in known]
-        if replayed and outside.reads:
-            probe.outside = outside.first  # values as first read, before the segment wrote
+        known = {(id(vars(m)), k) for m, k in self.outside}  # a globals dict: one owner
+        reads = outside.reads + [(mod, name) for mod, name, _ in glob]
+        self.outside += [(m, k) for m, k in reads if (id(vars(m)), k) not in known]
+        if replayed and reads:  # values as first read, before the segment wrote
+            probe.outside = outside.first + [(mod.__dict__, name, v) for mod, name, v in glob]
         mode.finish_segment()
         for (argname, obj), tok in zip(objects, before):
             if _object_token(obj) != tok:
@@ -365,12 +372,15 @@ class SegmentProbe:
             top = top_saved_tensors_hooks()  # checkpoint's recomputation hooks
             pack_next, unpack_next = top if top is not None else (lambda t: t, lambda t: t)
             params = replay.params
+            acct = eng.accountant
 
             def pack(t: torch.Tensor) -> Any:
                 key = storage_key(t)
                 if key not in params:
                     replay.saved_tokens.append(digest_token(t))
-                if key is not None:  # all alive until backward reads them: keys are distinct
+                # all alive until backward reads them: keys are distinct. FSDP's gathered
+                # parameters are the base's (refilled since the forward, maybe elsewhere)
+                if key is not None and not (acct is not None and acct.elsewhere(t)):
                     replay.saved_bytes[key] = t.untyped_storage().nbytes()
                 return pack_next(t)
 
@@ -605,6 +615,8 @@ class SegmentProbe:
             if id(m) in names:
                 k = k[1] if isinstance(k, tuple) else k
                 out.append(f"{names[id(m)]}.{k}" if names[id(m)] else k)
+            else:  # a module-level value (module_globals.py)
+                out.append(describe(m, k))
         return sorted(out)
 
     def _entry_for(self, touch, refs: list[StateRef], eng: "ReplayEngine"):

@@ -661,9 +661,10 @@ def departed_error(
         f"segment {rt.name!r} (contract v{version}): its replay in backward took another "
         f"path than its forward of step {step} ({seen}), so this step's gradients cannot be "
         "computed from it. Its forward depends on something its contract does not restore: a "
-        "value read from outside the model (a module-level variable, the clock, a file), or a "
-        "random draw from a generator nobody passes to the segment. Make that value an "
-        "attribute of the model or an argument of the segment, or keep this segment's "
+        "value read from outside the model (held in a closure, an environment variable, the "
+        "clock, a file), or a random draw from a generator nobody passes to the segment. Make "
+        "that value an attribute of the model, a module-level value its code names, or an "
+        "argument of the segment, or keep this segment's "
         f"activations (preservation={{{rt.name!r}: 'retain'}}). Recorded as a divergence."
     )
 

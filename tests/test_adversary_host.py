@@ -39,6 +39,7 @@ from tests.test_adversary_probe import (
     Case,
     D,
     _branch_model,
+    outside_reader,
     _params,
     _seed,
     _train,
@@ -550,11 +551,12 @@ def _early_stop_off_step(model, x):
     (out.float() ** 2).mean().backward()
 
 
-_LEN = {"n": D}  # a module-level sequence length (a curriculum), stepped in the window
+_LEN = {"n": D}  # a sequence length (a curriculum) held in a closure, stepped in the window
+_len = outside_reader(_LEN)
 
 
 class Truncated(nn.Module):
-    """Reads the first ``_LEN['n']`` features: another length takes the same ops on other
+    """Reads the first ``_len('n')`` features: another length takes the same ops on other
     shapes (the same number of saved tensors, other metadata)."""
 
     def __init__(self) -> None:
@@ -562,7 +564,7 @@ class Truncated(nn.Module):
         self.w = nn.Parameter(torch.randn(D, D) * 0.2)
 
     def forward(self, x):
-        n = _LEN["n"]
+        n = _len("n")
         return torch.tanh(x[:, :n] @ self.w[:n])
 
 

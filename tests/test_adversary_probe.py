@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+import types
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -432,6 +433,76 @@ def _grl_model():
     return with_head(lambda: GradScale("global"), step_schedule)()
 
 
+# Module-level values of other shapes: a scalar rebound with ``global``, an attribute of an
+# imported settings module, an attribute of a module-level object, a value read by a helper
+# function the forward calls, and a counter the segment itself writes.
+_TEMP = 1.0
+settings = types.ModuleType("lr_adversary_settings")
+settings.lam = 1.0
+
+
+class _Flags:
+    pass
+
+
+FLAGS = _Flags()
+FLAGS.gain = 1.0
+_HELPER = {"s": 1.0}
+_CALLS = 0
+
+
+def _helper_scale(h):
+    return h * _HELPER["s"]
+
+
+class ModuleLevelReads(nn.Module):
+    """Reads each kind of module-level value; every one changes between forward and backward
+    (see ``_anneal_all``), and the counter is written by the forward itself."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.kind = kind
+
+    def forward(self, x):
+        global _CALLS
+        h = self.f(x)
+        # each value reaches a tensor autograd saves (a Python scalar operand would be kept
+        # in the graph node from the forward, and a replay could not change it)
+        if self.kind == "scalar":
+            return torch.tanh(h / _TEMP)
+        if self.kind == "settings_module":  # gradient-only: the output is h bit for bit
+            c = torch.full_like(h, settings.lam)
+            return h.detach() + c * (h - h.detach())
+        if self.kind == "object_attribute":
+            return torch.tanh(h * FLAGS.gain)
+        if self.kind == "helper_function":
+            return torch.tanh(_helper_scale(h))
+        _CALLS += 1  # "counter": written by the segment
+        return torch.tanh(h * (1.0 + 0.1 * _CALLS))
+
+
+def _module_level_model(kind: str) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        global _TEMP, _CALLS
+        _TEMP, settings.lam, FLAGS.gain, _HELPER["s"], _CALLS = 1.0, 1.0, 1.0, 1.0, 0
+
+        def anneal(m, x, y):  # after the segment, before backward
+            global _TEMP, _CALLS
+            _TEMP *= 1.5
+            settings.lam *= 0.5
+            FLAGS.gain *= 0.7
+            _HELPER["s"] *= 0.9
+            _CALLS += 3  # the loop bumps the counter too
+
+        return with_head(lambda: ModuleLevelReads(kind), anneal)()
+
+    return make
+
+
+MODULE_LEVEL = ("scalar", "settings_module", "object_attribute", "helper_function", "counter")
+
+
 class OwnerTemp(nn.Module):
     """Reads and anneals a temperature that lives on its owner (an unregistered reference)."""
 
@@ -593,6 +664,7 @@ CASES = {
     "outside_attribute_gradient_only": Case(lambda: OwnerModel(True), ("blk",)),
     "explicit_default_generator": Case(stack(DefaultGenerator), TWO),
     "global_schedule_gradient_only": Case(_grl_model, ("blk",)),
+    **{f"module_level_{k}": Case(_module_level_model(k), ("blk",)) for k in MODULE_LEVEL},
     "numpy_gradient_scaling": Case(stack(lambda: GradScale("numpy")), TWO),
     "numpy_noise": Case(stack(NumpyNoise), TWO),
     "python_random_stochastic_depth": Case(stack(PyStochasticDepth), TWO),
@@ -613,16 +685,14 @@ REJECTED = {
     "saved_queue_resized_after": Case(with_head(QueueMatmul, _grow_queue), ("blk",)),
 }
 #: where the probe can know the state: the replay must be exact, a record is not enough
-MUST_BE_EXACT = {"outside_attribute_written_by_segment", "explicit_default_generator"}
-
-XFAIL = {
-    # Steady replays (after the probe) only: the replayed probe's own replay catches these
-    # (its outputs and saved tensors are compared with the forward's).
-    (
-        "global_schedule_gradient_only",
-        "retained",
-    ): "module-level value read only by the gradient: steady replays silent",
+MUST_BE_EXACT = {
+    "outside_attribute_written_by_segment",
+    "explicit_default_generator",
+    "global_schedule_gradient_only",
+    *(f"module_level_{k}" for k in MODULE_LEVEL),
 }
+
+XFAIL: dict[tuple[str, str], str] = {}
 
 
 def _params(cases, xfail=None):
@@ -733,12 +803,19 @@ def test_double_backward_is_refused_clearly(kind):
 
 
 # --------------------------------------------------------------------------- departed replays
+def outside_reader(d: dict) -> Callable[[str], Any]:
+    """A function that reads ``d`` through a closure cell: a value no contract names (not an
+    attribute, not a module-level value), like an environment variable or the clock."""
+    return lambda key: d[key]
+
+
 _BRANCH = {"on": False}
+_branch = outside_reader(_BRANCH)
 
 
 class GlobalBranch(nn.Module):
-    """Branches on a module-level flag the step flips after the segment: its replay takes the
-    other path. ``more``: the other path does more work (checkpoint refuses it mid-replay);
+    """Branches on a flag held in a closure that the step flips after the segment: its replay
+    takes the other path. ``more``: the other path does more work (checkpoint refuses it mid-replay);
     otherwise it skips the block (the replay saves fewer tensors than the forward did)."""
 
     def __init__(self, more: bool) -> None:
@@ -747,7 +824,7 @@ class GlobalBranch(nn.Module):
         self.more = more
 
     def forward(self, x):
-        if _BRANCH["on"]:
+        if _branch("on"):
             return x + self.f(torch.tanh(self.f(x))) if self.more else x * 1.0
         return x + self.f(x)
 
@@ -767,8 +844,8 @@ def _branch_model(more: bool) -> Callable[[], nn.Module]:
 @pytest.mark.parametrize("more", [True, False], ids=["more_work", "skipped"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_replay_that_takes_another_path_is_raised_with_a_record(kind, more):
-    """A steady replay whose forward depends on a value outside the model (here a module-level
-    flag flipped between forward and backward) takes another branch: the step cannot be
+    """A steady replay whose forward depends on a value outside the model (here a flag held in
+    a closure, flipped between forward and backward) takes another branch: the step cannot be
     computed. It is refused with a ReplayError naming the segment (never checkpoint's raw
     CheckpointError), after a divergence record of kind 'replay'."""
     case = Case(_branch_model(more), ("blk",), steps=6)

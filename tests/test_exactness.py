@@ -1066,7 +1066,16 @@ def test_checked_steps_leak_none_of_the_replays_side_effects(preservation):
     assert {r.outcome for r in grad_checks} == {"match"}, grad_checks
 
 
-_KNOB = {"gain": 1.0}  # module-level state: out of scope, the replay cannot see it change
+_KNOB = {"gain": 1.0}
+
+
+def _closure_reader(d: dict):
+    return lambda key: d[key]
+
+
+#: read through a closure cell: out of scope (a module-level value the forward named itself
+#: would be in its contract), the replay cannot see it change
+_knob = _closure_reader(_KNOB)
 
 
 class GlobalKnob(nn.Module):
@@ -1075,7 +1084,7 @@ class GlobalKnob(nn.Module):
         self.lin = nn.Linear(D, D)
 
     def forward(self, x):
-        return x + _KNOB["gain"] * torch.tanh(self.lin(x))
+        return x + _knob("gain") * torch.tanh(self.lin(x))
 
 
 class TurnsTheKnob(Stack):

@@ -208,13 +208,17 @@ def test_tensor_repointed_after_the_forward_is_pointed_back_for_the_probe_replay
     assert len(_bytes_records(engine, "match")) == 2
 
 
-#: a module-level setting: no slot, attribute or tensor of the model holds it
+#: a setting read through a closure: no slot, attribute, module-level name or tensor holds it
 SETTING = {"scale": 1.0}
 
 
+def _setting(key: str, _d: dict = SETTING) -> float:
+    return (lambda: _d[key])()  # a closure cell and a default: nothing a contract names
+
+
 class ReadsGlobal(nn.Module):
-    """Reads a module-level setting that the step changes after the forward: nothing of the
-    model holds it, so no probe can put it back; its replay's outputs differ from the
+    """Reads a setting that the step changes after the forward, through a closure: nothing
+    of the model holds it, so no probe can put it back; its replay's outputs differ from the
     forward's."""
 
     def __init__(self) -> None:
@@ -222,7 +226,50 @@ class ReadsGlobal(nn.Module):
         self.fc = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc(x) * SETTING["scale"])
+        return torch.tanh(self.fc(x) * _setting("scale"))
+
+
+#: a module-level setting: the forward names it, so its contract does
+MODULE_SETTING = {"scale": 1.0}
+
+
+class ReadsModuleSetting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) * MODULE_SETTING["scale"])
+
+
+@pytest.mark.parametrize("budget", [None, HUGE], ids=["retained_probe", "replayed_probe"])
+def test_a_module_level_setting_changed_after_the_forward_is_put_back_for_the_replay(budget):
+    """The value the forward read, not the one the step set after it: every replay (the
+    probe's and the steady ones) trains what plain PyTorch trains, with no record."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ReadsModuleSetting(), nn.Linear(16, 1))
+    ref = copy.deepcopy(model)
+    engine = lr.install(model, ["0"], budget=budget, on_violation="raise")
+    try:
+        for m in (ref, model):
+            MODULE_SETTING["scale"] = 1.0
+            for step in range(4):
+                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+                out = m(x)
+                MODULE_SETTING["scale"] *= 0.5  # annealed between forward and backward
+                m.zero_grad()
+                out.pow(2).mean().backward()
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p -= 0.1 * p.grad
+    finally:
+        MODULE_SETTING["scale"] = 1.0
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+    assert engine.summary()["0"]["replays"] >= 3
+    assert [r for r in engine.records.read() if r.outcome != "match"] == []
+    assert [a.rsplit(".", 2)[-2:] for a in engine.contracts["0"].outside_attrs] == [
+        ["test_memory_probe", "MODULE_SETTING"]
+    ]
 
 
 def test_a_probe_replay_that_differs_is_a_recorded_divergence_never_silent():

@@ -594,6 +594,15 @@ def test_replan_before_the_probe_answers_none_and_keeps_the_new_budget(tmp_path)
 _SHAPE_FLAG = {"summed": False}
 
 
+def _closure_reader(d: dict):
+    return lambda key: d[key]
+
+
+#: the flag read through a closure cell, which no contract names (a module-level value the
+#: forward named itself would be put back for the replay)
+_shape_flag = _closure_reader(_SHAPE_FLAG)
+
+
 class _ShapeBranch(nn.Module):
     """Two paths that save the same number of tensors for backward with other shapes: the
     error torch's checkpoint raises after the replay, which the replay context cannot see."""
@@ -604,7 +613,7 @@ class _ShapeBranch(nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
-        if _SHAPE_FLAG["summed"]:
+        if _shape_flag("summed"):
             h = h.sum(0, keepdim=True)
         return x + torch.sin(h)  # saves h: (batch, DIM) or (1, DIM)
 
@@ -618,7 +627,7 @@ class _FlippedBetweenForwardAndBackward(L.LightningModule):
     def training_step(self, batch, batch_idx):
         out = self.head(self.blk(batch[0]))
         if self.global_step >= 2:  # after the probe: a steady replay sees the flip
-            _SHAPE_FLAG["summed"] = not _SHAPE_FLAG["summed"]  # module-level: no guard sees it
+            _SHAPE_FLAG["summed"] = not _SHAPE_FLAG["summed"]  # no guard sees it
         return out.pow(2).mean()
 
     def configure_optimizers(self):

@@ -1,0 +1,168 @@
+"""Module-level values a segment's code reads: part of its contract.
+
+A forward may read a value that lives at module level instead of on a module: a gradient-reversal
+coefficient the training loop steps (``GRL["lambda"] *= 0.9``), a global schedule, a feature
+flag. No guard sees such a value change, and a replay that reads the new one computes another
+gradient than the forward's, silently. The bytecode names those reads: ``LOAD_GLOBAL`` (and
+``STORE_GLOBAL``) in the methods of the segment's module classes and, one call down, in the
+module-level functions they name. :func:`globals_read` returns the ones whose values can change
+unseen, plain values (numbers, strings, enums, small containers of them), as ``(module, name)``
+pairs. The engine treats them like attributes read from modules outside the segment
+(:func:`lightning_replay.slots.capture_outside`): captured at every forward, put back for the
+replay and restored after it.
+
+Example:
+    >>> import torch
+    >>> SCALE = {"lam": 1.0}
+    >>> class Grl(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x.detach() + SCALE["lam"] * (x - x.detach())
+    >>> [name for _, name in globals_read([Grl()])]
+    ['SCALE']
+
+Reads one attribute down are found too: ``settings.lam`` of an imported module of the user's,
+``FLAGS.on`` of a module-level object.
+"""
+
+from __future__ import annotations
+
+import dis
+import sys
+import types
+from typing import Any, Iterable
+
+from torch import nn
+
+from lightning_replay.slots import MISSING, copy_plain, is_scalar
+
+#: Code from these packages keeps no training state at module level.
+_LIBRARY_ROOTS = ("torch", "numpy", "math", "builtins", "typing", "functools", "collections", "abc")
+_MAX_ITEMS = 64  # a larger module-level container is copied every call: left out
+_DEPTH = 1  # module-level functions followed this many calls down
+
+
+def _library(module_name: str | None) -> bool:
+    root = (module_name or "").split(".", 1)[0]
+    return root in _LIBRARY_ROOTS
+
+
+def _codes(code: types.CodeType) -> Iterable[types.CodeType]:
+    yield code
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from _codes(c)
+
+
+def _global_names(fn: types.FunctionType) -> tuple[set[str], set[tuple[str, str]]]:
+    """The module-level names ``fn`` reads or writes, and the ``(name, attribute)`` pairs it
+    reads one attribute down (``settings.lam``, ``FLAGS.on``)."""
+    names: set[str] = set()
+    attrs: set[tuple[str, str]] = set()
+    for code in _codes(fn.__code__):
+        prev = None
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("LOAD_GLOBAL", "STORE_GLOBAL") and isinstance(ins.argval, str):
+                names.add(ins.argval)
+            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and prev is not None:
+                if prev.opname == "LOAD_GLOBAL" and isinstance(ins.argval, str):
+                    attrs.add((prev.argval, ins.argval))
+            if ins.opname not in ("CACHE", "EXTENDED_ARG"):
+                prev = ins
+    return names, attrs
+
+
+class Globals:
+    """Stands for a globals dict no module in ``sys.modules`` owns (code run by ``exec``, a
+    doctest): its ``__dict__`` is that dict, which is what capture_outside swaps in."""
+
+    def __init__(self, d: dict) -> None:
+        self.__dict__ = d
+
+    def __repr__(self) -> str:
+        return f"<globals of {self.__dict__.get('__name__', '?')}>"
+
+
+def _owner(fn: types.FunctionType) -> Any:
+    """The module whose ``__dict__`` is ``fn``'s globals, else a :class:`Globals` for it."""
+    mod = sys.modules.get(getattr(fn, "__module__", None) or "")
+    return mod if mod is not None and mod.__dict__ is fn.__globals__ else Globals(fn.__globals__)
+
+
+def _plain(value: Any) -> bool:
+    if is_scalar(value):
+        return True
+    if type(value) in (list, dict, set, tuple):
+        return len(value) <= _MAX_ITEMS and copy_plain(value) is not MISSING
+    return False
+
+
+def _functions(cls: type) -> Iterable[types.FunctionType]:
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or _library(klass.__module__):
+            continue
+        for v in vars(klass).values():
+            fn = getattr(v, "__func__", v)  # static and class methods too
+            if isinstance(fn, property):
+                fn = fn.fget
+            fn = getattr(fn, "__wrapped__", fn)
+            if isinstance(fn, types.FunctionType):
+                yield fn
+
+
+def _holder(value: Any) -> bool:
+    """A module-level object whose attributes a forward may read as settings: a module or a
+    plain instance (not a class, a function, an nn.Module or a tensor)."""
+    if isinstance(value, types.ModuleType):
+        return not _library(value.__name__)
+    return (
+        not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, nn.Module))
+        and type(value).__module__ is not None
+        and not _library(type(value).__module__)
+        and isinstance(getattr(value, "__dict__", None), dict)
+    )
+
+
+def globals_read(modules: Iterable[nn.Module]) -> list[tuple[Any, str]]:
+    """The module-level plain values the code of ``modules``' classes reads or writes, each
+    once, as ``(owner, name)``: a module and a global name, or a module-level object (or an
+    imported module) and the attribute read from it. Library code (torch's) is left out."""
+    out: dict[tuple[int, str], tuple[Any, str]] = {}
+    seen: set[int] = set()
+    todo = [(fn, 0) for cls in {type(m) for m in modules} for fn in _functions(cls)]
+    while todo:
+        fn, depth = todo.pop()
+        if id(fn.__code__) in seen or _library(fn.__module__):
+            continue
+        seen.add(id(fn.__code__))
+        owner = _owner(fn)
+        names, attrs = _global_names(fn)
+        for name in names:
+            value = fn.__globals__.get(name, MISSING)
+            if value is MISSING or name.startswith("__"):
+                continue
+            if isinstance(value, types.FunctionType):
+                if depth < _DEPTH:
+                    todo.append((value, depth + 1))
+            elif _plain(value):
+                out.setdefault((id(vars(owner)), name), (owner, name))
+        for name, attr in attrs:
+            holder = fn.__globals__.get(name, MISSING)
+            if holder is MISSING or attr.startswith("__") or not _holder(holder):
+                continue
+            value = vars(holder).get(attr, MISSING)
+            if value is not MISSING and _plain(value):
+                out.setdefault((id(vars(holder)), attr), (holder, attr))
+    return sorted(out.values(), key=lambda p: (_label(p[0]), p[1]))
+
+
+def _label(owner: Any) -> str:
+    if isinstance(owner, types.ModuleType):
+        return owner.__name__
+    if isinstance(owner, Globals):
+        return str(owner.__dict__.get("__name__", "?"))
+    return type(owner).__qualname__
+
+
+def describe(owner: Any, name: str) -> str:
+    """How a contract names a module-level value: ``module.name`` or ``Type.name``."""
+    return f"{_label(owner)}.{name}"
