@@ -1,0 +1,63 @@
+"""Which module-level values a segment's contract names (lightning_replay/module_globals.py)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from lightning_replay.module_globals import describe, globals_read
+
+SCHEDULE = {"lam": 1.0}
+TEMP = 0.5
+BIG = list(range(1000))  # copied every call if named: left out
+TENSORS = {"w": torch.zeros(2)}  # not a plain value: left out
+settings = types.ModuleType("user_settings")
+settings.gain = 2.0
+settings.table = torch.ones(1)
+
+
+class _Cfg:
+    pass
+
+
+CFG = _Cfg()
+CFG.flag = True
+
+
+def helper(x):
+    return x * TEMP
+
+
+def _reader(d):
+    return lambda k: d[k]
+
+
+hidden = _reader({"k": 1.0})
+
+
+class Reads(nn.Module):
+    def forward(self, x):
+        y = helper(x) * SCHEDULE["lam"] + len(BIG) + TENSORS["w"].sum()
+        y = y * settings.gain + settings.table * CFG.flag
+        return torch.relu(y) * hidden("k")  # relu: torch's own code, nothing of its own
+
+
+def _names(modules):
+    return sorted(describe(o, n).rsplit(".", 1)[-1] for o, n in globals_read(modules))
+
+
+def test_names_what_the_code_reads_and_leaves_out_what_cannot_change_unseen_or_is_costly():
+    assert _names([Reads(), nn.ReLU(), nn.Linear(2, 2)]) == ["SCHEDULE", "TEMP", "flag", "gain"]
+
+
+def test_owners_are_the_dicts_the_code_reads_from():
+    pairs = {n: o for o, n in globals_read([Reads()])}
+    assert vars(pairs["SCHEDULE"])["SCHEDULE"] is SCHEDULE
+    assert pairs["gain"] is settings and pairs["flag"] is CFG
+    assert describe(settings, "gain") == "user_settings.gain"
+
+
+def test_library_modules_name_nothing():
+    assert globals_read([nn.TransformerEncoderLayer(8, 2, 16), nn.BatchNorm1d(4)]) == []
