@@ -5,6 +5,11 @@ storage once: tensors autograd saves outside replayed segments (a saved-tensors 
 packed handle gives its bytes back when autograd frees it), checkpoint inputs and preserved
 snapshots and region logs held by the engine, and, while a segment replays, the activations it
 re-materializes (its probe-measured ``A(s)``, until the next replay or the end of backward).
+Each replayed call also holds what ``torch.utils.checkpoint`` keeps for it with
+``preserve_rng_state=True`` (the engine always preserves the global RNG): the CPU generator's
+state, 5,056 bytes, and the state of each accelerator device its tensors are on, all host
+tensors (:func:`checkpoint_rng_bytes`). On a CPU model that is real memory a recomputed segment
+holds that a retained one does not, so the costs charge it and the accountant holds it per call.
 Parameters and buffers are static and belong to the base. So do storages the caller counts
 elsewhere (:attr:`MemoryAccountant.counted_elsewhere`): under FSDP2 a segment saves the
 *gathered* parameters it multiplies by, whose memory FSDP allocates and frees on its own schedule
@@ -14,12 +19,53 @@ leave them out too, so the plan's costs and the accountant's figures agree.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
 from lightning_replay.errors import SavedTensorModified
 from lightning_replay.state import storage_key
+
+
+_HOST_RNG_BYTES: dict[str, int] = {}  # generator state bytes per device type (fixed sizes)
+
+
+def checkpoint_rng_bytes(tensors: Iterable[torch.Tensor], memory: torch.device | str) -> int:
+    """Bytes of ``memory`` (the device whose memory the budget is about) that one call of
+    ``torch.utils.checkpoint(..., preserve_rng_state=True)`` on ``tensors`` holds until its
+    backward: its saved generator states.
+
+    Checkpoint keeps ``torch.get_rng_state()`` (the CPU generator's state, 5,056 bytes for
+    torch's Mersenne Twister) and, for each accelerator device one of ``tensors`` is on when
+    that device's runtime is initialized, that device's ``get_rng_state()``. All of them are
+    CPU tensors: they count against a budget of host memory (a CPU model) and not against an
+    accelerator's (where they cost nothing on the device).
+
+    Example:
+        >>> checkpoint_rng_bytes([torch.zeros(2)], "cpu") == torch.get_rng_state().nbytes
+        True
+        >>> checkpoint_rng_bytes([torch.zeros(2)], "cuda")  # host bytes, not the GPU's
+        0
+    """
+    if torch.device(memory).type != "cpu":
+        return 0
+    total = _host_rng_bytes("cpu")
+    for kind, index in {(t.device.type, t.device.index) for t in tensors} - {("cpu", None)}:
+        module = getattr(torch, kind, None)
+        if kind == "meta" or not getattr(module, "_initialized", False):
+            continue  # checkpoint does not initialize a device's runtime to read its state
+        total += _host_rng_bytes(kind, index)
+    return total
+
+
+def _host_rng_bytes(kind: str, index: int | None = None) -> int:
+    nbytes = _HOST_RNG_BYTES.get(kind)
+    if nbytes is None:
+        state = (
+            torch.get_rng_state() if kind == "cpu" else getattr(torch, kind).get_rng_state(index)
+        )
+        nbytes = _HOST_RNG_BYTES[kind] = state.nbytes
+    return nbytes
 
 
 class MemoryAccountant:
@@ -63,11 +109,18 @@ class MemoryAccountant:
             self.current -= entry[1]
             self.by_tag[entry[2]] -= entry[1]
 
+    def elsewhere(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is counted in the base by someone else (FSDP's gathered
+        parameters). A measurement of a segment's activation bytes leaves these out too: they
+        are identified by storage object, not by address, since FSDP frees and refills them
+        between a forward and its replay (the refilled storage may lie at another address)."""
+        return self.counted_elsewhere is not None and self.counted_elsewhere(t)
+
     def hold_tensor(self, t: torch.Tensor, tag: str | None = None) -> Hashable | None:
         key = storage_key(t)
         if key is None or key in self.static:
             return None
-        if self.counted_elsewhere is not None and self.counted_elsewhere(t):
+        if self.elsewhere(t):
             return None
         self.hold(key, t.untyped_storage().nbytes(), tag)
         return key

@@ -88,17 +88,20 @@ def _nondeterministic(t: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _saving_counted(saved: dict, exclude: set, where: str, namer: Callable) -> Iterator[None]:
-    """Count the storages autograd saves inside the block (each once, ``exclude`` left out)
-    into ``saved``, handing each tensor on to the saved-tensor hooks already active (the
-    memory accountant's) or, without any, to a version-checked :class:`Saved` handle."""
+def _saving_counted(
+    saved: dict, exclude: set, where: str, namer: Callable, acct: Any = None
+) -> Iterator[None]:
+    """Count the storages autograd saves inside the block (each once, ``exclude`` left out,
+    and those the accountant ``acct`` counts elsewhere: FSDP's gathered parameters) into
+    ``saved``, handing each tensor on to the saved-tensor hooks already active (the memory
+    accountant's) or, without any, to a version-checked :class:`Saved` handle."""
     # torch-private, but what torch.utils.checkpoint itself uses to find the active hooks
     top = top_saved_tensors_hooks()
     outer_pack, outer_unpack = top if top is not None else (None, None)
 
     def pack(t: torch.Tensor) -> Any:
         key = storage_key(t)
-        if key is not None and key not in exclude:
+        if key is not None and key not in exclude and not (acct is not None and acct.elsewhere(t)):
             saved[key] = t.untyped_storage().nbytes()
         return outer_pack(t) if outer_pack is not None else Saved(t, where, namer)
 
@@ -181,7 +184,9 @@ class SegmentChecks:
         exclude = self.state_keys | {storage_key(t) for t in tensor_leaves((args, kwargs))}
         eng._segment_depth += 1
         try:
-            with _saving_counted(saved, exclude, f"segment {self.name!r}", eng.state_name):
+            with _saving_counted(
+                saved, exclude, f"segment {self.name!r}", eng.state_name, eng.accountant
+            ):
                 out = self.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
