@@ -140,6 +140,70 @@ def _holder_values(v: Any) -> dict:
     return out
 
 
+def _holder_signature(d: dict) -> tuple:
+    """Which object each attribute of a holder holds (names and ids, C-level tuples)."""
+    return tuple(d), tuple(map(id, d.values()))
+
+
+def _containers_unchanged(d: dict, saved: dict, containers: tuple) -> bool:
+    return all(same_value(saved[c], d[c]) for c in containers)
+
+
+# Per module and attribute name: the last capture of a plain holder object it holds (a config
+# namespace such as transformers' ``PretrainedConfig``, dozens of attributes read by every
+# layer), as (holder, values at forward, signature, container attribute names).
+_HOLDERS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _capture_holder(module: nn.Module, name: str, obj: Any) -> tuple:
+    """The values of ``obj``'s attributes now, shared with the module's last capture of it
+    when every attribute still holds the same object and every container attribute the same
+    contents (the objects are kept alive by that capture, so equal ids are the same objects;
+    immutable values cannot have changed; containers are compared by value). Captures are
+    never mutated: a replay gets fresh copies of the containers (:func:`_swap_holder`)."""
+    d = obj.__dict__
+    sig = _holder_signature(d)
+    cache = _HOLDERS.get(module)
+    prev = cache.get(name) if cache is not None else None
+    if (
+        prev is not None
+        and prev[0] is obj
+        and prev[2] == sig
+        and _containers_unchanged(d, prev[1], prev[3])
+    ):
+        return prev
+    containers = tuple(k for k, x in d.items() if type(x) in (list, dict, set))
+    entry = (obj, _holder_values(obj), sig, containers)
+    if cache is None:
+        cache = _HOLDERS[module] = {}
+    cache[name] = entry
+    return entry
+
+
+def _swap_holder(entry: tuple) -> dict | None:
+    """Put a holder's attributes back as captured; returns the live values it replaced.
+    Containers go back as fresh copies of their forward contents: a replay that mutates one
+    must reach neither the live container nor the capture, which later calls may share."""
+    obj, saved, sig, containers = entry
+    d = obj.__dict__
+    if _holder_signature(d) == sig:  # every attribute holds its forward object
+        prev = None
+        for c in containers:
+            v = saved[c]
+            if v is not d[c]:  # (else a set of objects, which _at_forward keeps as it is)
+                if prev is None:
+                    prev = {}
+                prev[c] = d[c]
+                d[c] = _at_forward(v)
+        return prev
+    prev = _swap_dict(d, saved)
+    if prev:
+        for c in containers:
+            if c in prev and d.get(c, MISSING) is saved[c]:
+                d[c] = _at_forward(saved[c])
+    return prev
+
+
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -206,6 +270,7 @@ class ModuleSlots:
         "gens",
         "ids",
         "plain",
+        "holder_entries",
     )
 
     def __init__(self, module: nn.Module, ids: tuple | None = None) -> None:
@@ -225,6 +290,7 @@ class ModuleSlots:
                 with torch.no_grad():
                     layout[("b", k)] = (v._version, v.detach().clone())
         copies = shallow = holders = gens = None
+        self.holder_entries: list[tuple] | None = None
         for k in _attr_plan(module, d):
             v = attrs[k]
             t = type(v)
@@ -258,8 +324,10 @@ class ModuleSlots:
                 # a plain object the module holds (a config shared with the root...): the
                 # values of its attributes at forward
                 if holders is None:
-                    holders = []
-                holders.append((v, _holder_values(v)))
+                    holders, self.holder_entries = [], []
+                entry = _capture_holder(module, k, v)
+                holders.append(entry[:2])
+                self.holder_entries.append(entry)
         self.layout = layout
         self.copies = copies
         self.shallow = shallow
@@ -277,7 +345,8 @@ def capture_slots(
     if at hand. ``last``: per module, its last capture while its slots have always held the
     same objects (``MISSING`` before the first one, ``None`` once they were seen to change:
     rebound state, annealed values); updated in place. A module whose slots hold the same
-    objects as at that capture, with nothing else to put back, shares it (captures are never
+    objects as at that capture, with nothing else to put back (or only plain holder objects
+    whose attributes hold the same objects and contents), shares it (captures are never
     mutated): the forward of a steady model copies no dicts. Modules seen to change are
     captured afresh every time, so no stale capture keeps old objects alive between steps.
     """
@@ -285,14 +354,39 @@ def capture_slots(
     for i, m in enumerate(modules):
         ids = identities(m.__dict__) if ids_now is None else ids_now[i]
         prev = MISSING if last is None else last[i]
-        if prev is not None and prev is not MISSING and prev.ids == ids:
+        if (
+            prev is not None
+            and prev is not MISSING
+            and prev.ids == ids
+            and (prev.plain or _holders_current(prev.holder_entries))
+        ):
             out.append(prev)
             continue
         s = ModuleSlots(m, ids)
         if last is not None:
-            last[i] = s if s.plain and prev is MISSING else None
+            last[i] = s if _shareable(s) and prev is MISSING else None
         out.append(s)
     return out
+
+
+def _shareable(s: ModuleSlots) -> bool:
+    """A capture that stands for a later moment with the same slot objects: nothing else to
+    put back (``plain``), or only holder objects, re-checked at each share."""
+    return s.plain or (
+        s.layout is None and s.copies is None and s.shallow is None and bool(s.holder_entries)
+    )
+
+
+def _holders_current(entries: list[tuple] | None) -> bool:
+    """Whether every holder still holds the objects and container contents it was captured
+    with (then its capture stands for now)."""
+    if not entries:
+        return False
+    for obj, saved, sig, containers in entries:
+        d = obj.__dict__
+        if _holder_signature(d) != sig or not _containers_unchanged(d, saved, containers):
+            return False
+    return True
 
 
 def _swap_dict(
@@ -361,12 +455,11 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
                 if type(cur) is type(saved) and not same_value(cur, saved):
                     out.append((d, {k: cur}))
                     d[k] = type(saved)(saved)  # the objects each item held at forward
-        if s.holders:
-            for obj, saved in s.holders:
-                hd = obj.__dict__
-                prev = _swap_dict(hd, saved)
+        if s.holder_entries:
+            for entry in s.holder_entries:
+                prev = _swap_holder(entry)
                 if prev:
-                    out.append((hd, prev))
+                    out.append((entry[0].__dict__, prev))
     return out
 
 
