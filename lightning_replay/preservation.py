@@ -249,6 +249,8 @@ def redo(entries: list[RegionEntry]) -> None:
         e.swap()
 
 
+_storage_of = torch.Tensor.untyped_storage
+
 _POOL_LIMIT = 1 << 16  # bytes: snapshots up to this size reuse their buffers (SnapshotPool)
 
 
@@ -262,13 +264,22 @@ class SnapshotPool:
     Idle spares are at most ``2 * _POOL_LIMIT`` bytes per segment, held between steps.
     """
 
-    __slots__ = ("key", "views", "sizes", "spare")
+    __slots__ = ("key", "views", "sizes", "spare", "fits")
 
     def __init__(self) -> None:
+        #: per tensor, its storage's identity (the ``StorageImpl``: ``_cdata``) and size when
+        #: the views were made; the views keep those storages alive, so no other storage can
+        #: have the same identity while they exist
         self.key: tuple | None = None
         self.views: list[torch.Tensor] = []
         self.sizes: list[int] = []
         self.spare: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self.fits = False  # at most _POOL_LIMIT bytes, one device: reused
+
+    def current(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` are on the storages, of the sizes, that the views were made of
+        (then each view is its tensor's whole storage: same storage object, same bytes)."""
+        return tuple([(st._cdata, st.nbytes()) for st in map(_storage_of, tensors)]) == self.key
 
     def buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.spare:
@@ -316,13 +327,15 @@ class WholeSnapshot:
         self._pool = None
         self._spent: tuple | None = None
         if pool is not None:
-            sts = [t.untyped_storage() for t in tensors]
-            key = tuple((st._cdata, st.nbytes(), st.device) for st in sts)
-            if key != pool.key:
-                pool.key, pool.spare = key, []
+            if not pool.current(tensors):
+                pool.key = tuple([(st._cdata, st.nbytes()) for st in map(_storage_of, tensors)])
+                pool.spare = []
                 pool.views = [storage_bytes(t) for t in tensors]
                 pool.sizes = [v.numel() for v in pool.views]
-            if sum(pool.sizes) <= _POOL_LIMIT and len({k[2] for k in key}) == 1:
+                pool.fits = (
+                    sum(pool.sizes) <= _POOL_LIMIT and len({v.device for v in pool.views}) == 1
+                )
+            if pool.fits:
                 self._pool = pool
                 self.views = pool.views
                 buf = pool.buffer()
@@ -352,6 +365,18 @@ class WholeSnapshot:
 
     def swap_in(self) -> None:
         """Put the snapshot's bytes into the live storages; the snapshot keeps the live ones."""
+        pool = self._pool
+        if (
+            pool is not None
+            and pool.views is self.views
+            and pool.current(self.tensors)
+            and [(t.storage_offset(), t.shape, t.stride()) for t in self.tensors] == self.metas
+        ):
+            # every tensor on the storage (same storage object, same size) and view it had at
+            # forward: the pool's views are the live storages
+            with torch.no_grad():
+                self._swap_pooled(pool)
+            return
         pairs = []
         moved = self._moved
         same = True  # every tensor on the storage it had at forward, unchanged
@@ -370,16 +395,8 @@ class WholeSnapshot:
                     moved.append((t, (st, t.storage_offset(), t.shape, t.stride())))
                     t.set_(snap.clone().untyped_storage(), *meta)
                     same = False
-            pool = self._pool
             if same and pool is not None and pool.views is self.views:
-                # the live bytes into a spare buffer, the snapshot into the live storages
-                spare = pool.buffer()
-                torch._foreach_copy_(spare[1], self.views)
-                torch._foreach_copy_(self.views, self.snaps)
-                self._spent = self.buffers[0]
-                self.buffers = [spare]
-                self.snaps = spare[1]
-                self._batches.append((self.views, self.snaps))
+                self._swap_pooled(pool)
                 return
             batch: tuple[list, list] = ([], [])
             room = _SWAP_CHUNK
@@ -397,6 +414,16 @@ class WholeSnapshot:
                 room -= n
             if batch[0]:
                 self._swap_batch(*batch)
+
+    def _swap_pooled(self, pool: SnapshotPool) -> None:
+        # the live bytes into a spare buffer, the snapshot into the live storages
+        spare = pool.buffer()
+        torch._foreach_copy_(spare[1], self.views)
+        torch._foreach_copy_(self.views, self.snaps)
+        self._spent = self.buffers[0]
+        self.buffers = [spare]
+        self.snaps = spare[1]
+        self._batches.append((self.views, self.snaps))
 
     def _swap_batch(self, live: list[torch.Tensor], snaps: list[torch.Tensor]) -> None:
         tmp = torch.cat(live)
