@@ -128,7 +128,14 @@ class ReplayEngine:
         self._truth_pending = False
         self._truth_peak: int | None = None
         self._truth_hook: Any = None
-        self._truth_rounds = 0
+        self._truth_rounds = 0  # steps measured so far
+        self._truth_off = False  # another profiler refused ours: measure nothing more
+        self._next_truth = 0  # the step of the next periodic measurement
+        self._truth_gap = self.TRUTH_EVERY[0]
+        self._truth_plan: _planner.Plan | None = None  # the plan the measured step ran
+        self._truth_opt = 0  # tracked optimizers' state bytes when the measured step began
+        self._truth_checked = False  # whether the last step began was derivative-checked
+        self._over_budget_warned = -1  # the plan version last warned for a real overrun
         self._optimizers: list[Any] = []
         self._residual = 0  # bytes a measured step held beyond the accountant's figures
         self._ranks_base: int | None = None  # the largest real base over the ranks (a strategy)
@@ -603,6 +610,8 @@ class ReplayEngine:
                 asked = self._check_next or (True, False, None)
                 self._check_next = (True, asked[1], asked[2])
         self._maybe_plan()
+        if self.plan is not None and self.step >= self._next_truth:
+            self._measure_plan(periodic=True)  # state that grows later is seen, too
         if (
             self._truth_pending
             and self.accountant is not None
@@ -611,12 +620,14 @@ class ReplayEngine:
         ):
             self._truth_pending = False
             self._truth_rounds += 1
+            self._truth_plan = self.plan
             self._start_truth()
         self.step += 1
         self.host_watch.begin()
         self._replays_this_step = 0
         chk, self._check_next = self._check_next, None
         self._check_grad, self._check_bytes = chk[:2] if chk else (False, False)
+        self._truth_checked = self._check_grad  # a checked step holds more than the plan says
         self._checked = self._select_checked(chk[2]) if self._check_grad else frozenset()
         self._cuda = _first_param_is_cuda(self.model)
         self._cuda_device = _model_cuda_device(self.model) if self._cuda else None
@@ -691,24 +702,52 @@ class ReplayEngine:
 
     # ---------------------------------------------------------------- internal
     def _settle_real_peak(self) -> None:
-        """After a measured step (CPU) or any planned step (CUDA): fold what the step held
-        beyond the accountant's figures into the base, and re-plan if the plan no longer
-        fits the budget."""
+        """After a measured step (CPU: the first steps of each plan, the calibration's warm-up
+        steps, then now and then) or any planned step (CUDA): fold what the step held beyond
+        the engine's figures into the base, re-plan if the plan no longer fits the budget, and
+        warn if the step's real peak went over it."""
         acct = self.accountant
-        if acct is None or self.plan is None or not self.real_peak:
+        if acct is None or not self.real_peak:
             return
         accounted = self._static_bytes() + acct.peak
         if self._truth is not None:
             self._stop_truth(self._truth)
+        plan = self._truth_plan if self._truth_peak is not None else self.plan
         if self._truth_peak is not None:
             real, self._truth_peak = self._truth_peak, None
-        elif self._cuda and self._cuda_device is not None and self._last_step:
-            real = int(torch.cuda.max_memory_allocated(self._cuda_device))
+        elif self.plan is not None and self._cuda and self._cuda_device is not None:
+            real = int(torch.cuda.max_memory_allocated(self._cuda_device)) if self._last_step else 0
+            if not real:
+                return
         else:
             return
         self.last_real_peak = (self._last_step, real)
-        self._residual = max(self._residual, real - accounted)
+        over = real - accounted
+        if plan is not None and not self._truth_checked:
+            # beyond the plan's own prediction too: costs can miss what a step holds (a
+            # segment called twice, backward temporaries of a replay), and the promise is
+            # that the prediction bounds the real peak
+            over = max(over, real - (self.base_memory + plan.peak_memory - plan.base_memory))
+        self._residual = max(self._residual, over)
+        if self.plan is None:
+            return
         self._refit_plan()
+        if (
+            self.budget is not None
+            and real > self.budget
+            and self._over_budget_warned != self.plan_version
+        ):
+            self._over_budget_warned = self.plan_version
+            warnings.warn(
+                f"step {self._last_step} held {format_bytes(real)} ({real} bytes) of real memory, "
+                f"over the budget ({format_bytes(self.budget)}): "
+                f"{format_bytes(self._residual)} beyond the engine's figures (backward "
+                "temporaries, optimizer state, state that grew since the last measurement). "
+                f"The plan in force (v{self.plan_version}) now predicts "
+                f"{format_bytes(self.plan.peak_memory)} with that.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _refit_plan(self) -> None:
         """The real base grew past the one the plan was made with: re-plan if the plan no
@@ -721,16 +760,27 @@ class ReplayEngine:
             try:
                 self.replan()  # the plan no longer fits once the real figure is known
             except InfeasibleBudget as exc:
-                self._residual_warning(exc)
+                self._lowest_plan_instead(exc)
         else:  # it still fits: only its prediction changes
             self.plan = dataclasses.replace(
                 plan, peak_memory=plan.peak_memory + grown, base_memory=plan.base_memory + grown
             )
 
-    def _measure_plan(self) -> None:
-        """Measure the real peak of the next step (CPU), the first under a new plan."""
-        if self.measure_costs and self.real_peak and not self._cuda and self._truth_rounds < 3:
-            self._truth_pending = True
+    #: steps between the periodic measurements of the real peak (CPU): doubling from the first
+    #: to the last, so that state that grows after a plan's first steps is seen early
+    TRUTH_EVERY = (4, 128)
+
+    def _measure_plan(self, periodic: bool = False) -> None:
+        """Measure the real peak of the next step (CPU): the first under a new plan, then
+        periodically, at gaps doubling from ``TRUTH_EVERY[0]`` to ``TRUTH_EVERY[1]`` steps."""
+        if not (self.measure_costs and self.real_peak) or self._cuda or self._truth_off:
+            return
+        self._truth_pending = True
+        if not periodic:
+            self._truth_gap = self.TRUTH_EVERY[0]
+        self._next_truth = self.step + self._truth_gap
+        if periodic:
+            self._truth_gap = min(2 * self._truth_gap, self.TRUTH_EVERY[1])
 
     def _start_truth(self) -> None:
         truth = StepPeak(self.model)
@@ -743,25 +793,46 @@ class ReplayEngine:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            self._truth_rounds = 3
+            self._truth_off = True
             return
         self._truth = truth
         # Stop right after the step's optimizer step (its temporaries and state included),
         # so the profiler does not span the caller's code between steps; else when the next
         # window begins. Not from inside backward: autograd restores the thread's profiler
         # state after its callbacks.
-        self._truth_hook = register_optimizer_step_post_hook(lambda *_: self._stop_truth(truth))
+        self._truth_opt = self._optimizer_bytes()  # state live before the step
+        self._truth_hook = register_optimizer_step_post_hook(
+            lambda opt, *_: self._stop_truth(truth, opt)
+        )
 
-    def _stop_truth(self, truth: StepPeak) -> None:
+    def _stop_truth(self, truth: StepPeak, optimizer: Any = None) -> None:
         if self._truth is truth:
             self._truth = None
             if self._truth_hook is not None:
                 self._truth_hook.remove()
                 self._truth_hook = None
-            self._truth_peak = truth.stop() + self._optimizer_bytes()
+            found = 0
+            if optimizer is not None and self._adopt_optimizer(optimizer):
+                # its state (made before this step or by it: counted once more, at worst)
+                found = live_model_bytes(nn.Module(), [optimizer])
+            self._truth_peak = truth.stop() + self._truth_opt + found
+
+    def _adopt_optimizer(self, optimizer: Any) -> bool:
+        """Track an optimizer seen stepping this model's parameters (one ``track_optimizer``
+        was not told about): its state is part of every step's real memory."""
+        if any(o is optimizer for o in self._optimizers):
+            return False
+        ours = {id(p) for p in self.model.parameters()}
+        groups = getattr(optimizer, "param_groups", ())
+        if not any(id(p) in ours for g in groups for p in g.get("params", ())):
+            return False
+        self._optimizers.append(optimizer)
+        return True
 
     def track_optimizer(self, *optimizers: Any) -> None:
-        """Count these optimizers' state in the base memory the plan is made with."""
+        """Count these optimizers' state in the base memory the plan is made with. An
+        optimizer that steps the model's parameters is also found on its own, at the first
+        step whose real peak is measured."""
         self._optimizers = list(optimizers)
 
     @property
@@ -771,12 +842,21 @@ class ReplayEngine:
     def _optimizer_bytes(self) -> int:
         return live_model_bytes(nn.Module(), self._optimizers) if self._optimizers else 0
 
-    def _residual_warning(self, exc: Exception) -> None:
+    def _lowest_plan_instead(self, exc: InfeasibleBudget) -> None:
+        """No plan fits the budget once the step's real figure is known: run the lowest-memory
+        plan (the nearest to the budget there is), predicted with the real figure, and say so.
+        The budget stays the user's: a later re-plan aims for it again."""
+        budget = self.config.budget
+        try:
+            self.replan(budget=exc.min_feasible)
+        finally:
+            self.reconfigure(budget=budget)
         warnings.warn(
-            f"the budget ({format_bytes(self.budget)}) cannot hold the measured step: it held "
+            f"the budget ({format_bytes(exc.budget)}) cannot hold the measured step: it held "
             f"{format_bytes(self._residual)} outside what the engine accounts (backward "
-            f"temporaries, optimizer state), and no plan fits with that ({exc}). Raise the "
-            "budget; the current plan stays.",
+            "temporaries, optimizer state), and the lowest-memory plan needs "
+            f"{format_bytes(exc.min_feasible)} ({exc.min_feasible} bytes). Running that plan; "
+            "raise the budget to at least that to make it a promise.",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -799,12 +879,19 @@ class ReplayEngine:
         if (
             not self.measure_costs
             or self._pending_probes
-            or any(rt.contract is None or rt.status == "probe" for rt in self.runtimes.values())
+            or any(
+                (rt.contract is None or rt.status == "probe") and not self._never_trained(rt)
+                for rt in self.runtimes.values()
+            )
         ):
             return
         if self.plan is None and not self._calibration:
             phases = ["replay"]
-            if any("regions" in rt.contract.available_options() for rt in self.runtimes.values()):
+            if any(
+                "regions" in rt.contract.available_options()
+                for rt in self.runtimes.values()
+                if rt.contract is not None
+            ):
                 phases.append("regions")
             # each phase starts with a warm-up step whose timings are not kept
             self._calibration = [
@@ -820,7 +907,13 @@ class ReplayEngine:
             return
         phase, _, warm = phase.partition(":")
         self._warmup = bool(warm)
+        if warm and self.real_peak and not self._cuda and not self._truth_off:
+            # an untimed step: what it holds beyond the accountant's figures is known before
+            # the first plan is made (the profiler would slow the timed ones)
+            self._truth_pending = True
         for rt in self.runtimes.values():
+            if rt.contract is None:  # never trained (see _never_trained): nothing to time
+                continue
             # a pinned segment is calibrated only in the options its pin allows
             opts = [
                 o
@@ -836,6 +929,13 @@ class ReplayEngine:
                 rt.set_option("regions")
         for rt in self.runtimes.values():
             rt.planned_option = None  # calibration is not a plan
+
+    def _never_trained(self, rt: SegmentRuntime) -> bool:
+        """A segment that has not run under autograd in training mode through two whole steps
+        (a frozen teacher under ``torch.no_grad``, a branch not taken): it holds no activations
+        to plan for, and the other segments are planned without it. Should it run with
+        autograd later, it is probed then, and joins the next plan."""
+        return rt.forwards == 0 and rt.contract is None and self.step >= 2
 
     def _select_checked(self, requested: list[str] | None) -> frozenset:
         """The segments to derivative-check this window (see :meth:`request_check`)."""

@@ -66,7 +66,9 @@ def test_measured_peak_within_budget_and_prediction(measured, where):
     budget = int(lo + where * (hi - lo))
     m = _model()
     ref = copy.deepcopy(m)
-    e = lr.install(m, "blocks.*", budget=budget)
+    # the accountant's promise (real_peak=False): these budgets are below the real step's
+    # workspace, see test_a_budget_only_the_accountant_meets_is_said_and_the_lowest_plan_runs
+    e = lr.install(m, "blocks.*", budget=budget, real_peak=False)
     g, _ = train_steps(m, _x, STEPS_TO_PLAN + 3)
     g_ref, _ = train_steps(ref, _x, STEPS_TO_PLAN + 3)
     assert grad_diffs(g_ref, g) == []  # calibration and planned steps stay exact
@@ -107,30 +109,39 @@ def test_budget_savings_are_real_allocator_bytes(measured):
     assert workspace >= 0, (plain, hi)
     for budget in (lo, (lo + hi) // 2):
         m = _model()
-        lr.install(m, "blocks.*", budget=budget)
+        lr.install(m, "blocks.*", budget=budget, real_peak=False)  # the accountant's budget
         train_steps(m, _x, STEPS_TO_PLAN)
         real = max(_real_peak(m, STEPS_TO_PLAN + s) for s in range(2))  # planned steps
         assert plain - real >= 0.98 * (hi - budget), (budget, real, plain, hi)
         assert real <= budget + 1.02 * workspace, (budget, real, workspace)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CPU accounting leaves out the step's transient "
-    "workspace (2.09 MB here): the allocator's peak exceeds the budget",
-)
-def test_real_peak_within_budget(measured):
+def test_a_budget_only_the_accountant_meets_is_refused_at_the_first_plan_with_the_real_figure(
+    measured,
+):
+    """A budget the accountant's figures meet but the real step cannot (the step's transient
+    workspace, about 2 MB here, is outside the accounting): never a silent overrun. The
+    calibration measures the real step before the first plan, and the plan is refused with
+    the budget that would hold; that budget holds, refereed by the profiler."""
     costs, base = measured
     budget = min_feasible_budget(costs, base, "joint")
     m = _model()
-    lr.install(m, "blocks.*", budget=budget)
-    train_steps(m, _x, STEPS_TO_PLAN)
-    assert _real_peak(m, STEPS_TO_PLAN) <= budget
+    e = lr.install(m, "blocks.*", budget=budget)
+    with pytest.raises(InfeasibleBudget) as err:
+        train_steps(m, _x, STEPS_TO_PLAN)
+    assert e.plan is None and err.value.budget == budget
+    lowest = err.value.min_feasible
+    assert lowest == min_feasible_budget(e.costs, e.real_base_memory, "joint") > budget
+    m = _model()
+    e = lr.install(m, "blocks.*", budget=lowest)
+    train_steps(m, _x, STEPS_TO_PLAN + 2)
+    real = max(_real_peak(m, STEPS_TO_PLAN + 2 + s) for s in range(2))
+    assert budget < real <= lowest, (budget, real, lowest)
 
 
 def test_replan_and_infeasible_budget(measured):
     m, e = _measure()
-    lo = min_feasible_budget(e.costs, e.base_memory, "joint")
+    lo = min_feasible_budget(e.costs, e.real_base_memory, "joint")
     with pytest.raises(InfeasibleBudget) as err:
         e.replan(budget=lo - 1)
     assert err.value.min_feasible == lo
