@@ -1,8 +1,12 @@
 """Measured costs per segment and option: the planner's input.
 
 Memory (bytes held from a segment's forward to its backward) is exact: activations saved by a
-retained segment and the input bytes it saves, checkpoint inputs, and snapshot or region-log
-bytes. Time (extra seconds per step over ``retain``) is the median of what the engine timed on
+retained segment and the input bytes it saves; for a replayed one, checkpoint inputs, the
+generator states checkpoint keeps per call (``preserve_rng_state=True``: 5,056 bytes of host
+memory, see :func:`~lightning_replay.accounting.checkpoint_rng_bytes`), and snapshot or
+region-log bytes.
+
+Time (extra seconds per step over ``retain``) is the median of what the engine timed on
 the segment's own replays under each option: capture at forward (snapshots, input copies, the
 region log's share of the capture mode), swap in, recompute, swap out.
 
@@ -46,6 +50,8 @@ class CostMeter:
         )
         self.input_bytes: dict[str, int] = {}
         self.region_bytes: dict[str, int] = {}
+        # generator states checkpoint keeps per replayed call, in the budget's memory
+        self.rng_bytes: dict[str, int] = {}
         # A(s) measured on a derivative-checked step (the probe's until then)
         self.activation_bytes: dict[str, int] = {}
 
@@ -81,7 +87,8 @@ class CostMeter:
                     )
                 else:
                     held = c.preserved_bytes(o)
-                opts[o] = Option(memory=inputs + held, time=self.median(name, o))
+                rng = self.rng_bytes.get(name, 0)
+                opts[o] = Option(memory=inputs + rng + held, time=self.median(name, o))
             out.append(SegmentCost(name=name, activation_bytes=act, options=opts))
         return out
 
@@ -90,6 +97,7 @@ class CostMeter:
             "times": {s: {o: list(v) for o, v in d.items()} for s, d in self.times.items()},
             "input_bytes": dict(self.input_bytes),
             "region_bytes": dict(self.region_bytes),
+            "rng_bytes": dict(self.rng_bytes),
             "activation_bytes": dict(self.activation_bytes),
         }
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_replay._compat import top_saved_tensors_hooks, tree_flatten, tree_unflatten
+from lightning_replay.accounting import checkpoint_rng_bytes
 from lightning_replay.checks import SegmentChecks
 from lightning_replay.contract import ReplayContract
 from lightning_replay.costs import clock, saved_tensor_overhead
@@ -208,13 +209,19 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         acct = eng.accountant
         if acct is not None or eng.measure_costs:
             leaves = [x for x in call if isinstance(x, torch.Tensor)]
+            # the generator states checkpoint keeps for this call (preserve_rng_state=True)
+            rng = checkpoint_rng_bytes(leaves, "cuda" if eng._cuda else "cpu")
             if eng.measure_costs:
                 eng.meter.input_bytes[self.name] = _unique_bytes(leaves)
+                eng.meter.rng_bytes[self.name] = rng
             if acct is not None:
                 for t in leaves:
                     key = acct.hold_tensor(t, self.name)
                     if key is not None:
                         inv.held.append(key)
+                if rng:
+                    acct.hold(("rng", id(inv)), rng, self.name)
+                    inv.held.append(("rng", id(inv)))
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
         inv.t_prep = clock(eng._cuda) - t0

@@ -16,6 +16,9 @@ from lightning_replay import ReplayCallback, ReplayStrategy
 from tests.helpers.lit_hazards import HazardNet, OneThreadInChild, differing, loader, state, trainer
 
 BATCHES = 6  # per epoch
+#: Rows per batch: a HazardNet block's activations (8-20 KiB) outweigh the 5,056 bytes of CPU
+#: RNG state a replayed call holds, so the resumed run's plan replays blocks and checks them.
+BATCH = 64
 
 
 def _interrupted_and_resumed(root, stop_at: int, replay: bool, devices: int = 1):
@@ -43,14 +46,14 @@ def _interrupted_and_resumed(root, stop_at: int, replay: bool, devices: int = 1)
     L.seed_everything(7)
     first = HazardNet()
     t1 = make(max_steps=stop_at)
-    t1.fit(first, loader(BATCHES))
+    t1.fit(first, loader(BATCHES, batch=BATCH))
     ckpt = root / "interrupted.ckpt"
     t1.save_checkpoint(ckpt)
 
     L.seed_everything(99)
     resumed = HazardNet(seed=5)
     t2 = make(max_steps=-1, max_epochs=2)
-    t2.fit(resumed, loader(BATCHES), ckpt_path=ckpt)
+    t2.fit(resumed, loader(BATCHES, batch=BATCH), ckpt_path=ckpt)
     return resumed, t2
 
 
