@@ -60,6 +60,7 @@ from lightning_replay.doctor_report import (
     plural,
 )
 from lightning_replay.errors import ReplayConfigError, ReplayError, SegmentError
+from lightning_replay.host_rng import HostRNG, as_host_rng, global_rngs, same_state
 from lightning_replay.segments import SegmentSpec, default_segments, resolve_segments
 from lightning_replay.state import PLAIN_TYPES
 
@@ -156,7 +157,7 @@ def diagnose(
     existing = _ExistingCheckpointing.find(model)
     names, origin = _choose_segments(model, segments, existing)
     devices = _model_devices(model)
-    with torch.random.fork_rng(devices=_cuda_indices(devices)):
+    with torch.random.fork_rng(devices=_cuda_indices(devices)), _host_fork():
         _check_batch_device(model, batch_fn, seed, devices)
         run = _Runner(batch_fn, loss_fn, steps, seed, lr, existing)
 
@@ -237,7 +238,7 @@ class _Runner:
             )
         opt = torch.optim.SGD(params, lr=self.lr)
         for step in range(self.steps):
-            torch.manual_seed(self.seed + step)
+            _seed_all(self.seed + step)
             batch = self.batch_fn(step)
             opt.zero_grad(set_to_none=True)
             try:
@@ -571,7 +572,48 @@ def _snapshot(model: nn.Module) -> dict[str, tuple[str, Any]]:
                 out[p + k] = ("generator", v.get_state())
             elif type(v) in PLAIN_TYPES:
                 out[p + k] = ("Python attribute", v)
+            elif (rng := as_host_rng(v)) is not None:
+                out[p + k] = ("generator", _HostState(rng))
+    for rng in global_rngs():  # a replay that draws again moves the process's streams
+        out[rng.name] = ("generator", _HostState(rng))
     return out
+
+
+class _HostState:
+    """A generator's state outside torch, compared by value (numpy's holds arrays)."""
+
+    def __init__(self, rng: HostRNG) -> None:
+        self.state = rng.get_state()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _HostState) and same_state(self.state, other.state)
+
+    def __repr__(self) -> str:
+        return "<generator state>"
+
+
+class _host_fork:
+    """Python's and numpy's global generators put back as they were after the diagnosis,
+    which seeds them (like torch's) at each step of each run."""
+
+    def __enter__(self) -> None:
+        self._saved = [(r, r.get_state()) for r in global_rngs()]
+
+    def __exit__(self, *exc: Any) -> None:
+        for r, st in self._saved:
+            r.set_state(st)
+
+
+def _seed_all(seed: int) -> None:
+    """Every step of every run starts from the same random streams: torch's and, for a model
+    that draws from them, Python's and numpy's global ones."""
+    torch.manual_seed(seed)
+    import random
+
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed % 2**32)
 
 
 def _state_diffs(ref: dict, got: dict, ignore: set[str]) -> list[StateDiff]:

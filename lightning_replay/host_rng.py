@@ -135,7 +135,7 @@ def fingerprints(rngs: list[HostRNG]) -> list[Any]:
 
 def moved(rngs: list[HostRNG], before: list[Any]) -> list[HostRNG]:
     """Those of ``rngs`` whose fingerprint differs from ``before`` (:func:`fingerprints`)."""
-    return [r for r, f in zip(rngs, before) if not _same_state(r.fingerprint(), f)]
+    return [r for r, f in zip(rngs, before) if not same_state(r.fingerprint(), f)]
 
 
 # ------------------------------------------------------------------ raw-byte fingerprints
@@ -240,23 +240,23 @@ def _changes(fingerprint: Callable[[], Any], draw: Callable[[], Any]) -> bool:
 
 def advanced(rngs: list[HostRNG], before: list[Any]) -> list[HostRNG]:
     """Those of ``rngs`` whose state differs from ``before``."""
-    return [r for r, s in zip(rngs, before) if not _same_state(r.get_state(), s)]
+    return [r for r, s in zip(rngs, before) if not same_state(r.get_state(), s)]
 
 
-def _same_state(a: Any, b: Any) -> bool:
+def same_state(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)  # Python's state: a tuple of ints, compared in C
     except ValueError:  # numpy arrays inside: compare element by element
         pass
     if isinstance(a, dict):
         return (
-            isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+            isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
         )
     if isinstance(a, (tuple, list)):
         return (
             isinstance(b, (tuple, list))
             and len(a) == len(b)
-            and all(_same_state(x, y) for x, y in zip(a, b))
+            and all(same_state(x, y) for x, y in zip(a, b))
         )
     if hasattr(a, "shape") and hasattr(a, "dtype"):  # a numpy array (MT19937's key)
         return hasattr(b, "shape") and a.shape == b.shape and bool((a == b).all())

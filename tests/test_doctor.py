@@ -313,3 +313,44 @@ def test_bad_arguments():
         lr.diagnose(h.model, None)
     with pytest.raises(lr.ReplayConfigError, match="must be a scalar tensor that requires grad"):
         lr.diagnose(h.model, h.make_input, loss_fn=lambda m, x: m(x))
+
+
+class _PyDropBlock(nn.Module):
+    """A branch scaled by draws from Python's global ``random`` and from a module-held numpy
+    generator: torch checkpoint's replay draws again (the same path, other values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import numpy as np
+
+        self.fc = nn.Linear(8, 8)
+        self.rs = np.random.RandomState(0)
+
+    def forward(self, x):
+        import random
+
+        scale = random.random() + float(self.rs.uniform(0.5, 1.5))
+        return x + torch.tanh(self.fc(x) * scale)
+
+
+def test_generators_outside_torch_are_seeded_compared_and_left_as_they_were():
+    """Each run starts every step from the same Python and numpy streams; torch checkpoint's
+    replay draws a second time and the report names the generators it moved (and the
+    gradients that follow); lightning_replay puts them back. The process's own streams are
+    as before the diagnosis."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = _Stack([_PyDropBlock(), _PyDropBlock()], 8)
+    random.seed(5)
+    np.random.seed(5)
+    py, npy = random.getstate(), np.random.get_state()[1].copy()
+    report = lr.diagnose(model, lambda s: torch.randn(4, 8), segments=["blocks.0", "blocks.1"])
+    assert random.getstate() == py and (np.random.get_state()[1] == npy).all()
+    moved = {s.name for s in report.torch_checkpoint.state if s.kind == "generator"}
+    assert moved == {"random (Python global)", "blocks.0.rs", "blocks.1.rs"}, moved
+    assert report.torch_checkpoint.gradients  # the replays' other draws, in the gradients
+    assert report.replay.exact, report.table()
+    assert report.replay.state == []
