@@ -473,7 +473,10 @@ class ReplayEngine:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Resumable engine state: step, plan, contract versions, counters, record run id."""
+        """Resumable engine state: step, plan, contract versions, counters, record run id, and
+        the measured real base (what measured steps held beyond the accountant's figures, and
+        the largest base agreed over the ranks), so that a resumed run plans with it from its
+        first step instead of the accountant's figures alone until it measures again."""
         return {
             "step": self.step,
             "plan_version": self.plan_version,
@@ -481,6 +484,8 @@ class ReplayEngine:
             "budget": self.budget,
             "planner": self.planner,
             "run_id": self.records.run_id,
+            "unaccounted_bytes": self._residual,
+            "ranks_base_bytes": self._ranks_base,
             "segments": {
                 n: {
                     "version": rt.version,
@@ -514,6 +519,11 @@ class ReplayEngine:
             )
         if state.get("planner"):
             self.config = self.config.replace(planner=state["planner"])
+        # the measured real base (state dicts from before it was saved have none: measured
+        # again, as then); the run's own measurements only raise it
+        self._residual = max(self._residual, int(state.get("unaccounted_bytes") or 0))
+        if state.get("ranks_base_bytes") is not None:
+            self._ranks_base = max(self._ranks_base or 0, int(state["ranks_base_bytes"]))
         for n, d in state.get("segments", {}).items():
             rt = self.runtimes.get(n)
             if rt is None:

@@ -152,3 +152,47 @@ def test_checkpoint_rng_bytes_is_what_checkpoint_keeps():
     assert kept == checkpoint_rng_bytes([torch.zeros(1)], "cpu") == torch.get_rng_state().nbytes
     # host bytes: nothing of an accelerator's memory
     assert checkpoint_rng_bytes([torch.zeros(1)], "cuda") == 0
+
+
+# ---------------------------------------------------------------------- the real base on resume
+class WideHead(Net):
+    """A wide head outside the segments: its backward's gradient temporaries (64 x 1024
+    floats) are memory the accountant does not count, which the measured step sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(DIM, 1024), nn.Tanh(), nn.Linear(1024, 1))
+
+
+def _trained_engine() -> lr.ReplayEngine:
+    model = WideHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = lr.install(model, "blocks.*", calibration_steps=1, budget="min")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        (model(torch.randn(BATCH, DIM, generator=gen)) ** 2).mean().backward()
+        opt.step()
+    return engine
+
+
+def test_the_measured_real_base_survives_a_resume():
+    """What measured steps held beyond the accountant (backward temporaries) and the base
+    agreed over ranks are saved with the engine: a resumed engine plans with them from the
+    start instead of re-measuring first. State dicts saved before they were kept still load."""
+    engine = _trained_engine()
+    assert engine.unaccounted_bytes > 0  # the CPU referee measured the first planned steps
+    engine.agree_real_base(engine.real_base_memory + 4096)  # a rank with a larger base
+    state = engine.state_dict()
+
+    resumed = lr.install(WideHead(), "blocks.*", calibration_steps=1, budget="min")
+    assert resumed.unaccounted_bytes == 0
+    resumed.load_state_dict(state)
+    assert resumed.unaccounted_bytes == engine.unaccounted_bytes
+    assert resumed.real_base_memory >= engine.real_base_memory  # the other rank's base
+
+    old = {k: v for k, v in state.items() if k not in ("unaccounted_bytes", "ranks_base_bytes")}
+    fresh = lr.install(WideHead(), "blocks.*", calibration_steps=1, budget="min")
+    fresh.load_state_dict(old)
+    assert fresh.unaccounted_bytes == 0
+    assert fresh.real_base_memory == fresh.base_memory
