@@ -32,7 +32,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_replay import planner as _planner
-from lightning_replay._compat import at_backward_end
+from lightning_replay._compat import at_backward_end, tree_leaves
 from lightning_replay.accounting import MemoryAccountant
 from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.config import PIN_OPTIONS
@@ -57,6 +57,25 @@ from lightning_replay.state import (
 from lightning_replay.state import unique_bytes as _unique_bytes
 
 _UNCHANGED = object()  # an argument left out: keep the current value
+
+
+def _input_bytes(inputs: Any) -> int:
+    """Bytes of the step's input tensors (each storage once): made before the step, so a
+    profiler started with it does not see them, yet live through it."""
+    seen: dict = {}
+    for t in tree_leaves(inputs) if inputs is not None else ():
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            key = storage_key(t)
+            if key is not None:
+                seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _input_numel(inputs: Any) -> int:
+    """Elements of the step's input tensors."""
+    if inputs is None:
+        return 0
+    return sum(t.numel() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
 
 
 def _rank_count() -> int:
@@ -98,6 +117,7 @@ class ReplayEngine:
         self.log = RegionLog()
         self.step = 0
         self._budget = _resolve_budget(config, model)
+        self._check_budget_floor()
         self.plan: _planner.Plan | None = None
         self.plan_version = 0
         self.plan_transform: Callable[[_planner.Plan], _planner.Plan] | None = None
@@ -135,6 +155,8 @@ class ReplayEngine:
         self._truth_plan: _planner.Plan | None = None  # the plan the measured step ran
         self._truth_opt = 0  # tracked optimizers' state bytes when the measured step began
         self._truth_checked = False  # whether the last step began was derivative-checked
+        self._truth_inputs = 0  # bytes of the measured step's inputs, made before it began
+        self._truth_size: int | None = None  # the largest input (elements) measured at
         self._over_budget_warned = -1  # the plan version last warned for a real overrun
         self._optimizers: list[Any] = []
         self._residual = 0  # bytes a measured step held beyond the accountant's figures
@@ -438,6 +460,15 @@ class ReplayEngine:
         self._budget = _resolve_budget(config, self.model)
         self.config = config.replace(caller=self.config.caller)
 
+    def _check_budget_floor(self) -> None:
+        """At install, a budget below the parameters, buffers and their gradients is refused at
+        once: no plan can meet it, and every step until the first plan would run over it. (A
+        budget changed later is judged by the re-plan, with the measured figures.)"""
+        if self._budget is not None:
+            floor = self._static_bytes()
+            if self._budget < floor:
+                raise InfeasibleBudget(self._budget, floor, self.config.planner, floor=True)
+
     def adopt_plan(self, plan: _planner.Plan, version: int, from_rank: int = 0) -> None:
         """Run ``plan``, made by rank ``from_rank``, as plan ``version`` (a strategy makes every
         rank run rank 0's plan), and record it."""
@@ -620,8 +651,15 @@ class ReplayEngine:
                 asked = self._check_next or (True, False, None)
                 self._check_next = (True, asked[1], asked[2])
         self._maybe_plan()
-        if self.plan is not None and self.step >= self._next_truth:
-            self._measure_plan(periodic=True)  # state that grows later is seen, too
+        if self.plan is not None:
+            if self.real_peak and self.accountant is not None:
+                self._refit_plan()  # a buffer that grew (a queue rebuilt larger) grows the base
+            size = _input_numel(inputs)
+            if self._truth_size is not None and size > self._truth_size:
+                # larger inputs than any measured step: activations the probe did not see
+                self._measure_plan(periodic=True, gap=False)
+            elif self.step >= self._next_truth:
+                self._measure_plan(periodic=True)  # state that grows later is seen, too
         if (
             self._truth_pending
             and self.accountant is not None
@@ -631,6 +669,9 @@ class ReplayEngine:
             self._truth_pending = False
             self._truth_rounds += 1
             self._truth_plan = self.plan
+            self._truth_inputs = _input_bytes(inputs)
+            size = _input_numel(inputs)
+            self._truth_size = size if self._truth_size is None else max(self._truth_size, size)
             self._start_truth()
         self.step += 1
         self.host_watch.begin()
@@ -778,14 +819,17 @@ class ReplayEngine:
 
     #: steps between the periodic measurements of the real peak (CPU): doubling from the first
     #: to the last, so that state that grows after a plan's first steps is seen early
-    TRUTH_EVERY = (4, 128)
+    TRUTH_EVERY = (2, 128)
 
-    def _measure_plan(self, periodic: bool = False) -> None:
+    def _measure_plan(self, periodic: bool = False, gap: bool = True) -> None:
         """Measure the real peak of the next step (CPU): the first under a new plan, then
-        periodically, at gaps doubling from ``TRUTH_EVERY[0]`` to ``TRUTH_EVERY[1]`` steps."""
+        periodically, at gaps doubling from ``TRUTH_EVERY[0]`` to ``TRUTH_EVERY[1]`` steps,
+        and the first at new input shapes (``gap=False``: the schedule stays)."""
         if not (self.measure_costs and self.real_peak) or self._cuda or self._truth_off:
             return
         self._truth_pending = True
+        if not gap:
+            return
         if not periodic:
             self._truth_gap = self.TRUTH_EVERY[0]
         self._next_truth = self.step + self._truth_gap
@@ -825,7 +869,7 @@ class ReplayEngine:
             if optimizer is not None and self._adopt_optimizer(optimizer):
                 # its state (made before this step or by it: counted once more, at worst)
                 found = live_model_bytes(nn.Module(), [optimizer])
-            self._truth_peak = truth.stop() + self._truth_opt + found
+            self._truth_peak = truth.stop() + self._truth_opt + found + self._truth_inputs
 
     def _adopt_optimizer(self, optimizer: Any) -> bool:
         """Track an optimizer seen stepping this model's parameters (one ``track_optimizer``

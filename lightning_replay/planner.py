@@ -299,6 +299,8 @@ class InfeasibleBudget(ReplayError, ValueError):
             options it allowed), or ``None`` when nothing was pinned.
         unpinned_min_feasible: With pins, the minimum ``method`` reaches without them, so the
             message can say whether the pins are what makes the budget infeasible.
+        floor: ``min_feasible`` is only a lower bound known before any step (the parameters,
+            buffers and gradients), not the minimum of a measured plan.
 
     Example:
         >>> costs = [SegmentCost("b0", 100, {"retain": Option(100, 0.0)})]
@@ -317,7 +319,9 @@ class InfeasibleBudget(ReplayError, ValueError):
         joint_min_feasible: int | None = None,
         pins: Mapping[str, Sequence[str]] | None = None,
         unpinned_min_feasible: int | None = None,
+        floor: bool = False,
     ) -> None:
+        self.floor = floor
         self.budget = budget
         self.min_feasible = min_feasible
         self.method = method
@@ -337,12 +341,21 @@ class InfeasibleBudget(ReplayError, ValueError):
                 self.joint_min_feasible,
                 self.pins,
                 self.unpinned_min_feasible,
+                self.floor,
             ),
         )
 
     def _message(self) -> str:
         def show(n: int) -> str:
             return f"{format_bytes(n)} ({n} bytes)"
+
+        if self.floor:  # known before any step: no plan, any method, can go below it
+            return (
+                f"budget {show(self.budget)} cannot be met: the model's parameters, buffers and "
+                f"their gradients alone take {show(self.min_feasible)}, before any activation "
+                f"is kept. Raise the budget above {self.min_feasible} bytes, or shard the "
+                "model over several devices (strategy='replay_fsdp')."
+            )
 
         text = (
             f"budget {show(self.budget)} cannot be met with method={self.method!r}: the lowest "

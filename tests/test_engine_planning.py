@@ -319,3 +319,15 @@ def test_steps_to_first_plan_is_when_the_first_plan_runs():
     assert e.plan is None and e.steps_to_first_plan == STEPS_TO_PLAN
     train_steps(m, _x, 1)
     assert e.plan is not None
+
+
+def test_a_budget_below_the_parameters_and_their_gradients_is_refused_at_install():
+    m = _model()
+    floor = sum(2 * p.numel() * p.element_size() for p in m.parameters()) + sum(
+        b.numel() * b.element_size() for b in m.buffers()
+    )
+    with pytest.raises(InfeasibleBudget, match="gradients alone take") as err:
+        lr.install(m, "blocks.*", budget=floor - 1)
+    assert err.value.min_feasible == floor and err.value.floor
+    assert type(m) is QueueModel  # nothing was installed
+    lr.install(m, "blocks.*", budget=floor)  # not refused: the plan judges it

@@ -431,7 +431,7 @@ class ReplayStrategy(DDPStrategy):
         # plan before any segment runs, so every rank runs the same plan in this very window.
         if self.optimizers and not engine.tracked_optimizers:
             engine.track_optimizer(*self.optimizers)  # their state is part of the base
-        engine.begin_window()
+        engine.begin_window(inputs=(args, kwargs))  # the batch: its size says when to measure
         try:
             self._sync_plan()
             return super().training_step(*args, **kwargs)
