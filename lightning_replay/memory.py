@@ -24,9 +24,13 @@ from torch import nn
 from lightning_replay.state import storage_key
 
 
+_HELD_ITEMS = 4096  # items of a module's list or dict attribute looked at
+
+
 def live_model_bytes(model: nn.Module, optimizers: list[Any] = ()) -> int:
-    """Bytes of the parameters, buffers, gradients and optimizer state live right now, each
-    storage once."""
+    """Bytes of the parameters, buffers, gradients, the tensors modules hold as attributes
+    (directly or in a list, tuple or dict) and optimizer state live right now, each storage
+    once."""
     seen: dict = {}
 
     def add(t: Any) -> None:
@@ -39,6 +43,18 @@ def live_model_bytes(model: nn.Module, optimizers: list[Any] = ()) -> int:
     for t in list(model.parameters()) + list(model.buffers()):
         add(t)
         add(t.grad)
+    for m in model.modules():  # tensors modules hold outside parameters and buffers: a cache
+        for k, v in vars(m).items():  # dict, a queue kept as a plain attribute
+            if k in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(v, torch.Tensor):
+                add(v)
+            elif type(v) in (list, tuple):
+                for x in v[:_HELD_ITEMS]:
+                    add(x)
+            elif type(v) is dict:
+                for x in list(v.values())[:_HELD_ITEMS]:
+                    add(x)
     for opt in optimizers:
         for state in getattr(opt, "state", {}).values():
             for v in state.values():

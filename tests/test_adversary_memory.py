@@ -472,12 +472,7 @@ CASES = [
         CachingStack,
         _x,
         "blocks.*",
-        xfail={
-            "predicted": GROWTH + "a dict of tensors (not a buffer: outside the engine's base "
-            "too) grows 256 KiB a step: predicted 12.52 MiB, real 15.53 MiB",
-            "growth": GROWTH + "budget 16.81 MiB (1.1 x a planned step), three later steps "
-            "19.27-20.27 MiB, no warning (a queue buffer's growth is caught: the base grows)",
-        },
+        # the measured real peak counts tensors modules hold in dicts (memory.live_model_bytes)
     ),
     # At 2b83bb0 two plans tied at a predicted 16.03 MiB under this budget, measured time
     # picked one, and (retain, recompute, retain) really peaked at 16.53 MiB: an overrun in 3
