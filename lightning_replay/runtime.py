@@ -362,9 +362,10 @@ def _forward_frame() -> Any | None:
         frame = cells["frame"].cell_contents
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
-    if not (isinstance(getattr(frame, "weak_holders", None), list) and callable(
-        getattr(frame, "recompute_fn", None)
-    )):
+    if not (
+        isinstance(getattr(frame, "weak_holders", None), list)
+        and callable(getattr(frame, "recompute_fn", None))
+    ):
         return None
     return frame
 
