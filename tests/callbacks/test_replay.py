@@ -285,11 +285,15 @@ def test_a_lowered_budget_replans_and_the_measured_peak_holds_it(tmp_path):
 
     def lower(t):  # the budget a user would set to force recomputation
         engine = t.strategy.engine
-        budgets["new"] = min_feasible_budget(engine.costs, engine.real_base_memory)
         # in the budget's terms: the accounted peak plus what the measured step held beyond it
         budgets["peak_before"] = (
             int(cb.last_metrics["peak_memory_bytes"]) + engine.unaccounted_bytes
         )
+        # halfway down to the lowest plan: the new plan's own measured step may hold a little
+        # more beyond its prediction than the old plan's did (at the very lowest budget that
+        # makes it infeasible, and the engine runs the lowest plan with a warning instead)
+        lowest = min_feasible_budget(engine.costs, engine.real_base_memory)
+        budgets["new"] = (lowest + budgets["peak_before"]) // 2
         engine.reconfigure(budget=budgets["new"])
 
     cb = ReplayCallback(check_every_n_steps=None, replan_on=("memory",), replan_cooldown_steps=1)
