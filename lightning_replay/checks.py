@@ -192,6 +192,7 @@ class SegmentChecks:
             eng._segment_depth -= 1
         if eng.measure_costs:
             eng.meter.activation_bytes[self.name] = sum(saved.values())
+            eng.meter.activation_size[self.name] = eng._window_size
         return out
 
     def _checked_call(self, args: tuple, kwargs: dict) -> Any:

@@ -49,6 +49,10 @@ class CostMeter:
             lambda: defaultdict(lambda: deque(maxlen=_KEEP))
         )
         self.input_bytes: dict[str, int] = {}
+        # the step's input size (elements) each figure was measured at: the engine scales
+        # activation and input bytes up to the largest input seen (ReplayEngine.size_scale)
+        self.input_size: dict[str, int] = {}
+        self.activation_size: dict[str, int] = {}
         self.region_bytes: dict[str, int] = {}
         # generator states checkpoint keeps per replayed call, in the budget's memory
         self.rng_bytes: dict[str, int] = {}
@@ -75,7 +79,11 @@ class CostMeter:
                 continue
             inputs = self.input_bytes.get(name, rt.input_bytes)
             act = self.activation_bytes.get(name, c.activation_bytes)
-            opts = {"retain": Option(memory=act + rt.input_saved_bytes, time=0.0)}
+            # measured at smaller inputs than the largest seen: scaled up with the input size
+            grow = engine.size_scale(self.activation_size.get(name, engine.probe_size))
+            grow_in = engine.size_scale(self.input_size.get(name, engine.probe_size))
+            act, inputs = int(act * grow), int(inputs * grow_in)
+            opts = {"retain": Option(memory=act + int(rt.input_saved_bytes * grow_in), time=0.0)}
             for o in c.available_options():
                 if o == "retain" or not self.has(name, o):
                     continue

@@ -157,6 +157,12 @@ class ReplayEngine:
         self._truth_checked = False  # whether the last step began was derivative-checked
         self._truth_inputs = 0  # bytes of the measured step's inputs, made before it began
         self._truth_size: int | None = None  # the largest input (elements) measured at
+        self._window_size = 0  # elements of this window's inputs (0: not known)
+        self._truth_step_size = 0  # ... of the step being measured
+        self._residual_size = 0  # ... of the step whose residual is in force
+        self._residual_fixed = 0  # optimizer state's bytes in the residual (not input-sized)
+        self._max_size = 0  # the largest seen
+        self.probe_size = 0  # the largest before the first plan (the probes' inputs)
         self._over_budget_warned = -1  # the plan version last warned for a real overrun
         self._optimizers: list[Any] = []
         self._residual = 0  # bytes a measured step held beyond the accountant's figures
@@ -272,7 +278,11 @@ class ReplayEngine:
         (backward temporaries, optimizer state; see :mod:`lightning_replay.memory`): the base
         plans are made with, so that their predicted peak bounds the real one. On ranks that
         run one plan, the largest rank's (:meth:`agree_real_base`) where it is larger."""
-        own = self.base_memory + self._residual
+        # the part that is not optimizer state (backward temporaries, the batch) grows with
+        # the input, like the activations (see size_scale)
+        fixed = min(self._residual_fixed, self._residual)
+        grows = (self._residual - fixed) * self.size_scale(self._residual_size)
+        own = self.base_memory + fixed + int(grows)
         return own if self._ranks_base is None else max(own, self._ranks_base)
 
     def agree_real_base(self, nbytes: int) -> None:
@@ -650,11 +660,18 @@ class ReplayEngine:
                 # measures them (the probe's figures are for the old shapes)
                 asked = self._check_next or (True, False, None)
                 self._check_next = (True, asked[1], asked[2])
+        size = _input_numel(inputs)
+        self._window_size = size
+        if self.plan is None:
+            self.probe_size = max(self.probe_size, size)
+        larger = self._max_size > 0 and size > self._max_size
+        self._max_size = max(self._max_size, size)
+        if larger and self.plan is not None and self.measure_costs:
+            self._refit_for_inputs()  # before the step: activations grow with the inputs
         self._maybe_plan()
         if self.plan is not None:
             if self.real_peak and self.accountant is not None:
                 self._refit_plan()  # a buffer that grew (a queue rebuilt larger) grows the base
-            size = _input_numel(inputs)
             if self._truth_size is not None and size > self._truth_size:
                 # larger inputs than any measured step: activations the probe did not see
                 self._measure_plan(periodic=True, gap=False)
@@ -670,7 +687,7 @@ class ReplayEngine:
             self._truth_rounds += 1
             self._truth_plan = self.plan
             self._truth_inputs = _input_bytes(inputs)
-            size = _input_numel(inputs)
+            size = self._truth_step_size = _input_numel(inputs)
             self._truth_size = size if self._truth_size is None else max(self._truth_size, size)
             self._start_truth()
         self.step += 1
@@ -779,7 +796,10 @@ class ReplayEngine:
             # segment called twice, backward temporaries of a replay), and the promise is
             # that the prediction bounds the real peak
             over = max(over, real - (self.base_memory + plan.peak_memory - plan.base_memory))
-        self._residual = max(self._residual, over)
+        if over > self._residual:
+            self._residual = over
+            self._residual_size = self._truth_step_size
+            self._residual_fixed = self._optimizer_bytes()
         if self.plan is None:
             return
         self._refit_plan()
@@ -895,6 +915,34 @@ class ReplayEngine:
 
     def _optimizer_bytes(self) -> int:
         return live_model_bytes(nn.Module(), self._optimizers) if self._optimizers else 0
+
+    def size_scale(self, measured_at: int) -> float:
+        """How much larger than ``measured_at`` elements the largest step input seen so far
+        is (at least 1): activation and input bytes measured at smaller inputs are scaled by
+        it, so that plans are made for the largest step seen. 1 where sizes are not known."""
+        if measured_at <= 0 or self._max_size <= measured_at:
+            return 1.0
+        return self._max_size / measured_at
+
+    def _refit_for_inputs(self) -> None:
+        """A step's inputs are larger than any before: its activations are predicted scaled
+        with the input size; a plan that no longer fits the budget is made again for them
+        (or the lowest-memory plan runs, with a warning), else only its prediction grows."""
+        plan = self.plan
+        costs = {c.name: c for c in self.costs or []}
+        if plan is None or not costs:
+            return
+        planned = [c for c in costs.values() if plan.choices.get(c.name) in c.options]
+        predicted = _planner.predicted_peak(
+            planned, {c.name: plan.choices[c.name] for c in planned}, self.real_base_memory
+        )
+        if self.budget is not None and predicted > self.budget:
+            try:
+                self.replan()
+            except InfeasibleBudget as exc:
+                self._lowest_plan_instead(exc)
+        elif predicted > plan.peak_memory:
+            self.plan = dataclasses.replace(plan, peak_memory=predicted)
 
     def _lowest_plan_instead(self, exc: InfeasibleBudget) -> None:
         """No plan fits the budget once the step's real figure is known: run the lowest-memory

@@ -213,6 +213,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             rng = checkpoint_rng_bytes(leaves, "cuda" if eng._cuda else "cpu")
             if eng.measure_costs:
                 eng.meter.input_bytes[self.name] = _unique_bytes(leaves)
+                eng.meter.input_size[self.name] = eng._window_size
                 eng.meter.rng_bytes[self.name] = rng
             if acct is not None:
                 for t in leaves:

@@ -331,3 +331,25 @@ def test_a_budget_below_the_parameters_and_their_gradients_is_refused_at_install
     assert err.value.min_feasible == floor and err.value.floor
     assert type(m) is QueueModel  # nothing was installed
     lr.install(m, "blocks.*", budget=floor)  # not refused: the plan judges it
+
+
+def test_a_larger_batch_is_predicted_before_it_runs():
+    """Plans are made for the largest input seen: the first step at 4x the batch has its
+    activations predicted scaled with it before it runs, and the prediction bounds the real
+    peak of that step (profiler referee); the engine measures the step too."""
+    m = _model()
+    e = lr.install(m, "blocks.*", budget="min")
+    train_steps(m, _x, STEPS_TO_PLAN + 1)
+    before = e.window_stats()["predicted_peak_bytes"]
+
+    def big(step):
+        return torch.randn(512, 32, generator=torch.Generator().manual_seed(step))
+
+    assert e.size_scale(128 * 32) == 1.0
+    m.zero_grad(set_to_none=True)
+    x = big(100)
+    live = live_bytes([*m.parameters(), *m.buffers(), x])
+    real = live + allocation_peak(lambda: m(x).pow(2).mean().backward())
+    assert e.size_scale(128 * 32) == 4.0
+    predicted = e.window_stats()["predicted_peak_bytes"]
+    assert before < predicted and real <= predicted, (before, predicted, real)
