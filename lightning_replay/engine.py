@@ -780,7 +780,8 @@ class ReplayEngine:
         accounted = self._static_bytes() + acct.peak
         if self._truth is not None:
             self._stop_truth(self._truth)
-        plan = self._truth_plan if self._truth_peak is not None else self.plan
+        measured = self._truth_peak is not None
+        plan = self._truth_plan if measured else self.plan
         if self._truth_peak is not None:
             real, self._truth_peak = self._truth_peak, None
         elif self.plan is not None and self._cuda and self._cuda_device is not None:
@@ -798,7 +799,8 @@ class ReplayEngine:
             over = max(over, real - (self.base_memory + plan.peak_memory - plan.base_memory))
         if over > self._residual:
             self._residual = over
-            self._residual_size = self._truth_step_size
+            # the input size of the step measured (on CUDA, the step just trained)
+            self._residual_size = self._truth_step_size if measured else self._window_size
             self._residual_fixed = self._optimizer_bytes()
         if self.plan is None:
             return
