@@ -27,6 +27,7 @@ __all__ = [
     "TorchDispatchMode",
     "accelerator_connector",
     "at_backward_end",
+    "checkpoint_frame_forward",
     "checkpoint_frame_recomputing",
     "distributed_is_initialized",
     "logger_connector",
@@ -62,6 +63,31 @@ def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
+# the code of a checkpoint pack hook and a cell name -> that cell's index in its closure
+_CELLS: dict[tuple[Any, str], int | None] = {}
+
+
+def _pack_hook_cell(name: str) -> Any | None:
+    """The contents of the cell ``name`` of the innermost saved-tensor pack hook's closure
+    (torch.utils.checkpoint's hooks close over their frame), or None. The cell's index is
+    found once per hook code: replays ask at every call."""
+    hooks = top_saved_tensors_hooks()
+    if hooks is None:
+        return None
+    pack = inspect.unwrap(hooks[0])  # a recomputation hook is under dynamo's disable
+    code = getattr(pack, "__code__", None)
+    i = _CELLS.get((code, name), -1)
+    if i == -1:
+        names = getattr(code, "co_freevars", ())
+        i = _CELLS[code, name] = names.index(name) if name in names else None
+    if i is None:
+        return None
+    try:
+        return pack.__closure__[i].cell_contents
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
+
+
 def checkpoint_frame_recomputing() -> Any | None:
     """The frame of the ``torch.utils.checkpoint`` (non-reentrant) call whose recomputation is
     running now, or None (not called from inside a recomputation, or torch's internals moved).
@@ -69,16 +95,20 @@ def checkpoint_frame_recomputing() -> Any | None:
     Its ``check_recomputed_tensors_match(gid)`` is what refuses a recomputation that saved other
     tensors than the forward did, right after the recomputation returns: the one check of
     checkpoint's that runs outside the recomputation's own context."""
-    hooks = top_saved_tensors_hooks()
-    if hooks is None:
-        return None
-    pack = inspect.unwrap(hooks[0])  # the recomputation hook's pack, under dynamo's disable
-    try:
-        cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or ()))
-        frame = cells["target_frame_ref"].cell_contents()
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return None
+    ref = _pack_hook_cell("target_frame_ref")
+    frame = ref() if callable(ref) else None
     return frame if callable(getattr(frame, "check_recomputed_tensors_match", None)) else None
+
+
+def checkpoint_frame_forward() -> Any | None:
+    """The frame of the ``torch.utils.checkpoint`` (non-reentrant) call whose forward is
+    running now (its pack hook is the innermost saved-tensor hook), or None: its
+    ``weak_holders`` (one per saved tensor) and ``recompute_fn``."""
+    frame = _pack_hook_cell("frame")
+    ok = isinstance(getattr(frame, "weak_holders", None), list) and callable(
+        getattr(frame, "recompute_fn", None)
+    )
+    return frame if ok else None
 
 
 def at_backward_end(fn: Callable[[], None]) -> None:

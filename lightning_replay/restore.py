@@ -18,11 +18,7 @@ import torch
 import torch.utils.checkpoint as _checkpoint_module
 from torch.utils.checkpoint import CheckpointError
 
-from lightning_replay._compat import (
-    checkpoint_frame_recomputing,
-    set_versions,
-    top_saved_tensors_hooks,
-)
+from lightning_replay._compat import checkpoint_frame_recomputing, set_versions
 from lightning_replay.contract import StateEntry
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
@@ -591,32 +587,6 @@ def _replay_departed(inv: _Invocation, exc: BaseException | None) -> None:
     raise departed_error(inv.rt, inv.step, inv.version, exc) from exc
 
 
-# the code of checkpoint's recomputation pack hook -> the index of its frame's cell
-_FRAME_CELLS: dict[Any, int] = {}
-
-
-def _frame_recomputing() -> Any | None:
-    """:func:`~lightning_replay._compat.checkpoint_frame_recomputing`, with the place of the
-    frame in the pack hook's closure found once (every replay asks; the general lookup unwraps
-    the hook and maps its closure each time)."""
-    hooks = top_saved_tensors_hooks()
-    if hooks is None:
-        return None
-    inner = getattr(hooks[0], "__wrapped__", hooks[0])
-    code = getattr(inner, "__code__", None)
-    i = _FRAME_CELLS.get(code)
-    if i is None:
-        frame = checkpoint_frame_recomputing()
-        if frame is not None and code is not None and "target_frame_ref" in code.co_freevars:
-            _FRAME_CELLS[code] = code.co_freevars.index("target_frame_ref")
-        return frame
-    try:
-        frame = inner.__closure__[i].cell_contents()
-    except (AttributeError, IndexError, TypeError, ValueError):
-        return None
-    return frame if callable(getattr(frame, "check_recomputed_tensors_match", None)) else None
-
-
 def _refusals_name_the_segment(inv: _Invocation) -> bool:
     """Checkpoint refuses some departed recomputations only after this context has exited
     (the same number of saved tensors with other shapes or dtypes; fewer, with its early stop
@@ -626,7 +596,7 @@ def _refusals_name_the_segment(inv: _Invocation) -> bool:
     While costs are measured, the replay's time is recorded once that check has passed, with
     checkpoint's work between the replay context's end and it (``inv.t_pending``). Returns
     whether the check is wrapped (else the context records the time itself)."""
-    frame = _frame_recomputing()
+    frame = checkpoint_frame_recomputing()
     if frame is None or "check_recomputed_tensors_match" in vars(frame):
         return False
     check = type(frame).check_recomputed_tensors_match

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_replay._compat import top_saved_tensors_hooks, tree_flatten, tree_unflatten
+from lightning_replay._compat import checkpoint_frame_forward, tree_flatten, tree_unflatten
 from lightning_replay.accounting import checkpoint_rng_bytes
 from lightning_replay.checks import SegmentChecks
 from lightning_replay.contract import ReplayContract
@@ -252,7 +251,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 return forward(*a, **kw)
             eng._segment_depth += 1
             if timed:
-                inner[1] = _forward_frame()
+                inner[1] = checkpoint_frame_forward()
                 t_in = _timed_clock(eng)
             try:
                 out = forward(*a, **kw)
@@ -348,27 +347,6 @@ def _timed_clock(eng: "ReplayEngine") -> float:
     if eng._sync:
         torch.cuda.synchronize(eng._cuda_device)
     return clock(eng._cuda)
-
-
-def _forward_frame() -> Any | None:
-    """The frame of the ``torch.utils.checkpoint`` (non-reentrant) call whose forward is
-    running now (its pack hook is the innermost saved-tensor hook), or None where torch's
-    internals differ. Only read while costs are measured."""
-    hooks = top_saved_tensors_hooks()
-    if hooks is None:
-        return None
-    pack = inspect.unwrap(hooks[0])
-    try:
-        cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or ()))
-        frame = cells["frame"].cell_contents
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return None
-    if not (
-        isinstance(getattr(frame, "weak_holders", None), list)
-        and callable(getattr(frame, "recompute_fn", None))
-    ):
-        return None
-    return frame
 
 
 def _aliased_changing(flat: list, changing: list) -> set | None:

@@ -58,6 +58,23 @@ def test_checkpoint_frame_recomputing_is_the_frame_being_recomputed():
     assert callable(frame.check_recomputed_tensors_match) and frame.recompute_fn is not None
 
 
+def test_checkpoint_frame_forward_is_the_frame_whose_forward_runs():
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+
+    def fn(x):
+        y = x.sin()
+        seen.append(_compat.checkpoint_frame_forward())
+        return y.cos()
+
+    assert _compat.checkpoint_frame_forward() is None
+    x = torch.ones(3, requires_grad=True)
+    checkpoint(fn, x, use_reentrant=False).sum().backward()
+    [frame] = seen
+    assert len(frame.weak_holders) == 1 and callable(frame.recompute_fn)  # sin saved x
+
+
 def test_at_backward_end_runs_after_the_backward():
     order = []
     x = torch.ones(2, requires_grad=True)
