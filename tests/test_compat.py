@@ -71,8 +71,9 @@ def test_checkpoint_frame_forward_is_the_frame_whose_forward_runs():
     assert _compat.checkpoint_frame_forward() is None
     x = torch.ones(3, requires_grad=True)
     checkpoint(fn, x, use_reentrant=False).sum().backward()
-    [frame] = seen
+    frame, in_recomputation = seen  # the forward's frame; none while it is recomputed
     assert len(frame.weak_holders) == 1 and callable(frame.recompute_fn)  # sin saved x
+    assert in_recomputation is None
 
 
 def test_at_backward_end_runs_after_the_backward():
