@@ -29,6 +29,7 @@ from __future__ import annotations
 import dis
 import sys
 import types
+import weakref
 from typing import Any, Iterable
 
 from torch import nn
@@ -53,22 +54,31 @@ def _codes(code: types.CodeType) -> Iterable[types.CodeType]:
             yield from _codes(c)
 
 
-def _global_names(fn: types.FunctionType) -> tuple[set[str], set[tuple[str, str]]]:
-    """The module-level names ``fn`` reads or writes, and the ``(name, attribute)`` pairs it
-    reads one attribute down (``settings.lam``, ``FLAGS.on``)."""
+def _global_names(
+    fn: types.FunctionType,
+) -> tuple[set[str], set[tuple[str, str]], set[str]]:
+    """The module-level names ``fn`` reads or writes, the ``(name, attribute)`` pairs it
+    reads one attribute down (``settings.lam``, ``FLAGS.on``), and the attributes it reads
+    from its first argument (``self.temp``: a class attribute where the instance has none)."""
     names: set[str] = set()
     attrs: set[tuple[str, str]] = set()
+    own: set[str] = set()
+    first = fn.__code__.co_varnames[0] if fn.__code__.co_argcount else None
     for code in _codes(fn.__code__):
         prev = None
         for ins in dis.get_instructions(code):
             if ins.opname in ("LOAD_GLOBAL", "STORE_GLOBAL") and isinstance(ins.argval, str):
                 names.add(ins.argval)
             elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and prev is not None:
-                if prev.opname == "LOAD_GLOBAL" and isinstance(ins.argval, str):
+                if not isinstance(ins.argval, str):
+                    pass
+                elif prev.opname == "LOAD_GLOBAL":
                     attrs.add((prev.argval, ins.argval))
+                elif prev.opname == "LOAD_FAST" and prev.argval == first and code is fn.__code__:
+                    own.add(ins.argval)
             if ins.opname not in ("CACHE", "EXTENDED_ARG"):
                 prev = ins
-    return names, attrs
+    return names, attrs, own
 
 
 class Globals:
@@ -86,6 +96,63 @@ def _owner(fn: types.FunctionType) -> Any:
     """The module whose ``__dict__`` is ``fn``'s globals, else a :class:`Globals` for it."""
     mod = sys.modules.get(getattr(fn, "__module__", None) or "")
     return mod if mod is not None and mod.__dict__ is fn.__globals__ else Globals(fn.__globals__)
+
+
+class ClassAttrs:
+    """Stands for a user class whose attribute a forward reads (``self.temp`` with no instance
+    attribute, ``Block.temp``, ``type(self).temp``): its ``__dict__`` sets and removes class
+    attributes, which is how capture_outside puts one back (a class's own ``__dict__`` is
+    read-only)."""
+
+    __slots__ = ("cls", "_attrs")
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self._attrs = _ClassDict(cls)
+
+    @property
+    def __dict__(self) -> "_ClassDict":  # type: ignore[override]
+        return self._attrs
+
+
+class _ClassDict:
+    """The part of the dict protocol the slots code uses, on a class's attributes."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.cls.__dict__.get(name, default)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.cls.__dict__[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self.cls, name, value)
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        value = self.cls.__dict__.get(name, default)
+        if name in self.cls.__dict__:
+            delattr(self.cls, name)
+        return value
+
+
+_CLASSES: "weakref.WeakKeyDictionary[type, ClassAttrs]" = weakref.WeakKeyDictionary()
+
+
+def _class_owner(cls: type, name: str) -> ClassAttrs | None:
+    """The user class in ``cls``'s MRO that defines ``name`` with a plain value, as an owner."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            if _library(klass.__module__) or not _plain(klass.__dict__[name]):
+                return None
+            owner = _CLASSES.get(klass)
+            if owner is None:
+                owner = _CLASSES[klass] = ClassAttrs(klass)
+            return owner
+    return None
 
 
 def _plain(value: Any) -> bool:
@@ -128,14 +195,19 @@ def globals_read(modules: Iterable[nn.Module]) -> list[tuple[Any, str]]:
     imported module) and the attribute read from it. Library code (torch's) is left out."""
     out: dict[tuple[int, str], tuple[Any, str]] = {}
     seen: set[int] = set()
-    todo = [(fn, 0) for cls in {type(m) for m in modules} for fn in _functions(cls)]
+    modules = list(modules)
+    classes = {type(m) for m in modules}
+    todo = [(fn, 0) for cls in classes for fn in _functions(cls)]
+    read_from_self: set[str] = set()
     while todo:
         fn, depth = todo.pop()
         if id(fn.__code__) in seen or _library(fn.__module__):
             continue
         seen.add(id(fn.__code__))
         owner = _owner(fn)
-        names, attrs = _global_names(fn)
+        names, attrs, own = _global_names(fn)
+        if depth == 0:
+            read_from_self |= own
         for name in names:
             value = fn.__globals__.get(name, MISSING)
             if value is MISSING or name.startswith("__"):
@@ -147,11 +219,30 @@ def globals_read(modules: Iterable[nn.Module]) -> list[tuple[Any, str]]:
                 out.setdefault((id(vars(owner)), name), (owner, name))
         for name, attr in attrs:
             holder = fn.__globals__.get(name, MISSING)
-            if holder is MISSING or attr.startswith("__") or not _holder(holder):
+            if holder is MISSING or attr.startswith("__"):
+                continue
+            if isinstance(holder, type):  # Block.temp: a class attribute
+                cls_owner = _class_owner(holder, attr)
+                if cls_owner is not None:
+                    out.setdefault((id(cls_owner.cls), attr), (cls_owner, attr))
+                continue
+            if not _holder(holder):
                 continue
             value = vars(holder).get(attr, MISSING)
             if value is not MISSING and _plain(value):
                 out.setdefault((id(vars(holder)), attr), (holder, attr))
+    # self.temp where no instance holds ``temp``: the class's attribute, which a training
+    # loop may anneal (Block.temp *= 0.9) with no guard seeing it
+    for m in modules:
+        inst = vars(m)
+        for name in read_from_self:
+            if name.startswith("__") or name in inst or name in inst.get("_modules", ()):
+                continue
+            if name in inst.get("_parameters", ()) or name in inst.get("_buffers", ()):
+                continue
+            cls_owner = _class_owner(type(m), name)
+            if cls_owner is not None:
+                out.setdefault((id(cls_owner.cls), name), (cls_owner, name))
     return sorted(out.values(), key=lambda p: (_label(p[0]), p[1]))
 
 
@@ -160,6 +251,8 @@ def _label(owner: Any) -> str:
         return owner.__name__
     if isinstance(owner, Globals):
         return str(owner.__dict__.get("__name__", "?"))
+    if isinstance(owner, ClassAttrs):
+        return owner.cls.__qualname__
     return type(owner).__qualname__
 
 

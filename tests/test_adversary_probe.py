@@ -457,7 +457,10 @@ def _helper_scale(h):
 
 class ModuleLevelReads(nn.Module):
     """Reads each kind of module-level value; every one changes between forward and backward
-    (see ``_anneal_all``), and the counter is written by the forward itself."""
+    (see ``_anneal_all``), and the counter is written by the forward itself. ``GAIN`` is a
+    class attribute the loop anneals, read as ``self.GAIN`` or ``ModuleLevelReads.GAIN``."""
+
+    GAIN = 1.0
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -478,6 +481,10 @@ class ModuleLevelReads(nn.Module):
             return torch.tanh(h * FLAGS.gain)
         if self.kind == "helper_function":
             return torch.tanh(_helper_scale(h))
+        if self.kind == "class_attribute":
+            return torch.tanh(h * self.GAIN)
+        if self.kind == "class_attribute_by_name":
+            return torch.tanh(h * ModuleLevelReads.GAIN)
         _CALLS += 1  # "counter": written by the segment
         return torch.tanh(h * (1.0 + 0.1 * _CALLS))
 
@@ -486,6 +493,7 @@ def _module_level_model(kind: str) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
         global _TEMP, _CALLS
         _TEMP, settings.lam, FLAGS.gain, _HELPER["s"], _CALLS = 1.0, 1.0, 1.0, 1.0, 0
+        ModuleLevelReads.GAIN = 1.0
 
         def anneal(m, x, y):  # after the segment, before backward
             global _TEMP, _CALLS
@@ -494,13 +502,22 @@ def _module_level_model(kind: str) -> Callable[[], nn.Module]:
             FLAGS.gain *= 0.7
             _HELPER["s"] *= 0.9
             _CALLS += 3  # the loop bumps the counter too
+            ModuleLevelReads.GAIN *= 0.8
 
         return with_head(lambda: ModuleLevelReads(kind), anneal)()
 
     return make
 
 
-MODULE_LEVEL = ("scalar", "settings_module", "object_attribute", "helper_function", "counter")
+MODULE_LEVEL = (
+    "scalar",
+    "settings_module",
+    "object_attribute",
+    "helper_function",
+    "counter",
+    "class_attribute",
+    "class_attribute_by_name",
+)
 
 
 class OwnerTemp(nn.Module):

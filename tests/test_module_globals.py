@@ -61,3 +61,27 @@ def test_owners_are_the_dicts_the_code_reads_from():
 
 def test_library_modules_name_nothing():
     assert globals_read([nn.TransformerEncoderLayer(8, 2, 16), nn.BatchNorm1d(4)]) == []
+
+
+class WithClassTemp(nn.Module):
+    TEMP = 2.0  # a class attribute a loop may anneal
+    SHADOWED = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.SHADOWED = 3.0  # the instance's own: a slot, not the class's
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.lin(x) * self.TEMP * self.SHADOWED * WithClassTemp.TEMP
+
+
+def test_class_attributes_read_through_self_or_the_class_are_named_and_put_back():
+    m = WithClassTemp()
+    [(owner, name)] = globals_read([m])
+    assert name == "TEMP" and describe(owner, name) == "WithClassTemp.TEMP"
+    d = vars(owner)  # what capture_outside swaps: setting it sets the class attribute
+    d["TEMP"] = 0.5
+    assert WithClassTemp.TEMP == 0.5 and m.TEMP == 0.5
+    d["TEMP"] = 2.0
+    assert globals_read([nn.Dropout(0.1)]) == []  # torch's class attributes: library code
