@@ -687,7 +687,7 @@ class ReplayEngine:
             self._truth_rounds += 1
             self._truth_plan = self.plan
             self._truth_inputs = _input_bytes(inputs)
-            size = self._truth_step_size = _input_numel(inputs)
+            size = self._truth_step_size = self._window_size
             self._truth_size = size if self._truth_size is None else max(self._truth_size, size)
             self._start_truth()
         self.step += 1
