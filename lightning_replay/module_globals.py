@@ -146,7 +146,11 @@ def _class_owner(cls: type, name: str) -> ClassAttrs | None:
     """The user class in ``cls``'s MRO that defines ``name`` with a plain value, as an owner."""
     for klass in cls.__mro__:
         if name in klass.__dict__:
-            if _library(klass.__module__) or not _plain(klass.__dict__[name]):
+            if (
+                _library(klass.__module__)
+                or type(klass) is not type  # an Enum's members and the like: not settable
+                or not _plain(klass.__dict__[name])
+            ):
                 return None
             owner = _CLASSES.get(klass)
             if owner is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import types
 
 import torch
@@ -85,3 +86,21 @@ def test_class_attributes_read_through_self_or_the_class_are_named_and_put_back(
     assert WithClassTemp.TEMP == 0.5 and m.TEMP == 0.5
     d["TEMP"] = 2.0
     assert globals_read([nn.Dropout(0.1)]) == []  # torch's class attributes: library code
+
+
+class _Mode(enum.Enum):
+    NONE = 0
+    ON = 1
+
+
+class ReadsEnum(nn.Module):
+    def forward(self, x):
+        return x * (_Mode.ON.value + (self.kind is _Mode.NONE))
+
+    kind = _Mode.NONE
+
+
+def test_enum_members_are_not_class_attributes_to_put_back():
+    """An Enum's members cannot be reassigned (and never change): not in any contract. A class
+    attribute that holds one (a mode a loop may switch) is."""
+    assert [describe(*p) for p in globals_read([ReadsEnum()])] == ["ReadsEnum.kind"]

@@ -313,7 +313,9 @@ def test_a_lowered_budget_replans_and_the_measured_peak_holds_it(tmp_path):
     t.fit(HazardNet(), loader(16, batch=WIDE))
 
     engine = t.strategy.engine
-    assert engine.plan_version == 2 and cb.replans == 1
+    # one re-plan by the callback; the engine may make the plan again for the same budget
+    # when a later measured step's real figure grows its prediction
+    assert engine.plan_version >= 2 and cb.replans == 1
     assert budgets["peak_before"] > budgets["new"]  # the all-retained plan no longer fits
     assert engine.plan.budget == budgets["new"]
     assert any(o != "retain" for o in engine.plan.choices.values())
