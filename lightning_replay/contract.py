@@ -57,6 +57,17 @@ class StateEntry:
     preservation: str = "none"
 
 
+def _preservation(s: StateEntry, option: str) -> str:
+    """How ``s`` is preserved for a replay under ``option`` (see :attr:`StateEntry.preservation`)."""
+    if not s.changes_in_window:
+        return "guard" if option != "retain" and s.kind != "parameter" else "none"
+    if option in ("retain", "recompute"):
+        return "none"
+    if option == "regions" and s.regions_ok and not s.unannotated_write:
+        return "regions"
+    return "whole"
+
+
 @dataclasses.dataclass
 class ReplayContract:
     """What replay of one segment must restore, at one version.
@@ -121,14 +132,12 @@ class ReplayContract:
             raise ValueError(f"option must be one of {OPTIONS}, got {option!r}")
         self.option = option
         for s in self.state:
-            if not s.changes_in_window:
-                s.preservation = "guard" if option != "retain" and s.kind != "parameter" else "none"
-            elif option in ("retain", "recompute"):
-                s.preservation = "none"
-            elif option == "regions" and s.regions_ok and not s.unannotated_write:
-                s.preservation = "regions"
-            else:
-                s.preservation = "whole"
+            s.preservation = _preservation(s, option)
+
+    def needs_capture(self, option: str) -> bool:
+        """Whether running under ``option`` turns on the capture mode, which logs writes over
+        the whole forward: to keep regions, or to guard state the probe saw unchanged."""
+        return any(_preservation(s, option) in ("regions", "guard") for s in self.state)
 
     # ---- serialization ----
     def to_dict(self) -> dict[str, Any]:

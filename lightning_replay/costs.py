@@ -8,7 +8,10 @@ region-log bytes.
 
 Time (extra seconds per step over ``retain``) is the median of what the engine timed on
 the segment's own replays under each option: capture at forward (snapshots, input copies, the
-region log's share of the capture mode), swap in, recompute, swap out.
+region log's entries), swap in, recompute, swap out. The capture mode that logs writes costs
+every op of the forward, however many segments need it, so it is not in any option's time: the
+table carries it once (:attr:`~lightning_replay.planner.CostTable.capture_time`, the ops it saw
+in a forward times :func:`dispatch_overhead`), and the options that turn it on say so.
 
 Times are taken with :func:`clock`: on a CPU running one intra-op thread, this thread's CPU
 time (the calling thread does the whole step, and other processes' time slices on a shared
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_replay.planner import Option, SegmentCost
+from lightning_replay.planner import CostTable, Option, SegmentCost
 
 if TYPE_CHECKING:
     from lightning_replay.engine import ReplayEngine
@@ -58,6 +61,8 @@ class CostMeter:
         self.rng_bytes: dict[str, int] = {}
         # A(s) measured on a derivative-checked step (the probe's until then)
         self.activation_bytes: dict[str, int] = {}
+        # ops the capture mode saw in one step's forward, per timed step that ran it
+        self.capture_ops: deque = deque(maxlen=_KEEP)
 
     def add_time(self, segment: str, option: str, seconds: float) -> None:
         self.times[segment][option].append(seconds)
@@ -68,9 +73,16 @@ class CostMeter:
     def median(self, segment: str, option: str) -> float:
         return float(statistics.median(self.times[segment][option]))
 
-    def costs(self, engine: "ReplayEngine") -> list[SegmentCost]:
+    @property
+    def capture_time(self) -> float:
+        """Seconds the capture mode adds to a step's forward (0 before a timed step ran it)."""
+        if not self.capture_ops:
+            return 0.0
+        return float(statistics.median(self.capture_ops)) * dispatch_overhead()
+
+    def costs(self, engine: "ReplayEngine") -> CostTable:
         """One :class:`SegmentCost` per probed segment, in forward order, with every option
-        that has been measured (``retain`` always is)."""
+        that has been measured (``retain`` always is), and the capture mode's time."""
         out = []
         for name in engine.segments:
             rt = engine.runtimes[name]
@@ -96,9 +108,13 @@ class CostMeter:
                 else:
                     held = c.preserved_bytes(o)
                 rng = self.rng_bytes.get(name, 0)
-                opts[o] = Option(memory=inputs + rng + held, time=self.median(name, o))
+                opts[o] = Option(
+                    memory=inputs + rng + held,
+                    time=self.median(name, o),
+                    capture=c.needs_capture(o),
+                )
             out.append(SegmentCost(name=name, activation_bytes=act, options=opts))
-        return out
+        return CostTable(out, capture_time=self.capture_time)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,6 +123,7 @@ class CostMeter:
             "region_bytes": dict(self.region_bytes),
             "rng_bytes": dict(self.rng_bytes),
             "activation_bytes": dict(self.activation_bytes),
+            "capture_ops": list(self.capture_ops),
         }
 
 

@@ -38,7 +38,7 @@ from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.config import PIN_OPTIONS
 from lightning_replay.config import ReplayConfig
 from lightning_replay.contract import OPTIONS, ReplayContract
-from lightning_replay.costs import CostMeter, dispatch_overhead
+from lightning_replay.costs import CostMeter
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.host_rng import HostWatch
 from lightning_replay.memory import StepPeak, live_model_bytes, profiler_busy
@@ -133,7 +133,9 @@ class ReplayEngine:
         self._warmup = False
         self._last_peak = 0
         self._base_saved = 0
-        self._last_capture: tuple[int, dict, int] = (0, {}, 0)
+        self._capture_entry_time: dict = {}  # this step's seconds logging each storage
+        self._capture_ops = 0  # ops the capture mode saw in this step's forward
+        self._capture_timed = False  # whether this step's count is a cost sample
         # On CUDA, times are only taken while calibrating (synchronized), and peaks come from
         # the allocator.
         self._cuda = _first_param_is_cuda(model)
@@ -643,6 +645,10 @@ class ReplayEngine:
             return
         for rt in list(self._pending_probes):
             rt.finish_stale_probes()
+        if self._capture_timed and self._capture_ops:
+            self.meter.capture_ops.append(self._capture_ops)
+        self._capture_ops = 0
+        self._capture_entry_time = {}
         self._replays_last_step = self._replays_this_step
         self._last_step = self.step
         self._preserved_last_step = sum(rt.last_preserved_bytes for rt in self.runtimes.values())
@@ -691,6 +697,13 @@ class ReplayEngine:
             self._truth_size = size if self._truth_size is None else max(self._truth_size, size)
             self._start_truth()
         self.step += 1
+        # the capture mode's ops are a cost sample on timed steps (a probe's forward does more)
+        self._capture_timed = (
+            self.measure_costs
+            and not self._warmup
+            and not self._pending_probes
+            and not any(rt.status in ("probe", "probing") for rt in self.runtimes.values())
+        )
         self.host_watch.begin()
         self._replays_this_step = 0
         chk, self._check_next = self._check_next, None
@@ -728,12 +741,9 @@ class ReplayEngine:
             return
         if self._capture is not None:
             self._capture.__exit__(None, None, None)
-            n_regions = sum(
-                1
-                for rt in self.runtimes.values()
-                if rt.contract is not None and rt.contract.option == "regions"
-            )
-            self._last_capture = (self._capture.ops, self._capture.entry_time, n_regions)
+            self._capture_ops += self._capture.ops
+            for key, seconds in self._capture.entry_time.items():  # a continuation adds
+                self._capture_entry_time[key] = self._capture_entry_time.get(key, 0.0) + seconds
             self._capture = None
         self._capturing = False
         self.host_watch.end(self.step)  # replays of this window check its suspects
@@ -1122,9 +1132,8 @@ class ReplayEngine:
             return
         total = inv.t_prep + seconds
         if inv.option == "regions":
-            ops, entry_time, n = self._last_capture
-            total += ops * dispatch_overhead() / max(n, 1)
-            total += sum(entry_time.get(k, 0.0) for k, _ in inv.regions)
+            # the capture mode's own time is the table's, paid once (CostTable.capture_time)
+            total += sum(self._capture_entry_time.get(k, 0.0) for k, _ in inv.regions)
             self.meter.region_bytes[inv.rt.name] = max(
                 self.meter.region_bytes.get(inv.rt.name, 0) if inv.step > 0 else 0,
                 inv.rt.last_preserved_bytes - inv.preserved_bytes,

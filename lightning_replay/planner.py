@@ -12,6 +12,12 @@ because backward runs from the last segment to the first and, when ``s`` replays
 segments after it are already freed. :func:`plan` minimizes the extra time
 ``sum_s time(s, o_s)`` subject to ``peak <= budget``.
 
+Some costs are paid once per step, not per segment: the capture mode that logs writes (for
+``regions`` and for the guards of replayed segments' unchanged buffers) runs over the whole
+forward as soon as one segment needs it. Options that need it say so (``Option.capture``), a
+:class:`CostTable` carries the mode's per-step time, and a plan's extra time adds it once when
+any chosen option needs it.
+
 ``method="joint"`` is exact. The other methods are the baselines it is compared with.
 
 Example:
@@ -50,6 +56,7 @@ __all__ = [
     "PLANNER_SCHEMA_VERSION",
     "Option",
     "SegmentCost",
+    "CostTable",
     "Plan",
     "InfeasibleBudget",
     "predicted_peak",
@@ -106,23 +113,36 @@ class Option:
         memory: Bytes held from the segment's forward until its backward: the activations for
             ``retain``; checkpoint inputs plus snapshots for the replayed options.
         time: Extra seconds per step: 0 for ``retain``; recompute plus capture and restore for
-            the replayed options.
+            the replayed options. Not the capture mode's own time, which :class:`CostTable`
+            carries once for the step.
+        capture: Taking this option turns on the capture mode for the whole forward (its time,
+            :attr:`CostTable.capture_time`, is paid once however many segments need it).
 
     Raises:
-        TypeError: If ``memory`` is not an int or ``time`` is not a real number.
-        ValueError: If either is negative, or ``time`` is NaN or infinite.
+        TypeError: If ``memory`` is not an int, ``time`` is not a real number or ``capture``
+            is not a bool.
+        ValueError: If either number is negative, or ``time`` is NaN or infinite.
 
     Example:
         >>> Option(memory=2**20, time=0.004)
         Option(memory=1048576, time=0.004)
+        >>> Option(memory=512, time=0.002, capture=True)
+        Option(memory=512, time=0.002, capture=True)
     """
 
     memory: int
     time: float
+    capture: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory", _check_int_bytes("Option.memory", self.memory))
         object.__setattr__(self, "time", _check_seconds("Option.time", self.time))
+        if not isinstance(self.capture, bool):
+            raise TypeError(f"Option.capture must be a bool, got {self.capture!r}")
+
+    def __repr__(self) -> str:
+        shared = ", capture=True" if self.capture else ""
+        return f"Option(memory={self.memory}, time={self.time}{shared})"
 
 
 @dataclass(frozen=True)
@@ -184,6 +204,37 @@ class SegmentCost:
     def __hash__(self) -> int:
         # The generated hash would fail on the dict; hash its items instead.
         return hash((self.name, self.activation_bytes, tuple(self.options.items())))
+
+
+class CostTable(list):
+    """A cost table (:class:`SegmentCost` s in forward order) with the costs a step pays once.
+
+    A plain list of :class:`SegmentCost` is a table whose ``capture_time`` is 0.
+
+    Args:
+        segments: The segments in forward execution order.
+        capture_time: Seconds per step the capture mode costs over the whole forward; a plan
+            pays it once when any chosen option has ``capture=True``.
+
+    Raises:
+        ValueError, TypeError: On a negative, NaN or non-numeric ``capture_time``.
+
+    Example:
+        >>> t = CostTable([SegmentCost("b0", 8, {"retain": Option(8, 0.0)})], capture_time=0.5)
+        >>> len(t), t.capture_time
+        (1, 0.5)
+    """
+
+    def __init__(self, segments: Iterable[SegmentCost] = (), capture_time: float = 0.0) -> None:
+        super().__init__(segments)
+        self.capture_time = _check_seconds("CostTable.capture_time", capture_time)
+
+    def __repr__(self) -> str:
+        return f"CostTable({list.__repr__(self)}, capture_time={self.capture_time})"
+
+
+def _capture_time(costs: Sequence[SegmentCost]) -> float:
+    return costs.capture_time if isinstance(costs, CostTable) else 0.0
 
 
 @dataclass(frozen=True)
@@ -404,6 +455,7 @@ class _Seg:
     mem: tuple[int, ...]
     time: tuple[float, ...]
     replay: tuple[bool, ...]
+    capture: tuple[bool, ...]
 
     def index(self, option: str) -> int | None:
         return self.names.index(option) if option in self.names else None
@@ -438,9 +490,23 @@ def _table(costs: Sequence[SegmentCost]) -> list[_Seg]:
                 mem=tuple(seg.options[o].memory for o in names),
                 time=tuple(seg.options[o].time for o in names),
                 replay=tuple(o != "retain" for o in names),
+                capture=tuple(seg.options[o].capture for o in names),
             )
         )
     return table
+
+
+def _without_capture(seg: _Seg) -> _Seg | None:
+    """``seg`` cut down to its options that leave the capture mode off (None: it has none)."""
+    keep = [k for k, c in enumerate(seg.capture) if not c]
+    if not keep:
+        return None
+    return _Seg(
+        seg.name,
+        seg.act,
+        *(tuple(field[k] for k in keep) for field in (seg.names, seg.mem, seg.time, seg.replay)),
+        capture=tuple(False for _ in keep),
+    )
 
 
 def _peak(table: Sequence[_Seg], picks: Sequence[int], base: int) -> int:
@@ -453,12 +519,14 @@ def _peak(table: Sequence[_Seg], picks: Sequence[int], base: int) -> int:
     return base + max(prefix, replay_peak)
 
 
-def _extra_time(table: Sequence[_Seg], picks: Sequence[int]) -> float:
+def _extra_time(table: Sequence[_Seg], picks: Sequence[int], capture_time: float = 0.0) -> float:
     # Summed in forward order, the same order the joint solver accumulates in, so the reported
-    # time is bit-identical to the one the solver minimized.
+    # time is bit-identical to the one the solver minimized; the capture mode's time once, last.
     total = 0.0
     for seg, k in zip(table, picks):
         total += seg.time[k]
+    if capture_time and any(seg.capture[k] for seg, k in zip(table, picks)):
+        total += capture_time
     return total
 
 
@@ -754,6 +822,28 @@ def _joint(table: Sequence[_Seg], cap: int) -> list[int] | None:
     return picks if exact is None else exact[0]
 
 
+def _joint_with_capture(table: Sequence[_Seg], cap: int, capture_time: float) -> list[int] | None:
+    """The exact optimum when options that turn the capture mode on share its time.
+
+    Any plan either leaves the mode off, and is no faster than the best plan among options
+    that leave it off, or turns it on and costs its per-segment sum plus ``capture_time``, no
+    less than the best per-segment sum over every option plus ``capture_time``. So the faster
+    of those two plans (the lower peak on a tie) is optimal.
+    """
+    best = _joint(table, cap)
+    if best is None or not capture_time or not any(seg.capture[k] for seg, k in zip(table, best)):
+        return best
+    reduced = [_without_capture(seg) for seg in table]
+    if any(seg is None for seg in reduced):
+        return best
+    off = _joint(reduced, cap)
+    if off is None:
+        return best
+    off = [table[s].names.index(reduced[s].names[k]) for s, k in enumerate(off)]
+    key = lambda picks: (_extra_time(table, picks, capture_time), _peak(table, picks, 0))  # noqa: E731
+    return min((best, off), key=key)
+
+
 # ----------------------------------------------------------------------------------------------
 # Baselines. Each yields the assignments it would try, in order, independent of the budget;
 # the plan is the first that fits and the minimum feasible budget is the lowest peak on the path.
@@ -916,7 +1006,8 @@ def plan(
         method: One of :data:`METHODS`:
 
             * ``joint``: the exact minimum of ``extra_time`` over every option of every
-              segment. Among equal-time plans it takes the lowest peak.
+              segment (the capture mode's time of a :class:`CostTable` counted once). Among
+              equal-time plans it takes the lowest peak.
             * ``eager_whole``: greedy over ``retain``/``whole``/``recompute`` (ignores
               ``regions``): from all-retain, repeatedly switch the segment with the most
               bytes saved per second added, until the budget holds.
@@ -959,8 +1050,9 @@ def plan(
     _check_size(full, budget, base)
     restricted, pins = _restrict(costs, allowed)
     table = _table(restricted) if pins else full
+    capture_time = _capture_time(costs)
     if method == "joint":
-        picks = _joint(table, budget - base)
+        picks = _joint_with_capture(table, budget - base, capture_time)
         if picks is None:
             raise InfeasibleBudget(
                 budget,
@@ -991,7 +1083,7 @@ def plan(
     return Plan(
         choices={seg.name: seg.names[k] for seg, k in zip(table, picks)},
         peak_memory=_peak(table, picks, base),
-        extra_time=_extra_time(table, picks),
+        extra_time=_extra_time(table, picks, capture_time),
         method=method,
         budget=budget,
         base_memory=base,
@@ -1054,7 +1146,8 @@ def _check_schema(what: str, data: object) -> None:
 
 
 def costs_to_dict(costs: Sequence[SegmentCost]) -> dict[str, Any]:
-    """Serialize a cost table to a JSON-safe dict (``{"schema": 1, "segments": [...]}``).
+    """Serialize a cost table to a JSON-safe dict (``{"schema": 1, "segments": [...]}``, with
+    ``capture_time`` for a :class:`CostTable`, and ``capture`` on the options that need it).
 
     Example:
         >>> import json
@@ -1063,23 +1156,30 @@ def costs_to_dict(costs: Sequence[SegmentCost]) -> dict[str, Any]:
         True
     """
     _table(costs)  # the same validation as planning: a table that saves can be planned
+
+    def option(opt: Option) -> dict[str, Any]:
+        out: dict[str, Any] = {"memory": opt.memory, "time": opt.time}
+        if opt.capture:
+            out["capture"] = True
+        return out
+
     return {
         "schema": PLANNER_SCHEMA_VERSION,
+        "capture_time": _capture_time(costs),
         "segments": [
             {
                 "name": seg.name,
                 "activation_bytes": seg.activation_bytes,
-                "options": {
-                    o: {"memory": opt.memory, "time": opt.time} for o, opt in seg.options.items()
-                },
+                "options": {o: option(opt) for o, opt in seg.options.items()},
             }
             for seg in costs
         ],
     }
 
 
-def costs_from_dict(data: Mapping[str, Any]) -> list[SegmentCost]:
-    """Rebuild a cost table written by :func:`costs_to_dict`.
+def costs_from_dict(data: Mapping[str, Any]) -> CostTable:
+    """Rebuild a cost table written by :func:`costs_to_dict` (``capture_time`` 0 and no
+    ``capture`` where a dict has none).
 
     Raises:
         ValueError: If the schema is not :data:`PLANNER_SCHEMA_VERSION`, or a segment or option is
@@ -1111,7 +1211,11 @@ def costs_from_dict(data: Mapping[str, Any]) -> list[SegmentCost]:
                         f"option {key!r} must be a mapping with memory and time, got {value!r}"
                     )
                 try:
-                    options[key] = Option(memory=value["memory"], time=value["time"])
+                    options[key] = Option(
+                        memory=value["memory"],
+                        time=value["time"],
+                        capture=value.get("capture", False),
+                    )
                 except KeyError as err:
                     raise ValueError(f"option {key!r} is missing {err.args[0]!r}") from None
                 except (TypeError, ValueError) as err:
@@ -1123,6 +1227,6 @@ def costs_from_dict(data: Mapping[str, Any]) -> list[SegmentCost]:
             raise ValueError(f"cost table {where}: {err}") from None
     try:
         _table(costs)
+        return CostTable(costs, capture_time=data.get("capture_time", 0.0))
     except (TypeError, ValueError) as err:
         raise ValueError(f"cost table: {err}") from None
-    return costs

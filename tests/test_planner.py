@@ -25,6 +25,7 @@ import lightning_replay.budget as budget_module
 import lightning_replay.planner as planner
 from lightning_replay.planner import (
     METHODS,
+    CostTable,
     OPTION_NAMES,
     InfeasibleBudget,
     Option,
@@ -59,6 +60,9 @@ def reference_time(costs: list[SegmentCost], combo: tuple[str, ...]) -> float:
     total = 0.0
     for c, o in zip(costs, combo):  # forward order, as the planner sums
         total += c.options[o].time
+    # the capture mode runs once for the whole forward if any chosen option needs it
+    if isinstance(costs, CostTable) and any(c.options[o].capture for c, o in zip(costs, combo)):
+        total += costs.capture_time
     return total
 
 
@@ -98,16 +102,25 @@ def cost_tables(
         subsets[widest].pop()
     # Small byte counts make equal prefixes and equal peaks common: the hard cases for ties.
     memory = st.integers(0, 60)
-    return [
+    # Half the tables share a capture mode: any replayed option may need it (always regions;
+    # whole or recompute where a segment guards unchanged buffers), paid once per step.
+    shared = draw(st.booleans())
+
+    def option(o: str) -> Option:
+        if o == "retain":
+            return Option(draw(memory), 0.0)
+        capture = shared and (o == "regions" or draw(st.booleans()))
+        return Option(draw(memory), draw(times), capture=capture)
+
+    segments = [
         SegmentCost(
             f"s{i}",
             activation_bytes=draw(st.integers(0, 80)),
-            options={
-                o: Option(draw(memory), 0.0 if o == "retain" else draw(times)) for o in subset
-            },
+            options={o: option(o) for o in subset},
         )
         for i, subset in enumerate(subsets)
     ]
+    return CostTable(segments, capture_time=draw(times)) if shared else segments
 
 
 def budgets_around(draw: st.DrawFn, peaks: list[int], base: int) -> list[int]:
@@ -662,6 +675,7 @@ def test_costs_and_plans_round_trip_through_json(
 ) -> None:
     restored = costs_from_dict(json.loads(json.dumps(costs_to_dict(costs))))
     assert restored == costs
+    assert restored.capture_time == (costs.capture_time if isinstance(costs, CostTable) else 0.0)
     try:
         p = plan(costs, budget=budget, method=method)
     except InfeasibleBudget:
@@ -784,6 +798,8 @@ def test_every_method_honours_the_pins(data: st.DataObject) -> None:
         )
         for c in costs
     ]
+    if isinstance(costs, CostTable):
+        cut = CostTable(cut, capture_time=costs.capture_time)
     assert min_feasible_budget(costs, base, method, allowed=allowed) == min_feasible_budget(
         cut, base, method
     )
