@@ -63,6 +63,12 @@ class CostMeter:
         self.activation_bytes: dict[str, int] = {}
         # ops the capture mode saw in one step's forward, per timed step that ran it
         self.capture_ops: deque = deque(maxlen=_KEEP)
+        # a segment's own forward seconds without and with a capture mode of its own, and the
+        # ops that mode saw: what the mode costs per op in place (see capture_time)
+        self.forward_times: dict[str, dict[bool, deque]] = defaultdict(
+            lambda: {False: deque(maxlen=_KEEP), True: deque(maxlen=_KEEP)}
+        )
+        self.forward_ops: dict[str, deque] = defaultdict(lambda: deque(maxlen=_KEEP))
 
     def add_time(self, segment: str, option: str, seconds: float) -> None:
         self.times[segment][option].append(seconds)
@@ -73,12 +79,40 @@ class CostMeter:
     def median(self, segment: str, option: str) -> float:
         return float(statistics.median(self.times[segment][option]))
 
+    def add_forward_time(self, segment: str, seconds: float, capture: Any = None) -> None:
+        """A segment's own forward time; ``capture``: the capture mode it ran under, if any."""
+        self.forward_times[segment][capture is not None].append(seconds)
+        if capture is not None:
+            self.forward_ops[segment].append(capture.ops)
+
+    @property
+    def capture_op_seconds(self) -> float:
+        """What the capture mode adds to one op of the forward, in place.
+
+        Calibration steps run some segments' forwards under a capture mode of their own and
+        some without (see ``ReplayEngine._capture_sample``); per segment, the difference of the
+        median times over the ops the mode saw; the median over segments. In place, between a
+        step's large kernels, the mode's Python work runs with cold caches, and costs several
+        times what :func:`dispatch_overhead` measures in a warm loop (about 20 us against 4 us
+        per op on this machine), which stays the figure until a segment was timed both ways.
+        """
+        rates = []
+        for name, times in self.forward_times.items():
+            if times[True] and times[False] and self.forward_ops[name]:
+                ops = statistics.median(self.forward_ops[name])
+                if ops > 0:
+                    diff = statistics.median(times[True]) - statistics.median(times[False])
+                    rates.append(diff / ops)
+        if not rates:
+            return dispatch_overhead()
+        return max(float(statistics.median(rates)), 0.0)
+
     @property
     def capture_time(self) -> float:
         """Seconds the capture mode adds to a step's forward (0 before a timed step ran it)."""
         if not self.capture_ops:
             return 0.0
-        return float(statistics.median(self.capture_ops)) * dispatch_overhead()
+        return float(statistics.median(self.capture_ops)) * self.capture_op_seconds
 
     def costs(self, engine: "ReplayEngine") -> CostTable:
         """One :class:`SegmentCost` per probed segment, in forward order, with every option

@@ -1127,6 +1127,26 @@ class ReplayEngine:
             costs, {n: self.plan.choices[n] for n in by_name}, self.real_base_memory
         )
 
+    def _capture_sampling(self) -> bool:
+        """Whether this step's timed segment forwards measure the capture mode in place.
+
+        In calibration steps whose forward runs no capture mode (no region log, no guard, no
+        probe), every other segment, alternating from step to step, runs its own forward under
+        one that logs nothing (:meth:`_capture_sample`): the difference of its forward times
+        with and without is what the mode costs in place (:attr:`CostMeter.capture_op_seconds`).
+        """
+        return (
+            self._capture_timed
+            and self.plan is None
+            and self._capture is None
+            and not self.log.armed
+            and not self._needs_capture
+        )
+
+    def _capture_sample(self, rt: SegmentRuntime) -> CaptureMode | None:
+        """The capture mode ``rt``'s forward runs under in a sampling step, or None."""
+        return None if (rt.order + self.step) % 2 else CaptureMode(self.log)
+
     def _record_replay_time(self, inv: _Invocation, seconds: float) -> None:
         if self._warmup and inv.step == self.step:
             return

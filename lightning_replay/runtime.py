@@ -250,15 +250,25 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             if inv.replaying:
                 return forward(*a, **kw)
             eng._segment_depth += 1
+            # a calibration step may run this forward under a capture mode of its own, to
+            # measure what the mode costs per op in place (see CostMeter.capture_time)
+            sampling = timed and eng._capture_sampling()
+            sample = eng._capture_sample(self) if sampling else None
             if timed:
                 inner[1] = checkpoint_frame_forward()
                 t_in = _timed_clock(eng)
             try:
-                out = forward(*a, **kw)
+                if sample is None:
+                    out = forward(*a, **kw)
+                else:
+                    with sample:
+                        out = forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
             if timed:
                 inner[0] = _timed_clock(eng) - t_in
+                if sampling:
+                    eng.meter.add_forward_time(self.name, inner[0], sample)
             if inv.shared:  # a shared whole copy this forward wrote is not exchanged at replay
                 inv.shared_writes = [t._version != sw.version for sw, t in inv.shared]
             return out

@@ -10,6 +10,7 @@ unchanged buffer, watched for writes) was charged nothing.
 from __future__ import annotations
 
 import itertools
+import statistics
 
 import pytest
 import torch
@@ -128,3 +129,49 @@ def test_the_flags_say_when_the_engine_runs_the_capture_mode(measured):
         expected = any(opts[n][o].capture for n, o in choices.items())
         ran = engine._capture_ops > 0
         assert ran == expected, choices
+
+
+class Banks(nn.Module):
+    """Bank blocks only: no guard, so calibration's replay phase runs no capture mode."""
+
+    def __init__(self, dim: int = 16, rows: int = 256) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Bank(dim, rows) for _ in range(4))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        with torch.no_grad():
+            start = int(x[0, 0].abs().mul(1e4).long()) % 256
+            idx = (torch.arange(4) * 37 + start) % 256
+            for b in self.blocks:
+                b.memory.index_copy_(0, idx, x[:4].detach())
+        return self.head(x)
+
+
+def test_the_capture_mode_is_timed_in_place_and_changes_nothing():
+    """Calibration runs every other segment's forward under a capture mode that logs nothing,
+    alternating by step, and prices the mode per op from the difference; the steps train
+    exactly as plain PyTorch."""
+    torch.manual_seed(0)
+    model, plain = Banks(), Banks()
+    plain.load_state_dict(model.state_dict())
+    engine = lr.install(model, "blocks.*", budget="min", calibration_steps=4)
+    steps = engine.steps_to_first_plan + 2
+    got, _ = train_steps(model, _x, steps)
+    want, _ = train_steps(plain, _x, steps)
+    assert engine.plan is not None
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(got, want) for k in b)
+    meter = engine.meter
+    assert sorted(meter.forward_times) == [f"blocks.{i}" for i in range(4)]
+    for name, times in meter.forward_times.items():
+        # both ways in the replay phase's timed steps (4 of them: 2 each), none after
+        assert len(times[True]) == len(times[False]) == 2, name
+        assert set(meter.forward_ops[name]) == {5}  # mean, add, t, addmm, tanh
+    rate = statistics.median(
+        (statistics.median(t[True]) - statistics.median(t[False])) / 5
+        for t in meter.forward_times.values()
+    )
+    assert meter.capture_op_seconds == max(rate, 0.0)
+    assert engine.costs.capture_time == statistics.median(meter.capture_ops) * max(rate, 0.0)
