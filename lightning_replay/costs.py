@@ -10,8 +10,9 @@ Time (extra seconds per step over ``retain``) is the median of what the engine t
 the segment's own replays under each option: capture at forward (snapshots, input copies, the
 region log's entries), swap in, recompute, swap out. The capture mode that logs writes costs
 every op of the forward, however many segments need it, so it is not in any option's time: the
-table carries it once (:attr:`~lightning_replay.planner.CostTable.capture_time`, the ops it saw
-in a forward times :func:`dispatch_overhead`), and the options that turn it on say so.
+table carries it once (:attr:`~lightning_replay.planner.CostTable.capture_time`: the ops it saw
+in a forward times :attr:`CostMeter.capture_op_seconds`, its cost per op timed in place), and
+the options that turn it on say so.
 
 Times are taken with :func:`clock`: on a CPU running one intra-op thread, this thread's CPU
 time (the calling thread does the whole step, and other processes' time slices on a shared
@@ -165,7 +166,9 @@ _DISPATCH_OVERHEAD: float | None = None
 
 
 def dispatch_overhead() -> float:
-    """Seconds the regions capture mode adds to one aten op of a forward on this machine.
+    """Seconds the regions capture mode adds to one aten op of a forward on this machine, in
+    a warm loop: the figure :attr:`CostMeter.capture_op_seconds` falls back on until it has
+    timed the mode in place (where it costs several times more).
 
     Measured once, with the capture mode armed as in a window that logs writes, on the ops a
     layer runs (``linear``: a transpose and an ``addmm``; an activation; a view; an in-place
