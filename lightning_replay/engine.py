@@ -1130,22 +1130,23 @@ class ReplayEngine:
     def _capture_sampling(self) -> bool:
         """Whether this step's timed segment forwards measure the capture mode in place.
 
-        In calibration steps whose forward runs no capture mode (no region log, no guard, no
-        probe), every other segment, alternating from step to step, runs its own forward under
-        one that logs nothing (:meth:`_capture_sample`): the difference of its forward times
-        with and without is what the mode costs in place (:attr:`CostMeter.capture_op_seconds`).
+        In calibration steps, every other segment, alternating from step to step, runs its own
+        forward under one more capture mode, one that logs nothing: the difference of its
+        forward times with and without is what a mode costs in place
+        (:attr:`CostMeter.capture_op_seconds`), whether or not the step runs the engine's
+        mode as well (region logs and guards need it in every step of their phase).
         """
-        return (
-            self._capture_timed
-            and self.plan is None
-            and self._capture is None
-            and not self.log.armed
-            and not self._needs_capture
-        )
+        return self._capture_timed and self.plan is None
 
     def _capture_sample(self, rt: SegmentRuntime) -> CaptureMode | None:
-        """The capture mode ``rt``'s forward runs under in a sampling step, or None."""
-        return None if (rt.order + self.step) % 2 else CaptureMode(self.log)
+        """The extra capture mode ``rt``'s forward runs under in a sampling step, or None. It
+        has a log of its own, with one unrelated storage armed, so that every write is looked
+        at as in the engine's mode, and nothing is logged."""
+        if (rt.order + self.step) % 2:
+            return None
+        log = RegionLog()
+        log.arm(storage_key(_UNRELATED), _UNRELATED)
+        return CaptureMode(log)
 
     def _record_replay_time(self, inv: _Invocation, seconds: float) -> None:
         if self._warmup and inv.step == self.step:
@@ -1206,6 +1207,10 @@ class ReplayEngine:
             )
             for rt in self.runtimes.values()
         )
+
+
+#: The storage a sampling capture mode arms (see ReplayEngine._capture_sample): never written.
+_UNRELATED = torch.zeros(1)
 
 
 def _resolve_budget(config: ReplayConfig, model: nn.Module) -> int | None:

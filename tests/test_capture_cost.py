@@ -101,6 +101,11 @@ def test_the_table_charges_the_capture_mode_once(measured):
     assert opts["scaled"]["recompute"].capture
     assert not opts["bank0"]["whole"].capture and not opts["plain"]["recompute"].capture
     assert not any(o["retain"].capture for o in opts.values())
+    # every step of calibration runs the engine's mode here (the guard), and the mode is still
+    # priced in place: each segment's forward was timed under one more mode and without
+    times = engine.meter.forward_times
+    assert sorted(times) == sorted(SEGMENTS)
+    assert all(t[True] and t[False] for t in times.values())
     # a plan that takes any of them pays the mode once, one that takes none pays nothing
     all_regions = {"bank0": "regions", "bank1": "regions", "scaled": "retain", "plain": "retain"}
     one_region = {**all_regions, "bank1": "whole"}
@@ -132,7 +137,7 @@ def test_the_flags_say_when_the_engine_runs_the_capture_mode(measured):
 
 
 class Banks(nn.Module):
-    """Bank blocks only: no guard, so calibration's replay phase runs no capture mode."""
+    """Bank blocks only: no guard, so calibration's replay phase runs no engine mode."""
 
     def __init__(self, dim: int = 16, rows: int = 256) -> None:
         super().__init__()
@@ -151,9 +156,9 @@ class Banks(nn.Module):
 
 
 def test_the_capture_mode_is_timed_in_place_and_changes_nothing():
-    """Calibration runs every other segment's forward under a capture mode that logs nothing,
-    alternating by step, and prices the mode per op from the difference; the steps train
-    exactly as plain PyTorch."""
+    """Calibration runs every other segment's forward under one more capture mode, one that
+    logs nothing, alternating by step, and prices the mode per op from the difference; the
+    steps train exactly as plain PyTorch."""
     torch.manual_seed(0)
     model, plain = Banks(), Banks()
     plain.load_state_dict(model.state_dict())
@@ -166,8 +171,9 @@ def test_the_capture_mode_is_timed_in_place_and_changes_nothing():
     meter = engine.meter
     assert sorted(meter.forward_times) == [f"blocks.{i}" for i in range(4)]
     for name, times in meter.forward_times.items():
-        # both ways in the replay phase's timed steps (4 of them: 2 each), none after
-        assert len(times[True]) == len(times[False]) == 2, name
+        # both ways in the 8 timed calibration steps (replay and regions phases, the second
+        # under the engine's own mode too), alternating: 4 each; none after the plan
+        assert len(times[True]) == len(times[False]) == 4, name
         assert set(meter.forward_ops[name]) == {5}  # mean, add, t, addmm, tanh
     rate = statistics.median(
         (statistics.median(t[True]) - statistics.median(t[False])) / 5
