@@ -177,8 +177,7 @@ def dispatch_overhead() -> float:
     """
     global _DISPATCH_OVERHEAD
     if _DISPATCH_OVERHEAD is None:
-        from lightning_replay.preservation import CaptureMode, RegionLog  # (imports this one)
-        from lightning_replay.state import storage_key
+        from lightning_replay.preservation import idle_capture_mode  # (imports this one)
 
         gen = torch.Generator().manual_seed(0)
         x, w, b = (torch.randn(*s, generator=gen) for s in ((64, 64), (64, 64), (64,)))
@@ -192,10 +191,7 @@ def dispatch_overhead() -> float:
                 torch.nn.functional.layer_norm(y, (64,))
             return clock() - t0
 
-        log = RegionLog()
-        unrelated = torch.zeros(1)
-        log.arm(storage_key(unrelated), unrelated)  # armed: every write is looked at
-        mode = CaptureMode(log)
+        mode = idle_capture_mode()  # armed: every write is looked at
         with mode:
             loop()
         ops = mode.ops  # of one loop

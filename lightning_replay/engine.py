@@ -43,7 +43,7 @@ from lightning_replay.errors import ReplayConfigError
 from lightning_replay.host_rng import HostWatch
 from lightning_replay.memory import StepPeak, live_model_bytes, profiler_busy
 from lightning_replay.planner import InfeasibleBudget
-from lightning_replay.preservation import CaptureMode, RegionLog
+from lightning_replay.preservation import CaptureMode, RegionLog, idle_capture_mode
 from lightning_replay.records import RecordStore
 from lightning_replay.replan import ReplanPolicy, input_shapes
 from lightning_replay.restore import _Invocation
@@ -1139,14 +1139,9 @@ class ReplayEngine:
         return self._capture_timed and self.plan is None
 
     def _capture_sample(self, rt: SegmentRuntime) -> CaptureMode | None:
-        """The extra capture mode ``rt``'s forward runs under in a sampling step, or None. It
-        has a log of its own, with one unrelated storage armed, so that every write is looked
-        at as in the engine's mode, and nothing is logged."""
-        if (rt.order + self.step) % 2:
-            return None
-        log = RegionLog()
-        log.arm(storage_key(_UNRELATED), _UNRELATED)
-        return CaptureMode(log)
+        """The extra capture mode ``rt``'s forward runs under in a sampling step (one that
+        looks at every write as the engine's armed mode does and logs nothing), or None."""
+        return None if (rt.order + self.step) % 2 else idle_capture_mode()
 
     def _record_replay_time(self, inv: _Invocation, seconds: float) -> None:
         if self._warmup and inv.step == self.step:
@@ -1207,10 +1202,6 @@ class ReplayEngine:
             )
             for rt in self.runtimes.values()
         )
-
-
-#: The storage a sampling capture mode arms (see ReplayEngine._capture_sample): never written.
-_UNRELATED = torch.zeros(1)
 
 
 def _resolve_budget(config: ReplayConfig, model: nn.Module) -> int | None:

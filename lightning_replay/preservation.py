@@ -238,6 +238,18 @@ class CaptureMode(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+#: The storage an idle capture mode arms (see :func:`idle_capture_mode`): never written.
+_UNRELATED = torch.zeros(1)
+
+
+def idle_capture_mode() -> CaptureMode:
+    """A capture mode that looks at every write as an armed one does and logs nothing: its
+    own log has one storage armed that nothing writes. What timing the mode's cost runs."""
+    log = RegionLog()
+    log.arm(storage_key(_UNRELATED), _UNRELATED)
+    return CaptureMode(log)
+
+
 def undo(entries: list[RegionEntry]) -> None:
     """Undo logged writes (newest first); calling :func:`redo` on the same list reverts it."""
     for e in reversed(entries):
