@@ -792,7 +792,7 @@ class ReplayEngine:
             self._stop_truth(self._truth)
         measured = self._truth_peak is not None
         plan = self._truth_plan if measured else self.plan
-        if self._truth_peak is not None:
+        if measured:
             real, self._truth_peak = self._truth_peak, None
         elif self.plan is not None and self._cuda and self._cuda_device is not None:
             real = int(torch.cuda.max_memory_allocated(self._cuda_device)) if self._last_step else 0
