@@ -29,6 +29,7 @@ __all__ = [
     "at_backward_end",
     "checkpoint_frame_forward",
     "checkpoint_frame_recomputing",
+    "dict_version",
     "distributed_is_initialized",
     "logger_connector",
     "op_arguments",
@@ -109,6 +110,59 @@ def checkpoint_frame_forward() -> Any | None:
         getattr(frame, "recompute_fn", None)
     )
     return frame if ok else None
+
+
+def _dict_version() -> Callable[[dict], int] | None:
+    """torch dynamo's reader of a dict's version tag (PEP 509), if this interpreter has one
+    that moves with every way a slot can be rebound; else None (callers compare identities).
+
+    A version tag is taken from one global counter at each creation and each change of any
+    dict, so an equal tag means the same dict unchanged: no key added, removed or bound to
+    another object. The tag is CPython's private field (gone in 3.14), hence the test here of
+    every path that writes an instance's attributes, also the interpreter's specialized ones."""
+    try:
+        from torch._C._dynamo.guards import dict_version as read
+    except ImportError:
+        return None
+
+    class _Probe:
+        pass
+
+    def moves(d: dict, write: Callable[[], Any]) -> bool:
+        before = read(d)
+        write()
+        return read(d) != before
+
+    try:
+        d: dict = {"a": object()}
+        o = _Probe()
+        od = o.__dict__  # materialized, as every module's is
+        ok = (
+            moves(d, lambda: d.__setitem__("a", object()))
+            and moves(d, lambda: d.__setitem__("b", 1))
+            and moves(d, lambda: d.pop("b"))
+            and moves(d, lambda: d.update(c=object()))
+            and moves(d, lambda: d.setdefault("e", 2))
+            and moves(d, lambda: d.__delitem__("c"))
+            and moves(d, d.popitem)
+            and moves(d, d.clear)
+            and not moves(d, lambda: d.get("a"))
+            and moves(od, lambda: object.__setattr__(o, "x", object()))
+            and moves(od, lambda: setattr(o, "x", object()))
+            and moves(od, lambda: delattr(o, "x"))
+        )
+        for i in range(64):  # long enough for the interpreter to specialize the store
+            before = read(od)
+            o.y = object()
+            ok = ok and read(od) != before
+    except Exception:  # noqa: BLE001 - any surprise: no fast path, identities instead
+        return None
+    return read if ok else None
+
+
+#: ``dict_version(d)``: the version tag of ``d`` (see :func:`_dict_version`), or None where
+#: this interpreter has none that can be trusted
+dict_version: Callable[[dict], int] | None = _dict_version()
 
 
 def at_backward_end(fn: Callable[[], None]) -> None:

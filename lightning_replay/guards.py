@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from lightning_replay.slots import MISSING, MODULE_INTERNALS, identities, is_scalar
+from lightning_replay._compat import dict_version
+from lightning_replay.slots import MISSING, MODULE_INTERNALS, identities, is_scalar, slot_token
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _GLOBAL_HOOKS = (
@@ -51,11 +52,17 @@ def _storage_ptr(t: Any) -> int:
         return 0
 
 
-def _identity_signature(modules: list[nn.Module]) -> tuple:
-    """Which object every slot holds (:func:`~lightning_replay.slots.identities`; and each
-    buffer's storage, the submodules, the hooks), cheaply: if it is the same as at the last
-    forward, no field can have changed. The objects behind it are alive (the slots hold them),
-    so equal ids are the same objects."""
+def _identity_signature(modules: list[nn.Module], exact: bool = False) -> tuple:
+    """Which object every slot holds (and each buffer's storage, the submodules, the hooks),
+    cheaply: if it is the same as at the last forward, no field can have changed. The objects
+    behind it are alive (the slots hold them), so equal ids are the same objects.
+
+    Each module's slots and submodules stand as the version tags of their dicts
+    (:func:`~lightning_replay.slots.slot_token`), a few C calls, unless ``exact`` or the
+    interpreter has none; then as :func:`~lightning_replay.slots.identities`. Two equal
+    signatures of the first kind imply equal ones of the second; unequal tags can still hold
+    the same objects (a slot written and put back), which the ``exact`` kind tells."""
+    tags = dict_version is not None and not exact
     out = [_hooks_token([getattr(_module, h, {}) for h in _GLOBAL_HOOKS])]
     for m in modules:
         d = m.__dict__
@@ -79,7 +86,10 @@ def _identity_signature(modules: list[nn.Module]) -> tuple:
             hooks = _hooks_token([d.get(h) for h in _HOOK_DICTS])
         else:
             hooks = 0
-        out.append((identities(d), ptrs, tuple(map(id, sub.values())) if sub else (), hooks))
+        if tags:
+            out.append((slot_token(d), ptrs, dict_version(sub), hooks))
+        else:
+            out.append((identities(d), ptrs, tuple(map(id, sub.values())) if sub else (), hooks))
     return tuple(out)
 
 
@@ -148,29 +158,31 @@ class Guard:
         self.base: dict[Hashable, Any] | None = None
         self._pending: list = []
         self._fast: tuple | None = None
+        self._exact: tuple | None = None  # the identities behind ``_fast`` (version tags)
         self._now: tuple | None = None
         #: per module, its last slot capture while steady (``capture_slots``'s ``last``); held
         #: here so that it lives and dies with the segment, never keeps a model alive
         self.captures: list = [MISSING] * len(modules)
 
-    def take_identities(self) -> list[tuple] | None:
-        """Each module's slot identities as :meth:`changed` read them in this forward, once
-        (``None`` if it has not run since the last take): the slot capture that follows in the
-        same forward reuses them instead of reading every module's slots again."""
+    def take_tokens(self) -> list[tuple] | None:
+        """Each module's :func:`~lightning_replay.slots.slot_token` as :meth:`changed` read
+        them in this forward, once (``None`` if it has not run since the last take): the slot
+        capture that follows in the same forward reuses them instead of reading every module's
+        slots again."""
         now, self._now = self._now, None
         return None if now is None else [m[0] for m in now[1:]]
 
     def changed(self) -> list[Hashable]:
         """Fields that differ from every value the contract has seen (empty: replay on)."""
         fast = self._now = _identity_signature(self.modules)
-        if fast == self._fast and self.base is not None:
+        if self.base is not None and (fast == self._fast or self._same_objects(fast)):
             self._pending = []
             return []  # the same objects in every slot as last time: nothing can differ
         fp = fingerprint(self.modules, self.varying)
         base = self.base
         if base is None or fp == base:
             self._pending = []
-            self._fast = fast
+            self._settle(fast)
             return []
         new = []
         for key in fp.keys() | base.keys():
@@ -183,9 +195,24 @@ class Guard:
             new.append(key)
         if not new:
             self.base = fp  # a mode seen before came back
-            self._fast = fast
+            self._settle(fast)
         self._pending = [(k, fp.get(k, _ABSENT)) for k in new]
         return sorted(new, key=repr)
+
+    def _settle(self, fast: tuple) -> None:
+        """``fast`` (read now) is the signature of a fingerprint the contract covers."""
+        self._fast = fast
+        self._exact = _identity_signature(self.modules, exact=True) if dict_version else fast
+
+    def _same_objects(self, fast: tuple) -> bool:
+        """Version tags moved but every slot holds the same object as at the last settled
+        signature (written and put back): settle on the new tags."""
+        if dict_version is None or self._exact is None:
+            return False
+        if _identity_signature(self.modules, exact=True) != self._exact:
+            return False
+        self._fast = fast
+        return True
 
     def learn_varying(self, keys: list[Hashable]) -> None:
         """Fields the probe saw change inside the window: the replay puts them back, so they
@@ -203,7 +230,7 @@ class Guard:
             else:
                 self.varying.add(key)
         self._pending = []
-        self._fast = _identity_signature(self.modules)
+        self._settle(_identity_signature(self.modules))
         self.base = fingerprint(self.modules, self.varying)
         for key, value in self.base.items():
             if _discrete(key, value):

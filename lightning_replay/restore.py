@@ -207,7 +207,7 @@ class _Invocation:
         g = rt.guard
         if len(g.captures) != len(rt.modules):
             g.captures = [MISSING] * len(rt.modules)
-        self.slots = capture_slots(rt.modules, g.take_identities(), g.captures)
+        self.slots = capture_slots(rt.modules, g.take_tokens(), g.captures)
         self.outside = capture_outside(rt.outside) if rt.outside else None
         gens = slot_generators(self.slots)
         if rt.generators:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_replay._compat import dict_version
 from lightning_replay.host_rng import as_host_rng, is_host_rng
 
 #: Immutable values that are put back by value.
@@ -141,8 +142,17 @@ def _holder_values(v: Any) -> dict:
 
 
 def _holder_signature(d: dict) -> tuple:
-    """Which object each attribute of a holder holds (names and ids, C-level tuples)."""
-    return tuple(d), tuple(map(id, d.values()))
+    """Which object each attribute of a holder holds (names and ids, C-level tuples), with the
+    dict's version tag (None without one) that stands for them while it is unchanged."""
+    return dict_version(d) if dict_version else None, tuple(d), tuple(map(id, d.values()))
+
+
+def _holder_same(d: dict, sig: tuple) -> bool:
+    """Whether every attribute of the holder whose dict is ``d`` holds the object it held when
+    ``sig`` was taken: at once when the dict is unchanged since, else by names and ids."""
+    if sig[0] is not None and dict_version(d) == sig[0]:
+        return True
+    return sig[1] == tuple(d) and sig[2] == tuple(map(id, d.values()))
 
 
 def _containers_unchanged(d: dict, saved: dict, containers: tuple) -> bool:
@@ -162,18 +172,17 @@ def _capture_holder(module: nn.Module, name: str, obj: Any) -> tuple:
     immutable values cannot have changed; containers are compared by value). Captures are
     never mutated: a replay gets fresh copies of the containers (:func:`_swap_holder`)."""
     d = obj.__dict__
-    sig = _holder_signature(d)
     cache = _HOLDERS.get(module)
     prev = cache.get(name) if cache is not None else None
     if (
         prev is not None
         and prev[0] is obj
-        and prev[2] == sig
+        and _holder_same(d, prev[2])
         and _containers_unchanged(d, prev[1], prev[3])
     ):
         return prev
     containers = tuple(k for k, x in d.items() if type(x) in (list, dict, set))
-    entry = (obj, _holder_values(obj), sig, containers)
+    entry = (obj, _holder_values(obj), _holder_signature(d), containers)
     if cache is None:
         cache = _HOLDERS[module] = {}
     cache[name] = entry
@@ -186,7 +195,7 @@ def _swap_holder(entry: tuple) -> dict | None:
     must reach neither the live container nor the capture, which later calls may share."""
     obj, saved, sig, containers = entry
     d = obj.__dict__
-    if _holder_signature(d) == sig:  # every attribute holds its forward object
+    if _holder_same(d, sig):  # every attribute holds its forward object
         prev = None
         for c in containers:
             v = saved[c]
@@ -250,6 +259,32 @@ def identities(d: dict) -> tuple:
     )
 
 
+def slot_token(d: dict) -> tuple:
+    """A cheap stand-in for :func:`identities` of the module whose ``__dict__`` is ``d``: the
+    version tags of its attribute, parameter and buffer dicts (equal: none of them changed, so
+    every slot holds the same object), or the identities themselves where the interpreter has
+    no version tags to trust (:data:`~lightning_replay._compat.dict_version`)."""
+    if dict_version is None:
+        return identities(d)
+    return dict_version(d), dict_version(d["_parameters"]), dict_version(d["_buffers"])
+
+
+def same_slots(d: dict, s: "ModuleSlots", token: tuple | None = None) -> bool:
+    """Whether every slot of the module whose ``__dict__`` is ``d`` holds the object it held
+    when ``s`` was captured: at once when no slot dict changed since, else by identities
+    (written and put back, or rebound to the same object). A match on identities refreshes the
+    capture's token, which then stands for this moment too (both have its identities).
+    ``token``: :func:`slot_token` of ``d`` just read, if at hand."""
+    if token is None:
+        token = slot_token(d)
+    if token == s.token:
+        return True
+    if dict_version is None or identities(d) != s.ids:
+        return False
+    s.token = token
+    return True
+
+
 class ModuleSlots:
     """One module's slots at one moment: parameter, buffer and attribute objects.
 
@@ -269,14 +304,18 @@ class ModuleSlots:
         "holders",
         "gens",
         "ids",
+        "token",
         "plain",
         "holder_entries",
+        "found",
     )
 
-    def __init__(self, module: nn.Module, ids: tuple | None = None) -> None:
+    def __init__(self, module: nn.Module, token: tuple | None = None) -> None:
         d = module.__dict__
         self.module = module
-        self.ids = identities(d) if ids is None else ids
+        self.token = slot_token(d) if token is None else token
+        self.ids = self.token if dict_version is None else identities(d)
+        self.found: list | None = None  # slot_generators' scan of this capture, once
         self.params = d["_parameters"].copy()
         self.buffers = d["_buffers"].copy()
         self.attrs = attrs = d.copy()
@@ -337,12 +376,12 @@ class ModuleSlots:
 
 
 def capture_slots(
-    modules: list[nn.Module], ids_now: list[tuple] | None = None, last: list | None = None
+    modules: list[nn.Module], tokens_now: list[tuple] | None = None, last: list | None = None
 ) -> list[ModuleSlots]:
     """The slots of ``modules`` now.
 
-    ``ids_now``: each module's :func:`identities` just read (by the guard of the same forward),
-    if at hand. ``last``: per module, its last capture while its slots have always held the
+    ``tokens_now``: each module's :func:`slot_token` just read (by the guard of the same
+    forward), if at hand. ``last``: per module, its last capture while its slots have always held the
     same objects (``MISSING`` before the first one, ``None`` once they were seen to change:
     rebound state, annealed values); updated in place. A module whose slots hold the same
     objects as at that capture, with nothing else to put back (or only plain holder objects
@@ -352,17 +391,17 @@ def capture_slots(
     """
     out = []
     for i, m in enumerate(modules):
-        ids = identities(m.__dict__) if ids_now is None else ids_now[i]
+        token = slot_token(m.__dict__) if tokens_now is None else tokens_now[i]
         prev = MISSING if last is None else last[i]
         if (
             prev is not None
             and prev is not MISSING
-            and prev.ids == ids
+            and same_slots(m.__dict__, prev, token)
             and (prev.plain or _holders_current(prev.holder_entries))
         ):
             out.append(prev)
             continue
-        s = ModuleSlots(m, ids)
+        s = ModuleSlots(m, token)
         if last is not None:
             last[i] = s if _shareable(s) and prev is MISSING else None
         out.append(s)
@@ -384,7 +423,7 @@ def _holders_current(entries: list[tuple] | None) -> bool:
         return False
     for obj, saved, sig, containers in entries:
         d = obj.__dict__
-        if _holder_signature(d) != sig or not _containers_unchanged(d, saved, containers):
+        if not _holder_same(d, sig) or not _containers_unchanged(d, saved, containers):
             return False
     return True
 
@@ -432,7 +471,7 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
     out = []
     for s in slots:
         d = s.module.__dict__
-        same = identities(d) == s.ids
+        same = same_slots(d, s)
         if same and s.plain:
             continue  # every slot holds the object it held at forward: nothing to swap
         lay = s.layout
@@ -483,11 +522,14 @@ def slot_generators(slots: list[ModuleSlots]) -> list[Any]:
     out: list[Any] = []
     seen: set[int] = set()
     for s in slots:
-        found = list(s.gens or ())
-        for v in (s.shallow or {}).values():
-            found += [x for _, x in _items(v) if _is_generator(x)]
-        for _, v in s.holders or ():
-            found += [x for x in v.values() if _is_generator(x)]
+        found = s.found
+        if found is None:  # a capture never changes: scanned once, however often it is shared
+            found = list(s.gens or ())
+            for v in (s.shallow or {}).values():
+                found += [x for _, x in _items(v) if _is_generator(x)]
+            for _, v in s.holders or ():
+                found += [x for x in v.values() if _is_generator(x)]
+            s.found = found
         for g in found:
             if id(g) not in seen:
                 seen.add(id(g))
