@@ -178,6 +178,7 @@ class ReplayEngine:
         self._cuda_device: torch.device | None = None
         self._capture: CaptureMode | None = None
         self._capturing = False
+        self._forward_open = False  # a window's forward is open and its capture decided
         self._needs_capture = True
         self._check_grad = False
         self._checked: frozenset = frozenset()  # segments derivative-checked this window
@@ -617,6 +618,17 @@ class ReplayEngine:
                     f"plan gives segment {name!r} option {opt!r}; options are {OPTIONS}"
                 )
             self.runtimes[name].set_option(opt)
+        if self._forward_open and self._capture is None and not self._segment_depth:
+            # Applied while a window's forward is open (a strategy adopts rank 0's plan after
+            # this rank's window began, before its segments run): segments that log regions
+            # need the capture from now on, or this step they keep whole copies instead, above
+            # what the plan predicts. Writes before now are no segment's concern: each arms
+            # its storages at its own forward.
+            self._contracts_changed()
+            if self._needs_capture:
+                self._capture = CaptureMode(self.log)
+                self._capture.__enter__()
+                self._capturing = True
 
     @contextlib.contextmanager
     def window(self) -> Iterator[None]:
@@ -642,6 +654,7 @@ class ReplayEngine:
                 self._capture = CaptureMode(self.log)
                 self._capture.__enter__()
                 self._capturing = True
+            self._forward_open = True
             return
         for rt in list(self._pending_probes):
             rt.finish_stale_probes()
@@ -731,6 +744,7 @@ class ReplayEngine:
             self._capture = CaptureMode(self.log)
             self._capture.__enter__()
             self._capturing = True
+        self._forward_open = True  # (options set from now on see whether it captures)
 
     def end_forward(self) -> None:
         """Close the window's forward part."""
@@ -746,6 +760,7 @@ class ReplayEngine:
                 self._capture_entry_time[key] = self._capture_entry_time.get(key, 0.0) + seconds
             self._capture = None
         self._capturing = False
+        self._forward_open = False
         self.host_watch.end(self.step)  # replays of this window check its suspects
         if self._acct_hooks is not None:
             self._acct_hooks.__exit__(None, None, None)

@@ -353,3 +353,47 @@ def test_a_larger_batch_is_predicted_before_it_runs():
     assert e.size_scale(128 * 32) == 4.0
     predicted = e.window_stats()["predicted_peak_bytes"]
     assert before < predicted and real <= predicted, (before, predicted, real)
+
+
+def test_a_plan_adopted_after_the_window_began_logs_regions_in_that_step():
+    """A strategy opens the window, then adopts rank 0's plan before any segment runs (its
+    own, made as the window began, may differ). Segments that plan gives ``regions`` log the
+    queue's written rows in that very step, as the plan predicts, instead of keeping whole
+    copies of the queue: the step holds what later steps of the plan hold; and its gradients
+    are plain PyTorch's."""
+    torch.manual_seed(0)
+    base = QueueModel(rows=2048, dim=32, write_rows=32)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    engine = lr.install(model, "blocks.*", budget=10**12, window="manual")
+    opts = {m: torch.optim.SGD(m.parameters(), lr=0.05) for m in (ref, model)}
+
+    def step(m, s, choices=None):
+        opts[m].zero_grad(set_to_none=True)
+        torch.manual_seed(100 + s)
+        if m is ref:
+            (m(_x(s)) ** 2).mean().backward()
+        else:
+            with engine.window():
+                if choices is not None:
+                    engine.set_options(choices)  # as adopt_plan does with rank 0's plan
+                loss = (m(_x(s)) ** 2).mean()
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        opts[m].step()
+        return grads
+
+    def exact_step(s, choices=None) -> int:
+        assert not grad_diffs([step(ref, s)], [step(model, s, choices)])
+        return engine.window_stats()["accounted_peak_bytes"]
+
+    s = 0
+    while engine.plan is None:  # probe and calibrate
+        exact_step(s)
+        s += 1
+    whole = {"blocks.0": "whole", "blocks.1": "whole"}
+    engine.set_options(whole)  # "this rank's" plan, in force as the next window begins
+    held_whole = exact_step(s)
+    adopted = exact_step(s + 1, {"blocks.0": "regions", "blocks.1": "regions"})
+    steady = exact_step(s + 2)
+    assert adopted == steady < held_whole, (adopted, steady, held_whole)
+    engine.uninstall()
