@@ -151,10 +151,15 @@ def _dict_version() -> Callable[[dict], int] | None:
             and moves(od, lambda: setattr(o, "x", object()))
             and moves(od, lambda: delattr(o, "x"))
         )
-        for i in range(64):  # long enough for the interpreter to specialize the store
-            before = read(od)
+        wide = _Probe()
+        for i in range(48):  # an object with many attributes: a specialization of its own
+            setattr(wide, f"a{i}", i)
+        wd = wide.__dict__
+        for i in range(64):  # long enough for the interpreter to specialize the stores
+            before, wide_before = read(od), read(wd)
             o.y = object()
-            ok = ok and read(od) != before
+            wide.a7 = object()
+            ok = ok and read(od) != before and read(wd) != wide_before
     except Exception:  # noqa: BLE001 - any surprise: no fast path, identities instead
         return None
     return read if ok else None
