@@ -159,6 +159,7 @@ class Guard:
         self._pending: list = []
         self._fast: tuple | None = None
         self._exact: tuple | None = None  # the identities behind ``_fast`` (version tags)
+        self._alive: list = []  # the objects ``_exact`` names by id (see _settle)
         self._now: tuple | None = None
         #: per module, its last slot capture while steady (``capture_slots``'s ``last``); held
         #: here so that it lives and dies with the segment, never keeps a model alive
@@ -200,9 +201,20 @@ class Guard:
         return sorted(new, key=repr)
 
     def _settle(self, fast: tuple) -> None:
-        """``fast`` (read now) is the signature of a fingerprint the contract covers."""
+        """``fast`` (read now) is the signature of a fingerprint the contract covers.
+
+        The plain objects in the slots now are kept alive with it: a signature names objects
+        by id, and a freed object's id is soon another's (a float rebound each step takes
+        the freed one's address), which would read as the same object holding another value.
+        Tensors are not kept (a rebound queue would stay alive a step longer): a new tensor at
+        a freed one's id is a slot whose contract entry the replay captures and checks
+        anyway."""
         self._fast = fast
         self._exact = _identity_signature(self.modules, exact=True) if dict_version else fast
+        self._alive = [
+            [v for v in m.__dict__.values() if not isinstance(v, torch.Tensor)]
+            for m in self.modules
+        ]
 
     def _same_objects(self, fast: tuple) -> bool:
         """Version tags moved but every slot holds the same object as at the last settled

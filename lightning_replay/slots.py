@@ -516,8 +516,8 @@ def _is_generator(x: Any) -> bool:
 
 
 def slot_generators(slots: list[ModuleSlots]) -> list[Any]:
-    """Generator objects held as attributes (directly, in tuples or lists, in dict attributes
-    or on plain holder objects) of the modules, each once: torch's, and those outside torch
+    """Generator objects held as attributes (directly, in tuples or lists, in dict attributes,
+    or on plain holder objects, directly or in their lists, tuples and dicts) of the modules, each once: torch's, and those outside torch
     (``random.Random``, numpy's ``RandomState`` and ``Generator``) as :class:`HostRNG`."""
     out: list[Any] = []
     seen: set[int] = set()
@@ -528,7 +528,11 @@ def slot_generators(slots: list[ModuleSlots]) -> list[Any]:
             for v in (s.shallow or {}).values():
                 found += [x for _, x in _items(v) if _is_generator(x)]
             for _, v in s.holders or ():
-                found += [x for x in v.values() if _is_generator(x)]
+                for x in v.values():
+                    if _is_generator(x):
+                        found.append(x)
+                    elif type(x) in (list, tuple, dict):  # a holder's list of generators
+                        found += [y for _, y in _items(x) if _is_generator(y)]
             s.found = found
         for g in found:
             if id(g) not in seen:
