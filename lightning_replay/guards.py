@@ -118,8 +118,8 @@ def fingerprint(modules: list[nn.Module], varying: set) -> dict[Hashable, Any]:
             if key in varying:
                 continue
             t = type(v)
-            if t is list or t is dict or t is set:
-                continue  # put back by value at replay
+            if isinstance(v, (list, dict, set)):
+                continue  # put back by value at replay (subclasses too: an OrderedDict)
             fp[key] = (t, v) if is_scalar(v) else (t, id(v))
     return fp
 

@@ -14,6 +14,7 @@ slots have their states captured too (:func:`capture_generators`).
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 import weakref
@@ -45,6 +46,10 @@ SCALAR_TYPES = (
 #: nn.Module's own bookkeeping in ``__dict__`` (the parameter, buffer and submodule dicts are
 #: handled separately; hooks are guarded, never swapped).
 MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+
+#: Mutable containers (and their subclasses: ``OrderedDict``, ``defaultdict``, ``Counter``),
+#: put back by their items, not by identity.
+_CONTAINERS = (list, dict, set)
 
 _CONTAINER_LIMIT = 4096  # items; larger containers of plain values are not copied per step
 
@@ -100,11 +105,11 @@ def same_value(a: Any, b: Any) -> bool:
     ta, tb = type(a), type(b)
     if ta is not tb:
         return False
-    if ta in (list, tuple):
+    if issubclass(ta, (list, tuple)):  # and their subclasses: a named tuple, a UserList...
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
-    if ta is dict:
-        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
-    if ta in (set, frozenset):
+    if issubclass(ta, dict):  # the order too: a forward may iterate it (an OrderedDict...)
+        return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
+    if issubclass(ta, (set, frozenset)):
         return a == b
     if is_scalar(a):
         try:
@@ -122,7 +127,9 @@ def same_value(a: Any, b: Any) -> bool:
 def is_holder(v: Any) -> bool:
     """A plain Python object with attributes of its own (not a module, tensor, generator,
     class, function or Python module): a config namespace, a dataclass, a state holder."""
-    if isinstance(v, (nn.Module, torch.Tensor, torch.Generator, type)) or callable(v):
+    if isinstance(v, (nn.Module, torch.Tensor, torch.Generator, type, *_CONTAINERS, tuple)):
+        return False  # (an OrderedDict, a defaultdict: containers, put back by their items)
+    if callable(v):
         return False
     d = getattr(v, "__dict__", None)
     return (
@@ -136,7 +143,7 @@ def _holder_values(v: Any) -> dict:
     d = v.__dict__
     out = d.copy()
     for k, x in d.items():
-        if type(x) in (list, dict, set):
+        if isinstance(x, _CONTAINERS):
             out[k] = _at_forward(x)
     return out
 
@@ -181,12 +188,36 @@ def _capture_holder(module: nn.Module, name: str, obj: Any) -> tuple:
         and _containers_unchanged(d, prev[1], prev[3])
     ):
         return prev
-    containers = tuple(k for k, x in d.items() if type(x) in (list, dict, set))
+    containers = tuple(k for k, x in d.items() if isinstance(x, _CONTAINERS))
     entry = (obj, _holder_values(obj), _holder_signature(d), containers)
     if cache is None:
         cache = _HOLDERS[module] = {}
     cache[name] = entry
     return entry
+
+
+#: how deep :func:`_capture_holders` follows holders held by holders (``config.text_config``)
+_HOLDER_DEPTH = 4
+
+
+def _capture_holders(module: nn.Module, name: str, obj: Any) -> list[tuple]:
+    """:func:`_capture_holder` of ``obj`` and of every holder reachable from it through
+    holder attributes, each once, to :data:`_HOLDER_DEPTH` levels (a multimodal config's
+    ``text_config``, an options object inside a config): a replay puts back what each level
+    held at forward. The captures are swapped in this order, outer first."""
+    out: list[tuple] = []
+    seen: set[int] = set()
+    todo = [(name, obj, 0)]
+    while todo:
+        path, o, depth = todo.pop(0)
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        entry = _capture_holder(module, path, o)
+        out.append(entry)
+        if depth + 1 < _HOLDER_DEPTH:
+            todo += [(f"{path}.{k}", x, depth + 1) for k, x in entry[1].items() if is_holder(x)]
+    return out
 
 
 def _swap_holder(entry: tuple) -> dict | None:
@@ -220,13 +251,8 @@ def _needs_more(v: Any) -> bool:
     """An attribute value that an identity copy of the dict does not cover: containers (copied
     by value, or which objects they hold), plain holder objects, generators, tensors (sparse
     ones are copied)."""
-    t = type(v)
     return (
-        t is list
-        or t is dict
-        or t is set
-        or t is tuple
-        or isinstance(v, (torch.Tensor, torch.Generator))
+        isinstance(v, (*_CONTAINERS, tuple, torch.Tensor, torch.Generator))
         or is_host_rng(v)
         or is_holder(v)
     )
@@ -332,7 +358,6 @@ class ModuleSlots:
         self.holder_entries: list[tuple] | None = None
         for k in _attr_plan(module, d):
             v = attrs[k]
-            t = type(v)
             if isinstance(v, torch.Generator) or is_host_rng(v):
                 gens = [v] if gens is None else gens + [v]
             elif isinstance(v, torch.Tensor):
@@ -341,32 +366,32 @@ class ModuleSlots:
                         layout = {}
                     with torch.no_grad():
                         layout[("a", k)] = (v._version, v.detach().clone())
-            elif t is list or t is dict or t is set:
+            elif isinstance(v, _CONTAINERS):
                 c = copy_plain(v)
                 if c is not MISSING:
                     if copies is None:
                         copies = {}
                     copies[k] = c
-                elif t is not set:  # holds tensors or objects: which object each item held
+                elif not isinstance(v, set):  # objects, or a subclass: which object each item held
                     if shallow is None:
                         shallow = {}
-                    shallow[k] = t(v)
-                if t is list:
+                    shallow[k] = copy.copy(v)
+                if isinstance(v, list):
                     g = [x for x in v if _is_generator(x)]
                     if g:
                         gens = g if gens is None else gens + g
-            elif t is tuple:
+            elif isinstance(v, tuple):
                 g = [x for x in v if _is_generator(x)]
                 if g:
                     gens = g if gens is None else gens + g
             elif is_holder(v):
                 # a plain object the module holds (a config shared with the root...): the
-                # values of its attributes at forward
+                # values of its attributes at forward, and of the holders it holds in turn
                 if holders is None:
                     holders, self.holder_entries = [], []
-                entry = _capture_holder(module, k, v)
-                holders.append(entry[:2])
-                self.holder_entries.append(entry)
+                for entry in _capture_holders(module, k, v):
+                    holders.append(entry[:2])
+                    self.holder_entries.append(entry)
         self.layout = layout
         self.copies = copies
         self.shallow = shallow
@@ -493,7 +518,7 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
                 cur = d.get(k, MISSING)
                 if type(cur) is type(saved) and not same_value(cur, saved):
                     out.append((d, {k: cur}))
-                    d[k] = type(saved)(saved)  # the objects each item held at forward
+                    d[k] = copy.copy(saved)  # the objects each item held at forward
         if s.holder_entries:
             for entry in s.holder_entries:
                 prev = _swap_holder(entry)
@@ -667,19 +692,18 @@ class OutsideReads:
 
 
 def _items(c: Any) -> Any:
-    return c.items() if type(c) is dict else enumerate(c)
+    return c.items() if isinstance(c, dict) else enumerate(c)
 
 
 def _at_forward(v: Any) -> Any:
     """What a value must be put back as: a copy of a container of plain values, a shallow
     copy of a list or dict of objects (which object each item held), else the object."""
-    t = type(v)
-    if t is list or t is dict or t is set:
+    if isinstance(v, _CONTAINERS):
         c = copy_plain(v)
         if c is not MISSING:
             return c
-        if t is not set:
-            return t(v)
+        if not isinstance(v, set):
+            return copy.copy(v)
     return v
 
 

@@ -14,6 +14,9 @@ identity comparison every interpreter without trusted tags gets).
 
 from __future__ import annotations
 
+import collections
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -228,3 +231,106 @@ def test_engine_steady_steps_take_the_tag_path(monkeypatch):
     finally:
         engine.uninstall()
     assert calls["n"] == 0
+
+
+class _Scales(list):
+    """A list subclass (what a library's own container types look like)."""
+
+
+#: an attribute container of a subclass type, and how the step changes it in place
+CONTAINERS = {
+    "OrderedDict value": (
+        lambda: collections.OrderedDict(a=1.0, b=0.5),
+        lambda c: c.__setitem__("a", c["a"] * 0.9 + 0.05),
+    ),
+    "OrderedDict order": (
+        lambda: collections.OrderedDict(a=1.0, b=0.5),
+        lambda c: c.move_to_end(next(iter(c))),
+    ),
+    "defaultdict new key": (
+        lambda: collections.defaultdict(float, a=1.0),
+        lambda c: c.__setitem__("b", c["b"] + 0.25),
+    ),
+    "Counter": (lambda: collections.Counter(a=2, b=1), lambda c: c.update(a=1)),
+    "list subclass": (lambda: _Scales([1.0, 0.5]), lambda c: c.append(c[0] * 0.5)),
+    "OrderedDict of tensors rebound": (
+        lambda: collections.OrderedDict(w=torch.ones(D)),
+        lambda c: c.__setitem__("w", c["w"] * 0.5 + 0.1),
+    ),
+}
+
+
+class FromContainer(nn.Module):
+    """Steers what autograd saves by the items (and their order) of a container attribute."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.c = CONTAINERS[kind][0]()
+
+    def forward(self, x):
+        h = self.lin(x)
+        values = list(self.c.values()) if isinstance(self.c, dict) else list(self.c)
+        for i, v in enumerate(values):  # order matters: each item weighs the next
+            h = torch.tanh(h * (v if isinstance(v, torch.Tensor) else float(v)) + i)
+        return x + h
+
+
+class ContainerWriter(Stack):
+    def __init__(self, kind: str) -> None:
+        super().__init__([FromContainer(kind), FromContainer(kind)])
+        self.kind = kind
+
+    def after(self, h):
+        for b in self.blocks:
+            CONTAINERS[self.kind][1](b.c)
+
+
+@pytest.mark.parametrize("kind", list(CONTAINERS))
+@pytest.mark.parametrize("preservation", ["auto", "whole"])
+def test_container_subclass_attribute_changed_between_forward_and_replay(
+    tokens, preservation, kind
+):
+    """An OrderedDict, defaultdict, Counter or list subclass is a container: its items (and
+    their order) are put back for the replay as they were at forward, like a plain dict's."""
+    assert_exact(lambda: ContainerWriter(kind), SEGS2, preservation)
+
+
+class SubConfig:
+    def __init__(self, parent) -> None:
+        self.sharpness = 1.0
+        self.parent = parent  # a cycle back to the outer config
+
+
+class OuterConfig:
+    def __init__(self) -> None:
+        self.text_config = SubConfig(self)
+        self.extra = types.SimpleNamespace(options=types.SimpleNamespace(shift=0.0))
+
+
+class ReadsNested(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.cfg = cfg
+
+    def forward(self, x):
+        h = self.lin(x) * self.cfg.text_config.sharpness + self.cfg.extra.options.shift
+        return x + torch.tanh(h)
+
+
+class NestedAnnealer(Stack):
+    def __init__(self) -> None:
+        self.cfg = OuterConfig()
+        super().__init__([ReadsNested(self.cfg), ReadsNested(self.cfg)])
+
+    def after(self, h):
+        self.cfg.text_config.sharpness *= 0.9  # one level down
+        self.cfg.extra.options.shift += 0.1  # two levels down
+
+
+@pytest.mark.parametrize("preservation", ["auto", "whole"])
+def test_nested_config_annealed_between_forward_and_replay(tokens, preservation):
+    """A config's sub-configs (a multimodal model's ``text_config``), with a cycle back to the
+    outer one, are put back for the replay at every level."""
+    assert_exact(NestedAnnealer, SEGS2, preservation)

@@ -661,7 +661,10 @@ def test_every_rank_holds_the_budget_when_the_ranks_bases_differ(tmp_path):
     every block: a plan rank 1's real step exceeds (by about 24 KiB). Refereed by the profiler
     on each rank: on every step under that budget but the ones the engine measures itself, the
     real peak is within the plan's prediction, and that within the budget, on both ranks."""
-    at, steps = 9, 14
+    # 7 steps after the budget: the engine measures the new plan's first step itself, and its
+    # periodic measurement may fall in the same stretch (steps 10 and 13 in one run), which
+    # leaves the referee at least 4 steps either way
+    at, steps = 9, 16
     budget = BudgetRankZeroWouldRetainAll(at, tmp_path)
     L.seed_everything(0)
     fit(
