@@ -54,8 +54,9 @@ def _storage_ptr(t: Any) -> int:
 
 def _identity_signature(modules: list[nn.Module], exact: bool = False) -> tuple:
     """Which object every slot holds (and each buffer's storage, the submodules, the hooks),
-    cheaply: if it is the same as at the last forward, no field can have changed. The objects
-    behind it are alive (the slots hold them), so equal ids are the same objects.
+    cheaply: if it is the same as at the last forward, no field can have changed. The plain
+    objects behind its ids are kept alive by the guard (:meth:`Guard._settle`), so equal ids
+    are the same objects.
 
     Each module's slots and submodules stand as the version tags of their dicts
     (:func:`~lightning_replay.slots.slot_token`), a few C calls, unless ``exact`` or the
