@@ -623,12 +623,16 @@ class ReplayEngine:
             # this rank's window began, before its segments run): segments that log regions
             # need the capture from now on, or this step they keep whole copies instead, above
             # what the plan predicts. Writes before now are no segment's concern: each arms
-            # its storages at its own forward.
-            self._contracts_changed()
+            # its storages at its own forward. (set_option brought _needs_capture up to date.)
             if self._needs_capture:
-                self._capture = CaptureMode(self.log)
-                self._capture.__enter__()
-                self._capturing = True
+                self._start_capture()
+
+    def _start_capture(self) -> None:
+        """Run the capture mode (writes to armed storages are logged) until the window's
+        forward ends."""
+        self._capture = CaptureMode(self.log)
+        self._capture.__enter__()
+        self._capturing = True
 
     @contextlib.contextmanager
     def window(self) -> Iterator[None]:
@@ -651,9 +655,7 @@ class ReplayEngine:
             return
         if continuation and self.step > 0:
             if self._needs_capture or self.log.armed:
-                self._capture = CaptureMode(self.log)
-                self._capture.__enter__()
-                self._capturing = True
+                self._start_capture()
             self._forward_open = True
             return
         for rt in list(self._pending_probes):
@@ -741,9 +743,7 @@ class ReplayEngine:
             self._acct_hooks.__enter__()
         # pending invocations armed under an earlier plan still need their writes logged
         if self._needs_capture or self.log.armed:
-            self._capture = CaptureMode(self.log)
-            self._capture.__enter__()
-            self._capturing = True
+            self._start_capture()
         self._forward_open = True  # (options set from now on see whether it captures)
 
     def end_forward(self) -> None:

@@ -177,14 +177,24 @@ class Guard:
     def changed(self) -> list[Hashable]:
         """Fields that differ from every value the contract has seen (empty: replay on)."""
         fast = self._now = _identity_signature(self.modules)
-        if self.base is not None and (fast == self._fast or self._same_objects(fast)):
-            self._pending = []
-            return []  # the same objects in every slot as last time: nothing can differ
+        exact = None
+        if self.base is not None:
+            if fast == self._fast:
+                self._pending = []
+                return []  # the same objects in every slot as last time: nothing can differ
+            if dict_version is not None and self._exact is not None:
+                # tags moved: the same objects still (written and put back)? then settle on
+                # the new tags; else ``exact`` is the signature the fingerprint below settles on
+                exact = _identity_signature(self.modules, exact=True)
+                if exact == self._exact:
+                    self._fast = fast
+                    self._pending = []
+                    return []
         fp = fingerprint(self.modules, self.varying)
         base = self.base
         if base is None or fp == base:
             self._pending = []
-            self._settle(fast)
+            self._settle(fast, exact)
             return []
         new = []
         for key in fp.keys() | base.keys():
@@ -197,12 +207,13 @@ class Guard:
             new.append(key)
         if not new:
             self.base = fp  # a mode seen before came back
-            self._settle(fast)
+            self._settle(fast, exact)
         self._pending = [(k, fp.get(k, _ABSENT)) for k in new]
         return sorted(new, key=repr)
 
-    def _settle(self, fast: tuple) -> None:
-        """``fast`` (read now) is the signature of a fingerprint the contract covers.
+    def _settle(self, fast: tuple, exact: tuple | None = None) -> None:
+        """``fast`` (read now) is the signature of a fingerprint the contract covers;
+        ``exact``, its identities if already read in this forward.
 
         The plain objects in the slots now are kept alive with it: a signature names objects
         by id, and a freed object's id is soon another's (a float rebound each step takes
@@ -211,21 +222,13 @@ class Guard:
         a freed one's id is a slot whose contract entry the replay captures and checks
         anyway."""
         self._fast = fast
-        self._exact = _identity_signature(self.modules, exact=True) if dict_version else fast
+        if exact is None:
+            exact = _identity_signature(self.modules, exact=True) if dict_version else fast
+        self._exact = exact
         self._alive = [
             [v for v in m.__dict__.values() if not isinstance(v, torch.Tensor)]
             for m in self.modules
         ]
-
-    def _same_objects(self, fast: tuple) -> bool:
-        """Version tags moved but every slot holds the same object as at the last settled
-        signature (written and put back): settle on the new tags."""
-        if dict_version is None or self._exact is None:
-            return False
-        if _identity_signature(self.modules, exact=True) != self._exact:
-            return False
-        self._fast = fast
-        return True
 
     def learn_varying(self, keys: list[Hashable]) -> None:
         """Fields the probe saw change inside the window: the replay puts them back, so they

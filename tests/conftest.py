@@ -33,3 +33,18 @@ BASELINE = torch_switches()
 def _isolated_globals():
     with isolated_globals(BASELINE):
         yield
+
+
+@pytest.fixture(params=["tags", "identities"])
+def tokens(request, monkeypatch):
+    """Run a test with the slot checks' dict version tags (this interpreter has trusted ones)
+    and without them (the identity comparison of interpreters without): tests/test_slot_tokens.py
+    and tests/test_adversary_slot_tokens.py."""
+    from lightning_replay import _compat, guards, slots
+
+    if request.param == "tags":
+        assert _compat.dict_version is not None, "CPython 3.11 has version tags to trust"
+    else:
+        monkeypatch.setattr(slots, "dict_version", None)
+        monkeypatch.setattr(guards, "dict_version", None)
+    return request.param

@@ -26,18 +26,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_replay import _compat, guards, slots
 from tests.test_exactness import D, SEGS2, Stack, assert_exact
-
-
-@pytest.fixture(params=["tags", "identities"])
-def tokens(request, monkeypatch):
-    if request.param == "tags":
-        assert _compat.dict_version is not None
-    else:
-        monkeypatch.setattr(slots, "dict_version", None)
-        monkeypatch.setattr(guards, "dict_version", None)
-    return request.param
+from tests.test_slot_tokens import BankWriter
 
 
 def _guard_records(records):
@@ -436,13 +426,6 @@ class Banked(nn.Module):
         return x + h
 
 
-class BankWriter(Stack):
-    def after(self, h):
-        with torch.no_grad():
-            for b in self.blocks:
-                b.bank.mul_(0.5).add_(h.detach().mean(0))
-
-
 def _flip_by_dict_init(model, step):
     if step == 3:
         for b in model.blocks:
@@ -595,3 +578,4 @@ def test_flip_at_a_reused_address_writes_input_in_place(tokens):
         "auto",
         schedule=_flip_at_a_reused_address,
     )
+

@@ -28,17 +28,6 @@ from tests.test_exactness import D, SEGS2, Stack, assert_exact
 PRESERVATIONS = ["auto", "whole", "regions"]
 
 
-@pytest.fixture(params=["tags", "identities"])
-def tokens(request, monkeypatch):
-    """Run each test with version tags (this interpreter has trusted ones) and without."""
-    if request.param == "tags":
-        assert _compat.dict_version is not None, "CPython 3.11 has version tags to trust"
-    else:
-        monkeypatch.setattr(slots, "dict_version", None)
-        monkeypatch.setattr(guards, "dict_version", None)
-    return request.param
-
-
 class Scaled(nn.Module):
     """Reads a plain float, a buffer and a holder's value; each steers what autograd saves."""
 
