@@ -22,7 +22,7 @@ from lightning_replay.accounting import checkpoint_rng_bytes
 from lightning_replay.checks import SegmentChecks
 from lightning_replay.contract import ReplayContract
 from lightning_replay.costs import clock, saved_tensor_overhead
-from lightning_replay.errors import ContractViolation
+from lightning_replay.errors import ContractViolation, ReplayConfigError
 from lightning_replay.guards import Guard
 from lightning_replay.host_rng import as_host_rng, is_host_rng
 from lightning_replay.probe import SegmentProbe, _Probe
@@ -35,6 +35,22 @@ from lightning_replay.state import unique_bytes as _unique_bytes
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.engine import ReplayEngine
+
+
+def _checkpointed_around(name: str) -> ReplayConfigError:
+    """The error for a segment called inside another recomputation: within the forward of a
+    ``torch.utils.checkpoint`` call (its saved-tensor hooks innermost) or while a backward
+    runs (a reentrant checkpoint recomputing its function)."""
+    return ReplayConfigError(
+        f"segment {name!r} runs inside torch.utils.checkpoint: the model checkpoints its own "
+        "blocks (Hugging Face gradient_checkpointing_enable(), timm set_grad_checkpointing(), "
+        "torch's checkpoint_wrapper, or a checkpoint() call around the segment). "
+        "lightning_replay recomputes its segments itself, with their state exact, and one "
+        "recomputation cannot run inside another. Turn the model's own checkpointing off "
+        "(model.gradient_checkpointing_disable() for Hugging Face models, "
+        "model.set_grad_checkpointing(False) for timm ones), or choose segments outside the "
+        "checkpointed modules."
+    )
 
 
 class SegmentRuntime(SegmentProbe, SegmentChecks):
@@ -91,6 +107,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             # A segment called inside another segment's forward or replay is part of it: the
             # outer segment's contract covers its state and the outer replay re-runs it.
             return self.orig_forward(*args, **kwargs)
+        if torch._C._current_graph_task_id() != -1 or checkpoint_frame_forward() is not None:
+            raise _checkpointed_around(self.name)
         self.forwards += 1
         if self.order < 0:
             self.order = eng._next_order()

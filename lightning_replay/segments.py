@@ -60,6 +60,14 @@ def resolve_segments(
         raise SegmentError(f"segments={segments!r} selects no submodule of {type(model).__name__}")
     order = {n: i for i, n in enumerate(named)}
     names = sorted(chosen, key=order.__getitem__)
+    for name in names:
+        mod = chosen[name]
+        if not _has_forward(mod):
+            raise SegmentError(
+                f"segment {name!r} is a {type(mod).__name__}, which has no forward of its own: "
+                "the model calls its children, never it, so replaying it would save nothing. "
+                f"Name its children instead ({name + '.*'!r})."
+            )
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
             if b.startswith(a + "."):
@@ -76,11 +84,19 @@ def default_segments(model: nn.Module) -> tuple[list[str], list[str]]:
     A block list is a ``ModuleList`` or ``Sequential`` with at least two parameterized
     children. Lists whose blocks repeat a class (``layer1`` to ``layer4`` of a ResNet, the
     layers of a transformer) are preferred to lists of unlike modules (a ``downsample``
-    ``Sequential(conv, norm)``); with none, every block list counts. A list inside a block of
-    another is left out: its children are parts of a block, not blocks. All lists are taken,
+    ``Sequential(conv, norm)``); with none, every block list counts. All lists are taken,
     not the largest one: recomputation saves activation bytes, and a ResNet's early, wide
     stages hold most of them (``ReplayStrategy`` prints each segment's measured share after
     the probe step; choosing the largest list picked a ResNet's ``layer4``, 7 % of them).
+
+    Three rules keep the blocks callable and apart:
+
+    * a child with no ``forward`` of its own (a ``ModuleList`` of layers the model iterates by
+      hand) is never called: its parameterized children stand in its place;
+    * a list of stages that are block lists themselves (timm's EfficientNet ``blocks``, a
+      ``Sequential`` of ``Sequential`` stages) gives way to them: the stages' blocks are the
+      segments, and a stage that is no list (one block) stays a block of the outer list;
+    * a list inside a block is left out: its children are parts of a block, not blocks.
 
     Returns:
         (the block lists' qualified names, the blocks' qualified names in module order).
@@ -95,23 +111,31 @@ def default_segments(model: nn.Module) -> tuple[list[str], list[str]]:
         >>> m.stage2 = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
         >>> default_segments(m)
         (['stage1', 'stage2'], ['stage1.0', 'stage1.1', 'stage2.0', 'stage2.2'])
+        >>> m = nn.Module()
+        >>> m.blocks = nn.Sequential(
+        ...     nn.Sequential(nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        ... )
+        >>> default_segments(m)
+        (['blocks', 'blocks.1'], ['blocks.0', 'blocks.1.0', 'blocks.1.1'])
     """
     lists: dict[str, list[tuple[str, nn.Module]]] = {}
     for name, mod in model.named_modules():
         if name and isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            kids = [
-                (f"{name}.{n}", c)
-                for n, c in mod.named_children()
-                if any(True for _ in c.parameters())
-            ]
+            kids = _callable_blocks(name, mod)
             if len(kids) >= 2:
                 lists[name] = kids
     repeated = {
         name: kids for name, kids in lists.items() if len({type(c) for _, c in kids}) < len(kids)
     }
     pool = repeated or lists
-    blocks = [n for kids in pool.values() for n, _ in kids]
-    chosen = [name for name in pool if not any(name.startswith(b + ".") for b in blocks)]
+    # stages that are lists of the pool give their own blocks instead
+    own = {name: [(n, c) for n, c in kids if n not in pool] for name, kids in pool.items()}
+    blocks = [n for kids in own.values() for n, _ in kids]
+    chosen = [
+        name
+        for name, kids in own.items()
+        if kids and not any(name.startswith(b + ".") or name == b for b in blocks)
+    ]
     if not chosen:
         raise SegmentError(
             f"{type(model).__name__} has no ModuleList or Sequential of parameterized blocks to "
@@ -119,8 +143,31 @@ def default_segments(model: nn.Module) -> tuple[list[str], list[str]]:
             "on the LightningModule, returning names, glob patterns or module classes."
         )
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    names = sorted((n for c in chosen for n, _ in pool[c]), key=order.__getitem__)
+    names = sorted({n for c in chosen for n, _ in own[c]}, key=order.__getitem__)
+    # a block inside another block (lists the rules above do not part): the outer one
+    names = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
     return chosen, names
+
+
+def _has_forward(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs a forward of its own (a ``ModuleList``, a
+    ``ModuleDict`` or a bare ``nn.Module`` has none: calling one raises)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _callable_blocks(name: str, mod: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``mod``'s parameterized children by qualified name, each child without a forward of
+    its own replaced by its own parameterized children, and so on down."""
+    out: list[tuple[str, nn.Module]] = []
+    for n, c in mod.named_children():
+        if not any(True for _ in c.parameters()):
+            continue
+        q = f"{name}.{n}" if name else n
+        if _has_forward(c):
+            out.append((q, c))
+        else:
+            out += _callable_blocks(q, c)
+    return out
 
 
 def _match(model: nn.Module, named: dict[str, nn.Module], spec: SegmentSpec) -> list[str]:

@@ -333,3 +333,36 @@ def test_bad_cli_input(case, tmp_path, capsys, monkeypatch):
         assert f in err, f"{f!r} not in {err[-2000:]!r}"
     assert "Traceback" not in err
     assert not (tmp_path / "PWNED").exists()
+
+
+class _SelfCheckpointed(torch.nn.Module):
+    """Checkpoints its own blocks (what HF gradient_checkpointing_enable() and timm
+    set_grad_checkpointing() do), around the segments."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)
+        )
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_segments_inside_the_models_own_checkpoint_are_refused_naming_the_fix(reentrant):
+    """Non-reentrant: at the forward, before anything is saved; reentrant (its forward runs
+    under no_grad, nothing to see): when its recomputation calls the segment in backward."""
+    model = _SelfCheckpointed(reentrant)
+    engine = lr.install(model, "blocks.*")
+    try:
+        with pytest.raises(lr.ReplayConfigError) as info:
+            model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        msg = str(info.value)
+        assert "'blocks.1'" in msg if reentrant else "'blocks.0'" in msg
+        assert "gradient_checkpointing_disable()" in msg and "set_grad_checkpointing(False)" in msg
+    finally:
+        engine.uninstall()

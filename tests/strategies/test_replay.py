@@ -644,3 +644,40 @@ def test_a_replay_refused_for_other_shapes_is_a_replay_error_with_a_record(tmp_p
         t.fit(_FlippedBetweenForwardAndBackward(), loader())
     assert "metadata" in str(err.value.__cause__)
     assert [r.outcome for r in store.read() if r.check == "replay"] == ["divergence"]
+
+
+def test_default_segments_take_the_blocks_of_stages_and_skip_lists_never_called():
+    """Stages that are block lists themselves (timm's EfficientNet ``blocks``: a Sequential of
+    Sequential stages) give their blocks, and a one-block stage stays a block of the outer
+    list; a ModuleList of layer groups the model iterates by hand (Funnel) gives the layers,
+    since a ModuleList is never called. No two chosen blocks nest."""
+    net = nn.Module()
+    net.blocks = nn.Sequential(
+        nn.Sequential(MLPBlock(DIM)),
+        nn.Sequential(MLPBlock(DIM), MLPBlock(DIM)),
+        nn.Sequential(MLPBlock(DIM), MLPBlock(DIM), MLPBlock(DIM)),
+    )
+    lists, names = default_segments(net)
+    assert names == [
+        "blocks.0",
+        "blocks.1.0",
+        "blocks.1.1",
+        "blocks.2.0",
+        "blocks.2.1",
+        "blocks.2.2",
+    ]
+    assert lists == ["blocks", "blocks.1", "blocks.2"]
+    net = nn.Module()
+    net.groups = nn.ModuleList(
+        [nn.ModuleList([MLPBlock(DIM)]), nn.ModuleList([MLPBlock(DIM), MLPBlock(DIM)])]
+    )
+    assert default_segments(net)[1] == ["groups.0.0", "groups.1.0", "groups.1.1"]
+    for lists, names in (default_segments(_Container()), default_segments(HazardNet())):
+        assert not [a for a in names for b in names if b.startswith(a + ".")]
+
+
+def test_a_module_list_named_as_a_segment_is_refused_naming_its_children():
+    net = nn.Module()
+    net.groups = nn.ModuleList([nn.ModuleList([MLPBlock(DIM)]), nn.ModuleList([MLPBlock(DIM)])])
+    with pytest.raises(SegmentError, match=r"'groups.0' is a ModuleList.*'groups.0.\*'"):
+        lightning_replay.install(net, "groups.*")
