@@ -1,10 +1,12 @@
 """Where a check is decided: derivative and byte checks of replays, and how they compare.
 
-A derivative-checked call keeps its reference graph and replays beside it at backward
-(:class:`_CheckedSegment`); gradients are compared bit for bit, or within a tolerance by dtype on
-a nondeterministic device; byte checks compare digests of contract state and outputs. A
-divergence makes the segment react (re-probe, then retain). Training always uses the
-reference gradients.
+A derivative-checked call runs its forward with its graph, as a retained segment does, so
+training on that step is plain PyTorch's; its outputs pass through a tap
+(:class:`_CheckTap`) whose backward replays the segment under its contract and differentiates
+the replay twice: from the tensors the forward saved (the reference) and from its own.
+Gradients are compared bit for bit, or within a tolerance by dtype on a nondeterministic device;
+byte checks compare digests of contract state and outputs. A divergence makes the segment react
+(re-probe, then retain).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from lightning_replay._compat import top_saved_tensors_hooks, tree_map, tree_unflatten
 from lightning_replay.accounting import Saved
+from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
 from lightning_replay.restore import _BytesSandbox, _Invocation, _ReplayContext
 from lightning_replay.slots import (
@@ -87,14 +90,27 @@ def _nondeterministic(t: torch.Tensor) -> bool:
     return t.device.type != "cpu" and not torch.are_deterministic_algorithms_enabled()
 
 
+def _clock(eng: Any) -> float:
+    if eng._sync:
+        torch.cuda.synchronize(eng._cuda_device)
+    return clock(eng._cuda)
+
+
 @contextlib.contextmanager
 def _saving_counted(
-    saved: dict, exclude: set, where: str, namer: Callable, acct: Any = None
+    saved: dict,
+    exclude: set,
+    where: str,
+    namer: Callable,
+    acct: Any = None,
+    record: list | None = None,
 ) -> Iterator[None]:
     """Count the storages autograd saves inside the block (each once, ``exclude`` left out,
     and those the accountant ``acct`` counts elsewhere: FSDP's gathered parameters) into
     ``saved``, handing each tensor on to the saved-tensor hooks already active (the memory
-    accountant's) or, without any, to a version-checked :class:`Saved` handle."""
+    accountant's) or, without any, to a version-checked :class:`Saved` handle. ``record``,
+    if given, gets every saved tensor in the order autograd saves them (a derivative check
+    pairs them with its replay's, see :class:`_Pairing`)."""
     # torch-private, but what torch.utils.checkpoint itself uses to find the active hooks
     top = top_saved_tensors_hooks()
     outer_pack, outer_unpack = top if top is not None else (None, None)
@@ -103,6 +119,8 @@ def _saving_counted(
         key = storage_key(t)
         if key is not None and key not in exclude and not (acct is not None and acct.elsewhere(t)):
             saved[key] = t.untyped_storage().nbytes()
+        if record is not None:
+            record.append(t)
         return outer_pack(t) if outer_pack is not None else Saved(t, where, namer)
 
     unpack = outer_unpack if outer_unpack is not None else Saved.unpack
@@ -121,71 +139,212 @@ def _grad_outputs(out: Any) -> list[torch.Tensor]:
     return outs
 
 
+def _tappable(outs: list[torch.Tensor], args: list[torch.Tensor]) -> list[int]:
+    """Which differentiable outputs of a checked call pass through its tap (which copies
+    them): those that share memory with no argument and no other output. An argument returned
+    as it came, or a view of one, or two outputs on one storage, go on untouched, so that an
+    in-place write to one is seen through the others as in plain PyTorch (the check gives them
+    no gradient, in both of its backward passes alike)."""
+    keys = [storage_key(o) for o in outs]  # None: no plain storage to tell by
+    taken = {storage_key(a) for a in args} - {None}
+    ids = {id(a) for a in args}
+    counts: dict = {}
+    for k in keys:
+        counts[k] = counts.get(k, 0) + 1
+    return [
+        i
+        for i, (o, k) in enumerate(zip(outs, keys))
+        if id(o) not in ids and (k is None or (k not in taken and counts[k] == 1))
+    ]
+
+
+def _meta(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} {t.device}"
+
+
+class _Pair:
+    """One saved tensor of a check's replay and the forward's at the same place (or None)."""
+
+    __slots__ = ("forward", "replay")
+
+    def __init__(self, forward: torch.Tensor | None, replay: torch.Tensor) -> None:
+        self.forward = forward
+        self.replay = replay
+
+
+class _Pairing:
+    """Saved-tensor hooks for a check's replay: the i-th tensor the replay saves is paired with
+    the i-th its forward saved, and a backward through the replay's graph reads the forward's
+    (while :attr:`forward` is set: the reference, what the segment's real graph computes from)
+    or the replay's own (what an unchecked step's replay computes from).
+
+    A replay tensor with the forward's bytes is not kept: the forward's stands for it. The
+    segment's real graph is alive while its check runs, and this way an exact replay's graph
+    holds next to nothing of its own.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> pairing = _Pairing([torch.full((2,), 3.0)])
+        >>> with pairing.hooks():
+        ...     y = (x * x.detach().mul(2)).sum()  # saves x*2 (its forward saved 3s)
+        >>> pairing.mismatch() is None
+        True
+        >>> pairing.forward = True
+        >>> torch.autograd.grad(y, x, retain_graph=True)[0].tolist()
+        [3.0, 3.0]
+        >>> pairing.forward = False
+        >>> torch.autograd.grad(y, x)[0].tolist()
+        [2.0, 2.0]
+    """
+
+    def __init__(self, saved: list[torch.Tensor], segment: str = "", timer: Any = None) -> None:
+        self.saved = saved
+        self.segment = segment
+        self.pairs: list[_Pair] = []
+        self.differ: list[str] = []
+        self.forward = False
+        self.timer = timer  # a clock, while the replay's time is measured
+        self.seconds = 0.0  # spent in pack (no part of what the replay costs)
+
+    def pack(self, t: torch.Tensor) -> _Pair:
+        t0 = self.timer() if self.timer is not None else 0.0
+        i = len(self.pairs)
+        f = self.saved[i] if i < len(self.saved) else None
+        if f is not None:
+            if f.shape != t.shape or f.dtype != t.dtype or f.device != t.device:
+                self.differ.append(f"saved tensor {i}: replay {_meta(t)}, forward {_meta(f)}")
+                f = None
+            else:
+                f = f.detach()
+                if _same_bytes(f, t):
+                    t = f
+        pair = _Pair(f, t)
+        self.pairs.append(pair)
+        if self.timer is not None:
+            self.seconds += self.timer() - t0
+        return pair
+
+    def unpack(self, pair: _Pair) -> torch.Tensor:
+        if pair.replay is None:
+            raise ReplayError(
+                f"a tensor computed by the derivative check's replay of segment "
+                f"{self.segment!r} (kept by the model, e.g. appended to a list by a hook) was "
+                "differentiated after the check. Only the segment's outputs from its forward "
+                "belong to the step's graph."
+            )
+        if self.forward and pair.forward is not None:
+            return pair.forward
+        return pair.replay
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def mismatch(self) -> str | None:
+        """Why the replay's saved tensors cannot stand in for the forward's, or None."""
+        if len(self.pairs) != len(self.saved):
+            return f"saved tensors: replay {len(self.pairs)}, forward {len(self.saved)}"
+        return self.differ[0] if self.differ else None
+
+    def clear(self) -> None:
+        """Let go of every pair: a graph of the replay the model kept (a side channel) holds
+        no tensor of the check's any more."""
+        for p in self.pairs:
+            p.forward = p.replay = None
+        self.pairs = []
+        self.saved = []
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (same shape, dtype and device) hold the same bits; False where
+    that cannot be told (a tensor without strided storage)."""
+    try:
+        if a.layout != torch.strided or b.layout != torch.strided:
+            return False
+        if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+            return True  # the same memory, read the same way
+        return _bitwise_equal(a, b)
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 @dataclasses.dataclass(slots=True)
 class _CheckBox:
-    """What the backward of one checked call needs; ``outs`` is emptied when it has run."""
+    """What the backward of one checked call needs; ``saved`` is None once it has run."""
 
     rt: SegmentRuntime
     inv: _Invocation
-    args: tuple  # the call's arguments, differentiable tensors replaced by ``inputs``
-    kwargs: dict
-    inputs: list[torch.Tensor]  # detached leaves the reference graph starts from
+    call: list  # the call's flattened arguments at forward, tensors detached (see _prepare)
+    spec: Any  # their tree spec, None for a call of tensors only
+    inputs: list[tuple[int, int, bool]]  # per differentiable argument: (position, input, leaf?)
+    n_inputs: int  # distinct differentiable arguments
     params: list[torch.Tensor]
-    outs: list[torch.Tensor]  # the reference outputs (their graph)
+    outs: list[torch.Size]  # shapes of the forward's differentiable outputs
+    tapped: list[int]  # which of them pass through the tap
+    saved: list[torch.Tensor] | None  # what the forward saved for backward, in order
     rng: tuple  # global RNG states at forward (see _rng_states)
     autocast: list
     out_digests: list[int] | None
+    # the differentiable outputs' digests: what the grad check compares besides gradients
+    grad_out_digests: list[int]
 
 
-class _CheckedSegment(torch.autograd.Function):
-    """Joins a checked call's reference graph to the model's graph.
+class _CheckTap(torch.autograd.Function):
+    """Between a checked call's outputs and the rest of the model: its backward receives the
+    outputs' gradients, runs the check (:meth:`SegmentChecks._compare_grads`) and hands the
+    gradients on unchanged to the segment's own graph, which training uses as in plain PyTorch.
 
-    Inputs: the segment's differentiable inputs and parameters (so that autograd, DDP's hooks
-    and gradient accumulation see them as usual); outputs: the reference outputs, detached.
+    A node rather than tensor hooks: FSDP2 registers its pre-backward (unshard) hooks on the
+    module's outputs, which are this node's, so parameters are gathered when the check runs.
+    Its outputs are copies: a view of an input returned by a custom Function may not be
+    modified in place, and models do modify a block's output in place (a residual ``+=``).
     """
 
     @staticmethod
-    def forward(ctx, box: _CheckBox, *inputs_and_params: torch.Tensor):
+    def forward(ctx: Any, box: _CheckBox, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.box = box
-        return tuple(o.detach() for o in box.outs)
+        return tuple(o.clone() for o in outs)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         box = ctx.box
         ctx.box = None
-        if box is None or not box.outs:
+        if box is None or box.saved is None:
             raise ReplayError(
                 "a derivative-checked segment's backward ran a second time (backward with "
-                "retain_graph=True?). Checked steps free their reference graph after the first "
-                "backward; use preservation='retain' for segments whose graph is reused."
+                "retain_graph=True?). Checked steps check once and let go of the check's state "
+                "after the first backward; use preservation='retain' for segments whose graph "
+                "is reused."
             )
-        ref = box.rt._compare_grads(box, list(grads))
-        return (None, *ref)
+        box.rt._compare_grads(box, list(grads))
+        return (None, *grads)
 
 
-def _autocast_state() -> list[tuple[str, bool, torch.dtype]]:
-    """Autocast settings of the current forward, per device type that has autocast."""
+def _autocast_state() -> list[tuple[str, bool, torch.dtype, bool]]:
+    """Autocast settings of the current forward, per device type that has autocast: (device,
+    enabled, dtype, cache enabled). The cache decides how many casts of a parameter there are,
+    and so how their gradients are summed (Lightning's bf16-mixed turns it off)."""
     out = []
+    cache = torch.is_autocast_cache_enabled()
     for dev in ("cpu", "cuda"):
         if torch.amp.is_autocast_available(dev):
-            out.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+            out.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), cache))
     return out
 
 
 class SegmentChecks:
     """The derivative and byte checks of one segment (mixed into :class:`~lightning_replay.runtime.SegmentRuntime`)."""
 
-    def _measured_call(self, args: tuple, kwargs: dict) -> Any:
+    def _measured_call(self, args: tuple, kwargs: dict, record: list | None = None) -> Any:
         """A forward that keeps its graph (checked or retained on a checked step), measuring
         what it saves: A(s) at today's shapes (the probe's figure goes stale when shapes
-        change)."""
+        change). ``record`` gets the tensors it saves, in order (see :func:`_saving_counted`)."""
         eng = self.engine
         saved: dict = {}
         exclude = self.state_keys | {storage_key(t) for t in tensor_leaves((args, kwargs))}
         eng._segment_depth += 1
         try:
             with _saving_counted(
-                saved, exclude, f"segment {self.name!r}", eng.state_name, eng.accountant
+                saved, exclude, f"segment {self.name!r}", eng.state_name, eng.accountant, record
             ):
                 out = self.orig_forward(*args, **kwargs)
         finally:
@@ -196,98 +355,149 @@ class SegmentChecks:
         return out
 
     def _checked_call(self, args: tuple, kwargs: dict) -> Any:
-        """Derivative check: run the segment with its graph, replay it beside it at backward.
+        """Derivative check: run the segment with its graph, replay it once at backward.
 
-        The forward runs ordinarily on detached inputs (the *reference* graph) and its outputs
-        reach the model through :class:`_CheckedSegment`, whose backward takes the reference
-        gradients from that graph, replays the segment under its contract, compares, and hands
-        the reference gradients on: training always uses the reference, and a checked step costs
-        one replay forward and backward more than a plain one.
+        The forward runs on the live arguments and keeps its graph, as a retained segment's
+        does: training differentiates that graph, so gradients are summed in the order plain
+        PyTorch sums them, side channels (tensors a hook takes from inside the segment) and
+        the model's own checkpoints behave as in plain PyTorch. The tensors it saves for
+        backward are recorded, and its differentiable outputs pass through :class:`_CheckTap`,
+        whose backward replays the segment under its contract and compares (see
+        :meth:`_compare_grads`). A checked step costs one replay (forward and two backward
+        passes) of the segment more than a plain one, and keeps its graph until backward.
         """
         eng = self.engine
         inv, call, spec = self._prepare(args, kwargs, eng._check_bytes)
         rng = _rng_states(eng._cuda_device)
         autocast = _autocast_state()
-        # the reference forward starts from detached leaves with the forward's bytes (a copy
-        # where the window changes an argument); gradients reach the live arguments
-        in_req, leaves, ref_flat = [], [], list(call)
+        saved: list[torch.Tensor] = []
+        out = self._measured_call(args, kwargs, saved)
+        outs = _grad_outputs(out)
+        tapped = _tappable(outs, tensor_leaves((args, kwargs)))
+        if not tapped:
+            inv.release()
+            return out
+        inputs: list[tuple[int, int, bool]] = []
+        index: dict[int, int] = {}  # one input per tensor, however often it is passed
         for i, x in enumerate(call):
             live = inv.subs[i][0] if i in inv.subs else x
             if isinstance(live, torch.Tensor) and live.requires_grad:
-                leaf = x.detach().requires_grad_()
-                in_req.append(live)
-                leaves.append(leaf)
-                ref_flat[i] = leaf
-        args2, kwargs2 = (ref_flat, {}) if spec is None else tree_unflatten(ref_flat, spec)
-        out = self._measured_call(args2, kwargs2)  # the reference forward keeps its graph
-        outs = _grad_outputs(out)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        if not outs:
-            inv.release()
-            return out
+                inputs.append((i, index.setdefault(id(live), len(index)), live.is_leaf))
         box = _CheckBox(
             self,
             inv,
-            args2,
-            kwargs2,
-            leaves,
-            params,
-            outs,
+            [x.detach() if isinstance(x, torch.Tensor) else x for x in call],
+            spec,
+            inputs,
+            len(index),
+            [p for p in self.module.parameters() if p.requires_grad],
+            [o.shape for o in outs],
+            tapped,
+            saved,
             rng,
             autocast,
             digests(tensor_leaves(out)) if eng._check_bytes else None,
+            digests(outs),
         )
-        bridged = _CheckedSegment.apply(box, *in_req, *params)
-        by_id = {id(o): b for o, b in zip(outs, bridged)}
+        taps = _CheckTap.apply(box, *(outs[k] for k in tapped))
+        by_id = {id(outs[k]): t for k, t in zip(tapped, taps)}
         return tree_map(lambda x: by_id.get(id(x), x) if isinstance(x, torch.Tensor) else x, out)
 
-    def _compare_grads(
-        self, box: "_CheckBox", grads: list[torch.Tensor]
-    ) -> list[torch.Tensor | None]:
-        """Reference and replayed gradients of one checked call; returns the reference."""
+    def _compare_grads(self, box: "_CheckBox", grads: list[torch.Tensor]) -> None:
+        """The check of one checked call, run when its outputs' gradients ``grads`` arrive.
+
+        The segment is replayed once under its contract, from leaves with the forward's bytes,
+        while :class:`_Pairing` pairs each tensor it saves with the one the forward saved at the
+        same place. Its graph is then differentiated twice with ``grads``: with the forward's
+        saved tensors (the reference: what the segment's real graph computes from, whatever the
+        contract restores) and with the replay's own; input and parameter gradients must agree
+        bit for bit (within :data:`GRAD_TOLERANCE` on a nondeterministic device). Saved tensors
+        that differ in number, shape or dtype are a divergence by themselves. Training is not
+        touched: the tap hands ``grads`` on to the real graph.
+        """
         eng = self.engine
         inv = box.inv
-        grads = [torch.zeros_like(o) if g is None else g for o, g in zip(box.outs, grads)]
-        with torch.enable_grad():
-            ref = torch.autograd.grad(box.outs, box.inputs + box.params, grads, allow_unused=True)
-            box.outs = []  # the reference graph is freed
-            in2 = [a.detach().requires_grad_() for a in box.inputs]
-            swap = {id(a): b for a, b in zip(box.inputs, in2)}
-            args2, kwargs2 = tree_map(
-                lambda x: swap.get(id(x), x) if isinstance(x, torch.Tensor) else x,
-                (box.args, box.kwargs),
-            )
-            # A checked replay leaks nothing into the model, whatever the contract missed:
-            # every buffer and tensor attribute of the segment is put back byte for byte
-            # (slots, generators and the global RNG are put back by the replay context and
-            # fork_rng). Backward runs outside the forward's autocast: re-enter it, as
-            # checkpoint does for its own recomputation.
-            sandbox = _BytesSandbox([t for _, t in slot_tensors(capture_slots(self.modules))])
-            try:
-                with _ReplayContext(inv), _forked_rng(box.rng), contextlib.ExitStack() as ac:
-                    for dev, enabled, dtype in box.autocast:
-                        ac.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
-                    out2 = self.orig_forward(*args2, **kwargs2)
-            finally:
-                sandbox.restore()
-            outs2 = _grad_outputs(out2)
-            if len(outs2) == len(grads) and all(a.shape == b.shape for a, b in zip(outs2, grads)):
-                rep = torch.autograd.grad(outs2, in2 + box.params, grads, allow_unused=True)
+        fwd, box.saved = box.saved, None
+        # The replay starts from leaves with the forward's bytes. An argument that was no leaf
+        # in the forward is passed as a view of its leaf: autocast caches its cast of a leaf
+        # that requires grad (one cast for every use, gradients summed in the low precision),
+        # and the replay must cast as the forward did.
+        leaves: list[torch.Tensor | None] = [None] * box.n_inputs
+        views: dict[int, torch.Tensor] = {}
+        flat = list(box.call)
+        for i, j, was_leaf in box.inputs:
+            if leaves[j] is None:
+                leaves[j] = flat[i].detach().requires_grad_()
+            if was_leaf:
+                flat[i] = leaves[j]
             else:
-                rep = None
-        names = [f"input[{i}]" for i in range(len(box.inputs))] + [
+                if j not in views:
+                    with torch.enable_grad():  # backward runs without grad mode
+                        views[j] = leaves[j].view_as(leaves[j])
+                flat[i] = views[j]
+        args, kwargs = (flat, {}) if box.spec is None else tree_unflatten(flat, box.spec)
+        wrt = leaves + box.params
+        timed = eng.measure_costs and (eng._sync or not eng._cuda)
+        pairing = _Pairing(fwd, self.name, (lambda: _clock(eng)) if timed else None)
+        ref = rep = None
+        bad: list[str] = []
+        # A checked replay leaks nothing into the model, whatever the contract missed: every
+        # buffer and tensor attribute of the segment is put back byte for byte (slots,
+        # generators and the global RNG are put back by the replay context and fork_rng), after
+        # both backward passes: a checkpoint inside the segment recomputes (and writes batch
+        # norm statistics) in them. Backward runs outside the forward's autocast: re-enter it
+        # for the replay's forward, as checkpoint does for its own recomputation.
+        sandbox = _BytesSandbox([t for _, t in slot_tensors(capture_slots(self.modules))])
+        try:
+            with torch.enable_grad(), _ReplayContext(inv), _forked_rng(box.rng):
+                with contextlib.ExitStack() as ac:
+                    for dev, enabled, dtype, cache in box.autocast:
+                        ac.enter_context(
+                            torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache)
+                        )
+                    ac.enter_context(pairing.hooks())
+                    out2 = self.orig_forward(*args, **kwargs)
+                t0 = _clock(eng) if timed else 0.0
+                outs2 = _grad_outputs(out2)
+                if len(outs2) != len(box.outs) or any(
+                    a.shape != s for a, s in zip(outs2, box.outs)
+                ):
+                    bad.append(
+                        f"outputs: the replay produced {len(outs2)} differentiable outputs "
+                        f"{[tuple(t.shape) for t in outs2]}, the forward "
+                        f"{[tuple(s) for s in box.outs]}"
+                    )
+                elif pairing.mismatch() is not None:
+                    bad.append(pairing.mismatch())
+                elif not wrt:  # nothing in the segment to differentiate for
+                    ref = rep = ()
+                else:
+                    sel = [outs2[k] for k in box.tapped]
+                    pairing.forward = True
+                    ref = torch.autograd.grad(sel, wrt, grads, retain_graph=True, allow_unused=True)
+                    pairing.forward = False
+                    rep = torch.autograd.grad(sel, wrt, grads, allow_unused=True)
+                if timed:
+                    # inside the replay context (its swapped-in state must hold for them), but
+                    # the check's pairing and backward passes are no part of what a replay costs
+                    inv.t_prep -= _clock(eng) - t0 + pairing.seconds
+        finally:
+            pairing.clear()
+            sandbox.restore()
+        names = [f"input[{j}]" for j in range(box.n_inputs)] + [
             f"{self.name}.{n}" for n, p in self.module.named_parameters() if p.requires_grad
         ]
-        bad = []
-        if rep is None:
-            bad.append(
-                f"outputs: the replay produced {len(outs2)} differentiable outputs "
-                f"{[tuple(t.shape) for t in outs2]}, the forward "
-                f"{[tuple(g.shape) for g in grads]}"
-            )
         tolerated = []
         tol = (GRAD_RTOL, GRAD_ATOL)
-        if rep is not None:
+        # The reference pass takes its saved tensors from the forward, but the rest of each
+        # node (a Python scalar factor, a shape) from the replay: a replay that differs there
+        # alone differs in its outputs, which are compared too
+        out_differ = (
+            ref is not None
+            and digests(outs2) != box.grad_out_digests
+            and not any(_nondeterministic(o) for o in outs2)
+        )
+        if ref is not None:
             for n, a, b in zip(names, ref, rep):
                 if (a is None) != (b is None):
                     bad.append(f"{n}: missing")
@@ -299,6 +509,8 @@ class SegmentChecks:
                         tol = max(tol, (rtol, atol))
                     else:
                         bad.append(f"{n}: {diff}")
+        if out_differ:
+            bad.append("outputs: the replay's differ from the forward's (bytes)")
         self.checks += 1
         if bad:
             self.divergences += 1
@@ -330,13 +542,12 @@ class SegmentChecks:
             )
         if diverged:
             self._diverged(inv)
-        return list(ref)
 
     def _diverged(self, inv: _Invocation) -> None:
-        """A check saw a replay differ. The step itself trained on the reference (derivative
-        check) or the contract state was found wrong (byte check); from now on: the first time,
-        re-probe the segment and extend its contract; the second time, retain it for good
-        (exact by construction)."""
+        """A check saw a replay differ. The step itself trained on the segment's own graph
+        (derivative check) or the contract state was found wrong (byte check); from now on:
+        the first time, re-probe the segment and extend its contract; the second time, retain
+        it for good (exact by construction)."""
         if self.demoted:
             return
         eng = self.engine
