@@ -473,6 +473,13 @@ class SegmentProbe:
                 varying.append((i, "a", k))
                 if is_scalar(v):
                     changed.append(f"{mname}.{k}")
+            # set for the first time in the window (a router's ``self.input_dtype = x.dtype``
+            # before it reads it): the replay removes it, its forward sets it again
+            varying += [
+                (i, "a", k)
+                for k in d.keys() - s.attrs.keys()
+                if k not in MODULE_INTERNALS and k != "training"
+            ]
         probe.changed_attrs = changed
         # rebound or changed inside the window: the replay puts them back
         self.guard.learn_varying(varying)
