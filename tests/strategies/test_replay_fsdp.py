@@ -716,8 +716,11 @@ def test_a_segment_crossing_fsdp_units_is_refused(tmp_path):
         r"segment 'blocks' crosses FSDP units: it contains the unit\(s\) "
         r"\['blocks.0', 'blocks.1', 'blocks.2'\]"
     )
+    model = FSDPNet()
+    model.blocks = nn.Sequential(*model.blocks)  # a container with a forward (a ModuleList is
+    # refused first, as never called)
     with pytest.raises(ProcessRaisedException, match=crossing) as info:
-        fit(tmp_path, replay_fsdp(segments="blocks"), FSDPNet(), steps=1)
+        fit(tmp_path, replay_fsdp(segments="blocks"), model, steps=1)
     assert "lightning_replay.errors.SegmentError" in str(info.value)
 
 
