@@ -5,42 +5,57 @@ did then. What steers that behaviour and is reachable from the segment's modules
 fingerprinted at each forward, cheaply (identities and plain values, no tensor bytes):
 
 * the training flag of each module (a BatchNorm unfrozen later, a Dropout in eval at step 0);
-* the registered hooks (module and global), and the submodules;
+* the registered hooks (module and global: their keys, and which function each holds), the
+  submodules, and the order of the parameter, buffer and submodule dicts;
 * the identity of every parameter, buffer (and its storage: ``resize_``, ``.data =``) and
   tensor attribute, and of every other attribute
   object (a generator replaced by a new one, a tensor rebound instead of written in place,
   parameters substituted by ``torch.func.functional_call``);
-* the value of every plain attribute (a dropout ``p`` warming up from 0, an enum mode).
+* the value of every plain attribute (a dropout ``p`` warming up from 0, an enum mode), also
+  of the plain holder objects reachable from the modules (a config's ``use_bank``, with
+  ``__dict__`` or ``__slots__``, held directly, by another holder or in a container), and the
+  contents of every container attribute (a dict of flags).
 
 When the fingerprint shows something new, that forward is re-probed (retained and watched, so
 exact by construction) and the contract is extended. Fields that vary continuously (identities,
-numbers) are re-probed once and then left to the replay, which puts the forward's objects and
-values back (:mod:`lightning_replay.slots`); discrete fields (flags, hooks, strings, enums) are
-re-probed at each value not seen before, so a mode that comes back costs nothing.
+numbers, hook functions, container contents) are re-probed once and then left to the replay,
+which puts the forward's objects and values back (:mod:`lightning_replay.slots`); discrete
+fields (flags, hook keys, structure, strings, enums) are re-probed at each value not seen
+before, so a mode that comes back costs nothing.
+
+Attributes the segment reads from modules outside it are put back by the replay, but are not
+fingerprinted here: the guard sees the segment's own modules only.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from itertools import islice
 from typing import Any, Hashable
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
 from lightning_replay._compat import dict_version
-from lightning_replay.slots import MISSING, MODULE_INTERNALS, identities, is_scalar, slot_token
-
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_GLOBAL_HOOKS = (
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_backward_hooks",
+from lightning_replay.slots import (
+    HOOK_DICTS,
+    MISSING,
+    MODULE_INTERNALS,
+    SlotView,
+    copy_plain,
+    global_hooks,
+    hook_ids,
+    holder_stores,
+    identities,
+    is_holder,
+    is_scalar,
+    slot_token,
 )
 
-
-def _hooks_token(dicts: list) -> tuple:
-    return tuple((len(d), next(reversed(d), None)) if d else 0 for d in dicts)
+_WATCH_DEPTH = 4  # levels below a module attribute (as deep as the slot capture looks)
+_WATCH_LIMIT = 4096  # items of one container (or holder) looked at for others inside it
+_CONTAINERS = (list, dict, set)
+_SLOT_DICTS = ("_parameters", "_buffers", "_modules")
 
 
 def _storage_ptr(t: Any) -> int:
@@ -52,19 +67,121 @@ def _storage_ptr(t: Any) -> int:
         return 0
 
 
-def _identity_signature(modules: list[nn.Module], exact: bool = False) -> tuple:
-    """Which object every slot holds (and each buffer's storage, the submodules, the hooks),
-    cheaply: if it is the same as at the last forward, no field can have changed. The plain
-    objects behind its ids are kept alive by the guard (:meth:`Guard._settle`), so equal ids
-    are the same objects.
+def _reachable(modules: list[nn.Module]) -> list[tuple]:
+    """The holder objects and containers reachable from the modules' attributes (a config, a
+    dict of flags, a registry of configs, a config's list of options), each once, as (module
+    index, path, object, and its :func:`_readers`): a container, a holder with a ``__dict__``
+    (itself: the dict can be replaced wholesale), or a
+    :class:`~lightning_replay.slots.SlotView` of a holder's slots.
+    Their contents steer a forward as much as the module's own attributes do, and change
+    without any module slot changing. Also a module's parameter, buffer or submodule dict
+    where it is an OrderedDict (its path the dict's name), whose order changes without its
+    tag."""
+    out: list[tuple] = []
+    seen: set[int] = set()
+    for i, m in enumerate(modules):
+        d = m.__dict__
+        for k in _SLOT_DICTS:  # (an OrderedDict one: its order, which moves no tag)
+            if type(d[k]) is not dict:
+                out.append((i, k, d[k], *_readers(d[k])))
+        todo = [(k, v, 0) for k, v in d.items() if k not in MODULE_INTERNALS]
+        while todo:
+            path, v, depth = todo.pop()
+            if is_scalar(v) or isinstance(v, (torch.Tensor, nn.Module)) or id(v) in seen:
+                continue
+            if isinstance(v, (*_CONTAINERS, tuple)):
+                seen.add(id(v))
+                if not isinstance(v, tuple):  # (immutable: who holds it covers it)
+                    out.append((i, path, v, *_readers(v)))
+                items, attr = (v.items() if isinstance(v, dict) else enumerate(v)), False
+            elif is_holder(v):
+                seen.add(id(v))
+                stores = holder_stores(v)
+                out += [(i, path, st, *_readers(st)) for st in stores]
+                items, attr = [(k, x) for st in stores for k, x in _attrs(st).items()], True
+            else:
+                continue
+            if depth < _WATCH_DEPTH:
+                for k, x in islice(items, _WATCH_LIMIT):
+                    if not is_scalar(x):
+                        todo.append((f"{path}.{k}" if attr else f"{path}[{k!r}]", x, depth + 1))
+    return out
 
-    Each module's slots and submodules stand as the version tags of their dicts
+
+def _attrs(o: Any) -> Any:
+    """The items of a :func:`_reachable` dict, or the attributes of a holder."""
+    return o if isinstance(o, (dict, SlotView)) else _dict_of(o, "__dict__")
+
+
+_dict_of = object.__getattribute__  # (``o.__dict__`` past a class's own __getattribute__)
+
+
+def _holder_tag(o: Any) -> int:
+    return dict_version(_dict_of(o, "__dict__"))  # (read again: replaced wholesale, it moves)
+
+
+def _holder_ids(o: Any) -> tuple:
+    d = _dict_of(o, "__dict__")
+    return tuple(d), tuple(map(id, d.values()))
+
+
+def _dict_ids(d: dict) -> tuple:
+    return tuple(d), tuple(map(id, d.values()))
+
+
+def _ordered_tag(d: dict) -> tuple:
+    return dict_version(d), tuple(d)  # (``move_to_end`` moves no tag)
+
+
+def _list_ids(c: list) -> tuple:
+    return tuple(map(id, c))
+
+
+def _set_ids(c: set) -> frozenset:
+    return frozenset(map(id, c))
+
+
+def _slot_ids(v: SlotView) -> tuple:
+    return tuple([(k, id(x)) for k, x in v.items()])
+
+
+def _readers(o: Any) -> tuple:
+    """How to read which object each item or attribute of a :func:`_reachable` entry holds:
+    by its dict's version tag (where there is one), and by names and ids."""
+    if type(o) is SlotView:
+        return _slot_ids, _slot_ids
+    if isinstance(o, list):
+        return _list_ids, _list_ids
+    if isinstance(o, set):
+        return _set_ids, _set_ids
+    if isinstance(o, dict):
+        return (_ordered_tag if isinstance(o, OrderedDict) else dict_version), _dict_ids
+    return _holder_tag, _holder_ids
+
+
+def _global_token() -> Any:
+    dicts, flag = global_hooks()
+    return (hook_ids(dicts), flag) if any(dicts) or flag is not None else 0
+
+
+def _identity_signature(
+    modules: list[nn.Module], watched: list[tuple], exact: bool = False
+) -> tuple:
+    """Which object every slot holds (and each buffer's storage, the submodules, the hooks,
+    the contents of the holders and containers in ``watched``), cheaply: if it is the same as
+    at the last forward, no field can have changed. The plain objects behind its ids are kept
+    alive by the guard (:meth:`Guard._settle`), so equal ids are the same objects.
+
+    Each module's slots, submodules and hooks stand as the version tags of their dicts
     (:func:`~lightning_replay.slots.slot_token`), a few C calls, unless ``exact`` or the
     interpreter has none; then as :func:`~lightning_replay.slots.identities`. Two equal
     signatures of the first kind imply equal ones of the second; unequal tags can still hold
-    the same objects (a slot written and put back), which the ``exact`` kind tells."""
+    the same objects (a slot written and put back), which the ``exact`` kind tells. The
+    modules' entries come last, each with its slot token first
+    (:meth:`Guard.take_tokens`)."""
     tags = dict_version is not None and not exact
-    out = [_hooks_token([getattr(_module, h, {}) for h in _GLOBAL_HOOKS])]
+    read = 3 if tags else 4  # (the entry's reader by tags, or by ids)
+    out = [_global_token(), tuple([w[read](w[2]) for w in watched])]
     for m in modules:
         d = m.__dict__
         b = d["_buffers"]
@@ -77,33 +194,51 @@ def _identity_signature(modules: list[nn.Module], exact: bool = False) -> tuple:
                 ptrs = tuple(map(_storage_ptr, b.values()))
         else:
             ptrs = ()
-        sub = d["_modules"]
-        if (
-            d.get("_forward_pre_hooks")
-            or d.get("_forward_hooks")
-            or d.get("_backward_pre_hooks")
-            or d.get("_backward_hooks")
-        ):
-            hooks = _hooks_token([d.get(h) for h in _HOOK_DICTS])
-        else:
-            hooks = 0
-        if tags:
-            out.append((slot_token(d), ptrs, dict_version(sub), hooks))
-        else:
-            out.append((identities(d), ptrs, tuple(map(id, sub.values())) if sub else (), hooks))
+        out.append((slot_token(d) if tags else identities(d), ptrs))
     return tuple(out)
 
 
-def fingerprint(modules: list[nn.Module], varying: set) -> dict[Hashable, Any]:
-    """What the segment's behaviour may depend on, without the fields in ``varying``."""
-    fp: dict[Hashable, Any] = {
-        "global_hooks": _hooks_token([getattr(_module, h, {}) for h in _GLOBAL_HOOKS])
-    }
+def _contents(o: Any) -> Any:
+    """A container's items as a value to compare: copies of plain values (keys in order),
+    else which object each item holds."""
+    c = copy_plain(o)
+    if c is not MISSING:
+        return tuple(c.items()) if isinstance(c, dict) else c
+    if isinstance(o, dict):
+        return tuple([(k, id(v)) for k, v in o.items()])
+    return frozenset(map(id, o)) if isinstance(o, (set, frozenset)) else tuple(map(id, o))
+
+
+def fingerprint(
+    modules: list[nn.Module], varying: set, watched: list[tuple] | None = None
+) -> dict[Hashable, Any]:
+    """What the segment's behaviour may depend on, without the fields in ``varying``.
+
+    ``watched``: :func:`_reachable` of the modules now, if at hand. A holder's attributes are
+    fields like the module's own (``(i, "a", "cfg.use_bank")``); a container's contents are one
+    field (a list appended to by every forward changes once, then is left to the replay, which
+    puts its forward contents back); hook functions are fields of their own (the replay runs
+    the forward's), the hooks' keys, the order of the slot dicts and the submodules are
+    structure."""
+    if watched is None:
+        watched = _reachable(modules)
+    dicts, flag = global_hooks()
+    fp: dict[Hashable, Any] = {"global_hooks": (tuple(tuple(h) for h in dicts), flag)}
+    key = (0, "h", "<torch global hooks>")
+    if any(dicts) and key not in varying:
+        fp[key] = hook_ids(dicts)
     for i, m in enumerate(modules):
         d = m.__dict__
+        hooks = [d.get(h) for h in HOOK_DICTS]
+        sub = d["_modules"]
         fp[(i, "training")] = d.get("training")
-        fp[(i, "hooks")] = _hooks_token([d.get(h) for h in _HOOK_DICTS])
-        fp[(i, "modules")] = tuple(map(id, d["_modules"].values()))
+        fp[(i, "hooks")] = tuple(tuple(h) if h else () for h in hooks)
+        fp[(i, "modules")] = tuple(sub), tuple(map(id, sub.values()))
+        fp[(i, "order")] = tuple(d["_parameters"]), tuple(d["_buffers"])
+        for name, h in zip(HOOK_DICTS, hooks):
+            key = (i, "h", name)
+            if h and key not in varying:
+                fp[key] = tuple(map(id, h.values()))
         for k, v in d["_parameters"].items():
             key = (i, "p", k)
             if key not in varying:
@@ -113,16 +248,38 @@ def fingerprint(modules: list[nn.Module], varying: set) -> dict[Hashable, Any]:
             if key not in varying:
                 fp[key] = (id(v), _storage_ptr(v))  # a new storage is a new buffer
         for k, v in d.items():
-            if k in MODULE_INTERNALS or k == "training":
-                continue
+            if k in MODULE_INTERNALS or k == "training" or isinstance(v, _CONTAINERS):
+                continue  # (containers: with the holders below)
             key = (i, "a", k)
-            if key in varying:
-                continue
-            t = type(v)
-            if isinstance(v, (list, dict, set)):
-                continue  # put back by value at replay (subclasses too: an OrderedDict)
-            fp[key] = (t, v) if is_scalar(v) else (t, id(v))
+            if key not in varying:
+                fp[key] = _value(v)
+    for i, path, o, *_ in watched:
+        if path in _SLOT_DICTS:
+            continue  # (their order is structure, above)
+        if isinstance(o, _CONTAINERS):
+            key = (i, "a", path)
+            if key not in varying:
+                fp[key] = (type(o), _contents(o))
+            continue
+        for k, v in _attrs(o).items():
+            key = (i, "a", f"{path}.{k}")
+            if key not in varying and not isinstance(v, _CONTAINERS):
+                fp[key] = _value(v)
     return fp
+
+
+def _watch_ids(watched: list[tuple]) -> list[tuple]:
+    return [(i, p, id(o.obj) if type(o) is SlotView else id(o)) for i, p, o, *_ in watched]
+
+
+def _hooks(m: nn.Module) -> list[dict]:
+    d = m.__dict__
+    return [h for h in (d.get(n) for n in HOOK_DICTS) if h]
+
+
+def _value(v: Any) -> tuple:
+    """An attribute as a fingerprint field: plain values by value, other objects by id."""
+    return (type(v), v) if is_scalar(v) else (type(v), id(v))
 
 
 def _discrete(key: Hashable, value: Any) -> bool:
@@ -161,6 +318,7 @@ class Guard:
         self._fast: tuple | None = None
         self._exact: tuple | None = None  # the identities behind ``_fast`` (version tags)
         self._alive: list = []  # the objects ``_exact`` names by id (see _settle)
+        self._watched: list[tuple] = []  # the holders and containers it covers (_reachable)
         self._now: tuple | None = None
         #: per module, its last slot capture while steady (``capture_slots``'s ``last``); held
         #: here so that it lives and dies with the segment, never keeps a model alive
@@ -172,11 +330,12 @@ class Guard:
         capture that follows in the same forward reuses them instead of reading every module's
         slots again."""
         now, self._now = self._now, None
-        return None if now is None else [m[0] for m in now[1:]]
+        return None if now is None else [m[0] for m in now[2:]]
 
     def changed(self) -> list[Hashable]:
         """Fields that differ from every value the contract has seen (empty: replay on)."""
-        fast = self._now = _identity_signature(self.modules)
+        watched = self._watched
+        fast = self._now = _identity_signature(self.modules, watched)
         exact = None
         if self.base is not None:
             if fast == self._fast:
@@ -185,16 +344,17 @@ class Guard:
             if dict_version is not None and self._exact is not None:
                 # tags moved: the same objects still (written and put back)? then settle on
                 # the new tags; else ``exact`` is the signature the fingerprint below settles on
-                exact = _identity_signature(self.modules, exact=True)
+                exact = self._exact_now(fast)
                 if exact == self._exact:
                     self._fast = fast
                     self._pending = []
                     return []
-        fp = fingerprint(self.modules, self.varying)
+        watched = _reachable(self.modules)
+        fp = fingerprint(self.modules, self.varying, watched)
         base = self.base
         if base is None or fp == base:
             self._pending = []
-            self._settle(fast, exact)
+            self._settle(fast, exact, watched)
             return []
         new = []
         for key in fp.keys() | base.keys():
@@ -207,13 +367,32 @@ class Guard:
             new.append(key)
         if not new:
             self.base = fp  # a mode seen before came back
-            self._settle(fast, exact)
+            self._settle(fast, exact, watched)
         self._pending = [(k, fp.get(k, _ABSENT)) for k in new]
         return sorted(new, key=repr)
 
-    def _settle(self, fast: tuple, exact: tuple | None = None) -> None:
+    def _exact_now(self, fast: tuple) -> tuple:
+        """The exact signature now, given ``fast`` read now: read again only for the parts
+        whose tags moved since the last settle (a config that a model writes and puts back at
+        every forward; one module's annealed value), the settled one's elsewhere (equal tags:
+        the same objects)."""
+        out = list(self._exact)
+        for k, (now, then) in enumerate(zip(fast, self._fast)):
+            if now == then:
+                continue
+            if k == 0:
+                out[0] = now  # (the global hooks' part has no tags)
+            elif k == 1:
+                out[1] = tuple([w[4](w[2]) for w in self._watched])
+            else:
+                out[k] = identities(self.modules[k - 2].__dict__), now[1]
+        return tuple(out)
+
+    def _settle(self, fast: tuple, exact: tuple | None = None, watched: list | None = None) -> None:
         """``fast`` (read now) is the signature of a fingerprint the contract covers;
-        ``exact``, its identities if already read in this forward.
+        ``exact``, its identities if already read in this forward; ``watched``, the holders
+        and containers reachable now (:func:`_reachable`), if at hand. Both signatures are
+        read again where those are not the ones they were read with.
 
         The plain objects in the slots now are kept alive with it: a signature names objects
         by id, and a freed object's id is soon another's (a float rebound each step takes
@@ -221,22 +400,44 @@ class Guard:
         Tensors are not kept (a rebound queue would stay alive a step longer): a new tensor at
         a freed one's id is a slot whose contract entry the replay captures and checks
         anyway."""
+        if watched is None:
+            watched = _reachable(self.modules)
+        if _watch_ids(watched) != _watch_ids(self._watched):
+            fast, exact = _identity_signature(self.modules, watched), None
+        self._watched = watched
         self._fast = fast
         if exact is None:
-            exact = _identity_signature(self.modules, exact=True) if dict_version else fast
+            exact = _identity_signature(self.modules, watched, exact=True) if dict_version else fast
         self._exact = exact
-        self._alive = [
-            [v for v in m.__dict__.values() if not isinstance(v, torch.Tensor)]
-            for m in self.modules
-        ]
+        alive = [v for m in self.modules for v in m.__dict__.values()]
+        alive += [f for m in self.modules for h in _hooks(m) for f in h.values()]
+        alive += [f for h in global_hooks()[0] if h for f in h.values()]
+        for _, _, o, *_ in watched:
+            alive += list(o) if isinstance(o, (list, set)) else _attrs(o).values()
+        self._alive = [v for v in alive if not isinstance(v, torch.Tensor)]
 
     def learn_varying(self, keys: list[Hashable]) -> None:
         """Fields the probe saw change inside the window: the replay puts them back, so they
-        are not preconditions."""
+        are not preconditions. So are the attribute fields that changed since the probe's
+        forward began (:meth:`accept`) and this window's end, now, among them those only the
+        guard reads: a holder's attributes (a config's ``problem_type`` that the loss sets
+        after the layers ran), a container's contents."""
+        keys = list(keys)
+        base = self.base
+        if base is not None:
+            now = fingerprint(self.modules, self.varying)
+            keys += [
+                k
+                for k in now.keys() | base.keys()
+                if isinstance(k, tuple)
+                and len(k) == 3
+                and k[1] == "a"
+                and now.get(k, _ABSENT) != base.get(k, _ABSENT)
+            ]
         self.varying.update(keys)
-        if self.base is not None:
+        if base is not None:
             for k in keys:
-                self.base.pop(k, None)
+                base.pop(k, None)
 
     def accept(self) -> None:
         """The contract now covers the current fingerprint (after a probe of this forward)."""
@@ -246,8 +447,9 @@ class Guard:
             else:
                 self.varying.add(key)
         self._pending = []
-        self._settle(_identity_signature(self.modules))
-        self.base = fingerprint(self.modules, self.varying)
+        watched = _reachable(self.modules)
+        self._settle(_identity_signature(self.modules, watched), watched=watched)
+        self.base = fingerprint(self.modules, self.varying, watched)
         for key, value in self.base.items():
             if _discrete(key, value):
                 self.seen.setdefault(key, set()).add(value)

@@ -8,8 +8,12 @@ a new ``torch.Generator`` each step, an annealed float, an enum mode. At each fo
 takes :func:`capture_slots` of the segment's modules (C-level dict copies, plus copies of small
 containers of plain values); at replay :func:`swap_slots` puts every slot whose object or value
 differs back as it was and returns the live objects, which :func:`restore_slots` reinstates
-afterwards, so the replay's own rebinding never leaks either. Generator objects found in the
-slots have their states captured too (:func:`capture_generators`).
+afterwards, so the replay's own rebinding never leaks either. The same holds for what steers
+the forward besides the slots: the order of the parameter, buffer and submodule dicts, the
+submodules, the module hooks (and torch's global ones), and the attributes of plain holder
+objects the modules hold (a config, also one with ``__slots__``, and those found in container
+attributes). Generator objects found in the slots have their states captured too
+(:func:`capture_generators`).
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import operator
+import types
 import weakref
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 from lightning_replay._compat import dict_version
 from lightning_replay.host_rng import as_host_rng, is_host_rng
@@ -43,9 +50,52 @@ SCALAR_TYPES = (
     torch.Size,
 )
 
-#: nn.Module's own bookkeeping in ``__dict__`` (the parameter, buffer and submodule dicts are
-#: handled separately; hooks are guarded, never swapped).
+#: nn.Module's own bookkeeping in ``__dict__`` (the parameter, buffer and submodule dicts and
+#: the hook dicts below are handled separately).
 MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+
+#: A module's hook dicts that a forward (and so a replay) runs, or whose backward it builds
+HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+#: torch's global module hooks (``register_module_forward_hook`` ...), and its flag for them
+GLOBAL_HOOK_DICTS = tuple(
+    n
+    for n in (
+        "_global_forward_pre_hooks",
+        "_global_forward_hooks",
+        "_global_forward_hooks_with_kwargs",
+        "_global_forward_hooks_always_called",
+        "_global_backward_pre_hooks",
+        "_global_backward_hooks",
+    )
+    if n in _module.__dict__  # (all of them since torch 2.1)
+)
+_GLOBAL_FLAG = "_global_is_full_backward_hook"
+
+_slot_dicts = operator.itemgetter("_parameters", "_buffers", "_modules")
+_hook_dicts = operator.itemgetter(*HOOK_DICTS)
+_MAIN_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_main_hook_dicts = operator.itemgetter(*_MAIN_HOOK_DICTS)
+_token_dicts = operator.itemgetter("_parameters", "_buffers", "_modules", *_MAIN_HOOK_DICTS)
+_global_hook_dicts = operator.itemgetter(*GLOBAL_HOOK_DICTS)
+_EMPTY: dict = {}  # (never written)
+
+#: Where the classes of torch's own runtime state live (a composable API's state that FSDP2
+#: keeps in a module's ``__dict__``, a device mesh, dynamo's caches): torch updates these
+#: objects itself, in a replay too, so they are never holders to capture and put back.
+_TORCH_RUNTIME = ("torch.distributed", "torch._")
 
 #: Mutable containers (and their subclasses: ``OrderedDict``, ``defaultdict``, ``Counter``),
 #: put back by their items, not by identity.
@@ -126,70 +176,182 @@ def same_value(a: Any, b: Any) -> bool:
 
 def is_holder(v: Any) -> bool:
     """A plain Python object with attributes of its own (not a module, tensor, generator,
-    class, function or Python module): a config namespace, a dataclass, a state holder."""
+    class, function, Python module or torch's runtime state): a config namespace, a
+    dataclass, a state holder, also one that keeps its attributes in ``__slots__``."""
     if isinstance(v, (nn.Module, torch.Tensor, torch.Generator, type, *_CONTAINERS, tuple)):
         return False  # (an OrderedDict, a defaultdict: containers, put back by their items)
     if callable(v):
         return False
-    d = getattr(v, "__dict__", None)
-    return (
-        type(d) is dict
-        and type(v).__module__ not in ("builtins", "types.ModuleType")
-        and not isinstance(v, type(math))
-    )
+    t = type(v)
+    m = t.__module__
+    if m in ("builtins", "types.ModuleType") or m.startswith(_TORCH_RUNTIME):
+        return False
+    if isinstance(v, types.ModuleType):
+        return False
+    return type(getattr(v, "__dict__", None)) is dict or bool(_slot_members(t))
 
 
-def _holder_values(v: Any) -> dict:
-    d = v.__dict__
+# Per class with ``__slots__``: its slots' member descriptors by attribute name.
+_SLOT_MEMBERS: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
+
+
+def _slot_members(t: type) -> dict:
+    """The member descriptors of the ``__slots__`` of ``t`` and its bases, by name (the most
+    derived one where a name is declared twice); empty for a class without slots."""
+    if getattr(t, "__slots__", None) is None:
+        return _EMPTY
+    members = _SLOT_MEMBERS.get(t)
+    if members is None:
+        members = {}
+        for c in reversed(t.__mro__):
+            if "__slots__" in c.__dict__:  # (``__dict__`` and ``__weakref__`` are no members)
+                for v in c.__dict__.values():
+                    if type(v) is types.MemberDescriptorType and v.__objclass__ is c:
+                        members[v.__name__] = v
+        _SLOT_MEMBERS[t] = members
+    return members
+
+
+class SlotView:
+    """The ``__slots__`` of a holder object as a mapping of the slots that are set to their
+    values: what its ``__dict__`` is to other holders, for the capture, the swap and the
+    restore, which read and write a holder's attributes through one."""
+
+    __slots__ = ("obj", "members")
+
+    def __init__(self, obj: Any, members: dict) -> None:
+        self.obj = obj
+        self.members = members
+
+    def items(self) -> list[tuple[str, Any]]:
+        out = []
+        for k, m in self.members.items():
+            try:
+                out.append((k, m.__get__(self.obj)))
+            except AttributeError:  # not set (or deleted)
+                pass
+        return out
+
+    def __iter__(self) -> Any:
+        return iter([k for k, _ in self.items()])
+
+    def __len__(self) -> int:
+        return len(self.items())
+
+    def keys(self) -> set[str]:
+        return {k for k, _ in self.items()}
+
+    def values(self) -> list[Any]:
+        return [v for _, v in self.items()]
+
+    def copy(self) -> dict:
+        return dict(self.items())
+
+    def get(self, k: str, default: Any = None) -> Any:
+        m = self.members.get(k)
+        if m is None:
+            return default
+        try:
+            return m.__get__(self.obj)
+        except AttributeError:
+            return default
+
+    def __getitem__(self, k: str) -> Any:
+        v = self.get(k, MISSING)
+        if v is MISSING:
+            raise KeyError(k)
+        return v
+
+    def __setitem__(self, k: str, v: Any) -> None:
+        self.members[k].__set__(self.obj, v)
+
+    def pop(self, k: str, *default: Any) -> Any:
+        v = self.get(k, MISSING)
+        if v is MISSING:
+            if default:
+                return default[0]
+            raise KeyError(k)
+        self.members[k].__delete__(self.obj)
+        return v
+
+
+def holder_stores(obj: Any) -> list[Any]:
+    """Where a holder keeps its attributes: its ``__dict__`` (read again at each use: it can
+    be replaced wholesale, so the holder itself stands for it) and a :class:`SlotView` of its
+    ``__slots__``, either or both."""
+    out = []
+    if type(getattr(obj, "__dict__", None)) is dict:
+        out.append(obj)
+    members = _slot_members(type(obj))
+    if members:
+        out.append(SlotView(obj, members))
+    return out
+
+
+def _attrs_of(owner: Any) -> Any:
+    """The attribute store of a :func:`holder_stores` entry: a dict, or the slot view."""
+    return owner if type(owner) is SlotView else owner.__dict__
+
+
+def _same_owner(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is SlotView and type(b) is SlotView and a.obj is b.obj)
+
+
+def _holder_values(d: Any) -> dict:
     out = d.copy()
-    for k, x in d.items():
+    for k, x in out.items():
         if isinstance(x, _CONTAINERS):
             out[k] = _at_forward(x)
     return out
 
 
-def _holder_signature(d: dict) -> tuple:
+def _holder_signature(d: Any) -> tuple:
     """Which object each attribute of a holder holds (names and ids, C-level tuples), with the
-    dict's version tag (None without one) that stands for them while it is unchanged."""
-    return dict_version(d) if dict_version else None, tuple(d), tuple(map(id, d.values()))
+    dict's version tag (None without one: no tags, or slots) that stands for them while it is
+    unchanged."""
+    tag = dict_version(d) if dict_version and type(d) is not SlotView else None
+    return tag, tuple(d), tuple(map(id, d.values()))
 
 
-def _holder_same(d: dict, sig: tuple) -> bool:
-    """Whether every attribute of the holder whose dict is ``d`` holds the object it held when
-    ``sig`` was taken: at once when the dict is unchanged since, else by names and ids."""
+def _holder_same(d: Any, sig: tuple) -> bool:
+    """Whether every attribute of the holder whose attribute store is ``d`` holds the object
+    it held when ``sig`` was taken: at once when the dict is unchanged since, else by names
+    and ids."""
     if sig[0] is not None and dict_version(d) == sig[0]:
         return True
     return sig[1] == tuple(d) and sig[2] == tuple(map(id, d.values()))
 
 
-def _containers_unchanged(d: dict, saved: dict, containers: tuple) -> bool:
+def _containers_unchanged(d: Any, saved: dict, containers: tuple) -> bool:
     return all(same_value(saved[c], d[c]) for c in containers)
 
 
-# Per module and attribute name: the last capture of a plain holder object it holds (a config
+# Per module and attribute path: the last capture of a plain holder object it holds (a config
 # namespace such as transformers' ``PretrainedConfig``, dozens of attributes read by every
-# layer), as (holder, values at forward, signature, container attribute names).
+# layer), as (holder or slot view, values at forward, signature, container attribute names).
 _HOLDERS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def _capture_holder(module: nn.Module, name: str, obj: Any) -> tuple:
-    """The values of ``obj``'s attributes now, shared with the module's last capture of it
-    when every attribute still holds the same object and every container attribute the same
-    contents (the objects are kept alive by that capture, so equal ids are the same objects;
-    immutable values cannot have changed; containers are compared by value). Captures are
-    never mutated: a replay gets fresh copies of the containers (:func:`_swap_holder`)."""
-    d = obj.__dict__
+def _capture_holder(module: nn.Module, name: Any, owner: Any) -> tuple:
+    """The values of the attributes in ``owner`` (a :func:`holder_stores` entry) now, shared
+    with the module's last capture of it when every attribute still holds the same object and
+    every container attribute the same contents (the objects are kept alive by that capture,
+    so equal ids are the same objects; immutable values cannot have changed; containers are
+    compared by value). Captures are never mutated: a replay gets fresh copies of the
+    containers (:func:`_swap_holder`)."""
+    d = _attrs_of(owner)
     cache = _HOLDERS.get(module)
     prev = cache.get(name) if cache is not None else None
     if (
         prev is not None
-        and prev[0] is obj
+        and _same_owner(prev[0], owner)
         and _holder_same(d, prev[2])
         and _containers_unchanged(d, prev[1], prev[3])
     ):
         return prev
-    containers = tuple(k for k, x in d.items() if isinstance(x, _CONTAINERS))
-    entry = (obj, _holder_values(obj), _holder_signature(d), containers)
+    values = _holder_values(d)
+    containers = tuple(k for k, x in values.items() if isinstance(x, _CONTAINERS))
+    entry = (owner, values, _holder_signature(d), containers)
     if cache is None:
         cache = _HOLDERS[module] = {}
     cache[name] = entry
@@ -197,51 +359,90 @@ def _capture_holder(module: nn.Module, name: str, obj: Any) -> tuple:
 
 
 #: how deep :func:`_capture_holders` follows holders held by holders (``config.text_config``)
+#: and containers of holders (a list of configs, a dict of them in a holder)
 _HOLDER_DEPTH = 4
 
 
-def _capture_holders(module: nn.Module, name: str, obj: Any) -> list[tuple]:
-    """:func:`_capture_holder` of ``obj`` and of every holder reachable from it through
-    holder attributes, each once, to :data:`_HOLDER_DEPTH` levels (a multimodal config's
-    ``text_config``, an options object inside a config): a replay puts back what each level
-    held at forward. The captures are swapped in this order, outer first."""
+def holders_in(c: Any, depth: int = 0, budget: list[int] | None = None) -> list[tuple[str, Any]]:
+    """The holder objects among the items of a list, tuple, dict or set, and of the containers
+    among them (to :data:`_HOLDER_DEPTH` levels), each with its path below ``c``
+    (``"['cfg']"``, ``"[0][1]"``): a registry of configs, a list of them."""
+    if budget is None:
+        budget = [_CONTAINER_LIMIT]
+    out: list[tuple[str, Any]] = []
+    for k, x in _items(c):
+        budget[0] -= 1
+        if budget[0] < 0:
+            break
+        if is_scalar(x):
+            continue
+        if isinstance(x, (*_CONTAINERS, tuple)):
+            if depth + 1 < _HOLDER_DEPTH:
+                out += [(f"[{k!r}]{p}", h) for p, h in holders_in(x, depth + 1, budget)]
+        elif is_holder(x):
+            out.append((f"[{k!r}]", x))
+    return out
+
+
+def _capture_holders(
+    module: nn.Module, name: str, obj: Any, seen: set[int] | None = None
+) -> list[tuple]:
+    """:func:`_capture_holder` of ``obj``'s attribute stores and of every holder reachable
+    from them through holder attributes and the containers among them, each once (``seen``:
+    ids of holders already captured), to :data:`_HOLDER_DEPTH` levels (a multimodal config's
+    ``text_config``, an options object inside a config, a config in a holder's list): a replay
+    puts back what each level held at forward. The captures are swapped in this order, outer
+    first."""
     out: list[tuple] = []
-    seen: set[int] = set()
+    if seen is None:
+        seen = set()
     todo = [(name, obj, 0)]
     while todo:
         path, o, depth = todo.pop(0)
         if id(o) in seen:
             continue
         seen.add(id(o))
-        entry = _capture_holder(module, path, o)
-        out.append(entry)
-        if depth + 1 < _HOLDER_DEPTH:
-            todo += [(f"{path}.{k}", x, depth + 1) for k, x in entry[1].items() if is_holder(x)]
+        for owner in holder_stores(o):
+            key = path if type(owner) is not SlotView else (path, "__slots__")
+            entry = _capture_holder(module, key, owner)
+            out.append(entry)
+            if depth + 1 >= _HOLDER_DEPTH:
+                continue
+            for k, x in entry[1].items():
+                if is_holder(x):
+                    todo.append((f"{path}.{k}", x, depth + 1))
+                elif isinstance(x, (*_CONTAINERS, tuple)):
+                    todo += [(f"{path}.{k}{p}", h, depth + 1) for p, h in holders_in(x, depth + 1)]
     return out
 
 
-def _swap_holder(entry: tuple) -> dict | None:
-    """Put a holder's attributes back as captured; returns the live values it replaced.
-    Containers go back as fresh copies of their forward contents: a replay that mutates one
-    must reach neither the live container nor the capture, which later calls may share."""
-    obj, saved, sig, containers = entry
-    d = obj.__dict__
+def _swap_holder(entry: tuple, out: list) -> None:
+    """Put a holder's attributes back as captured, adding what it replaced to ``out`` (for
+    :func:`restore_slots`). A container attribute that still holds its forward object gets
+    its forward contents back in place (a fresh copy of them), and the live contents after:
+    a replay that mutates one must reach neither the live contents nor the capture, which
+    later calls may share. Where the contents are already the forward's, nothing is written
+    (a config's tag stays still for the guard), and the restore puts them back only if the
+    replay changed them."""
+    owner, saved, sig, containers = entry
+    d = _attrs_of(owner)
     if _holder_same(d, sig):  # every attribute holds its forward object
-        prev = None
         for c in containers:
-            v = saved[c]
-            if v is not d[c]:  # (else a set of objects, which _at_forward keeps as it is)
-                if prev is None:
-                    prev = {}
-                prev[c] = d[c]
-                d[c] = _at_forward(v)
-        return prev
+            v, cur = saved[c], d[c]
+            if v is cur:  # (a set of objects, which _at_forward keeps as it is)
+                continue
+            if same_value(v, cur):
+                out.append((cur, _Refill(v, unless_equal=True)))
+            else:
+                out.append((cur, _Refill(copy.copy(cur))))
+                _refill(cur, _at_forward(v))
+        return
     prev = _swap_dict(d, saved)
     if prev:
         for c in containers:
             if c in prev and d.get(c, MISSING) is saved[c]:
                 d[c] = _at_forward(saved[c])
-    return prev
+        out.append((d, prev))
 
 
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -270,41 +471,110 @@ def _attr_plan(module: nn.Module, d: dict) -> tuple:
     return keys
 
 
+def _hooks_of(d: dict) -> tuple:
+    try:
+        return _hook_dicts(d)
+    except KeyError:  # a module built without nn.Module.__init__ (or an old pickle's)
+        return tuple(d.get(h) for h in HOOK_DICTS)
+
+
+def _hooked(d: dict) -> bool:
+    """Whether a module has hooks (the other hook dicts only qualify these four's entries)."""
+    try:
+        return any(_main_hook_dicts(d))
+    except KeyError:
+        return any(_hooks_of(d))
+
+
+def hook_ids(hooks: tuple) -> tuple:
+    """Which function each hook dict holds under each key, in order (the hook dicts' own
+    version tags miss a reorder: ``register_forward_hook(prepend=True)`` is a
+    ``move_to_end``)."""
+    return tuple((tuple(h), tuple(map(id, h.values()))) if h else () for h in hooks)
+
+
+_TORCH_MODULE_GLOBALS = _module.__dict__
+
+
+def global_hooks() -> tuple:
+    """torch's global module hook dicts, and its global full-backward-hook flag."""
+    g = _TORCH_MODULE_GLOBALS
+    return _global_hook_dicts(g), g.get(_GLOBAL_FLAG)
+
+
 def identities(d: dict) -> tuple:
     """Which object each slot of a module holds, in order, with the slot names: equal for two
-    moments exactly when every parameter, buffer and attribute slot holds the same object (the
-    objects are kept alive by the captured slots, so their ids are not reused)."""
-    p, b = d["_parameters"], d["_buffers"]
-    return (
+    moments exactly when every parameter, buffer, submodule and attribute slot holds the same
+    object, in the same order, and every hook dict the same functions (the objects are kept
+    alive by the captured slots, so their ids are not reused)."""
+    p, b, m = _slot_dicts(d)
+    out = (
         tuple(d),
         tuple(map(id, d.values())),
         tuple(p),
         tuple(map(id, p.values())),
         tuple(b),
         tuple(map(id, b.values())),
+        tuple(m),
+        tuple(map(id, m.values())),
     )
+    return out + hook_ids(_hooks_of(d)) if _hooked(d) else out
 
 
 def slot_token(d: dict) -> tuple:
     """A cheap stand-in for :func:`identities` of the module whose ``__dict__`` is ``d``: the
-    version tags of its attribute, parameter and buffer dicts (equal: none of them changed, so
-    every slot holds the same object), or the identities themselves where the interpreter has
-    no version tags to trust (:data:`~lightning_replay._compat.dict_version`)."""
+    version tags of its attribute, parameter, buffer and submodule dicts (equal: none of them
+    changed, so every slot holds the same object) and, where there are any, which function
+    each hook dict holds; or the identities themselves where the interpreter has no version
+    tags to trust (:data:`~lightning_replay._compat.dict_version`).
+
+    An OrderedDict slot dict reordered by ``move_to_end`` moves no tag: its order is compared
+    apart, by :func:`same_slots` (and the guard), where a slot dict is one."""
     if dict_version is None:
         return identities(d)
-    return dict_version(d), dict_version(d["_parameters"]), dict_version(d["_buffers"])
+    try:
+        p, b, m, fp, fh, bp, bh = _token_dicts(d)
+    except KeyError:  # (a module without some hook dict: see _hooks_of)
+        return _long_token(d)
+    if fp or fh or bp or bh:
+        return _long_token(d)
+    # (nearly always; an empty dict holds nothing whatever its tag: no tag to read)
+    return (
+        dict_version(d),
+        dict_version(p) if p else 0,
+        dict_version(b) if b else 0,
+        dict_version(m) if m else 0,
+    )
+
+
+def _long_token(d: dict) -> tuple:
+    """:func:`slot_token` of a module with hooks."""
+    p, b, m = _slot_dicts(d)
+    token = dict_version(d), dict_version(p), dict_version(b), dict_version(m)
+    return token + hook_ids(_hooks_of(d)) if _hooked(d) else token
+
+
+def slot_order(d: dict) -> tuple | None:
+    """The order of a module's parameter, buffer and submodule dicts where one of them is not
+    a plain dict (an OrderedDict, which ``move_to_end`` reorders without a tag); else None
+    (a plain dict's order changes only with its tag)."""
+    p, b, m = _slot_dicts(d)
+    if type(p) is type(b) is type(m) is dict:
+        return None
+    return tuple(p), tuple(b), tuple(m)
 
 
 def same_slots(d: dict, s: "ModuleSlots", token: tuple | None = None) -> bool:
     """Whether every slot of the module whose ``__dict__`` is ``d`` holds the object it held
-    when ``s`` was captured: at once when no slot dict changed since, else by identities
-    (written and put back, or rebound to the same object). A match on identities refreshes the
-    capture's token, which then stands for this moment too (both have its identities).
-    ``token``: :func:`slot_token` of ``d`` just read, if at hand."""
+    when ``s`` was captured, in the same order: at once when no slot dict changed since, else
+    by identities (written and put back, or rebound to the same object). A match on
+    identities refreshes the capture's token, which then stands for this moment too (both
+    have its identities). ``token``: :func:`slot_token` of ``d`` just read, if at hand."""
     if token is None:
         token = slot_token(d)
     if token == s.token:
-        return True
+        # (the same slot dicts as at capture: OrderedDicts then, OrderedDicts now)
+        return s.order is None or s.order == slot_order(d)
     if dict_version is None or identities(d) != s.ids:
         return False
     s.token = token
@@ -312,7 +582,8 @@ def same_slots(d: dict, s: "ModuleSlots", token: tuple | None = None) -> bool:
 
 
 class ModuleSlots:
-    """One module's slots at one moment: parameter, buffer and attribute objects.
+    """One module's slots at one moment: parameter, buffer, submodule and attribute objects,
+    and the module's hooks.
 
     ``plain`` is true when the slots are all there is to put back (no container contents,
     holder values or sparse copies, which can change while the slots hold the same objects):
@@ -323,6 +594,9 @@ class ModuleSlots:
         "module",
         "params",
         "buffers",
+        "submodules",
+        "order",
+        "hooks",
         "attrs",
         "copies",
         "layout",
@@ -344,6 +618,11 @@ class ModuleSlots:
         self.found: list | None = None  # slot_generators' scan of this capture, once
         self.params = d["_parameters"].copy()
         self.buffers = d["_buffers"].copy()
+        self.submodules = d["_modules"].copy()
+        self.order = slot_order(d)
+        hooks = _hooks_of(d)
+        # (which function each hook dict held, in order; None: no hooks at all)
+        self.hooks = {n: h.copy() for n, h in zip(HOOK_DICTS, hooks) if h} if any(hooks) else None
         self.attrs = attrs = d.copy()
         # Sparse (non-strided) tensors have no storage the engine can preserve in place:
         # each is copied whole, and the copy stands in at replay if it was written since.
@@ -354,8 +633,16 @@ class ModuleSlots:
                     layout = {}
                 with torch.no_grad():
                     layout[("b", k)] = (v._version, v.detach().clone())
-        copies = shallow = holders = gens = None
-        self.holder_entries: list[tuple] | None = None
+        copies = shallow = gens = None
+        holders: list[tuple] = []
+        entries: list[tuple] = []
+        seen: set[int] = set()  # holders captured, each once
+
+        def capture_holders(path: str, obj: Any) -> None:
+            for entry in _capture_holders(module, path, obj, seen):
+                holders.append(entry[:2])
+                entries.append(entry)
+
         for k in _attr_plan(module, d):
             v = attrs[k]
             if isinstance(v, torch.Generator) or is_host_rng(v):
@@ -366,55 +653,71 @@ class ModuleSlots:
                         layout = {}
                     with torch.no_grad():
                         layout[("a", k)] = (v._version, v.detach().clone())
-            elif isinstance(v, _CONTAINERS):
-                c = copy_plain(v)
-                if c is not MISSING:
-                    if copies is None:
-                        copies = {}
-                    copies[k] = c
-                elif not isinstance(v, set):  # objects, or a subclass: which object each item held
-                    if shallow is None:
-                        shallow = {}
-                    shallow[k] = copy.copy(v)
-                if isinstance(v, list):
+            elif isinstance(v, (*_CONTAINERS, tuple)):
+                if isinstance(v, tuple):
+                    c = MISSING  # (immutable: the slot's identity covers it)
+                else:
+                    c = copy_plain(v)
+                    if c is not MISSING:
+                        if copies is None:
+                            copies = {}
+                        copies[k] = c
+                    elif not isinstance(v, set):  # objects, or a subclass: which object each held
+                        if shallow is None:
+                            shallow = {}
+                        shallow[k] = copy.copy(v)
+                if isinstance(v, (list, tuple)):
                     g = [x for x in v if _is_generator(x)]
                     if g:
                         gens = g if gens is None else gens + g
-            elif isinstance(v, tuple):
-                g = [x for x in v if _is_generator(x)]
-                if g:
-                    gens = g if gens is None else gens + g
+                if c is MISSING:
+                    # holders among the items (a registry of configs): their attributes too
+                    for path, h in holders_in(v):
+                        capture_holders(f"{k}{path}", h)
             elif is_holder(v):
                 # a plain object the module holds (a config shared with the root...): the
                 # values of its attributes at forward, and of the holders it holds in turn
-                if holders is None:
-                    holders, self.holder_entries = [], []
-                for entry in _capture_holders(module, k, v):
-                    holders.append(entry[:2])
-                    self.holder_entries.append(entry)
+                capture_holders(k, v)
         self.layout = layout
         self.copies = copies
         self.shallow = shallow
-        self.holders = holders
+        self.holders = holders or None
+        self.holder_entries: list[tuple] | None = entries or None
         self.gens = gens
-        self.plain = layout is None and copies is None and shallow is None and holders is None
+        self.plain = layout is None and copies is None and shallow is None and not holders
+
+
+class SlotCaptures(list):
+    """:func:`capture_slots` of some modules: one :class:`ModuleSlots` each, and torch's
+    global module hooks at the same moment (``hooks``: which function each global hook dict
+    held, and the flag; None when there were none)."""
+
+    __slots__ = ("hooks",)
+
+
+def _capture_global_hooks() -> tuple | None:
+    dicts, flag = global_hooks()
+    if not any(dicts) and flag is None:
+        return None  # (nearly always: nothing registered globally)
+    return {n: h.copy() for n, h in zip(GLOBAL_HOOK_DICTS, dicts) if h}, flag
 
 
 def capture_slots(
     modules: list[nn.Module], tokens_now: list[tuple] | None = None, last: list | None = None
-) -> list[ModuleSlots]:
-    """The slots of ``modules`` now.
+) -> SlotCaptures:
+    """The slots of ``modules`` now, and torch's global module hooks.
 
     ``tokens_now``: each module's :func:`slot_token` just read (by the guard of the same
-    forward), if at hand. ``last``: per module, its last capture while its slots have always held the
-    same objects (``MISSING`` before the first one, ``None`` once they were seen to change:
-    rebound state, annealed values); updated in place. A module whose slots hold the same
-    objects as at that capture, with nothing else to put back (or only plain holder objects
-    whose attributes hold the same objects and contents), shares it (captures are never
-    mutated): the forward of a steady model copies no dicts. Modules seen to change are
+    forward), if at hand. ``last``: per module, its last capture while its slots have always
+    held the same objects (``MISSING`` before the first one, ``None`` once they were seen to
+    change: rebound state, annealed values); updated in place. A module whose slots hold the
+    same objects as at that capture, with nothing else to put back (or only plain holder
+    objects whose attributes hold the same objects and contents), shares it (captures are
+    never mutated): the forward of a steady model copies no dicts. Modules seen to change are
     captured afresh every time, so no stale capture keeps old objects alive between steps.
     """
-    out = []
+    out = SlotCaptures()
+    out.hooks = _capture_global_hooks()
     for i, m in enumerate(modules):
         token = slot_token(m.__dict__) if tokens_now is None else tokens_now[i]
         prev = MISSING if last is None else last[i]
@@ -446,30 +749,67 @@ def _holders_current(entries: list[tuple] | None) -> bool:
     with (then its capture stands for now)."""
     if not entries:
         return False
-    for obj, saved, sig, containers in entries:
-        d = obj.__dict__
+    for owner, saved, sig, containers in entries:
+        d = _attrs_of(owner)
         if not _holder_same(d, sig) or not _containers_unchanged(d, saved, containers):
             return False
     return True
 
 
+class _Refill:
+    """A container's contents, which :func:`restore_slots` puts back into it in place (where
+    ``unless_equal``: only if they differ, as a fresh copy of them)."""
+
+    __slots__ = ("items", "unless_equal")
+
+    def __init__(self, items: Any, unless_equal: bool = False) -> None:
+        self.items = items
+        self.unless_equal = unless_equal
+
+    def apply(self, c: Any) -> None:
+        if not self.unless_equal:
+            _refill(c, self.items)
+        elif not same_value(c, self.items):
+            _refill(c, _at_forward(self.items))
+
+
+def _refill(c: Any, items: Any) -> None:
+    """Make the contents of the list, dict or set ``c`` those of ``items``, in their order."""
+    if isinstance(c, list):
+        c[:] = items
+    else:
+        c.clear()
+        c.update(items)
+
+
 def _swap_dict(
-    live: dict,
+    live: Any,
     saved: dict,
     skip: frozenset = frozenset(),
     copies: dict | None = None,
     frozen: dict | None = None,
-) -> dict | None:
+    ordered: bool = False,
+) -> dict | _Refill | None:
+    """Put ``saved``'s objects back into ``live`` (a dict, or a holder's :class:`SlotView`);
+    returns the live values it replaced (``MISSING``: a key it added). ``ordered``: the order
+    of the keys is put back too (the parameter, buffer, submodule and hook dicts, whose order
+    a forward iterates), and where it differs the whole contents are replaced (and put back
+    whole by :func:`restore_slots`)."""
+    if ordered and tuple(live) != tuple(saved):
+        whole = _Refill(dict(live))
+        items = [(k, _forward_value(k, v, live.get(k, MISSING), frozen)) for k, v in saved.items()]
+        live.clear()
+        live.update(items)
+        return whole
     out = None
     for k, v in saved.items():
         if k in skip:
             continue
         cur = live.get(k, MISSING)
         if frozen is not None and k in frozen:
-            version, copy = frozen[k]
-            if cur is v and v._version == version:
+            v = _forward_value(k, v, cur, frozen)
+            if v is cur:
                 continue
-            v = copy  # written in place (or rebound) since forward: its copy stands in
         elif copies is not None and k in copies:
             if cur is v and same_value(copies[k], v):
                 continue
@@ -490,13 +830,42 @@ def _swap_dict(
     return out
 
 
-def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
-    """Put the captured objects and values back; returns what was live, for
-    :func:`restore_slots`."""
-    out = []
+def _forward_value(k: str, v: Any, cur: Any, frozen: dict | None) -> Any:
+    """What the slot ``k`` held at forward (``v``), or the copy that stands in for a sparse
+    tensor written in place (or rebound) since."""
+    if frozen is not None and k in frozen:
+        version, copy = frozen[k]
+        if not (cur is v and v._version == version):
+            return copy
+    return v
+
+
+def _swap_hooks(live: tuple, saved: dict | None, names: tuple, out: list) -> None:
+    for name, h in zip(names, live):
+        was = saved.get(name, _EMPTY) if saved else _EMPTY
+        if h is not None and (h or was):
+            prev = _swap_dict(h, was, ordered=True)
+            if prev:
+                out.append((h, prev))
+
+
+def swap_slots(slots: list[ModuleSlots]) -> list[tuple[Any, dict]]:
+    """Put the captured objects and values back (and the global hooks, where ``slots`` is a
+    :class:`SlotCaptures`); returns what was live, for :func:`restore_slots`."""
+    out: list[tuple[Any, dict]] = []
+    glob = getattr(slots, "hooks", MISSING)
+    if glob is not MISSING:
+        dicts, flag = global_hooks()
+        if glob is not None or any(dicts) or flag is not None:
+            was, was_flag = glob if glob is not None else (None, None)
+            _swap_hooks(dicts, was, GLOBAL_HOOK_DICTS, out)
+            if flag is not was_flag:
+                out.append((_TORCH_MODULE_GLOBALS, {_GLOBAL_FLAG: flag}))
+                _TORCH_MODULE_GLOBALS[_GLOBAL_FLAG] = was_flag
     for s in slots:
         d = s.module.__dict__
-        same = same_slots(d, s)
+        token = slot_token(d)
+        same = (token == s.token and s.order is None) or same_slots(d, s, token)
         if same and s.plain:
             continue  # every slot holds the object it held at forward: nothing to swap
         lay = s.layout
@@ -505,14 +874,17 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
             # to compare, only the shallow containers and holders below can differ)
             fb = {k: v for (w, k), v in lay.items() if w == "b"} if lay else None
             fa = {k: v for (w, k), v in lay.items() if w == "a"} if lay else None
-            for live, saved, skip, copies, frozen in (
-                (d["_parameters"], s.params, frozenset(), None, None),
-                (d["_buffers"], s.buffers, frozenset(), None, fb),
-                (d, s.attrs, MODULE_INTERNALS, s.copies, fa),
+            for live, saved, skip, copies, frozen, ordered in (
+                (d["_parameters"], s.params, frozenset(), None, None, True),
+                (d["_buffers"], s.buffers, frozenset(), None, fb, True),
+                (d["_modules"], s.submodules, frozenset(), None, None, True),
+                (d, s.attrs, MODULE_INTERNALS, s.copies, fa, False),
             ):
-                prev = _swap_dict(live, saved, skip, copies, frozen)
+                prev = _swap_dict(live, saved, skip, copies, frozen, ordered)
                 if prev:
                     out.append((live, prev))
+            if not same:
+                _swap_hooks(_hooks_of(d), s.hooks, HOOK_DICTS, out)
         if s.shallow:
             for k, saved in s.shallow.items():
                 cur = d.get(k, MISSING)
@@ -521,14 +893,15 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[dict, dict]]:
                     d[k] = copy.copy(saved)  # the objects each item held at forward
         if s.holder_entries:
             for entry in s.holder_entries:
-                prev = _swap_holder(entry)
-                if prev:
-                    out.append((entry[0].__dict__, prev))
+                _swap_holder(entry, out)
     return out
 
 
-def restore_slots(live: list[tuple[dict, dict]]) -> None:
+def restore_slots(live: list[tuple[Any, dict]]) -> None:
     for d, values in reversed(live):
+        if type(values) is _Refill:
+            values.apply(d)
+            continue
         for k, v in values.items():
             if v is MISSING:
                 d.pop(k, None)
@@ -707,19 +1080,37 @@ def _at_forward(v: Any) -> Any:
     return v
 
 
-def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[dict, str, Any]]:
-    out = []
+def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, Any]]:
+    """What each attribute a segment read from outside its modules held now (``reads``: the
+    module, or Python module, and the name; a buffer as ``(where, name)``), and the
+    attributes of the holder objects among them (a config on the root), as :func:`swap_outside`
+    puts them back."""
+    out: list[tuple[Any, Any, Any]] = []
     for m, name in reads:
         d = m.__dict__
         if isinstance(name, tuple):  # a registered buffer: which tensor the slot held
             d, name = d[name[0]], name[1]
-        out.append((d, name, _at_forward(d.get(name, MISSING))))
+        v = d.get(name, MISSING)
+        out.append((d, name, _at_forward(v)))
+        if is_scalar(v) or isinstance(v, (torch.Tensor, nn.Module)):
+            continue
+        if isinstance(v, (*_CONTAINERS, tuple)):
+            found = [(f"{name}{p}", h) for p, h in holders_in(v)]
+        else:
+            found = [(name, v)] if is_holder(v) else []
+        seen: set[int] = set()
+        for path, h in found:  # (after the attribute: swapped after it, restored before)
+            out.append((None, path, _capture_holders(m, path, h, seen)))
     return out
 
 
-def swap_outside(saved: list[tuple[dict, str, Any]]) -> list[tuple[dict, dict]]:
-    out = []
+def swap_outside(saved: list[tuple[Any, Any, Any]]) -> list[tuple[Any, Any]]:
+    out: list[tuple[Any, Any]] = []
     for d, name, v in saved:
+        if d is None:  # the captures of a holder read there
+            for entry in v:
+                _swap_holder(entry, out)
+            continue
         cur = d.get(name, MISSING)
         if cur is v or same_value(cur, v):
             continue

@@ -196,17 +196,35 @@ def test_version_tags_move_on_every_rebinding_path():
         assert slots.slot_token(d) == before
 
 
-def test_engine_steady_steps_take_the_tag_path(monkeypatch):
-    """A steady model's guards and replays compare no identities at all."""
+class ConfigHolder(Holder):
+    """A config like transformers' (``id2label``, ``label2id``): containers among its
+    attributes, which each replay gets its own copies of where they changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.id2label = {0: "LABEL_0", 1: "LABEL_1"}
+        self.architectures = ["Scaled"]
+
+
+@pytest.mark.parametrize("holder_cls", [Holder, ConfigHolder], ids=["holder", "config"])
+def test_engine_steady_steps_take_the_tag_path(monkeypatch, holder_cls):
+    """A steady model's guards and replays compare no identities at all: nothing the engine
+    does in a step (its replays' swaps and restores included) moves a tag the next forward's
+    guard reads."""
     calls = {"n": 0}
     real = slots.identities
+    real_exact = guards.Guard._exact_now
 
     def counted(d):
         calls["n"] += 1
         return real(d)
 
+    def counted_exact(self, fast):
+        calls["n"] += 1
+        return real_exact(self, fast)
+
     torch.manual_seed(0)
-    holder = Holder()
+    holder = holder_cls()
     model = Stack([Scaled(holder), Scaled(holder)])
     engine = lr.install(model, SEGS2)
     try:
@@ -214,6 +232,7 @@ def test_engine_steady_steps_take_the_tag_path(monkeypatch):
             model(torch.randn(2, D)).sum().backward()
         monkeypatch.setattr(slots, "identities", counted)
         monkeypatch.setattr(guards, "identities", counted)
+        monkeypatch.setattr(guards.Guard, "_exact_now", counted_exact)
         for _ in range(3):
             model(torch.randn(2, D)).sum().backward()
         assert sum(s["replays"] for s in engine.summary().values()) >= 6
