@@ -80,6 +80,7 @@ class _Probe:
         self.live = 0  # saved-tensor handles autograd still holds (0: the graph is gone)
         self.observations: list[Observation] | None = None
         self.changed_attrs: list[str] = []
+        self.created: list = []  # per module, the attributes its forward created
         self.replayed = False  # its forward kept no activations; its replay restores
         self.gens: list = []  # (generator, state) at its start (replayed probes)
         self.outside: list | None = None  # outside attributes read, as at forward (replayed)
@@ -308,6 +309,8 @@ class SegmentProbe:
                 out = self.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
+        # attributes the forward itself created (see _observe)
+        probe.created = [s.module.__dict__.keys() - s.attrs.keys() for s in slots]
         # a generator whose state the forward read (and may have put back after drawing) is
         # drawn from as much as one that moved: its replay must start where the forward did
         moved = {id(r) for r in advanced(hosts + passed, host_before)}
@@ -473,11 +476,13 @@ class SegmentProbe:
                 varying.append((i, "a", k))
                 if is_scalar(v):
                     changed.append(f"{mname}.{k}")
-            # set for the first time in the window (a router's ``self.input_dtype = x.dtype``
-            # before it reads it): the replay removes it, its forward sets it again
+            # created by the segment's own forward (a router's ``self.input_dtype = x.dtype``
+            # before it reads it): the replay removes it, its forward sets it again. One the
+            # step creates after the segment ran stays a precondition: the next forward may
+            # read it, as no probe's forward did
             varying += [
                 (i, "a", k)
-                for k in d.keys() - s.attrs.keys()
+                for k in probe.created[i] & d.keys()
                 if k not in MODULE_INTERNALS and k != "training"
             ]
         probe.changed_attrs = changed

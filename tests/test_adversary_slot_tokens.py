@@ -1137,6 +1137,21 @@ class ModuleFlag(nn.Module):
         return x + h
 
 
+class LateFlag(nn.Module):
+    """:class:`ModuleFlag` whose flag does not exist until someone sets it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        if getattr(self, "on", False):
+            bank = self.root[0].bank.clone()
+            h = h + torch.softmax(h @ bank.T, -1) @ bank
+        return x + h
+
+
 class FlipsInTheProbeWindow(OutsideBank):
     """Turns each block's flag on after the blocks ran, in the first (probe) step only: the
     next forward reads the bank, which the probe's forward did not."""
@@ -1149,7 +1164,7 @@ class FlipsInTheProbeWindow(OutsideBank):
         if not self.flipped:
             self.flipped = True
             for b in self.blocks:
-                if isinstance(b, ModuleFlag):
+                if isinstance(b, (ModuleFlag, LateFlag)):
                     b.on = True
                 else:
                     b.turn_on(b.opts)
@@ -1158,6 +1173,7 @@ class FlipsInTheProbeWindow(OutsideBank):
 
 IN_THE_PROBE_WINDOW = {
     "module attribute": ModuleFlag,
+    "module attribute created there": LateFlag,
     "holder attribute": lambda: FlaggedBank("holder"),
 }
 
