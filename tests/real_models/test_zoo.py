@@ -30,6 +30,7 @@ import lightning_replay as lr
 from lightning_replay import ReplayCallback, ReplayStrategy
 
 from .models import BATCH, VOCAB, RealModel, _gen, build, state
+from .test_real_models import LitReal
 from .zoo import ZOO, seed_all
 
 pytest.importorskip("transformers")
@@ -226,20 +227,11 @@ def assert_install_exact(
 
 
 # ------------------------------------------------------------------------------ Lightning
-class LitZoo(L.LightningModule):
-    def __init__(self, spec: RealModel) -> None:
-        super().__init__()
-        self.spec = spec
-        self.net = build(spec)
-
-    def training_step(self, batch, batch_idx):
-        return self.spec.loss(self.net, batch)
+class LitZoo(LitReal):
+    """:class:`LitReal` with a validation step (the same loss, in eval mode, without grad)."""
 
     def validation_step(self, batch, batch_idx):
         return self.spec.loss(self.net, batch)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 def _loader(spec: RealModel, n: int, offset: int = 0) -> DataLoader:
