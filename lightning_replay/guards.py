@@ -23,8 +23,13 @@ which puts the forward's objects and values back (:mod:`lightning_replay.slots`)
 fields (flags, hook keys, structure, strings, enums) are re-probed at each value not seen
 before, so a mode that comes back costs nothing.
 
-Attributes the segment reads from modules outside it are put back by the replay, but are not
-fingerprinted here: the guard sees the segment's own modules only.
+Attributes the segment's forward read from outside its modules (a flag on the root, a
+temperature on a sibling, a module-level setting: :attr:`Guard.outside`, from the probes) are
+fields like its own: by value, with the holders and containers reachable from them, under
+keys ``("outside", "a", name)``. A flag on the root that gates a read of state the contract
+does not cover, flipped between steps, re-probes the next forward. Only attributes some
+probe's forward read (or that the segment's code names at module level) are watched, not
+everything on the modules around it.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ _WATCH_DEPTH = 4  # levels below a module attribute (as deep as the slot capture
 _WATCH_LIMIT = 4096  # items of one container (or holder) looked at for others inside it
 _CONTAINERS = (list, dict, set)
 _SLOT_DICTS = ("_parameters", "_buffers", "_modules")
+#: the module index of the fields read from outside the segment's modules (Guard.outside)
+OUTSIDE = "outside"
 
 
 def _storage_ptr(t: Any) -> int:
@@ -67,7 +74,7 @@ def _storage_ptr(t: Any) -> int:
         return 0
 
 
-def _reachable(modules: list[nn.Module]) -> list[tuple]:
+def _reachable(modules: list[nn.Module], outside: list[tuple] = ()) -> list[tuple]:
     """The holder objects and containers reachable from the modules' attributes (a config, a
     dict of flags, a registry of configs, a config's list of options), each once, as (module
     index, path, object, and its :func:`_readers`): a container, a holder with a ``__dict__``
@@ -76,7 +83,8 @@ def _reachable(modules: list[nn.Module]) -> list[tuple]:
     Their contents steer a forward as much as the module's own attributes do, and change
     without any module slot changing. Also a module's parameter, buffer or submodule dict
     where it is an OrderedDict (its path the dict's name), whose order changes without its
-    tag."""
+    tag. ``outside``: the guard's :attr:`Guard.outside` reads, whose holders and containers
+    are reachable too (module index :data:`OUTSIDE`, paths from their names)."""
     out: list[tuple] = []
     seen: set[int] = set()
     for i, m in enumerate(modules):
@@ -84,28 +92,35 @@ def _reachable(modules: list[nn.Module]) -> list[tuple]:
         for k in _SLOT_DICTS:  # (an OrderedDict one: its order, which moves no tag)
             if type(d[k]) is not dict:
                 out.append((i, k, d[k], *_readers(d[k])))
-        todo = [(k, v, 0) for k, v in d.items() if k not in MODULE_INTERNALS]
-        while todo:
-            path, v, depth = todo.pop()
-            if is_scalar(v) or isinstance(v, (torch.Tensor, nn.Module)) or id(v) in seen:
-                continue
-            if isinstance(v, (*_CONTAINERS, tuple)):
-                seen.add(id(v))
-                if not isinstance(v, tuple):  # (immutable: who holds it covers it)
-                    out.append((i, path, v, *_readers(v)))
-                items, attr = (v.items() if isinstance(v, dict) else enumerate(v)), False
-            elif is_holder(v):
-                seen.add(id(v))
-                stores = holder_stores(v)
-                out += [(i, path, st, *_readers(st)) for st in stores]
-                items, attr = [(k, x) for st in stores for k, x in _attrs(st).items()], True
-            else:
-                continue
-            if depth < _WATCH_DEPTH:
-                for k, x in islice(items, _WATCH_LIMIT):
-                    if not is_scalar(x):
-                        todo.append((f"{path}.{k}" if attr else f"{path}[{k!r}]", x, depth + 1))
+        _walk(out, seen, i, [(k, v, 0) for k, v in d.items() if k not in MODULE_INTERNALS])
+    if outside:
+        _walk(out, seen, OUTSIDE, [(label, d.get(n, MISSING), 0) for d, n, label in outside])
     return out
+
+
+def _walk(out: list[tuple], seen: set[int], i: Any, todo: list[tuple]) -> None:
+    """The holders and containers reachable from ``todo``'s ``(path, value, depth)``, into
+    ``out`` as :func:`_reachable` lists them (``i``: their module index)."""
+    while todo:
+        path, v, depth = todo.pop()
+        if is_scalar(v) or isinstance(v, (torch.Tensor, nn.Module)) or id(v) in seen:
+            continue
+        if isinstance(v, (*_CONTAINERS, tuple)):
+            seen.add(id(v))
+            if not isinstance(v, tuple):  # (immutable: who holds it covers it)
+                out.append((i, path, v, *_readers(v)))
+            items, attr = (v.items() if isinstance(v, dict) else enumerate(v)), False
+        elif v is not MISSING and is_holder(v):
+            seen.add(id(v))
+            stores = holder_stores(v)
+            out += [(i, path, st, *_readers(st)) for st in stores]
+            items, attr = [(k, x) for st in stores for k, x in _attrs(st).items()], True
+        else:
+            continue
+        if depth < _WATCH_DEPTH:
+            for k, x in islice(items, _WATCH_LIMIT):
+                if not is_scalar(x):
+                    todo.append((f"{path}.{k}" if attr else f"{path}[{k!r}]", x, depth + 1))
 
 
 def _attrs(o: Any) -> Any:
@@ -165,7 +180,7 @@ def _global_token() -> Any:
 
 
 def _identity_signature(
-    modules: list[nn.Module], watched: list[tuple], exact: bool = False
+    modules: list[nn.Module], watched: list[tuple], exact: bool = False, outside: list = ()
 ) -> tuple:
     """Which object every slot holds (and each buffer's storage, the submodules, the hooks,
     the contents of the holders and containers in ``watched``), cheaply: if it is the same as
@@ -178,10 +193,11 @@ def _identity_signature(
     signatures of the first kind imply equal ones of the second; unequal tags can still hold
     the same objects (a slot written and put back), which the ``exact`` kind tells. The
     modules' entries come last, each with its slot token first
-    (:meth:`Guard.take_tokens`)."""
+    (:meth:`Guard.take_tokens`); before them, with the holders and containers, which object
+    each attribute in ``outside`` (:attr:`Guard.outside`) holds."""
     tags = dict_version is not None and not exact
     read = 3 if tags else 4  # (the entry's reader by tags, or by ids)
-    out = [_global_token(), tuple([w[read](w[2]) for w in watched])]
+    out = [_global_token(), _watched_ids(watched, read, outside)]
     for m in modules:
         d = m.__dict__
         b = d["_buffers"]
@@ -198,6 +214,11 @@ def _identity_signature(
     return tuple(out)
 
 
+def _watched_ids(watched: list[tuple], read: int, outside: list) -> tuple:
+    ids = tuple([w[read](w[2]) for w in watched])
+    return (ids, tuple([id(d.get(n, MISSING)) for d, n, _ in outside])) if outside else ids
+
+
 def _contents(o: Any) -> Any:
     """A container's items as a value to compare: copies of plain values (keys in order),
     else which object each item holds."""
@@ -210,7 +231,10 @@ def _contents(o: Any) -> Any:
 
 
 def fingerprint(
-    modules: list[nn.Module], varying: set, watched: list[tuple] | None = None
+    modules: list[nn.Module],
+    varying: set,
+    watched: list[tuple] | None = None,
+    outside: list[tuple] = (),
 ) -> dict[Hashable, Any]:
     """What the segment's behaviour may depend on, without the fields in ``varying``.
 
@@ -219,9 +243,10 @@ def fingerprint(
     field (a list appended to by every forward changes once, then is left to the replay, which
     puts its forward contents back); hook functions are fields of their own (the replay runs
     the forward's), the hooks' keys, the order of the slot dicts and the submodules are
-    structure."""
+    structure. ``outside``: attributes read from outside the modules (:attr:`Guard.outside`),
+    fields ``(OUTSIDE, "a", name)`` like the modules' own."""
     if watched is None:
-        watched = _reachable(modules)
+        watched = _reachable(modules, outside)
     dicts, flag = global_hooks()
     fp: dict[Hashable, Any] = {"global_hooks": (tuple(tuple(h) for h in dicts), flag)}
     key = (0, "h", "<torch global hooks>")
@@ -253,6 +278,11 @@ def fingerprint(
             key = (i, "a", k)
             if key not in varying:
                 fp[key] = _value(v)
+    for d, n, label in outside:
+        key = (OUTSIDE, "a", label)
+        v = d.get(n, MISSING)
+        if key not in varying and not isinstance(v, _CONTAINERS):
+            fp[key] = _value(v)  # (containers: with the holders below)
     for i, path, o, *_ in watched:
         if path in _SLOT_DICTS:
             continue  # (their order is structure, above)
@@ -319,6 +349,9 @@ class Guard:
         self._exact: tuple | None = None  # the identities behind ``_fast`` (version tags)
         self._alive: list = []  # the objects ``_exact`` names by id (see _settle)
         self._watched: list[tuple] = []  # the holders and containers it covers (_reachable)
+        #: attributes the segment's forward read from outside its modules, as (the dict that
+        #: holds it, its name, its name in the model): fields like the modules' own
+        self.outside: list[tuple[dict, str, str]] = []
         self._now: tuple | None = None
         #: per module, its last slot capture while steady (``capture_slots``'s ``last``); held
         #: here so that it lives and dies with the segment, never keeps a model alive
@@ -335,7 +368,7 @@ class Guard:
     def changed(self) -> list[Hashable]:
         """Fields that differ from every value the contract has seen (empty: replay on)."""
         watched = self._watched
-        fast = self._now = _identity_signature(self.modules, watched)
+        fast = self._now = _identity_signature(self.modules, watched, outside=self.outside)
         exact = None
         if self.base is not None:
             if fast == self._fast:
@@ -349,8 +382,8 @@ class Guard:
                     self._fast = fast
                     self._pending = []
                     return []
-        watched = _reachable(self.modules)
-        fp = fingerprint(self.modules, self.varying, watched)
+        watched = _reachable(self.modules, self.outside)
+        fp = fingerprint(self.modules, self.varying, watched, self.outside)
         base = self.base
         if base is None or fp == base:
             self._pending = []
@@ -383,7 +416,7 @@ class Guard:
             if k == 0:
                 out[0] = now  # (the global hooks' part has no tags)
             elif k == 1:
-                out[1] = tuple([w[4](w[2]) for w in self._watched])
+                out[1] = _watched_ids(self._watched, 4, self.outside)
             else:
                 out[k] = identities(self.modules[k - 2].__dict__), now[1]
         return tuple(out)
@@ -401,15 +434,20 @@ class Guard:
         a freed one's id is a slot whose contract entry the replay captures and checks
         anyway."""
         if watched is None:
-            watched = _reachable(self.modules)
+            watched = _reachable(self.modules, self.outside)
         if _watch_ids(watched) != _watch_ids(self._watched):
-            fast, exact = _identity_signature(self.modules, watched), None
+            fast, exact = _identity_signature(self.modules, watched, outside=self.outside), None
         self._watched = watched
         self._fast = fast
         if exact is None:
-            exact = _identity_signature(self.modules, watched, exact=True) if dict_version else fast
+            exact = (
+                _identity_signature(self.modules, watched, exact=True, outside=self.outside)
+                if dict_version
+                else fast
+            )
         self._exact = exact
         alive = [v for m in self.modules for v in m.__dict__.values()]
+        alive += [d.get(n) for d, n, _ in self.outside]
         alive += [f for m in self.modules for h in _hooks(m) for f in h.values()]
         alive += [f for h in global_hooks()[0] if h for f in h.values()]
         for _, _, o, *_ in watched:
@@ -425,7 +463,7 @@ class Guard:
         keys = list(keys)
         base = self.base
         if base is not None:
-            now = fingerprint(self.modules, self.varying)
+            now = fingerprint(self.modules, self.varying, outside=self.outside)
             keys += [
                 k
                 for k in now.keys() | base.keys()
@@ -447,12 +485,45 @@ class Guard:
             else:
                 self.varying.add(key)
         self._pending = []
-        watched = _reachable(self.modules)
-        self._settle(_identity_signature(self.modules, watched), watched=watched)
-        self.base = fingerprint(self.modules, self.varying, watched)
+        watched = _reachable(self.modules, self.outside)
+        self._settle(
+            _identity_signature(self.modules, watched, outside=self.outside), watched=watched
+        )
+        self.base = fingerprint(self.modules, self.varying, watched, self.outside)
         for key, value in self.base.items():
             if _discrete(key, value):
                 self.seen.setdefault(key, set()).add(value)
+
+    def watch_outside(self, reads: list[tuple[dict, str, str, Any]]) -> None:
+        """Attributes a probe's forward read from outside the segment's modules, as (the dict
+        that holds it, its name, its name in the model, its value as the forward first read
+        it), join the fingerprint: the contract was learned under those values. An attribute
+        already watched keeps its entry."""
+        known = {(id(d), n) for d, n, _ in self.outside}
+        new = [r for r in reads if (id(r[0]), r[1]) not in known]
+        if not new:
+            return
+        self.outside = self.outside + [(d, n, label) for d, n, label, _ in new]
+        watched = _reachable(self.modules, self.outside)
+        if self.base is not None:
+            now = fingerprint(self.modules, self.varying, watched, self.outside)
+            # as the forward first read them, before any write of its own: one it wrote is
+            # learned as varying at the window's end (learn_varying), as a module's own is
+            first = {(OUTSIDE, "a", label): (d.get(n, MISSING), v) for d, n, label, v in new}
+            for path, (cur, v) in [(k[2], first.pop(k)) for k in list(first)]:
+                if isinstance(cur, _CONTAINERS) and isinstance(v, _CONTAINERS):
+                    now[(OUTSIDE, "a", path)] = (type(cur), _contents(v))
+                elif not isinstance(cur, _CONTAINERS):
+                    now[(OUTSIDE, "a", path)] = _value(v)
+            for key, value in now.items():
+                if key in self.base or not (isinstance(key, tuple) and key[0] == OUTSIDE):
+                    continue
+                self.base[key] = value
+                if _discrete(key, value):
+                    self.seen.setdefault(key, set()).add(value)
+        self._settle(
+            _identity_signature(self.modules, watched, outside=self.outside), watched=watched
+        )
 
 
 class _Absent:

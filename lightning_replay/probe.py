@@ -203,6 +203,16 @@ def _object_token(obj: Any, depth: int = 0, out: list | None = None) -> list:
     return out
 
 
+def _outside_label(m: Any, k: Any, names: dict[int, str]) -> str:
+    """An attribute read from outside a segment, by its name in the model (``k``: a name, or
+    ``(where, name)`` for a registered buffer; ``names``: module names by id), or a
+    module-level value's."""
+    if id(m) in names:
+        k = k[1] if isinstance(k, tuple) else k
+        return f"{names[id(m)]}.{k}" if names[id(m)] else k
+    return describe(m, k)  # a module-level value (module_globals.py)
+
+
 def _mutable_argument_message(segment: str, argname: str, obj: Any) -> str:
     kind = type(obj).__name__
     if "cache" in kind.lower():
@@ -322,8 +332,15 @@ class SegmentProbe:
         known = {(id(vars(m)), k) for m, k in self.outside}  # a globals dict: one owner
         reads = outside.reads + [(mod, name) for mod, name, _ in glob]
         self.outside += [(m, k) for m, k in reads if (id(vars(m)), k) not in known]
+        first = outside.first + [(mod.__dict__, name, v) for mod, name, v in glob]
         if replayed and reads:  # values as first read, before the segment wrote
-            probe.outside = outside.first + [(mod.__dict__, name, v) for mod, name, v in glob]
+            probe.outside = first
+        # the contract holds under the values read: the guard watches them from now on
+        if reads:
+            names = {id(m): n for n, m in eng.model.named_modules()}
+            self.guard.watch_outside(
+                [(d, n, _outside_label(m, k, names), v) for (m, k), (d, n, v) in zip(reads, first)]
+            )
         mode.finish_segment()
         for (argname, obj), tok in zip(objects, before):
             if _object_token(obj) != tok:
@@ -622,14 +639,7 @@ class SegmentProbe:
 
     def _outside_names(self) -> list[str]:
         names = {id(m): n for n, m in self.engine.model.named_modules()}
-        out = []
-        for m, k in self.outside:
-            if id(m) in names:
-                k = k[1] if isinstance(k, tuple) else k
-                out.append(f"{names[id(m)]}.{k}" if names[id(m)] else k)
-            else:  # a module-level value (module_globals.py)
-                out.append(describe(m, k))
-        return sorted(out)
+        return sorted(_outside_label(m, k, names) for m, k in self.outside)
 
     def _entry_for(self, touch, refs: list[StateRef], eng: "ReplayEngine"):
         t = touch.tensor

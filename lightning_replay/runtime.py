@@ -23,7 +23,7 @@ from lightning_replay.checks import SegmentChecks
 from lightning_replay.contract import ReplayContract
 from lightning_replay.costs import clock, saved_tensor_overhead
 from lightning_replay.errors import ContractViolation, ReplayConfigError
-from lightning_replay.guards import Guard
+from lightning_replay.guards import OUTSIDE, Guard
 from lightning_replay.host_rng import as_host_rng, is_host_rng
 from lightning_replay.probe import SegmentProbe, _Probe
 from lightning_replay.restore import _Bound, _Invocation, _ReplayContext
@@ -179,6 +179,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
     def _field_name(self, key: Any) -> str:
         if not isinstance(key, tuple):
             return str(key)
+        if key[0] == OUTSIDE:  # read from outside the segment: named in the model already
+            return key[2]
         mod = self.module_names.get(id(self.modules[key[0]]), self.name)
         return f"{mod}.{key[1] if len(key) == 2 else key[2]}"
 

@@ -1001,18 +1001,29 @@ def _trace_class(cls: type) -> type:
         reads = d.get("_lightning_replay_reads")
         if (
             reads is not None
-            and name in d
             and name not in MODULE_INTERNALS
             and not isinstance(value, nn.Module)
             and (None, name) not in reads
         ):
-            reads[None, name] = _at_forward(value)  # as first read (before any write)
+            if name in d:
+                reads[None, name] = _at_forward(value)  # as first read (before any write)
+            elif is_scalar(value):
+                # a class's default (``use_bank = False`` in the class body): read while the
+                # instance has none of its own, which a later ``root.use_bank = True`` sets
+                reads[None, name] = MISSING
         return value
 
     def __getattr__(self, name):  # registered buffers (parameters and submodules aside)
-        value = cls.__getattr__(self, name)
         d = object.__getattribute__(self, "__dict__")
         reads = d.get("_lightning_replay_reads")
+        try:
+            value = cls.__getattr__(self, name)
+        except AttributeError:
+            # absent (``getattr(root, "flag", False)``): the forward ran without it, and one
+            # set later is another forward's
+            if reads is not None and name not in MODULE_INTERNALS and (None, name) not in reads:
+                reads[None, name] = MISSING
+            raise
         if reads is not None and name in d["_buffers"] and ("_buffers", name) not in reads:
             reads["_buffers", name] = value
         return value

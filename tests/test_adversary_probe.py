@@ -880,8 +880,24 @@ def test_a_replay_that_takes_another_path_is_raised_with_a_record(kind, more):
 _NOISE = {"on": False}
 
 
+def _hidden_switch():
+    """A switch no guard can see: a value in a closure cell."""
+    state = {"on": False}
+
+    def on() -> bool:
+        return state["on"]
+
+    def turn(value: bool) -> None:
+        state["on"] = value
+
+    return on, turn
+
+
+_HIDDEN_ON, _TURN_HIDDEN = _hidden_switch()
+
+
 class GloballySwitchedNoise(nn.Module):
-    """Numpy noise switched on by a module-level flag: no guard sees the switch."""
+    """Numpy noise switched on by a module-level flag (the guard watches it: a re-probe)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -894,25 +910,45 @@ class GloballySwitchedNoise(nn.Module):
         return y
 
 
-def _switched_noise_model(outside_draw: bool = False) -> Callable[[], nn.Module]:
+class HiddenSwitchedNoise(nn.Module):
+    """Numpy noise switched on by a value in a closure: no guard sees the switch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+
+    def forward(self, x):
+        y = x + self.f(x)
+        if _HIDDEN_ON():
+            y = y * torch.from_numpy(np.random.rand(*x.shape).astype("float32"))
+        return y
+
+
+def _switched_noise_model(outside_draw: bool = False, hidden: bool = True) -> Callable:
+    def set_on(value: bool) -> None:
+        if hidden:
+            _TURN_HIDDEN(value)
+        else:
+            _NOISE["on"] = value
+
     def make() -> nn.Module:
-        _NOISE["on"] = False
+        set_on(False)
 
         def switch(model, x, y):  # from the third forward on, for the forwards after it
             model.calls = getattr(model, "calls", 0) + 1
-            _NOISE["on"] = model.calls >= 3
+            set_on(model.calls >= 3)
             if outside_draw:  # the step itself draws from numpy too, outside the segments
                 model.jitter = float(np.random.rand())
 
-        return with_head(GloballySwitchedNoise, switch)()
+        return with_head(HiddenSwitchedNoise if hidden else GloballySwitchedNoise, switch)()
 
     return make
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_host_rng_drawn_after_the_probe_is_recorded_then_captured(kind):
-    """A segment starts drawing from numpy's global RNG after its probe, switched by a
-    module-level flag (no guard, no re-probe). The first step it draws in differs from plain
+    """A segment starts drawing from numpy's global RNG after its probe, switched by a value
+    no guard sees (in a closure: no re-probe). The first step it draws in differs from plain
     PyTorch and carries a record (a 'replay' divergence of that segment naming the generator,
     with a warning). Once a host generator has moved in a forward, every segment call
     captures it: where the step itself drew from numpy from step 1 on (outside the segments,
@@ -929,3 +965,17 @@ def test_a_host_rng_drawn_after_the_probe_is_recorded_then_captured(kind):
         seen = [r for r in records if "numpy.random (global)" in r.detail]
         assert [r.step for r in seen] == recorded, (outside, records)
         assert all(r.segment == "blk" and r.outcome == "divergence" for r in seen), seen
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_host_rng_switched_on_by_a_module_level_flag_is_re_probed(kind):
+    """The same late numpy draws switched by a module-level flag: the guard watches the
+    module-level values the segment's code names, re-probes the first forward after the flip
+    and the draws are captured from then on: bit for bit, with one guard record."""
+    case = Case(_switched_noise_model(hidden=False), ("blk",), steps=7)
+    g_ref, _, _, err = _train(case, None, engine=False)
+    assert err is None
+    grads, _, records, error = _train(case, KINDS[kind], engine=True)
+    assert error is None, repr(error)
+    assert not grad_diffs(g_ref, grads)
+    assert [(r.step, r.check) for r in records if r.outcome != "match"] == [(4, "guard")], records

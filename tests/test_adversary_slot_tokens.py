@@ -17,9 +17,9 @@ compared apart and put back), a hook function swapped under its key (which funct
 dict holds is part of the token, and the hooks are put back) and a holder inside a container
 attribute (holders among container items are captured). The last sections have the next case
 of each, the same kinds of change between steps, where the guard must see them (a flag that
-gates a read of state outside the segment), and holders read from outside the segment. One
-case stays a strict ``xfail``: a flag on a module outside the segment, flipped between steps
-(the guard watches the segment's own modules only).
+gates a read of state outside the segment), and holders read from outside the segment. A
+flag on a module outside the segment, flipped between steps, was a strict ``xfail`` until the
+guard watched what the segment reads from outside (tests/test_outside_guard.py has the class).
 """
 
 from __future__ import annotations
@@ -1108,13 +1108,6 @@ def _root_flag_on_at_step_3(model, step):
         model.use_bank = True
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the guard fingerprints the segment's modules only, not the attributes it reads "
-    "from outside them (runtime.SegmentRuntime.outside): a flag on the root flipped between "
-    "steps is never re-probed, and the contract learned without the bank replays with its "
-    "new bytes (gradients differ from step 3 on, tags on and off)",
-)
 def test_outside_flag_flipped_between_steps_is_guarded(tokens):
     _, records = assert_exact(lambda: Root("flag"), SEGS2, "auto", schedule=_root_flag_on_at_step_3)
     assert {r.step for r in _guard_records(records)} == {4}, _guard_records(records)
