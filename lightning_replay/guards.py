@@ -34,6 +34,7 @@ everything on the modules around it.
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from itertools import islice
 from typing import Any, Hashable
@@ -103,9 +104,10 @@ def _walk(out: list[tuple], seen: set[int], i: Any, todo: list[tuple]) -> None:
     ``out`` as :func:`_reachable` lists them (``i``: their module index)."""
     while todo:
         path, v, depth = todo.pop()
-        if is_scalar(v) or isinstance(v, (torch.Tensor, nn.Module)) or id(v) in seen:
+        t = type(v)  # (by type: ``isinstance`` asks the object, and a dead weak proxy raises)
+        if is_scalar(v) or issubclass(t, (torch.Tensor, nn.Module)) or id(v) in seen:
             continue
-        if isinstance(v, (*_CONTAINERS, tuple)):
+        if issubclass(t, (*_CONTAINERS, tuple)):
             seen.add(id(v))
             if not isinstance(v, tuple):  # (immutable: who holds it covers it)
                 out.append((i, path, v, *_readers(v)))
@@ -273,7 +275,7 @@ def fingerprint(
             if key not in varying:
                 fp[key] = (id(v), _storage_ptr(v))  # a new storage is a new buffer
         for k, v in d.items():
-            if k in MODULE_INTERNALS or k == "training" or isinstance(v, _CONTAINERS):
+            if k in MODULE_INTERNALS or k == "training" or issubclass(type(v), _CONTAINERS):
                 continue  # (containers: with the holders below)
             key = (i, "a", k)
             if key not in varying:
@@ -281,19 +283,19 @@ def fingerprint(
     for d, n, label in outside:
         key = (OUTSIDE, "a", label)
         v = d.get(n, MISSING)
-        if key not in varying and not isinstance(v, _CONTAINERS):
+        if key not in varying and not issubclass(type(v), _CONTAINERS):
             fp[key] = _value(v)  # (containers: with the holders below)
     for i, path, o, *_ in watched:
         if path in _SLOT_DICTS:
             continue  # (their order is structure, above)
-        if isinstance(o, _CONTAINERS):
+        if issubclass(type(o), _CONTAINERS):
             key = (i, "a", path)
             if key not in varying:
                 fp[key] = (type(o), _contents(o))
             continue
         for k, v in _attrs(o).items():
             key = (i, "a", f"{path}.{k}")
-            if key not in varying and not isinstance(v, _CONTAINERS):
+            if key not in varying and not issubclass(type(v), _CONTAINERS):
                 fp[key] = _value(v)
     return fp
 
@@ -319,7 +321,8 @@ def _discrete(key: Hashable, value: Any) -> bool:
     if key[1] != "a" or value is _ABSENT:
         return False
     t, v = value
-    return is_scalar(v) and not isinstance(v, (int, float, complex)) or t is bool
+    # (numbers, numpy's too, are continuous: a step counter, a schedule's value)
+    return is_scalar(v) and not isinstance(v, numbers.Number) or t is bool
 
 
 class Guard:
@@ -452,14 +455,16 @@ class Guard:
         alive += [f for h in global_hooks()[0] if h for f in h.values()]
         for _, _, o, *_ in watched:
             alive += list(o) if isinstance(o, (list, set)) else _attrs(o).values()
-        self._alive = [v for v in alive if not isinstance(v, torch.Tensor)]
+        self._alive = [v for v in alive if not issubclass(type(v), torch.Tensor)]
 
-    def learn_varying(self, keys: list[Hashable]) -> None:
+    def learn_varying(self, keys: list[Hashable], keep: set = frozenset()) -> None:
         """Fields the probe saw change inside the window: the replay puts them back, so they
         are not preconditions. So are the attribute fields that changed since the probe's
         forward began (:meth:`accept`) and this window's end, now, among them those only the
         guard reads: a holder's attributes (a config's ``problem_type`` that the loss sets
-        after the layers ran), a container's contents."""
+        after the layers ran), a container's contents. Except those in ``keep``: flags the
+        probe's forward read as they were when it began, which stay preconditions (the next
+        forward reads the new value)."""
         keys = list(keys)
         base = self.base
         if base is not None:
@@ -470,6 +475,7 @@ class Guard:
                 if isinstance(k, tuple)
                 and len(k) == 3
                 and k[1] == "a"
+                and k not in keep
                 and now.get(k, _ABSENT) != base.get(k, _ABSENT)
             ]
         self.varying.update(keys)
@@ -511,7 +517,7 @@ class Guard:
             # learned as varying at the window's end (learn_varying), as a module's own is
             first = {(OUTSIDE, "a", label): (d.get(n, MISSING), v) for d, n, label, v in new}
             for path, (cur, v) in [(k[2], first.pop(k)) for k in list(first)]:
-                if isinstance(cur, _CONTAINERS) and isinstance(v, _CONTAINERS):
+                if isinstance(cur, _CONTAINERS) and issubclass(type(v), _CONTAINERS):
                     now[(OUTSIDE, "a", path)] = (type(cur), _contents(v))
                 elif not isinstance(cur, _CONTAINERS):
                     now[(OUTSIDE, "a", path)] = _value(v)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import re
 import random
 import sys
 from typing import TYPE_CHECKING, Any, Callable
@@ -40,9 +42,15 @@ from lightning_replay.host_rng import (
 )
 from lightning_replay.restore import _Bound
 from lightning_replay.module_globals import describe, globals_read
+from lightning_replay.guards import _attrs as _guard_attrs
+from lightning_replay.guards import _contents as _guard_contents
+from lightning_replay.guards import _reachable
 from lightning_replay.slots import (
+    MISSING,
     MODULE_INTERNALS,
+    HolderReads,
     OutsideReads,
+    SlotView,
     _at_forward,
     capture_generators,
     capture_slots,
@@ -81,6 +89,10 @@ class _Probe:
         self.observations: list[Observation] | None = None
         self.changed_attrs: list[str] = []
         self.created: list = []  # per module, the attributes its forward created
+        #: fields of its modules its forward read as flags, as they were before it began
+        #: (a bool, a string mode, an attribute absent): preconditions, whatever the window
+        #: does to them after the segment ran (see SegmentProbe._read_flags)
+        self.read_flags: set = set()
         self.replayed = False  # its forward kept no activations; its replay restores
         self.gens: list = []  # (generator, state) at its start (replayed probes)
         self.outside: list | None = None  # outside attributes read, as at forward (replayed)
@@ -203,6 +215,75 @@ def _object_token(obj: Any, depth: int = 0, out: list | None = None) -> list:
     return out
 
 
+def _holders(modules: list[nn.Module]) -> list[tuple[int, str, Any, dict]]:
+    """The holder objects reachable from ``modules`` (as the guard reaches them), each as
+    (module index, path, holder, its attributes now)."""
+    out: dict[int, tuple[int, str, Any, dict]] = {}
+    for i, path, o, *_ in _reachable(modules):
+        if isinstance(o, (list, dict, set)):  # a container, or a module's slot dict
+            continue
+        obj = o.obj if type(o) is SlotView else o
+        if id(obj) not in out:
+            out[id(obj)] = (i, path, obj, {})
+        out[id(obj)][3].update(_guard_attrs(o).items())
+    return list(out.values())
+
+
+def _read_flags(
+    own: OutsideReads,
+    slots: list,
+    created: list,
+    holders: list[tuple[int, str, Any, dict]] = (),
+    holder_reads: dict[int, dict] | None = None,
+) -> set:
+    """The fields ``(i, "a", name)`` of a segment's modules that its forward read as flags: a
+    bool, a string or enum mode, ``None`` or an attribute absent (``getattr(self, "on",
+    False)``), read with the value it held before the forward began (not one the forward set
+    first, and not one it created).
+
+    A flag the step turns after the segment ran, inside the probe's window, is what the next
+    forward reads, with a value no probe's forward saw: it stays a precondition of the
+    contract, so that forward is re-probed. Other fields changed inside the window (a
+    temperature annealed, a config's ``problem_type`` the loss sets and no block reads) are
+    left to the replay, which puts the forward's values back."""
+    index = {id(s.module): i for i, s in enumerate(slots)}
+    out = set()
+    for (m, name), (_, _, first) in zip(own.reads, own.first):
+        if isinstance(name, tuple):  # a registered buffer: not a flag
+            continue
+        i = index.get(id(m))
+        if i is not None and name not in created[i] and _same_flag(slots[i].attrs, name, first):
+            out.add((i, "a", name))
+    # a holder's attributes: those read, where its class could be traced (HolderReads);
+    # else every flag of a holder reached through an attribute the forward read
+    read = {(index.get(id(m)), name) for m, name in own.reads}
+    for i, path, h, before in holders:
+        traced = (holder_reads or {}).get(id(h))
+        if traced is not None:
+            out |= {(i, "a", f"{path}.{n}") for n, v in traced.items() if _same_flag(before, n, v)}
+        elif (i, re.split(r"[.\[]", path, maxsplit=1)[0]) in read:
+            out |= {(i, "a", f"{path}.{n}") for n, v in before.items() if _is_flag(v)}
+    return out
+
+
+def _same_flag(before: Any, name: str, first: Any) -> bool:
+    """Whether ``name`` was read as a flag with the value it held before (``before``: the
+    attributes then)."""
+    was = before.get(name, MISSING)
+    if first is MISSING or was is MISSING:
+        return first is was
+    if isinstance(first, (list, dict, set)) and isinstance(was, (list, dict, set)):
+        # a container read whole (a dict of flags): which item is not traced; its contents
+        # changed after the forward make the next forward a probe, once (guards._discrete)
+        return _guard_contents(first) == _guard_contents(was)
+    return _is_flag(first) and type(was) is type(first) and was == first
+
+
+def _is_flag(v: Any) -> bool:
+    """A value whose change is a change of mode (the guard's discrete values)."""
+    return v is None or isinstance(v, (bool, str, enum.Enum))
+
+
 def _outside_label(m: Any, k: Any, names: dict[int, str]) -> str:
     """An attribute read from outside a segment, by its name in the model (``k``: a name, or
     ``(where, name)`` for a registered buffer; ``names``: module names by id), or a
@@ -300,6 +381,9 @@ class SegmentProbe:
 
         ids = {id(m) for m in self.modules}
         outside = OutsideReads([m for m in eng.model.modules() if id(m) not in ids])
+        own = OutsideReads(self.modules)  # which of its own attributes the forward reads
+        holders = _holders(self.modules)  # ... and of the holders it reaches
+        held = HolderReads([h for _, _, h, _ in holders])
         hosts = host_rngs(self.modules, self.module_names)  # generators torch never sees
         passed = [as_host_rng(x) for x in tree_flatten((args, kwargs))[0] if is_host_rng(x)]
         host_before = states(hosts + passed)
@@ -314,6 +398,8 @@ class SegmentProbe:
                 torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack),
                 mode,
                 outside,
+                own,
+                held,
                 peeked,
             ):
                 out = self.orig_forward(*args, **kwargs)
@@ -321,6 +407,7 @@ class SegmentProbe:
             eng._segment_depth -= 1
         # attributes the forward itself created (see _observe)
         probe.created = [s.module.__dict__.keys() - s.attrs.keys() for s in slots]
+        probe.read_flags = _read_flags(own, slots, probe.created, holders, held.reads)
         # a generator whose state the forward read (and may have put back after drawing) is
         # drawn from as much as one that moved: its replay must start where the forward did
         moved = {id(r) for r in advanced(hosts + passed, host_before)}
@@ -490,9 +577,11 @@ class SegmentProbe:
                 cur = d.get(k, _MISSING)
                 if cur is v or (is_scalar(v) and same_value(cur, v)):
                     continue
-                varying.append((i, "a", k))
                 if is_scalar(v):
-                    changed.append(f"{mname}.{k}")
+                    changed.append(f"{mname}.{k}")  # (the replay puts it back)
+                if (i, "a", k) not in probe.read_flags:
+                    # (a flag the forward read, turned after it ran, stays a precondition)
+                    varying.append((i, "a", k))
             # created by the segment's own forward (a router's ``self.input_dtype = x.dtype``
             # before it reads it): the replay removes it, its forward sets it again. One the
             # step creates after the segment ran stays a precondition: the next forward may
@@ -504,7 +593,7 @@ class SegmentProbe:
             ]
         probe.changed_attrs = changed
         # rebound or changed inside the window: the replay puts them back
-        self.guard.learn_varying(varying)
+        self.guard.learn_varying(varying, keep=probe.read_flags)
         for ob in probe.observations:
             t = ob.touch
             if t.is_input and ob.changed:

@@ -113,7 +113,8 @@ MISSING = _Missing()
 
 
 def is_scalar(v: Any) -> bool:
-    return isinstance(v, SCALAR_TYPES)
+    # (by its type: ``isinstance`` asks the object, and a dead weakref proxy raises)
+    return issubclass(type(v), SCALAR_TYPES)
 
 
 def copy_plain(v: Any, budget: list[int] | None = None) -> Any:
@@ -177,18 +178,25 @@ def same_value(a: Any, b: Any) -> bool:
 def is_holder(v: Any) -> bool:
     """A plain Python object with attributes of its own (not a module, tensor, generator,
     class, function, Python module or torch's runtime state): a config namespace, a
-    dataclass, a state holder, also one that keeps its attributes in ``__slots__``."""
-    if isinstance(v, (nn.Module, torch.Tensor, torch.Generator, type, *_CONTAINERS, tuple)):
-        return False  # (an OrderedDict, a defaultdict: containers, put back by their items)
-    if callable(v):
-        return False
+    dataclass, a state holder, also one that keeps its attributes in ``__slots__``. An
+    object that raises when asked (a dead weakref proxy, a lazy proxy whose ``__dict__``
+    raises) is not one: nothing of it can be captured."""
     t = type(v)
-    m = t.__module__
-    if m in ("builtins", "types.ModuleType") or m.startswith(_TORCH_RUNTIME):
+    if issubclass(t, (nn.Module, torch.Tensor, torch.Generator, type, *_CONTAINERS, tuple)):
+        return False  # (an OrderedDict, a defaultdict: containers, put back by their items)
+    m = getattr(t, "__module__", None)
+    if not isinstance(m, str) or m in ("builtins", "types.ModuleType", "weakref"):
         return False
-    if isinstance(v, types.ModuleType):
+    if m.startswith(_TORCH_RUNTIME) or issubclass(t, types.ModuleType):
         return False
-    return type(getattr(v, "__dict__", None)) is dict or bool(_slot_members(t))
+    try:
+        if callable(v):
+            return False
+        return type(object.__getattribute__(v, "__dict__")) is dict or bool(_slot_members(t))
+    except AttributeError:
+        return bool(_slot_members(t))
+    except Exception:
+        return False
 
 
 # Per class with ``__slots__``: its slots' member descriptors by attribute name.
@@ -280,8 +288,11 @@ def holder_stores(obj: Any) -> list[Any]:
     be replaced wholesale, so the holder itself stands for it) and a :class:`SlotView` of its
     ``__slots__``, either or both."""
     out = []
-    if type(getattr(obj, "__dict__", None)) is dict:
-        out.append(obj)
+    try:  # (past a class's own __getattribute__, which may refuse: a lazy proxy)
+        if type(object.__getattribute__(obj, "__dict__")) is dict:
+            out.append(obj)
+    except AttributeError:
+        pass
     members = _slot_members(type(obj))
     if members:
         out.append(SlotView(obj, members))
@@ -290,7 +301,7 @@ def holder_stores(obj: Any) -> list[Any]:
 
 def _attrs_of(owner: Any) -> Any:
     """The attribute store of a :func:`holder_stores` entry: a dict, or the slot view."""
-    return owner if type(owner) is SlotView else owner.__dict__
+    return owner if type(owner) is SlotView else object.__getattribute__(owner, "__dict__")
 
 
 def _same_owner(a: Any, b: Any) -> bool:
@@ -300,7 +311,7 @@ def _same_owner(a: Any, b: Any) -> bool:
 def _holder_values(d: Any) -> dict:
     out = d.copy()
     for k, x in out.items():
-        if isinstance(x, _CONTAINERS):
+        if issubclass(type(x), _CONTAINERS):
             out[k] = _at_forward(x)
     return out
 
@@ -350,7 +361,7 @@ def _capture_holder(module: nn.Module, name: Any, owner: Any) -> tuple:
     ):
         return prev
     values = _holder_values(d)
-    containers = tuple(k for k, x in values.items() if isinstance(x, _CONTAINERS))
+    containers = tuple(k for k, x in values.items() if issubclass(type(x), _CONTAINERS))
     entry = (owner, values, _holder_signature(d), containers)
     if cache is None:
         cache = _HOLDERS[module] = {}
@@ -376,7 +387,7 @@ def holders_in(c: Any, depth: int = 0, budget: list[int] | None = None) -> list[
             break
         if is_scalar(x):
             continue
-        if isinstance(x, (*_CONTAINERS, tuple)):
+        if issubclass(type(x), (*_CONTAINERS, tuple)):
             if depth + 1 < _HOLDER_DEPTH:
                 out += [(f"[{k!r}]{p}", h) for p, h in holders_in(x, depth + 1, budget)]
         elif is_holder(x):
@@ -411,7 +422,7 @@ def _capture_holders(
             for k, x in entry[1].items():
                 if is_holder(x):
                     todo.append((f"{path}.{k}", x, depth + 1))
-                elif isinstance(x, (*_CONTAINERS, tuple)):
+                elif issubclass(type(x), (*_CONTAINERS, tuple)):
                     todo += [(f"{path}.{k}{p}", h, depth + 1) for p, h in holders_in(x, depth + 1)]
     return out
 
@@ -653,7 +664,7 @@ class ModuleSlots:
                         layout = {}
                     with torch.no_grad():
                         layout[("a", k)] = (v._version, v.detach().clone())
-            elif isinstance(v, (*_CONTAINERS, tuple)):
+            elif issubclass(type(v), (*_CONTAINERS, tuple)):
                 if isinstance(v, tuple):
                     c = MISSING  # (immutable: the slot's identity covers it)
                 else:
@@ -1075,6 +1086,82 @@ class OutsideReads:
                 self.first.append((d, name, reads[where, name]))
 
 
+#: per traced holder (by id), the attributes read from it and their values as first read
+_HOLDER_READS: dict[int, dict[str, Any]] = {}
+_HOLDER_TRACE_CLASSES: dict[type, type] = {}
+
+
+def _holder_trace_class(cls: type) -> type:
+    """A subclass of a holder's class that records which attributes are read (probe only);
+    ``__slots__ = ()`` keeps the layout, so slotted holders take it too."""
+    new = _HOLDER_TRACE_CLASSES.get(cls)
+    if new is not None:
+        return new
+    get = cls.__getattribute__  # the class's own (a config's attribute map)
+
+    def __getattribute__(self, name):
+        reads = _HOLDER_READS.get(id(self))
+        if reads is None or name.startswith("__"):
+            return get(self, name)
+        try:
+            value = get(self, name)
+        except AttributeError:
+            reads.setdefault(name, MISSING)  # absent: ``getattr(cfg, "flag", False)``
+            raise
+        if name not in reads:
+            reads[name] = value
+        return value
+
+    new = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__slots__": (),
+            "__getattribute__": __getattribute__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
+    )
+    _HOLDER_TRACE_CLASSES[cls] = new
+    return new
+
+
+class HolderReads:
+    """Records the attributes a forward reads from holder objects (a config, a dataclass of
+    options), by swapping each holder's class for a recording subclass while it runs. Holders
+    whose class cannot be swapped (``types.SimpleNamespace`` and other built-in types) are
+    left out: :attr:`reads` has no entry for them.
+
+    ``holders``: the objects to watch. After the block, ``reads[id(holder)]`` maps each name
+    read to its value as first read (``MISSING``: absent).
+    """
+
+    def __init__(self, holders: list[Any]) -> None:
+        self.holders = holders
+        self.swapped: list[tuple[Any, type]] = []
+        self.reads: dict[int, dict[str, Any]] = {}
+
+    def __enter__(self) -> "HolderReads":
+        for h in self.holders:
+            cls = type(h)
+            if id(h) in _HOLDER_READS or cls in _HOLDER_TRACE_CLASSES.values():
+                continue
+            try:
+                h.__class__ = _holder_trace_class(cls)
+            except Exception:  # a built-in type, a layout or a metaclass it cannot share
+                _HOLDER_TRACE_CLASSES.setdefault(cls, cls)  # (not tried again)
+                continue
+            self.swapped.append((h, cls))
+            _HOLDER_READS[id(h)] = self.reads[id(h)] = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h, cls in self.swapped:
+            _HOLDER_READS.pop(id(h), None)
+            h.__class__ = cls
+        self.swapped = []
+
+
 def _items(c: Any) -> Any:
     return c.items() if isinstance(c, dict) else enumerate(c)
 
@@ -1082,7 +1169,7 @@ def _items(c: Any) -> Any:
 def _at_forward(v: Any) -> Any:
     """What a value must be put back as: a copy of a container of plain values, a shallow
     copy of a list or dict of objects (which object each item held), else the object."""
-    if isinstance(v, _CONTAINERS):
+    if issubclass(type(v), _CONTAINERS):
         c = copy_plain(v)
         if c is not MISSING:
             return c
@@ -1105,7 +1192,7 @@ def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, 
         out.append((d, name, _at_forward(v)))
         if is_scalar(v) or isinstance(v, (torch.Tensor, nn.Module)):
             continue
-        if isinstance(v, (*_CONTAINERS, tuple)):
+        if issubclass(type(v), (*_CONTAINERS, tuple)):
             found = [(f"{name}{p}", h) for p, h in holders_in(v)]
         else:
             found = [(name, v)] if is_holder(v) else []

@@ -19,7 +19,9 @@ attribute (holders among container items are captured). The last sections have t
 of each, the same kinds of change between steps, where the guard must see them (a flag that
 gates a read of state outside the segment), and holders read from outside the segment. A
 flag on a module outside the segment, flipped between steps, was a strict ``xfail`` until the
-guard watched what the segment reads from outside (tests/test_outside_guard.py has the class).
+guard watched what the segment reads from outside (tests/test_outside_guard.py has the class),
+and a flag flipped inside the probe step's window after the segment ran, until the probe traced
+which flags the forward reads.
 """
 
 from __future__ import annotations
@@ -1164,24 +1166,29 @@ class FlipsInTheProbeWindow(OutsideBank):
         super().after(h)
 
 
+@dataclasses.dataclass
+class FlagConfig:
+    on: bool = False
+
+
+FLAG_PLACES["dataclass holder"] = (
+    FlagConfig,
+    lambda o: o.on,
+    lambda o: setattr(o, "on", True),
+)
+
 IN_THE_PROBE_WINDOW = {
     "module attribute": ModuleFlag,
     "module attribute created there": LateFlag,
-    "holder attribute": lambda: FlaggedBank("holder"),
+    **{f"{place} attribute": (lambda p=place: FlaggedBank(p)) for place in FLAG_PLACES},
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a field that changes inside the probe step's window is learned as varying "
-    "(probe._observe for module attributes, Guard.learn_varying for a holder's): never a "
-    "precondition, though the next forward reads it with a value no probe's forward saw. "
-    "Gradients differ from step 1 on (tags on and off; module attributes at 7e677b3 too). "
-    "Telling a field the forward reads (a flag) from one it sets before reading (a router's "
-    "input_dtype) or never reads (a config's problem_type) needs the probe to trace reads.",
-)
 @pytest.mark.parametrize("where", list(IN_THE_PROBE_WINDOW))
 def test_flag_flipped_inside_the_probe_window_is_guarded(tokens, where):
+    """A flag the forward read, turned after it inside the probe's window, stays a
+    precondition (probe._read_flags traces the reads: every one was wrong from step 1 at
+    e5622ea): the next forward is re-probed."""
     make = IN_THE_PROBE_WINDOW[where]
     _, records = assert_exact(lambda: FlipsInTheProbeWindow([make(), make()]), SEGS2, "auto")
     assert {r.step for r in _guard_records(records)} == {2}, _guard_records(records)

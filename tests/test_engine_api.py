@@ -86,7 +86,8 @@ def test_cpu_bf16_autocast(hazard):
         g_ref, _ = train_steps(ref, h.make_input, 4)
         g_rep, _ = train_steps(model, h.make_input, 4)
     assert_same_grads(g_ref, g_rep)
-    assert all(s["replays"] == 3 for s in engine.summary().values())
+    # (a flag the root flips after a segment is re-probed once: test_engine_hazards.FLAG_FLIPPED)
+    assert all(s["replays"] == 4 - s["contract_version"] for s in engine.summary().values())
     assert_same_state(snapshot_state(ref), snapshot_state(model))
 
 

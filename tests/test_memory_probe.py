@@ -21,6 +21,7 @@ from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.demos.hazards import HAZARDS
+from tests.test_engine_hazards import FLAG_FLIPPED
 from tests.helpers.compare import (
     assert_same_grads,
     assert_same_state,
@@ -64,7 +65,8 @@ def test_replayed_probe_is_exact_on_every_hazard(hazard, preservation):
         assert s["replays"] == STEPS, (name, s)
         assert s["violations"] == 0 and s["divergences"] == 0
     assert {r.segment for r in matches} == set(summary)
-    assert all(r.step == 1 for r in matches)
+    # (and the re-probe of a flag the root flips after the segment: a replayed probe too)
+    assert all(r.step == 1 or r.segment in FLAG_FLIPPED.get(hazard, ()) for r in matches)
 
 
 D = 256

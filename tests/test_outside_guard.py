@@ -246,3 +246,52 @@ def test_outside_attribute_no_block_reads_raises_nothing(tokens):
     """``counter`` on the root changes every step; the blocks never read it."""
     _, records = assert_exact(_make("root attribute"), SEGS2, "auto", steps=6)
     assert _guard_steps(records) == [], records
+
+
+# ------------------------------------------------------------------ inside the probe's window
+class _Cfg:
+    """A config the blocks hold; the loss sets ``problem_type`` after them (as HF models do)."""
+
+    def __init__(self) -> None:
+        self.problem_type = None
+        self.scale = 1.0
+
+
+class ConfiguredBlock(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.cfg = cfg
+        self.mode = "plain"
+
+    def forward(self, x):
+        self.dtype_seen = x.dtype  # set before it is read: the forward's own
+        h = torch.tanh(self.lin(x) * self.cfg.scale)
+        return x + h if self.dtype_seen is torch.float32 else x
+
+
+class Configured(Stack):
+    def __init__(self, holder: str) -> None:
+        cfg = _Cfg() if holder == "class" else types.SimpleNamespace(problem_type=None, scale=1.0)
+        super().__init__([ConfiguredBlock(cfg), ConfiguredBlock(cfg)])
+        self.cfg = cfg
+
+    def after(self, h):
+        self.cfg.problem_type = "regression"  # no block reads it
+        for b in self.blocks:
+            b.mode = "done"  # nor this
+
+
+def test_fields_no_block_reads_set_in_the_probe_window_raise_nothing():
+    """A traced config's field the loss sets in the probe's window, an attribute the forward
+    sets before reading, a module attribute the step sets and no forward reads: no re-probe."""
+    _, records = assert_exact(lambda: Configured("class"), SEGS2, "auto", steps=5)
+    assert _guard_steps(records) == [], records
+
+
+def test_an_untraced_holder_s_flags_are_all_preconditions():
+    """A ``SimpleNamespace`` config cannot be traced: every flag of it the forward could
+    reach is a precondition, so a field no block reads, set in the probe's window, costs one
+    re-probe per block (exact), then nothing."""
+    _, records = assert_exact(lambda: Configured("namespace"), SEGS2, "auto", steps=5)
+    assert _guard_steps(records) == [2, 2], records
