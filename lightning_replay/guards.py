@@ -39,6 +39,7 @@ from collections import OrderedDict
 from itertools import islice
 from typing import Any, Hashable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -218,7 +219,9 @@ def _identity_signature(
 
 def _watched_ids(watched: list[tuple], read: int, outside: list) -> tuple:
     ids = tuple([w[read](w[2]) for w in watched])
-    return (ids, tuple([id(d.get(n, MISSING)) for d, n, _ in outside])) if outside else ids
+    if not outside:
+        return ids
+    return ids, tuple([_outside_token(d.get(n, MISSING)) for d, n, _ in outside])
 
 
 def _contents(o: Any) -> Any:
@@ -284,7 +287,7 @@ def fingerprint(
         key = (OUTSIDE, "a", label)
         v = d.get(n, MISSING)
         if key not in varying and not issubclass(type(v), _CONTAINERS):
-            fp[key] = _value(v)  # (containers: with the holders below)
+            fp[key] = _outside_value(v)  # (containers: with the holders below)
     for i, path, o, *_ in watched:
         if path in _SLOT_DICTS:
             continue  # (their order is structure, above)
@@ -310,8 +313,36 @@ def _hooks(m: nn.Module) -> list[dict]:
 
 
 def _value(v: Any) -> tuple:
-    """An attribute as a fingerprint field: plain values by value, other objects by id."""
-    return (type(v), v) if is_scalar(v) else (type(v), id(v))
+    """An attribute as a fingerprint field: plain values by value (a tuple of them too: one
+    re-created equal each step is the same value), other objects by id."""
+    if is_scalar(v):
+        return (type(v), v)
+    if type(v) is tuple:
+        c = copy_plain(v)
+        if c is not MISSING:
+            return (tuple, c)
+    return (type(v), id(v))
+
+
+def _outside_token(v: Any) -> Any:
+    """Which object an attribute read from outside holds, and for a one-element tensor or a
+    small array (a flag, a step counter), its bytes' version: written in place, it is
+    another value."""
+    t = type(v)
+    try:
+        if issubclass(t, torch.Tensor) and v.numel() <= 1:
+            return id(v), v._version
+        if issubclass(t, np.ndarray) and v.size <= 64:
+            return id(v), v.tobytes()
+    except Exception:  # (a wrapper tensor without a version, a dead buffer)
+        pass
+    return id(v)
+
+
+def _outside_value(v: Any) -> tuple:
+    """An attribute read from outside as a fingerprint field (see :func:`_outside_token`)."""
+    tok = _outside_token(v)
+    return (type(v), tok) if type(tok) is tuple else _value(v)
 
 
 def _discrete(key: Hashable, value: Any) -> bool:
@@ -517,10 +548,10 @@ class Guard:
             # learned as varying at the window's end (learn_varying), as a module's own is
             first = {(OUTSIDE, "a", label): (d.get(n, MISSING), v) for d, n, label, v in new}
             for path, (cur, v) in [(k[2], first.pop(k)) for k in list(first)]:
-                if isinstance(cur, _CONTAINERS) and issubclass(type(v), _CONTAINERS):
+                if issubclass(type(cur), _CONTAINERS) and issubclass(type(v), _CONTAINERS):
                     now[(OUTSIDE, "a", path)] = (type(cur), _contents(v))
-                elif not isinstance(cur, _CONTAINERS):
-                    now[(OUTSIDE, "a", path)] = _value(v)
+                elif not issubclass(type(cur), _CONTAINERS):
+                    now[(OUTSIDE, "a", path)] = _outside_value(v)
             for key, value in now.items():
                 if key in self.base or not (isinstance(key, tuple) and key[0] == OUTSIDE):
                     continue

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from lightning_replay.slots import MISSING, copy_plain, is_scalar
+from lightning_replay.slots import HOOK_DICTS, MISSING, copy_plain, is_scalar
 
 #: Code from these packages keeps no training state at module level.
 _LIBRARY_ROOTS = ("torch", "numpy", "math", "builtins", "typing", "functools", "collections", "abc")
@@ -180,6 +180,20 @@ def _functions(cls: type) -> Iterable[types.FunctionType]:
                 yield fn
 
 
+def _hook_functions(modules: list[nn.Module]) -> Iterable[types.FunctionType]:
+    """The Python functions registered as hooks on ``modules`` (bound methods and partials
+    unwrapped)."""
+    for m in modules:
+        for name in HOOK_DICTS:
+            hooks = m.__dict__.get(name)
+            for h in hooks.values() if isinstance(hooks, dict) else ():
+                fn = getattr(h, "func", h)  # functools.partial
+                fn = getattr(fn, "__func__", fn)  # a bound method
+                fn = getattr(fn, "__wrapped__", fn)
+                if isinstance(fn, types.FunctionType):
+                    yield fn
+
+
 def _holder(value: Any) -> bool:
     """A module-level object whose attributes a forward may read as settings: a module or a
     plain instance (not a class, a function, an nn.Module or a tensor)."""
@@ -202,6 +216,7 @@ def globals_read(modules: Iterable[nn.Module]) -> list[tuple[Any, str]]:
     modules = list(modules)
     classes = {type(m) for m in modules}
     todo = [(fn, 0) for cls in classes for fn in _functions(cls)]
+    todo += [(fn, 0) for fn in _hook_functions(modules)]  # (the replay runs them too)
     read_from_self: set[str] = set()
     while todo:
         fn, depth = todo.pop()

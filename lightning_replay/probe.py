@@ -289,7 +289,8 @@ def _outside_label(m: Any, k: Any, names: dict[int, str]) -> str:
     ``(where, name)`` for a registered buffer; ``names``: module names by id), or a
     module-level value's."""
     if id(m) in names:
-        k = k[1] if isinstance(k, tuple) else k
+        if isinstance(k, tuple):  # a buffer by its name; a submodule apart from a plain value
+            k = f"{k[1]} (submodule)" if k[0] == "_modules" else k[1]
         return f"{names[id(m)]}.{k}" if names[id(m)] else k
     return describe(m, k)  # a module-level value (module_globals.py)
 

@@ -122,11 +122,11 @@ def copy_plain(v: Any, budget: list[int] | None = None) -> Any:
     holds anything else or is too large to copy every step."""
     if budget is None:
         budget = [_CONTAINER_LIMIT]
-    if is_scalar(v):
-        return v
-    budget[0] -= 1
+    budget[0] -= 1  # (per item, scalars too: a list of 100,000 floats is not copied per step)
     if budget[0] < 0:
         return MISSING
+    if is_scalar(v):
+        return v
     t = type(v)
     if t in (list, tuple, set, frozenset):
         out = []
@@ -157,7 +157,10 @@ def same_value(a: Any, b: Any) -> bool:
     if ta is not tb:
         return False
     if issubclass(ta, (list, tuple)):  # and their subclasses: a named tuple, a UserList...
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+        if len(a) != len(b):
+            return False
+        # (a shallow copy holds the same objects: told at C speed for a long list)
+        return all(map(operator.is_, a, b)) or all(same_value(x, y) for x, y in zip(a, b))
     if issubclass(ta, dict):  # the order too: a forward may iterate it (an OrderedDict...)
         return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
     if issubclass(ta, (set, frozenset)):
@@ -1031,12 +1034,15 @@ def _trace_class(cls: type) -> type:
             value = cls.__getattr__(self, name)
         except AttributeError:
             # absent (``getattr(root, "flag", False)``): the forward ran without it, and one
-            # set later is another forward's
+            # set later is another forward's (a plain value, or a module: ``_modules``)
             if reads is not None and name not in MODULE_INTERNALS and (None, name) not in reads:
                 reads[None, name] = MISSING
+                reads["_modules", name] = MISSING
             raise
-        if reads is not None and name in d["_buffers"] and ("_buffers", name) not in reads:
-            reads["_buffers", name] = value
+        if reads is not None:
+            for where in ("_buffers", "_modules"):  # which tensor, or which module
+                if name in d[where] and (where, name) not in reads:
+                    reads[where, name] = value
         return value
 
     new = type(
