@@ -11,8 +11,8 @@ fingerprinted at each forward, cheaply (identities and plain values, no tensor b
   tensor attribute, and of every other attribute
   object (a generator replaced by a new one, a tensor rebound instead of written in place,
   parameters substituted by ``torch.func.functional_call``);
-* the value of every plain attribute (a dropout ``p`` warming up from 0, an enum mode), also
-  of the plain holder objects reachable from the modules (a config's ``use_bank``, with
+* the value of every plain attribute (a dropout ``p`` warming up from 0, an enum mode, a
+  tuple of plain values), also of the plain holder objects reachable from the modules (a config's ``use_bank``, with
   ``__dict__`` or ``__slots__``, held directly, by another holder or in a container), and the
   contents of every container attribute (a dict of flags).
 
@@ -21,12 +21,16 @@ exact by construction) and the contract is extended. Fields that vary continuous
 numbers, hook functions, container contents) are re-probed once and then left to the replay,
 which puts the forward's objects and values back (:mod:`lightning_replay.slots`); discrete
 fields (flags, hook keys, structure, strings, enums) are re-probed at each value not seen
-before, so a mode that comes back costs nothing.
+before, so a mode that comes back costs nothing. A flag the probe's forward read and the step
+turned after the segment ran, inside the probe's window, stays a precondition
+(``probe._read_flags``): the next forward reads a value no probe saw.
 
 Attributes the segment's forward read from outside its modules (a flag on the root, a
 temperature on a sibling, a module-level setting: :attr:`Guard.outside`, from the probes) are
 fields like its own: by value, with the holders and containers reachable from them, under
-keys ``("outside", "a", name)``. A flag on the root that gates a read of state the contract
+keys ``("outside", "a", name)``; a one-element tensor or a small array read from outside also
+by its version (a flag written in place), a submodule read from outside by which module the
+parent holds (replaced, or added where the probe found none). A flag on the root that gates a read of state the contract
 does not cover, flipped between steps, re-probes the next forward. Only attributes some
 probe's forward read (or that the segment's code names at module level) are watched, not
 everything on the modules around it.
