@@ -355,9 +355,14 @@ def _discrete(key: Hashable, value: Any) -> bool:
         return True
     if key[1] != "a" or value is _ABSENT:
         return False
-    t, v = value
-    # (numbers, numpy's too, are continuous: a step counter, a schedule's value)
-    return is_scalar(v) and not isinstance(v, numbers.Number) or t is bool
+    return is_flag(value[1])
+
+
+def is_flag(v: Any) -> bool:
+    """A plain value whose change is a change of mode (a bool, a string or enum, None, a
+    dtype): a discrete field. Numbers, numpy's too, are continuous (a step counter, a
+    schedule's value)."""
+    return is_scalar(v) and (type(v) is bool or not isinstance(v, numbers.Number))
 
 
 class Guard:
@@ -550,12 +555,14 @@ class Guard:
             now = fingerprint(self.modules, self.varying, watched, self.outside)
             # as the forward first read them, before any write of its own: one it wrote is
             # learned as varying at the window's end (learn_varying), as a module's own is
-            first = {(OUTSIDE, "a", label): (d.get(n, MISSING), v) for d, n, label, v in new}
-            for path, (cur, v) in [(k[2], first.pop(k)) for k in list(first)]:
-                if issubclass(type(cur), _CONTAINERS) and issubclass(type(v), _CONTAINERS):
-                    now[(OUTSIDE, "a", path)] = (type(cur), _contents(v))
-                elif not issubclass(type(cur), _CONTAINERS):
-                    now[(OUTSIDE, "a", path)] = _outside_value(v)
+            for d, n, label, v in new:
+                key, cur = (OUTSIDE, "a", label), d.get(n, MISSING)
+                if key in self.varying:
+                    continue
+                if not issubclass(type(cur), _CONTAINERS):
+                    now[key] = _outside_value(v)
+                elif issubclass(type(v), _CONTAINERS):
+                    now[key] = (type(cur), _contents(v))
             for key, value in now.items():
                 if key in self.base or not (isinstance(key, tuple) and key[0] == OUTSIDE):
                     continue

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import re
 import random
 import sys
@@ -44,7 +43,7 @@ from lightning_replay.restore import _Bound
 from lightning_replay.module_globals import describe, globals_read
 from lightning_replay.guards import _attrs as _guard_attrs
 from lightning_replay.guards import _contents as _guard_contents
-from lightning_replay.guards import _reachable
+from lightning_replay.guards import _reachable, is_flag
 from lightning_replay.slots import (
     MISSING,
     MODULE_INTERNALS,
@@ -262,7 +261,7 @@ def _read_flags(
         if traced is not None:
             out |= {(i, "a", f"{path}.{n}") for n, v in traced.items() if _same_flag(before, n, v)}
         elif (i, re.split(r"[.\[]", path, maxsplit=1)[0]) in read:
-            out |= {(i, "a", f"{path}.{n}") for n, v in before.items() if _is_flag(v)}
+            out |= {(i, "a", f"{path}.{n}") for n, v in before.items() if is_flag(v)}
     return out
 
 
@@ -276,12 +275,7 @@ def _same_flag(before: Any, name: str, first: Any) -> bool:
         # a container read whole (a dict of flags): which item is not traced; its contents
         # changed after the forward make the next forward a probe, once (guards._discrete)
         return _guard_contents(first) == _guard_contents(was)
-    return _is_flag(first) and type(was) is type(first) and was == first
-
-
-def _is_flag(v: Any) -> bool:
-    """A value whose change is a change of mode (the guard's discrete values)."""
-    return v is None or isinstance(v, (bool, str, enum.Enum))
+    return is_flag(first) and type(was) is type(first) and was == first
 
 
 def _outside_label(m: Any, k: Any, names: dict[int, str]) -> str:

@@ -1045,18 +1045,20 @@ def _trace_class(cls: type) -> type:
                     reads[where, name] = value
         return value
 
-    new = type(
+    new = _TRACE_CLASSES[cls] = _recording_subclass(
+        cls, __getattribute__=__getattribute__, __getattr__=__getattr__
+    )
+    return new
+
+
+def _recording_subclass(cls: type, **methods: Any) -> type:
+    """A subclass of ``cls`` under its own names (``type(x).__name__``, reprs and pickling
+    see the user's class) with ``methods`` over its own."""
+    return type(
         cls.__name__,
         (cls,),
-        {
-            "__getattribute__": __getattribute__,
-            "__getattr__": __getattr__,
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-        },
+        {**methods, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
     )
-    _TRACE_CLASSES[cls] = new
-    return new
 
 
 class OutsideReads:
@@ -1118,17 +1120,9 @@ def _holder_trace_class(cls: type) -> type:
             reads[name] = value
         return value
 
-    new = type(
-        cls.__name__,
-        (cls,),
-        {
-            "__slots__": (),
-            "__getattribute__": __getattribute__,
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-        },
+    new = _HOLDER_TRACE_CLASSES[cls] = _recording_subclass(
+        cls, __slots__=(), __getattribute__=__getattribute__
     )
-    _HOLDER_TRACE_CLASSES[cls] = new
     return new
 
 
