@@ -8,6 +8,8 @@ machine hits all of them alike.
 
 from __future__ import annotations
 
+import itertools
+import random
 import statistics
 import time
 from typing import Any, Callable
@@ -116,3 +118,30 @@ def run_plans(
 def paired_ratio(a: list[float], b: list[float]) -> float:
     """Median of the per-round ratios a/b (both stepped in the same round)."""
     return statistics.median(x / y for x, y in zip(a, b))
+
+
+def median_se(xs: list[float], draws: int = 400, seed: int = 0) -> float:
+    """Bootstrap standard error of the median of ``xs``: how far this run's noise alone moves
+    a measured median (``draws`` resamples, a fixed seed so a result file can be recomputed)."""
+    if len(xs) < 2:
+        return 0.0
+    rng = random.Random(seed)
+    meds = [statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws)]
+    return statistics.stdev(meds)
+
+
+def arms_side_by_side(
+    arms: list[list[Any]], step: Callable[[Any, int], float], rounds: int
+) -> list[list[float]]:
+    """Seconds of ``step(model, round)`` per arm and round: every arm steps once a round, on
+    its copy ``(round % copies)``, the arms in an order that cycles through all their orders
+    (each copy in every order). Several copies per arm, because two copies of one model differ
+    in where their tensors sit, which can move a step's time by a percent or two for as long as
+    they live; the order cycles so a slow phase of a shared machine hits every arm alike."""
+    copies = len(arms[0])
+    orders = list(itertools.permutations(range(len(arms))))
+    times: list[list[float]] = [[] for _ in arms]
+    for r in range(rounds):
+        for a in orders[(r // copies) % len(orders)]:
+            times[a].append(step(arms[a][r % copies], r))
+    return times

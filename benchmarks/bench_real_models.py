@@ -6,15 +6,17 @@ code (no downloads). Per model:
 
 * ``ratio_vs_torch_checkpoint``: step time of the model under ``lr.install`` (every block a
   segment; the per-forward guards always run) over the same model with the same blocks wrapped
-  in ``torch.utils.checkpoint(use_reentrant=False)``; median of per-round ratios, the two
-  stepping alternately.
+  in ``torch.utils.checkpoint(use_reentrant=False)``; median of per-round ratios, the arms
+  stepping in turn, each on three copies of the model (see :func:`side_by_side`).
+* ``torch_vs_torch``: the same ratio between two arms that both run torch checkpoint: the
+  noise of this run, measured alongside.
 * ``replay_saved_bytes`` / ``torch_saved_bytes``: bytes autograd holds for backward, counted by
   an outer saved-tensor hook in one step (the same count for both). What the engine keeps
   besides, to replay exactly (snapshots of state the segments write, e.g. batch-norm running
   statistics, which torch's checkpoint updates twice instead), is ``replay_preserved_bytes``.
 * ``checks_ratio_every_50``: two engine copies train side by side; one runs derivative + byte
-  checks on one step in every 50. Median over the 50-step blocks of (block time with checks) /
-  (block time without).
+  checks on one step in every 50, the two taking turns from block to block. Median over the
+  50-step blocks of (block time with checks) / (block time without).
 
 On CPU the steps run on one intra-op thread, timed by this thread's CPU time (the machine may be
 shared; see ``sparse_map._clock``).
@@ -28,14 +30,14 @@ import os
 import statistics
 import time
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import lightning_replay as lr
-from bench_common import device, paired_ratio
+from bench_common import arms_side_by_side, device, paired_ratio
 from lightning_replay.verify import torch_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -130,66 +132,31 @@ def _step(model: nn.Module, loss_fn, batch, clock=time.perf_counter) -> tuple[fl
     return clock() - t0, sum(saved.values())
 
 
-def run_model(name: str, size: dict, rounds: int, check_blocks: int, every: int = 50) -> dict:
-    dev = device()
-    clock = time.thread_time if dev.type == "cpu" else time.perf_counter
-    torch.manual_seed(0)
-    proto, pattern, make_batch, loss_fn = BUILDERS[name](size)
-    proto.to(dev).train()
-    names = _segments(proto, pattern)
-    batch = lambda s: tuple(t.to(dev) for t in make_batch(s))  # noqa: E731
-
-    naive = torch_checkpoint(copy.deepcopy(proto), names)
-    replay = copy.deepcopy(proto)
-    engine = lr.install(replay, names)
-    for s in range(3):  # the first replay step is the probe
-        _step(naive, loss_fn, batch(s), clock)
-        _step(replay, loss_fn, batch(s), clock)
-    t_naive, t_replay = [], []
-    for r in range(rounds):
-        order = [(naive, t_naive), (replay, t_replay)]
-        for model, times in order if r % 2 else order[::-1]:
-            times.append(_step(model, loss_fn, batch(3 + r), clock)[0])
-    _, torch_bytes = _step(naive, loss_fn, batch(0), clock)
-    _, replay_bytes = _step(replay, loss_fn, batch(0), clock)
-    preserved = int(engine.window_stats()["preserved_bytes"])
-    modes = sorted({s["mode"] for s in engine.summary().values()})
-    out: dict[str, Any] = {
-        "segments": len(names),
-        "size": size,
-        "rounds": rounds,
-        "ratio_vs_torch_checkpoint": paired_ratio(t_replay, t_naive),
-        "replay_step_s": statistics.median(t_replay),
-        "torch_step_s": statistics.median(t_naive),
-        "replay_saved_bytes": replay_bytes,
-        "torch_saved_bytes": torch_bytes,
-        "replay_preserved_bytes": preserved,
-        "modes": modes,
-    }
-    engine.uninstall()
-    out.update(_checks(proto, names, loss_fn, batch, clock, check_blocks, every))
-    return out
-
-
 def _checks(proto, names, loss_fn, batch, clock, blocks: int, every: int) -> dict:
-    models = {k: copy.deepcopy(proto) for k in ("checked", "plain")}
-    engines = {k: lr.install(m, names, on_violation="record") for k, m in models.items()}
-    for k in models:  # probe and warm up outside the measured blocks
+    """Two engine copies train side by side; in each block of ``every`` steps one of them runs
+    checks on one step. They swap roles from block to block, so what sets two copies' step times
+    apart (see :func:`side_by_side`) cancels over an even number of blocks."""
+    models = [copy.deepcopy(proto) for _ in range(2)]
+    engines = [lr.install(m, names, on_violation="record") for m in models]
+    for m in models:  # probe and warm up outside the measured blocks
         for s in range(2):
-            _step(models[k], loss_fn, batch(s), clock)
+            _step(m, loss_fn, batch(s), clock)
     ratios = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for _ in range(blocks):
-            total = {k: 0.0 for k in models}
+        for b in range(blocks):
+            checked = b % 2
+            total = [0.0, 0.0]
             for step in range(every):
-                for k in ("checked", "plain") if step % 2 else ("plain", "checked"):
-                    if k == "checked" and step == every // 2:
+                for k in (0, 1) if step % 2 else (1, 0):
+                    if k == checked and step == every // 2:
                         engines[k].request_check()
                     total[k] += _step(models[k], loss_fn, batch(step), clock)[0]
-            ratios.append(total["checked"] / total["plain"])
-    counts = engines["checked"].records.counts()
-    for e in engines.values():
+            ratios.append(total[checked] / total[1 - checked])
+    counts = engines[0].records.counts()
+    for k, v in engines[1].records.counts().items():
+        counts[k] = counts.get(k, 0) + v
+    for e in engines:
         e.uninstall()
     return {
         "checks_ratio_every_50": statistics.median(ratios),
@@ -199,61 +166,86 @@ def _checks(proto, names, loss_fn, batch, clock, blocks: int, every: int) -> dic
     }
 
 
-def side_by_side(models: dict[str, dict], rounds: int, warmup: int = 3) -> dict:
-    """``ratio_vs_torch_checkpoint`` of several models in one process, their rounds
-    interleaved (in each round every model steps once under torch checkpoint and once under
-    lightning_replay, the order alternating), so a slow phase of a shared machine hits every
-    model and both arms alike. Per model: the median of per-round ratios, the medians of both
-    step times and of the per-round differences (seconds of this thread's CPU on CPU)."""
+def side_by_side(models: dict[str, dict], rounds: int, copies: int = 3, warmup: int = 3) -> dict:
+    """Step times of each model under torch checkpoint (twice: the ``torch`` arm and a
+    ``control`` arm, built alike) and under lightning_replay (``replay``), ``copies`` copies per
+    arm, stepped in turn (:func:`bench_common.arms_side_by_side`). Per model:
+
+    * ``ratio_vs_torch_checkpoint``: median over rounds of replay / the mean of the two torch
+      arms;
+    * ``torch_vs_torch``: median over rounds of control / torch, the same measurement between
+      two arms that do the same work: how far from 1 this run's noise alone puts a ratio;
+    * medians of the step times, and of replay's extra over the torch arms (seconds of this
+      thread's CPU on CPU);
+    * saved bytes of one step, counted alike for torch checkpoint and replay, and the bytes
+      the engine preserves besides (see the module docstring).
+    """
     dev = device()
     clock = time.thread_time if dev.type == "cpu" else time.perf_counter
-    arms = {}
+    out = {}
     for name, size in models.items():
         torch.manual_seed(0)
         proto, pattern, make_batch, loss_fn = BUILDERS[name](size)
         proto.to(dev).train()
         names = _segments(proto, pattern)
         batch = lambda s, mb=make_batch: tuple(t.to(dev) for t in mb(s))  # noqa: E731
-        naive = torch_checkpoint(copy.deepcopy(proto), names)
-        replay = copy.deepcopy(proto)
-        engine = lr.install(replay, names)
+        arms = [[torch_checkpoint(copy.deepcopy(proto), names) for _ in range(copies)]]
+        arms.append([torch_checkpoint(copy.deepcopy(proto), names) for _ in range(copies)])
+        arms.append([copy.deepcopy(proto) for _ in range(copies)])
+        engines = [lr.install(m, names) for m in arms[2]]
         for s in range(warmup):  # the first replay step is the probe
-            _step(naive, loss_fn, batch(s), clock)
-            _step(replay, loss_fn, batch(s), clock)
-        arms[name] = (naive, replay, engine, loss_fn, batch, [], [], len(names))
-    for r in range(rounds):
-        for naive, replay, _, loss_fn, batch, t_naive, t_replay, _ in arms.values():
-            order = [(naive, t_naive), (replay, t_replay)]
-            for model, times in order if r % 2 else order[::-1]:
-                times.append(_step(model, loss_fn, batch(warmup + r), clock)[0])
-    out = {}
-    for name, (_, _, engine, _, _, t_naive, t_replay, n) in arms.items():
-        modes = sorted({s["mode"] for s in engine.summary().values()})
-        engine.uninstall()
+            for arm in arms:
+                for model in arm:
+                    _step(model, loss_fn, batch(s), clock)
+        t_torch, t_control, t_replay = arms_side_by_side(
+            arms, lambda m, r: _step(m, loss_fn, batch(warmup + r), clock)[0], rounds
+        )
+        reference = [(a + b) / 2 for a, b in zip(t_torch, t_control)]
+        _, torch_bytes = _step(arms[0][0], loss_fn, batch(0), clock)
+        _, replay_bytes = _step(arms[2][0], loss_fn, batch(0), clock)
         out[name] = {
-            "segments": n,
-            "size": models[name],
+            "segments": len(names),
+            "size": size,
             "rounds": rounds,
-            "modes": modes,
-            "ratio_vs_torch_checkpoint": paired_ratio(t_replay, t_naive),
+            "copies": copies,
+            "modes": sorted({s["mode"] for s in engines[0].summary().values()}),
+            "ratio_vs_torch_checkpoint": paired_ratio(t_replay, reference),
+            "torch_vs_torch": paired_ratio(t_control, t_torch),
             "replay_step_s": statistics.median(t_replay),
-            "torch_step_s": statistics.median(t_naive),
-            "extra_s": statistics.median(a - b for a, b in zip(t_replay, t_naive)),
+            "torch_step_s": statistics.median(reference),
+            "extra_s": statistics.median(a - b for a, b in zip(t_replay, reference)),
+            "replay_saved_bytes": replay_bytes,
+            "torch_saved_bytes": torch_bytes,
+            "replay_preserved_bytes": int(engines[0].window_stats()["preserved_bytes"]),
         }
+        for e in engines:
+            e.uninstall()
+        del arms, engines
     return out
 
 
 def run(cfg: dict) -> dict:
-    """Every model in ``cfg["models"]`` (name -> size), ``rounds`` pairs, ``check_blocks``
-    blocks of ``every`` steps."""
+    """Every model in ``cfg["models"]`` (name -> size): ``rounds`` rounds side by side with
+    ``copies`` copies per arm (:func:`side_by_side`), then ``check_blocks`` blocks of ``every``
+    steps with and without sampled checks."""
+    dev = device()
+    clock = time.thread_time if dev.type == "cpu" else time.perf_counter
     threads = torch.get_num_threads()
-    if device().type == "cpu":
+    if dev.type == "cpu":
         torch.set_num_threads(1)
     try:
-        return {
-            name: run_model(name, size, cfg["rounds"], cfg["check_blocks"], cfg.get("every", 50))
-            for name, size in cfg["models"].items()
-        }
+        out = side_by_side(cfg["models"], cfg["rounds"], cfg.get("copies", 3))
+        for name, size in cfg["models"].items():
+            torch.manual_seed(0)
+            proto, pattern, make_batch, loss_fn = BUILDERS[name](size)
+            proto.to(dev).train()
+            batch = lambda s, mb=make_batch: tuple(t.to(dev) for t in mb(s))  # noqa: E731
+            names = _segments(proto, pattern)
+            every = cfg.get("every", 50)
+            out[name].update(
+                _checks(proto, names, loss_fn, batch, clock, cfg["check_blocks"], every)
+            )
+        return out
     finally:
         torch.set_num_threads(threads)
 
@@ -271,4 +263,5 @@ if __name__ == "__main__":
     suite = sys.argv[2] if len(sys.argv) > 2 else "quick"
     if device().type == "cpu":
         torch.set_num_threads(1)
-    print(json.dumps(side_by_side(SUITES[suite]["real_models"]["models"], rounds)))
+    copies = SUITES[suite]["real_models"].get("copies", 3)
+    print(json.dumps(side_by_side(SUITES[suite]["real_models"]["models"], rounds, copies)))

@@ -1,9 +1,10 @@
 """Overhead of lightning_replay against torch.utils.checkpoint on a stateless model.
 
-Same model, same segments, interleaved runs, medians. Prints the step-time ratio
-(replay / torch.utils.checkpoint) and the bytes each holds for backward.
+Same model, same segments, interleaved runs (three arms: torch checkpoint twice, the second
+one measuring the run's noise, and lightning_replay), medians of per-round ratios. Prints the
+step-time ratio (replay / torch.utils.checkpoint) and the bytes each holds for backward.
 
-    python benchmarks/overhead.py [--width 1024 --blocks 6 --batch 256 --repeats 15]
+    python benchmarks/overhead.py [--width 1024 --blocks 6 --batch 256 --repeats 36 --copies 3]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 import lightning_replay as lr
+from bench_common import arms_side_by_side, device, paired_ratio
 from lightning_replay.demos.hazards import MLPBlock
 from lightning_replay.verify import torch_checkpoint
 
@@ -35,7 +37,7 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def _step(model: nn.Module, x: torch.Tensor) -> tuple[float, int]:
+def _step(model: nn.Module, x: torch.Tensor, clock=time.thread_time) -> tuple[float, int]:
     """One forward+backward; returns (seconds, bytes of tensors saved through autograd hooks)."""
     saved: dict[int, int] = {}
 
@@ -43,52 +45,66 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[float, int]:
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    t0 = time.perf_counter()
+    t0 = clock()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(x).pow(2).mean()
     loss.backward()
-    dt = time.perf_counter() - t0
+    dt = clock() - t0
     model.zero_grad(set_to_none=True)
     return dt, sum(saved.values())
 
 
 def run(
-    width: int = 1024, blocks: int = 6, batch: int = 256, repeats: int = 15, warmup: int = 3
+    width: int = 1024,
+    blocks: int = 6,
+    batch: int = 256,
+    repeats: int = 15,
+    warmup: int = 3,
+    copies: int = 3,
 ) -> dict:
-    torch.manual_seed(0)
-    base = Stack(width, blocks)
-    names = [f"blocks.{i}" for i in range(blocks)]
-    naive = torch_checkpoint(copy.deepcopy(base), names)
-    replay = copy.deepcopy(base)
-    engine = lr.install(replay, names)
-    x = torch.randn(batch, width)
-    for _ in range(warmup):  # the first replay step is the probe
-        _step(naive, x)
-        _step(replay, x)
-    t_naive, t_replay, b_naive, b_replay = [], [], 0, 0
-    for i in range(repeats):
-        order = [(naive, t_naive), (replay, t_replay)]
-        if i % 2:
-            order.reverse()  # interleave, alternating who goes first
-        for model, times in order:
-            dt, b = _step(model, x)
-            times.append(dt)
-            if model is naive:
-                b_naive = b
-            else:
-                b_replay = b + engine.preserved_bytes
-    assert all(s["mode"] == "recompute" for s in engine.summary().values())
-    med_n, med_r = statistics.median(t_naive), statistics.median(t_replay)
+    """``repeats`` rounds of three arms (torch checkpoint, a second torch checkpoint arm as the
+    noise control, lightning_replay), ``copies`` copies each, stepped in turn
+    (:func:`bench_common.arms_side_by_side`). On CPU: one intra-op thread, this thread's CPU
+    time (see ``sparse_map._clock``)."""
+    dev = device()
+    clock = time.thread_time if dev.type == "cpu" else time.perf_counter
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        base = Stack(width, blocks).to(dev)
+        names = [f"blocks.{i}" for i in range(blocks)]
+        arms = [[torch_checkpoint(copy.deepcopy(base), names) for _ in range(copies)]]
+        arms.append([torch_checkpoint(copy.deepcopy(base), names) for _ in range(copies)])
+        arms.append([copy.deepcopy(base) for _ in range(copies)])
+        engines = [lr.install(m, names) for m in arms[2]]
+        x = torch.randn(batch, width, device=dev)
+        for _ in range(warmup):  # the first replay step is the probe
+            for arm in arms:
+                for model in arm:
+                    _step(model, x, clock)
+        t_naive, t_control, t_replay = arms_side_by_side(
+            arms, lambda m, r: _step(m, x, clock)[0], repeats
+        )
+        assert all(s["mode"] == "recompute" for s in engines[0].summary().values())
+        b_naive = _step(arms[0][0], x, clock)[1]
+        b_replay = _step(arms[2][0], x, clock)[1] + engines[0].preserved_bytes
+    finally:
+        torch.set_num_threads(threads)
+    reference = [(a + b) / 2 for a, b in zip(t_naive, t_control)]
     return {
-        "ratio": med_r / med_n,
-        "replay_step_s": med_r,
-        "torch_step_s": med_n,
+        "ratio": paired_ratio(t_replay, reference),
+        "torch_vs_torch": paired_ratio(t_control, t_naive),
+        "replay_step_s": statistics.median(t_replay),
+        "torch_step_s": statistics.median(reference),
         "replay_saved_bytes": b_replay,
         "torch_saved_bytes": b_naive,
         "width": width,
         "blocks": blocks,
         "batch": batch,
         "repeats": repeats,
+        "copies": copies,
     }
 
 
@@ -99,14 +115,16 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=36)
+    ap.add_argument("--copies", type=int, default=3)
     ap.add_argument("--json", help="also write the figures to this file")
     a = ap.parse_args(argv)
-    r = run(a.width, a.blocks, a.batch, a.repeats)
+    r = run(a.width, a.blocks, a.batch, a.repeats, copies=a.copies)
     print(
         f"stateless {a.blocks}x MLP width {a.width}, batch {a.batch}, {a.repeats} interleaved "
-        f"pairs: replay {r['replay_step_s'] * 1e3:.1f} ms, torch.utils.checkpoint "
-        f"{r['torch_step_s'] * 1e3:.1f} ms, ratio {r['ratio']:.3f}; saved bytes "
+        f"rounds: replay {r['replay_step_s'] * 1e3:.1f} ms, torch.utils.checkpoint "
+        f"{r['torch_step_s'] * 1e3:.1f} ms, ratio {r['ratio']:.3f} (torch vs torch "
+        f"{r['torch_vs_torch']:.3f}); saved bytes "
         f"{r['replay_saved_bytes']} vs {r['torch_saved_bytes']}"
     )
     if a.json:

@@ -26,6 +26,7 @@ same rounds. A plan two methods share is one run: their ratio is 1 by constructi
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench_common import device, measure_costs, paired_ratio, run_plans
+from bench_common import device, measure_costs, median_se, paired_ratio, run_plans
 from lightning_replay.planner import InfeasibleBudget, costs_to_dict, min_feasible_budget, plan
 
 #: The methods compared in every cell (``retain_all`` only fits at position 1, off the grid).
@@ -216,6 +217,13 @@ def run_pair(
                 vs_plain=paired_ratio(r["step_times_s"], r["plain_step_times_s"]),
                 within_budget=r["peak_bytes"] <= cell["budget_bytes"],
                 step_time_error=(predicted - r["step_time_s"]) / r["step_time_s"],
+                # the noise in that error: the bootstrap standard errors of the two measured
+                # medians it is made of (this plan's, and retain_all's that the prediction adds
+                # to), relative to the step
+                step_time_error_se=math.hypot(
+                    median_se(r["step_times_s"]), median_se(retained["step_times_s"])
+                )
+                / r["step_time_s"],
             )
         cell["plain_step_time_s"] = retained["plain_step_time_s"]
         cell["retain_all_step_time_s"] = retained["step_time_s"]
@@ -323,6 +331,9 @@ def run(cfg: dict, grid: dict) -> dict:
         ),
         "step_time_error_max": max((abs(m["step_time_error"]) for m in feasible), default=None),
         "step_time_error_median": statistics.median(abs(m["step_time_error"]) for m in feasible)
+        if feasible
+        else None,
+        "step_time_error_se_median": statistics.median(m["step_time_error_se"] for m in feasible)
         if feasible
         else None,
         "retain_all_vs_plain_median": statistics.median(p["retain_all_vs_plain"] for p in pairs),

@@ -50,7 +50,8 @@ def test_json_has_every_documented_key(smoke):
     assert isinstance(m["cells_joint_vs_eager_whole_le_0_82"], list)
     for name in ("gpt2", "vit", "resnet18"):
         d = r["real_models"][name]
-        assert d["ratio_vs_torch_checkpoint"] > 0
+        assert d["ratio_vs_torch_checkpoint"] > 0 and d["torch_vs_torch"] > 0
+        assert d["copies"] == 2 and d["modes"]
         assert d["replay_saved_bytes"] == d["torch_saved_bytes"] > 0
         assert d["checks_ratio_every_50"] > 0
         assert d["check_records"]["match"] > 0 and d["check_records"]["divergence"] == 0
@@ -126,3 +127,35 @@ def test_steady_profile_times_every_steady_function(monkeypatch):
     assert [getattr(owner, attr) for owner, attr in sp.FUNCTIONS] == before
     assert len(out["us_per_call"]) == len(sp.FUNCTIONS)  # each one ran
     assert sp.variant("resnet18", 2, "direct")["torch_ms"] > 0
+
+
+def test_arms_side_by_side_steps_every_copy_in_every_order():
+    """The real-model and overhead ratios rest on this schedule: every arm steps once a round,
+    on its copies in turn, and over 18 rounds each copy of each arm takes every position."""
+    sys.path.insert(0, BENCH)
+    from bench_common import arms_side_by_side
+
+    arms = [
+        [("a", c) for c in range(3)],
+        [("b", c) for c in range(3)],
+        [("c", c) for c in range(3)],
+    ]
+    seen = []
+    times = arms_side_by_side(arms, lambda m, r: seen.append((r, m)) or float(r), 36)
+    assert [len(t) for t in times] == [36, 36, 36]
+    assert times[0] == [float(r) for r in range(36)]  # in round order, whatever the arm order
+    positions = {}
+    for i, (r, (arm, copy)) in enumerate(seen):
+        assert copy == r % 3
+        positions.setdefault((arm, copy), set()).add(i % 3)
+    assert all(p == {0, 1, 2} for p in positions.values()) and len(positions) == 9
+
+
+def test_median_se_measures_the_spread_of_a_median():
+    sys.path.insert(0, BENCH)
+    from bench_common import median_se
+
+    assert median_se([0.1] * 15) == 0.0
+    narrow = median_se([1.0 + 0.01 * (i % 5) for i in range(40)])
+    wide = median_se([1.0 + 0.1 * (i % 5) for i in range(40)])
+    assert 0 < narrow < wide
