@@ -70,33 +70,45 @@ def run_plans(
     rounds: int,
     dev: torch.device,
     clock: Callable[[], float] = time.perf_counter,
+    copies: int = 1,
 ) -> dict[str, dict]:
-    """Run each plan on its own model copy, interleaved; median step time, measured peak.
+    """Run each plan on its own model copies, interleaved; median step time, measured peak.
 
-    A copy without lightning_replay (every activation kept, nothing replayed) runs in the same
+    A model without lightning_replay (every activation kept, nothing replayed) runs in the same
     rounds: its median step time plus a plan's predicted extra time is that plan's predicted
     step time, and ``plain_step_times_s`` lets a caller pair any plan with it round by round.
-    Peaks are the engine's (exact byte accounting on CPU, the CUDA allocator on GPU), the
-    largest over the rounds.
+    Each of them runs on ``copies`` model copies, copy ``r % copies`` in round ``r``: two copies
+    of one model can differ by several percent in step time for as long as they live (where
+    their tensors sit), which one copy per plan would measure as the plan's. The order of the
+    runs in a round rotates, each copy in every position. Peaks are the engine's (exact byte
+    accounting on CPU, the CUDA allocator on GPU), the largest over the rounds and copies.
     """
-    plain = make_model()
-    timed_step(plain, make_input(0))
-    runs = {"__plain__": {"model": plain, "engine": None, "times": [], "peak": 0}}
+    runs: dict[str, dict] = {}
+    plain = [make_model() for _ in range(copies)]
+    for m in plain:
+        timed_step(m, make_input(0))
+    runs["__plain__"] = {"models": plain, "engines": [None] * copies, "times": [], "peak": 0}
     for name, p in plans.items():
-        model = make_model()
-        engine = lr.install(model, segments, track_memory=dev.type == "cpu")
-        timed_step(model, make_input(0))  # the probe
-        engine.set_options(p.choices)
-        timed_step(model, make_input(1))  # warm-up under the plan
-        runs[name] = {"model": model, "engine": engine, "times": [], "peak": 0}
+        models, engines = [], []
+        for _ in range(copies):
+            model = make_model()
+            engine = lr.install(model, segments, track_memory=dev.type == "cpu")
+            timed_step(model, make_input(0))  # the probe
+            engine.set_options(p.choices)
+            timed_step(model, make_input(1))  # warm-up under the plan
+            models.append(model)
+            engines.append(engine)
+        runs[name] = {"models": models, "engines": engines, "times": [], "peak": 0}
     names = list(runs)
     for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
+        k = (r // copies) % len(names)
+        c = r % copies
+        for name in names[k:] + names[:k]:
             run = runs[name]
-            run["times"].append(timed_step(run["model"], make_input(2 + r), clock=clock))
-            if run["engine"] is not None:
-                run["peak"] = max(run["peak"], int(run["engine"].window_stats()["peak_bytes"]))
+            run["times"].append(timed_step(run["models"][c], make_input(2 + r), clock=clock))
+            engine = run["engines"][c]
+            if engine is not None:
+                run["peak"] = max(run["peak"], int(engine.window_stats()["peak_bytes"]))
     plain_times = runs.pop("__plain__")["times"]
     plain_time = statistics.median(plain_times)
     out = {}
@@ -111,7 +123,8 @@ def run_plans(
             "plain_step_times_s": plain_times,
             "predicted_step_time_s": plain_time + plans[name].extra_time,
         }
-        run["engine"].uninstall()
+        for engine in run["engines"]:
+            engine.uninstall()
     return out
 
 

@@ -200,6 +200,7 @@ def run_pair(
         cfg["rounds"],
         dev,
         clock=_clock(dev),
+        copies=cfg.get("copies", 1),
     )
     retained = measured.pop("retain_all")
     for cell in cells:
