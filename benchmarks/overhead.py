@@ -45,10 +45,15 @@ def _step(model: nn.Module, x: torch.Tensor, clock=time.thread_time) -> tuple[fl
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     t0 = clock()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(x).pow(2).mean()
     loss.backward()
+    if cuda:
+        torch.cuda.synchronize()
     dt = clock() - t0
     model.zero_grad(set_to_none=True)
     return dt, sum(saved.values())
