@@ -39,6 +39,7 @@ everything on the modules around it.
 from __future__ import annotations
 
 import numbers
+import operator
 from collections import OrderedDict
 from itertools import islice
 from typing import Any, Hashable
@@ -69,6 +70,9 @@ _CONTAINERS = (list, dict, set)
 _SLOT_DICTS = ("_parameters", "_buffers", "_modules")
 #: the module index of the fields read from outside the segment's modules (Guard.outside)
 OUTSIDE = "outside"
+
+_COMPARE = {n: getattr(operator, n) for n in ("lt", "le", "gt", "ge", "eq", "ne")}
+_SYMBOLS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 
 
 def _storage_ptr(t: Any) -> int:
@@ -395,6 +399,9 @@ class Guard:
         #: attributes the segment's forward read from outside its modules, as (the dict that
         #: holds it, its name, its name in the model): fields like the modules' own
         self.outside: list[tuple[dict, str, str]] = []
+        #: comparisons of numbers the probes' forwards read (``add_predicates``): per (dict,
+        #: name, operator, other operand), [dict, name, label, the outcomes probes saw]
+        self.predicates: dict[tuple, list] = {}
         self._now: tuple | None = None
         #: per module, its last slot capture while steady (``capture_slots``'s ``last``); held
         #: here so that it lives and dies with the segment, never keeps a model alive
@@ -408,8 +415,38 @@ class Guard:
         now, self._now = self._now, None
         return None if now is None else [m[0] for m in now[2:]]
 
+    def add_predicates(self, items: list[tuple[dict, str, str, str, Any, bool]]) -> None:
+        """Comparisons a probe's forward made of numbers it read, as (the dict that holds the
+        number, its name, its name in the model, the operator's name, the other operand, the
+        outcome): a step counter or a schedule's value gating a branch. The number itself is
+        no precondition (it changes every step, and the replay puts the forward's back); each
+        comparison's outcome is: one no probe saw makes the forward a probe (:meth:`changed`),
+        which learns the branch it opens."""
+        for d, name, label, op, other, result in items:
+            key = (id(d), name, op, other)
+            entry = self.predicates.get(key)
+            if entry is None:
+                entry = self.predicates[key] = [d, name, label, op, other, set()]
+            entry[5].add(result)
+
+    def _turned(self) -> list[Hashable]:
+        """The comparisons (:meth:`add_predicates`) whose outcome now no probe saw."""
+        out = []
+        for d, name, label, op, other, seen in self.predicates.values():
+            v = d.get(name, _ABSENT)
+            if type(v) is bool or not isinstance(v, (int, float)):
+                continue  # absent, or no longer a number: the fingerprint's own fields say so
+            if _COMPARE[op](v, other) not in seen:
+                out.append((OUTSIDE, "p", f"{label} {_SYMBOLS[op]} {other!r}"))
+        return out
+
     def changed(self) -> list[Hashable]:
         """Fields that differ from every value the contract has seen (empty: replay on)."""
+        if self.predicates:
+            turned = self._turned()
+            if turned:
+                self._pending = []
+                return turned
         watched = self._watched
         fast = self._now = _identity_signature(self.modules, watched, outside=self.outside)
         exact = None
@@ -525,6 +562,10 @@ class Guard:
 
     def accept(self) -> None:
         """The contract now covers the current fingerprint (after a probe of this forward)."""
+        for d, name, _, op, other, seen in self.predicates.values():
+            v = d.get(name, _ABSENT)
+            if type(v) is not bool and isinstance(v, (int, float)):
+                seen.add(_COMPARE[op](v, other))
         for key, value in self._pending:
             if _discrete(key, value):
                 self.seen.setdefault(key, set()).add(value)

@@ -53,6 +53,7 @@ from lightning_replay.slots import (
     _at_forward,
     capture_generators,
     capture_slots,
+    comparisons,
     is_scalar,
     same_value,
     slot_generators,
@@ -265,6 +266,18 @@ def _read_flags(
     return out
 
 
+def _predicates(compared: list, model: nn.Module) -> list[tuple]:
+    """The comparisons a probe's forward logged (``slots.comparisons``), as
+    ``Guard.add_predicates`` takes them: with each number's name in the model."""
+    names = {id(m.__dict__): n for n, m in model.named_modules()}
+    out = []
+    for (d, name), op, other, result in compared:
+        where = names.get(id(d))
+        label = f"{where}.{name}" if where else name
+        out.append((d, name, label, op, other, result))
+    return out
+
+
 def _same_flag(before: Any, name: str, first: Any) -> bool:
     """Whether ``name`` was read as a flag with the value it held before (``before``: the
     attributes then)."""
@@ -396,10 +409,13 @@ class SegmentProbe:
                 own,
                 held,
                 peeked,
+                comparisons() as compared,
             ):
                 out = self.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
+        if compared:  # numbers read from module attributes that gated a branch
+            self.guard.add_predicates(_predicates(compared, eng.model))
         # attributes the forward itself created (see _observe)
         probe.created = [s.module.__dict__.keys() - s.attrs.keys() for s in slots]
         probe.read_flags = _read_flags(own, slots, probe.created, holders, held.reads)

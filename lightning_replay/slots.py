@@ -18,6 +18,7 @@ attributes). Generator objects found in the slots have their states captured too
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import math
@@ -1002,6 +1003,79 @@ def slot_tensors(slots: list[ModuleSlots]) -> list[tuple[str, torch.Tensor]]:
 # ------------------------------------------------------------------ reads of outside modules
 _TRACE_CLASSES: dict[type, type] = {}
 
+#: while a probe's forward is traced: the comparisons of numbers it read from module attributes,
+#: as ((the dict that holds it, its name), operator name, the other operand, the result)
+_COMPARISONS: list | None = None
+
+_COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
+def _tracked_number_class(base: type) -> type:
+    """A subclass of ``int`` or ``float`` whose comparisons are logged while a probe traces
+    (:data:`_COMPARISONS`): a number that gates a branch (``if self.step >= warmup``, ``if
+    temp < 0.7``) changes every step, so its value is no precondition of a contract, but the
+    outcome of that comparison is (see ``guards.Guard.add_predicates``). Arithmetic on it gives
+    plain numbers; out of a probe it is its value."""
+
+    def compare(name: str):
+        op = getattr(operator, name)
+
+        def method(self, other):
+            if type(other) is bool or not isinstance(other, (int, float)):
+                return getattr(base, f"__{name}__")(self, other)
+            other = float(other) if isinstance(other, float) else int(other)
+            result = op(base(self), other)  # a mixed int/float pair too
+            log = _COMPARISONS
+            if log is not None:
+                log.append((self._lightning_replay_where, name, other, result))
+            return result
+
+        return method
+
+    def __bool__(self):
+        result = base(self) != 0
+        log = _COMPARISONS
+        if log is not None:
+            log.append((self._lightning_replay_where, "ne", base(0), result))
+        return result
+
+    def __reduce__(self):  # pickled, copied: the plain number
+        return (base, (base(self),))
+
+    methods = {f"__{n}__": compare(n) for n in _COMPARE_OPS}
+    return type(
+        f"Tracked{base.__name__.title()}",
+        (base,),
+        {**methods, "__bool__": __bool__, "__hash__": base.__hash__, "__reduce__": __reduce__},
+    )
+
+
+_TRACKED = {int: _tracked_number_class(int), float: _tracked_number_class(float)}
+
+
+def _tracked(value: Any, d: dict, name: str) -> Any:
+    """``value`` as a number whose comparisons are logged, when it is an ``int`` or ``float``
+    read from ``d[name]`` while a probe traces; else ``value``."""
+    cls = _TRACKED.get(type(value))
+    if cls is None or _COMPARISONS is None:
+        return value
+    out = cls(value)
+    out._lightning_replay_where = (d, name)
+    return out
+
+
+@contextlib.contextmanager
+def comparisons():
+    """Log the comparisons of the numbers traced reads return (``_trace_class``) inside it;
+    yields the log."""
+    global _COMPARISONS
+    outer, _COMPARISONS = _COMPARISONS, []
+    log = _COMPARISONS
+    try:
+        yield log
+    finally:
+        _COMPARISONS = outer
+
 
 def _trace_class(cls: type) -> type:
     """A subclass of ``cls`` that records which plain attributes are read (probe only)."""
@@ -1025,6 +1099,8 @@ def _trace_class(cls: type) -> type:
                 # a class's default (``use_bank = False`` in the class body): read while the
                 # instance has none of its own, which a later ``root.use_bank = True`` sets
                 reads[None, name] = MISSING
+        if reads is not None and name in d:
+            return _tracked(value, d, name)
         return value
 
     def __getattr__(self, name):  # registered buffers (parameters and submodules aside)

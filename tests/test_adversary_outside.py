@@ -26,8 +26,11 @@ Fixed since: numpy numbers are continuous (re-probed once); the walk and the cap
 object's type, not the object (the two proxies); six misses (a tuple of plain values is
 compared by value, hook functions are scanned for globals, a one-element tensor or small array
 read from outside is watched by its bytes' version, submodules read or missed from outside are
-watched in ``_modules``). 16 misses and the two slowdowns stay strict xfails; the long list of
-floats costs 15 ms a step at 100,000 now (61 ms before: ``copy_plain`` charges per item).
+watched in ``_modules``); a number that gates a branch (a step counter, an annealed float)
+is guarded by the outcome of the comparisons the probe saw it in (``Guard.add_predicates``;
+more kinds in tests/test_branch_predicates.py). 14 misses and the two slowdowns stay strict
+xfails; the long list of floats costs 15 ms a step at 100,000 now (61 ms before:
+``copy_plain`` charges per item).
 """
 
 from __future__ import annotations
@@ -867,12 +870,6 @@ XFAIL: dict[str, str] = {
     ),
     "__getattr__ override reads a dict": (
         "gradients differ from plain PyTorch at steps 3 and 4, no guard record: _trace_class.__getattr__ records only registered buffers; a value the root's own __getattr__ returns (from a dict reached through self.__dict__) is not recorded"
-    ),
-    "step counter gates a branch": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: an int is a continuous field: learned as varying the step it first changes, so the warm-up's branch (global_step >= 3) is never re-probed"
-    ),
-    "annealed float crosses a threshold": (
-        "gradients differ from plain PyTorch at step 4, no guard record: a float is a continuous field: learned as varying, so the branch taken once temp < 0.7 is never re-probed"
     ),
     "flag 6 holders below a root attribute": (
         "gradients differ from plain PyTorch at steps 3 and 4, no guard record: guards._walk stops at _WATCH_DEPTH = 4 levels below the read attribute (5 levels already fails)"
