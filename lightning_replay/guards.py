@@ -73,6 +73,17 @@ OUTSIDE = "outside"
 
 _COMPARE = {n: getattr(operator, n) for n in ("lt", "le", "gt", "ge", "eq", "ne")}
 _SYMBOLS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_MAX_WAYS = 9  # per comparison: as read, and up to four changes a forward made before it
+
+
+def _moved(v: Any, way: tuple[str, Any]) -> Any:
+    """``v`` changed as a forward changed it before comparing it (see Guard.add_predicates)."""
+    kind, step = way
+    if kind == "add":
+        return v + step
+    if kind == "mul":
+        return v * step
+    return v
 
 
 def _storage_ptr(t: Any) -> int:
@@ -415,28 +426,41 @@ class Guard:
         now, self._now = self._now, None
         return None if now is None else [m[0] for m in now[2:]]
 
-    def add_predicates(self, items: list[tuple[dict, str, str, str, Any, bool]]) -> None:
+    def add_predicates(self, items: list[tuple[dict, str, str, str, Any, Any, Any]]) -> None:
         """Comparisons a probe's forward made of numbers it read, as (the dict that holds the
         number, its name, its name in the model, the operator's name, the other operand, the
-        outcome): a step counter or a schedule's value gating a branch. The number itself is
-        no precondition (it changes every step, and the replay puts the forward's back); each
-        comparison's outcome is: one no probe saw makes the forward a probe (:meth:`changed`),
-        which learns the branch it opens."""
-        for d, name, label, op, other, result in items:
+        number before the forward, the number compared): a step counter or a schedule's value
+        gating a branch. The number itself is no precondition (it changes every step, and the
+        replay puts the forward's back); each comparison's outcome is: one no probe saw makes
+        the forward a probe (:meth:`changed`), which learns the branch it opens.
+
+        The guard runs before the forward, so it compares the number as it is then. A forward
+        that changes the number before comparing it (``self.calls += 1``) compared another
+        value than that: the change is kept as a step (added, and as a factor), and the guard
+        compares the number so changed too, each way with the outcomes probes saw that way."""
+        for d, name, label, op, other, before, value in items:
             key = (id(d), name, op, other)
             entry = self.predicates.get(key)
             if entry is None:
-                entry = self.predicates[key] = [d, name, label, op, other, set()]
-            entry[5].add(result)
+                entry = self.predicates[key] = [d, name, label, op, other, {}]
+            ways = entry[5]
+            new = [("as", None)]
+            if value != before and len(ways) < _MAX_WAYS:
+                new.append(("add", value - before))
+                if before:
+                    new.append(("mul", value / before))
+            for way in new:
+                ways.setdefault(way, set()).add(_COMPARE[op](_moved(before, way), other))
 
     def _turned(self) -> list[Hashable]:
         """The comparisons (:meth:`add_predicates`) whose outcome now no probe saw."""
         out = []
-        for d, name, label, op, other, seen in self.predicates.values():
+        for d, name, label, op, other, ways in self.predicates.values():
             v = d.get(name, _ABSENT)
             if type(v) is bool or not isinstance(v, (int, float)):
                 continue  # absent, or no longer a number: the fingerprint's own fields say so
-            if _COMPARE[op](v, other) not in seen:
+            compare = _COMPARE[op]
+            if any(compare(_moved(v, way), other) not in seen for way, seen in ways.items()):
                 out.append((OUTSIDE, "p", f"{label} {_SYMBOLS[op]} {other!r}"))
         return out
 
@@ -562,10 +586,11 @@ class Guard:
 
     def accept(self) -> None:
         """The contract now covers the current fingerprint (after a probe of this forward)."""
-        for d, name, _, op, other, seen in self.predicates.values():
+        for d, name, _, op, other, ways in self.predicates.values():
             v = d.get(name, _ABSENT)
             if type(v) is not bool and isinstance(v, (int, float)):
-                seen.add(_COMPARE[op](v, other))
+                for way, seen in ways.items():
+                    seen.add(_COMPARE[op](_moved(v, way), other))
         for key, value in self._pending:
             if _discrete(key, value):
                 self.seen.setdefault(key, set()).add(value)

@@ -266,15 +266,19 @@ def _read_flags(
     return out
 
 
-def _predicates(compared: list, model: nn.Module) -> list[tuple]:
+def _predicates(compared: list, model: nn.Module, first: dict) -> list[tuple]:
     """The comparisons a probe's forward logged (``slots.comparisons``), as
-    ``Guard.add_predicates`` takes them: with each number's name in the model."""
+    ``Guard.add_predicates`` takes them: with each number's name in the model and its value
+    before the forward (``first``: as first read, by (id of its dict, name))."""
     names = {id(m.__dict__): n for n, m in model.named_modules()}
     out = []
-    for (d, name), op, other, result in compared:
+    for (d, name), op, other, _, value in compared:
         where = names.get(id(d))
         label = f"{where}.{name}" if where else name
-        out.append((d, name, label, op, other, result))
+        before = first.get((id(d), name), value)
+        if type(before) is bool or not isinstance(before, (int, float)):
+            before = value  # (it held no number before the forward: set by it first)
+        out.append((d, name, label, op, other, before, value))
     return out
 
 
@@ -415,7 +419,8 @@ class SegmentProbe:
         finally:
             eng._segment_depth -= 1
         if compared:  # numbers read from module attributes that gated a branch
-            self.guard.add_predicates(_predicates(compared, eng.model))
+            first = {(id(d), n): v for d, n, v in own.first + outside.first}
+            self.guard.add_predicates(_predicates(compared, eng.model, first))
         # attributes the forward itself created (see _observe)
         probe.created = [s.module.__dict__.keys() - s.attrs.keys() for s in slots]
         probe.read_flags = _read_flags(own, slots, probe.created, holders, held.reads)

@@ -1004,7 +1004,8 @@ def slot_tensors(slots: list[ModuleSlots]) -> list[tuple[str, torch.Tensor]]:
 _TRACE_CLASSES: dict[type, type] = {}
 
 #: while a probe's forward is traced: the comparisons of numbers it read from module attributes,
-#: as ((the dict that holds it, its name), operator name, the other operand, the result)
+#: as ((the dict that holds it, its name), operator name, the other operand, the result, the
+#: number compared)
 _COMPARISONS: list | None = None
 
 _COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
@@ -1027,7 +1028,7 @@ def _tracked_number_class(base: type) -> type:
             result = op(base(self), other)  # a mixed int/float pair too
             log = _COMPARISONS
             if log is not None:
-                log.append((self._lightning_replay_where, name, other, result))
+                log.append((self._lightning_replay_where, name, other, result, base(self)))
             return result
 
         return method
@@ -1036,7 +1037,7 @@ def _tracked_number_class(base: type) -> type:
         result = base(self) != 0
         log = _COMPARISONS
         if log is not None:
-            log.append((self._lightning_replay_where, "ne", base(0), result))
+            log.append((self._lightning_replay_where, "ne", base(0), result, base(self)))
         return result
 
     def __reduce__(self):  # pickled, copied: the plain number

@@ -108,13 +108,10 @@ def test_a_number_compared_after_arithmetic(tokens):
     _run(_case(lambda r: r.temp * 2.0 < 1.5), lambda m: None, steps=6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gradients differ from plain PyTorch once calls > 3, no guard record: the forward "
-    "writes the counter before comparing it (self.calls += 1), and the guard evaluates the "
-    "comparison on the value before the forward; it cannot know what the forward will add",
-)
 def test_a_counter_the_forward_bumps_before_comparing(tokens):
+    """``self.calls += 1`` in the forward, then ``self.calls > 3``: the guard, which runs
+    before the forward, compares the number with the forward's step added too."""
+
     class SelfCounting(Reader):
         def __init__(self, index: int) -> None:
             super().__init__(index)
@@ -127,7 +124,28 @@ def test_a_counter_the_forward_bumps_before_comparing(tokens):
     class SelfRoot(Root):
         reader = SelfCounting
 
-    _run(SelfRoot, lambda m: None, steps=6)
+    _, records = _run(SelfRoot, lambda m: None, steps=6)
+    assert _guard_records(records)
+
+
+def test_an_annealed_value_the_forward_scales_before_comparing(tokens):
+    """``self.temp *= 0.9`` in the forward, then ``self.temp < 0.7``: the change is a factor;
+    the guard compares the number scaled by it."""
+
+    class SelfAnnealing(Reader):
+        def __init__(self, index: int) -> None:
+            super().__init__(index)
+            self.temp = 1.0
+
+        def flag(self, r):
+            self.temp *= 0.9
+            return self.temp < 0.6  # 0.9, 0.81, 0.729, 0.656, 0.59 (forward 5 crosses)
+
+    class SelfRoot(Root):
+        reader = SelfAnnealing
+
+    _, records = _run(SelfRoot, lambda m: None, steps=7)
+    assert _guard_records(records)
 
 
 def test_traced_numbers_are_plain_numbers_outside_the_probe():
@@ -139,7 +157,7 @@ def test_traced_numbers_are_plain_numbers_outside_the_probe():
         x = slots._tracked(0.5, d, "x")
         assert (n >= 3, 2 < n, n == 3.0, x < 1, bool(n)) == (True, True, True, True, True)
         assert type(n + 1) is int and type(x * 2) is float
-    assert [(op, other, res) for _, op, other, res in log] == [
+    assert [(op, other, res) for _, op, other, res, _ in log] == [
         ("ge", 3, True),
         ("gt", 2, True),  # reflected: 2 < n is n > 2
         ("eq", 3.0, True),
