@@ -1195,6 +1195,13 @@ def _holder_trace_class(cls: type) -> type:
             raise
         if name not in reads:
             reads[name] = value
+        if _COMPARISONS is not None and type(value) in _TRACKED:
+            try:  # an instance attribute (a slotted holder has no __dict__: not tracked)
+                d = object.__getattribute__(self, "__dict__")
+            except AttributeError:
+                return value
+            if d.get(name, MISSING) is value:
+                return _tracked(value, d, name)
         return value
 
     new = _HOLDER_TRACE_CLASSES[cls] = _recording_subclass(
