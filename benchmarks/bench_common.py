@@ -8,6 +8,7 @@ machine hits all of them alike.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 import statistics
@@ -17,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 import lightning_replay as lr
+from lightning_replay.verify import torch_checkpoint
 
 
 def device() -> torch.device:
@@ -158,3 +160,25 @@ def arms_side_by_side(
         for a in orders[(r // copies) % len(orders)]:
             times[a].append(step(arms[a][r % copies], r))
     return times
+
+
+def torch_and_replay_arms(
+    proto: torch.nn.Module,
+    names: list[str],
+    copies: int,
+    step: Callable[[Any, int], Any],
+    warmup: int = 3,
+) -> tuple[list[list[Any]], list[Any]]:
+    """The three arms :func:`arms_side_by_side` steps for a replay-vs-checkpoint ratio with its
+    noise control: ``copies`` deep copies of ``proto`` under torch checkpoint, as many more
+    (the control, built alike), and as many under ``lr.install``; each copy stepped ``warmup``
+    times by ``step(model, i)`` (the first replay step is the probe). Returns (arms, the
+    replay copies' engines)."""
+    arms = [[torch_checkpoint(copy.deepcopy(proto), names) for _ in range(copies)] for _ in "ab"]
+    arms.append([copy.deepcopy(proto) for _ in range(copies)])
+    engines = [lr.install(m, names) for m in arms[2]]
+    for i in range(warmup):
+        for arm in arms:
+            for model in arm:
+                step(model, i)
+    return arms, engines

@@ -37,8 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_replay as lr
-from bench_common import arms_side_by_side, device, paired_ratio
-from lightning_replay.verify import torch_checkpoint
+from bench_common import arms_side_by_side, device, paired_ratio, torch_and_replay_arms
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -189,14 +188,9 @@ def side_by_side(models: dict[str, dict], rounds: int, copies: int = 3, warmup: 
         proto.to(dev).train()
         names = _segments(proto, pattern)
         batch = lambda s, mb=make_batch: tuple(t.to(dev) for t in mb(s))  # noqa: E731
-        arms = [[torch_checkpoint(copy.deepcopy(proto), names) for _ in range(copies)]]
-        arms.append([torch_checkpoint(copy.deepcopy(proto), names) for _ in range(copies)])
-        arms.append([copy.deepcopy(proto) for _ in range(copies)])
-        engines = [lr.install(m, names) for m in arms[2]]
-        for s in range(warmup):  # the first replay step is the probe
-            for arm in arms:
-                for model in arm:
-                    _step(model, loss_fn, batch(s), clock)
+        arms, engines = torch_and_replay_arms(
+            proto, names, copies, lambda m, s: _step(m, loss_fn, batch(s), clock), warmup
+        )
         t_torch, t_control, t_replay = arms_side_by_side(
             arms, lambda m, r: _step(m, loss_fn, batch(warmup + r), clock)[0], rounds
         )

@@ -10,7 +10,6 @@ step-time ratio (replay / torch.utils.checkpoint) and the bytes each holds for b
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -19,10 +18,8 @@ import time
 import torch
 from torch import nn
 
-import lightning_replay as lr
-from bench_common import arms_side_by_side, device, paired_ratio
+from bench_common import arms_side_by_side, device, paired_ratio, torch_and_replay_arms
 from lightning_replay.demos.hazards import MLPBlock
-from lightning_replay.verify import torch_checkpoint
 
 
 class Stack(nn.Module):
@@ -80,15 +77,10 @@ def run(
         torch.manual_seed(0)
         base = Stack(width, blocks).to(dev)
         names = [f"blocks.{i}" for i in range(blocks)]
-        arms = [[torch_checkpoint(copy.deepcopy(base), names) for _ in range(copies)]]
-        arms.append([torch_checkpoint(copy.deepcopy(base), names) for _ in range(copies)])
-        arms.append([copy.deepcopy(base) for _ in range(copies)])
-        engines = [lr.install(m, names) for m in arms[2]]
         x = torch.randn(batch, width, device=dev)
-        for _ in range(warmup):  # the first replay step is the probe
-            for arm in arms:
-                for model in arm:
-                    _step(model, x, clock)
+        arms, engines = torch_and_replay_arms(
+            base, names, copies, lambda m, _: _step(m, x, clock), warmup
+        )
         t_naive, t_control, t_replay = arms_side_by_side(
             arms, lambda m, r: _step(m, x, clock)[0], repeats
         )
