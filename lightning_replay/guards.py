@@ -50,6 +50,7 @@ from torch import nn
 
 from lightning_replay._compat import dict_version
 from lightning_replay.slots import (
+    COMPARE_OPS,
     HOOK_DICTS,
     MISSING,
     MODULE_INTERNALS,
@@ -71,9 +72,15 @@ _SLOT_DICTS = ("_parameters", "_buffers", "_modules")
 #: the module index of the fields read from outside the segment's modules (Guard.outside)
 OUTSIDE = "outside"
 
-_COMPARE = {n: getattr(operator, n) for n in ("lt", "le", "gt", "ge", "eq", "ne")}
+_COMPARE = {n: getattr(operator, n) for n in COMPARE_OPS}
 _SYMBOLS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 _MAX_WAYS = 9  # per comparison: as read, and up to four changes a forward made before it
+
+
+def _number(d: dict, name: str) -> Any:
+    """``d[name]`` when it is an int or a float (not a bool), else None."""
+    v = d.get(name)
+    return None if type(v) is bool or not isinstance(v, (int, float)) else v
 
 
 def _moved(v: Any, way: tuple[str, Any]) -> Any:
@@ -411,7 +418,8 @@ class Guard:
         #: holds it, its name, its name in the model): fields like the modules' own
         self.outside: list[tuple[dict, str, str]] = []
         #: comparisons of numbers the probes' forwards read (``add_predicates``): per (dict,
-        #: name, operator, other operand), [dict, name, label, the outcomes probes saw]
+        #: name, operator, other operand), [dict, name, label, operator, other operand, the
+        #: outcomes probes saw per way, the other operand's (dict, name, label) or None]
         self.predicates: dict[tuple, list] = {}
         self._now: tuple | None = None
         #: per module, its last slot capture while steady (``capture_slots``'s ``last``); held
@@ -426,23 +434,27 @@ class Guard:
         now, self._now = self._now, None
         return None if now is None else [m[0] for m in now[2:]]
 
-    def add_predicates(self, items: list[tuple[dict, str, str, str, Any, Any, Any]]) -> None:
+    def add_predicates(self, items: list[tuple]) -> None:
         """Comparisons a probe's forward made of numbers it read, as (the dict that holds the
         number, its name, its name in the model, the operator's name, the other operand, the
-        number before the forward, the number compared): a step counter or a schedule's value
-        gating a branch. The number itself is no precondition (it changes every step, and the
-        replay puts the forward's back); each comparison's outcome is: one no probe saw makes
-        the forward a probe (:meth:`changed`), which learns the branch it opens.
+        number before the forward, the number compared, and when the other operand is such a
+        number too, its (dict, name, name in the model), else None): a step counter or a
+        schedule's value gating a branch. The number itself is no precondition (it changes
+        every step, and the replay puts the forward's back); each comparison's outcome is: one
+        no probe saw makes the forward a probe (:meth:`changed`), which learns the branch it
+        opens. Two such numbers compared (``count >= limit``, both moving) are compared as
+        they both are then.
 
         The guard runs before the forward, so it compares the number as it is then. A forward
         that changes the number before comparing it (``self.calls += 1``) compared another
         value than that: the change is kept as a step (added, and as a factor), and the guard
         compares the number so changed too, each way with the outcomes probes saw that way."""
-        for d, name, label, op, other, before, value in items:
+        for d, name, label, op, operand, before, value, field in items:
+            other = operand if field is None else field[2]  # (a number's name: key, record)
             key = (id(d), name, op, other)
             entry = self.predicates.get(key)
             if entry is None:
-                entry = self.predicates[key] = [d, name, label, op, other, {}]
+                entry = self.predicates[key] = [d, name, label, op, other, {}, field]
             ways = entry[5]
             new = [("as", None)]
             if value != before and len(ways) < _MAX_WAYS:
@@ -450,17 +462,27 @@ class Guard:
                 if before:
                     new.append(("mul", value / before))
             for way in new:
-                ways.setdefault(way, set()).add(_COMPARE[op](_moved(before, way), other))
+                ways.setdefault(way, set()).add(_COMPARE[op](_moved(before, way), operand))
+
+    def _outcomes(self, entry: list) -> list[tuple[set, bool]] | None:
+        """Each way's outcomes seen (:meth:`add_predicates`) beside its outcome now; None when
+        either operand is no longer a number (the fingerprint's own fields say so)."""
+        d, name, _, op, other, ways, field = entry
+        v = _number(d, name)
+        if field is not None:
+            other = _number(field[0], field[1])
+        if v is None or other is None:
+            return None
+        compare = _COMPARE[op]
+        return [(seen, compare(_moved(v, way), other)) for way, seen in ways.items()]
 
     def _turned(self) -> list[Hashable]:
         """The comparisons (:meth:`add_predicates`) whose outcome now no probe saw."""
         out = []
-        for d, name, label, op, other, ways in self.predicates.values():
-            v = d.get(name, _ABSENT)
-            if type(v) is bool or not isinstance(v, (int, float)):
-                continue  # absent, or no longer a number: the fingerprint's own fields say so
-            compare = _COMPARE[op]
-            if any(compare(_moved(v, way), other) not in seen for way, seen in ways.items()):
+        for entry in self.predicates.values():
+            now = self._outcomes(entry)
+            if now is not None and any(r not in seen for seen, r in now):
+                label, op, other = entry[2], entry[3], entry[4]
                 out.append((OUTSIDE, "p", f"{label} {_SYMBOLS[op]} {other!r}"))
         return out
 
@@ -586,11 +608,9 @@ class Guard:
 
     def accept(self) -> None:
         """The contract now covers the current fingerprint (after a probe of this forward)."""
-        for d, name, _, op, other, ways in self.predicates.values():
-            v = d.get(name, _ABSENT)
-            if type(v) is not bool and isinstance(v, (int, float)):
-                for way, seen in ways.items():
-                    seen.add(_COMPARE[op](_moved(v, way), other))
+        for entry in self.predicates.values():
+            for seen, r in self._outcomes(entry) or ():
+                seen.add(r)
         for key, value in self._pending:
             if _discrete(key, value):
                 self.seen.setdefault(key, set()).add(value)

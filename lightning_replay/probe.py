@@ -271,14 +271,19 @@ def _predicates(compared: list, model: nn.Module, first: dict) -> list[tuple]:
     ``Guard.add_predicates`` takes them: with each number's name in the model and its value
     before the forward (``first``: as first read, by (id of its dict, name))."""
     names = {id(m.__dict__): n for n, m in model.named_modules()}
-    out = []
-    for (d, name), op, other, _, value in compared:
+
+    def label(d: dict, name: str) -> str:
         where = names.get(id(d))
-        label = f"{where}.{name}" if where else name
+        return f"{where}.{name}" if where else name
+
+    out = []
+    for (d, name), op, other, _, value, field in compared:
         before = first.get((id(d), name), value)
         if type(before) is bool or not isinstance(before, (int, float)):
             before = value  # (it held no number before the forward: set by it first)
-        out.append((d, name, label, op, other, before, value))
+        if field is not None:  # compared with another traced number: that one, as it is then
+            field = (*field, label(*field))
+        out.append((d, name, label(d, name), op, other, before, value, field))
     return out
 
 

@@ -1005,10 +1005,10 @@ _TRACE_CLASSES: dict[type, type] = {}
 
 #: while a probe's forward is traced: the comparisons of numbers it read from module attributes,
 #: as ((the dict that holds it, its name), operator name, the other operand, the result, the
-#: number compared)
+#: number compared, (dict, name) of the other operand when it is such a number too, else None)
 _COMPARISONS: list | None = None
 
-_COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
+COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 
 
 def _tracked_number_class(base: type) -> type:
@@ -1024,11 +1024,12 @@ def _tracked_number_class(base: type) -> type:
         def method(self, other):
             if type(other) is bool or not isinstance(other, (int, float)):
                 return getattr(base, f"__{name}__")(self, other)
+            field = getattr(other, "_lightning_replay_where", None)  # another traced number
             other = float(other) if isinstance(other, float) else int(other)
             result = op(base(self), other)  # a mixed int/float pair too
             log = _COMPARISONS
             if log is not None:
-                log.append((self._lightning_replay_where, name, other, result, base(self)))
+                log.append((self._lightning_replay_where, name, other, result, base(self), field))
             return result
 
         return method
@@ -1037,13 +1038,13 @@ def _tracked_number_class(base: type) -> type:
         result = base(self) != 0
         log = _COMPARISONS
         if log is not None:
-            log.append((self._lightning_replay_where, "ne", base(0), result, base(self)))
+            log.append((self._lightning_replay_where, "ne", base(0), result, base(self), None))
         return result
 
     def __reduce__(self):  # pickled, copied: the plain number
         return (base, (base(self),))
 
-    methods = {f"__{n}__": compare(n) for n in _COMPARE_OPS}
+    methods = {f"__{n}__": compare(n) for n in COMPARE_OPS}
     return type(
         f"Tracked{base.__name__.title()}",
         (base,),

@@ -148,6 +148,31 @@ def test_an_annealed_value_the_forward_scales_before_comparing(tokens):
     assert _guard_records(records)
 
 
+def test_two_moving_numbers_compared_with_each_other(tokens):
+    """``count >= limit``, both moving every step: the outcome flips while neither number's
+    comparison with the other's value at the probe does (3 >= 5 and 2 <= 0 stay False); the
+    guard compares the two as they both are at each forward."""
+
+    class TwoReader(Reader):
+        def flag(self, r):
+            return r.count >= r.limit  # 0 >= 5, 1 >= 4, 2 >= 3, 3 >= 2 (crosses at step 3)
+
+    class TwoRoot(Root):
+        reader = TwoReader
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.count, self.limit = 0, 5
+
+        def after(self, h):
+            super().after(h)
+            self.count += 1
+            self.limit -= 1
+
+    _, records = _run(TwoRoot, lambda m: None, steps=6)
+    assert _guard_records(records)
+
+
 def test_traced_numbers_are_plain_numbers_outside_the_probe():
     """What the probe's traced read returns: equal, hashed, pickled and copied as the plain
     number; its arithmetic gives plain numbers; it logs only inside ``comparisons()``."""
@@ -157,7 +182,7 @@ def test_traced_numbers_are_plain_numbers_outside_the_probe():
         x = slots._tracked(0.5, d, "x")
         assert (n >= 3, 2 < n, n == 3.0, x < 1, bool(n)) == (True, True, True, True, True)
         assert type(n + 1) is int and type(x * 2) is float
-    assert [(op, other, res) for _, op, other, res, _ in log] == [
+    assert [(op, other, res) for _, op, other, res, _, _ in log] == [
         ("ge", 3, True),
         ("gt", 2, True),  # reflected: 2 < n is n > 2
         ("eq", 3.0, True),
