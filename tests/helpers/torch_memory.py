@@ -45,3 +45,47 @@ def live_bytes(tensors: Iterable[torch.Tensor]) -> int:
             s = t.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def _storage_of(obj: object):
+    """The untyped storage behind a live tensor object, or None (meta, fake, sparse, freed)."""
+    t = getattr(obj, "_local_tensor", obj)  # a DTensor: this rank's shard
+    if t.is_sparse or t.device.type == "meta":
+        return None
+    try:
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+    except (RuntimeError, NotImplementedError):  # a freed FSDP2 storage, a wrapper subclass
+        return None
+    return s if ptr else None
+
+
+def process_tensor_storages(device: str = "cpu") -> dict[int, int]:
+    """Every tensor storage on ``device`` that a Python object keeps alive right now, found by a
+    walk of the garbage collector's objects: ``{data_ptr: nbytes}``, each storage once.
+
+    This is the process's own view, not the engine's: a tensor the engine keeps anywhere (a
+    probe's observation, a saved copy, a cache) counts, whoever owns it. Tensors that only C++
+    holds (an autograd graph nobody references from Python) are not seen; between steps there
+    should be none."""
+    import gc
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == device:
+            s = _storage_of(obj)
+            if s is not None:
+                seen[s.data_ptr()] = s.nbytes()
+    return seen
+
+
+def process_tensor_bytes(device: str = "cpu") -> int:
+    """Bytes of :func:`process_tensor_storages`: the whole process's live tensor bytes."""
+    return sum(process_tensor_storages(device).values())
+
+
+def whole_step_peak(fn: Callable[[], object]) -> int:
+    """The whole process's tensor peak over ``fn``: every live storage when it starts (taken from
+    the process, never rebuilt from parameters and optimizer state) plus the profiler's net peak
+    inside it."""
+    return process_tensor_bytes() + allocation_peak(fn)
