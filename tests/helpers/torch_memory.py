@@ -69,13 +69,16 @@ def process_tensor_storages(device: str = "cpu") -> dict[int, int]:
     holds (an autograd graph nobody references from Python) are not seen; between steps there
     should be none."""
     import gc
+    import warnings
 
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == device:
-            s = _storage_of(obj)
-            if s is not None:
-                seen[s.data_ptr()] = s.nbytes()
+    with warnings.catch_warnings():  # isinstance on a deprecated lazy object warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device.type == device:
+                s = _storage_of(obj)
+                if s is not None:
+                    seen[s.data_ptr()] = s.nbytes()
     return seen
 
 
