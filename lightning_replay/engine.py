@@ -155,7 +155,7 @@ class ReplayEngine:
         self._next_truth = 0  # the step of the next periodic measurement
         self._truth_gap = self.TRUTH_EVERY[0]
         self._truth_plan: _planner.Plan | None = None  # the plan the measured step ran
-        self._truth_opt = 0  # tracked optimizers' state bytes when the measured step began
+        self._truth_opt = 0  # bytes the measured step began with beyond the model and batch
         self._truth_checked = False  # whether the last step began was derivative-checked
         self._truth_inputs = 0  # bytes of the measured step's inputs, made before it began
         self._truth_size: int | None = None  # the largest input (elements) measured at
@@ -190,6 +190,7 @@ class ReplayEngine:
         self._preserved_last_step = 0
         self._last_step = 0
         self._last_cuda_peak = 0
+        self._cuda_held = 0  # allocator bytes held as the last window began (CUDA)
         self._suspended = False
         self._order = 0
         self._hooks: list = []
@@ -733,6 +734,9 @@ class ReplayEngine:
             dev = self._cuda_device
             self._last_cuda_peak = torch.cuda.max_memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
+            # held as the step begins (host-side counter, no synchronization): the peak counts
+            # it, and what of it is not the model's does not grow with the input
+            self._cuda_held = int(torch.cuda.memory_allocated(dev))
         if acct is not None:
             self._last_peak = acct.peak
             acct.static = {
@@ -826,7 +830,11 @@ class ReplayEngine:
             self._residual = over
             # the input size of the step measured (on CUDA, the step just trained)
             self._residual_size = self._truth_step_size if measured else self._window_size
-            self._residual_fixed = self._optimizer_bytes()
+            self._residual_fixed = (
+                self._truth_opt
+                if measured
+                else max(self._optimizer_bytes(), self._cuda_held - self._static_bytes())
+            )
         if self.plan is None:
             return
         self._refit_plan()
@@ -901,7 +909,6 @@ class ReplayEngine:
         # so the profiler does not span the caller's code between steps; else when the next
         # window begins. Not from inside backward: autograd restores the thread's profiler
         # state after its callbacks.
-        self._truth_opt = self._optimizer_bytes()  # state live before the step
         self._truth_hook = register_optimizer_step_post_hook(
             lambda opt, *_: self._stop_truth(truth, opt)
         )
@@ -912,11 +919,16 @@ class ReplayEngine:
             if self._truth_hook is not None:
                 self._truth_hook.remove()
                 self._truth_hook = None
-            found = 0
-            if optimizer is not None and self._adopt_optimizer(optimizer):
-                # its state (made before this step or by it: counted once more, at worst)
-                found = live_model_bytes(nn.Module(), [optimizer])
-            self._truth_peak = truth.stop() + self._truth_opt + found + self._truth_inputs
+            if optimizer is not None:
+                self._adopt_optimizer(optimizer)
+            # the process's live storages when the step began (parameters, optimizer state,
+            # the batch, whatever anyone kept) + the step's net peak: nothing to add
+            self._truth_peak = truth.stop()
+            # held between steps, not growing with the input: the optimizer's state and
+            # whatever else the process kept beyond the model's own tensors and the batch
+            self._truth_opt = max(
+                self._optimizer_bytes(), truth.base - self._static_bytes() - self._truth_inputs
+            )
 
     def _adopt_optimizer(self, optimizer: Any) -> bool:
         """Track an optimizer seen stepping this model's parameters (one ``track_optimizer``
