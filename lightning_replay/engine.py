@@ -1052,11 +1052,13 @@ class ReplayEngine:
             # an untimed step: what it holds beyond the accountant's figures is known before
             # the first plan is made (the profiler would slow the timed ones)
             self._truth_pending = True
-        for rt in self.runtimes.values():
+        choices: dict[str, str] = {}
+        allowed: dict[str, list[str]] = {}
+        for name, rt in self.runtimes.items():
             if rt.contract is None:  # never trained (see _never_trained): nothing to time
                 continue
             # a pinned segment is calibrated only in the options its pin allows
-            opts = [
+            opts = allowed[name] = [
                 o
                 for o in rt.contract.available_options()
                 if o in PIN_OPTIONS.get(rt.preservation, OPTIONS)
@@ -1064,12 +1066,62 @@ class ReplayEngine:
             if phase == "replay":
                 for o in ("recompute", "whole"):
                     if o in opts:
-                        rt.set_option(o)
+                        choices[name] = o
                         break
             elif "regions" in opts:
-                rt.set_option("regions")
+                choices[name] = "regions"
+        self._fit_calibration(choices, allowed)
+        for name, o in choices.items():
+            self.runtimes[name].set_option(o)
         for rt in self.runtimes.values():
             rt.planned_option = None  # calibration is not a plan
+
+    def _calibration_peak(self, choices: Mapping[str, str]) -> int:
+        """A calibration step's peak by the probe's figures, as the planner predicts a plan's:
+        the real base, each segment's inputs and preserved state under its calibration option
+        (its activations where it keeps them), and each replay's activations on top."""
+        costs, picks = [], {}
+        for name in self.segments:
+            rt = self.runtimes[name]
+            c = rt.contract
+            if c is None:
+                continue
+            o = choices.get(name, c.option)
+            held = (
+                c.activation_bytes + rt.input_saved_bytes
+                if o == "retain"
+                else rt.input_bytes + c.preserved_bytes(o)
+            )
+            costs.append(
+                _planner.SegmentCost(name, c.activation_bytes, {o: _planner.Option(held, 0.0)})
+            )
+            picks[name] = o
+        return _planner.predicted_peak(costs, picks, self.real_base_memory)
+
+    def _fit_calibration(self, choices: dict[str, str], allowed: Mapping[str, list]) -> None:
+        """Under a byte budget, calibrate only options that fit: where a whole snapshot would
+        take the step over the budget, the segment is timed with regions (or recompute) in this
+        phase instead, largest snapshot first. An option that does not fit with every other
+        segment at its calibration option fits in no plan either, so nothing the planner could
+        choose is left untimed; it stays out of the cost table (never measured)."""
+        if self.budget is None:
+            return
+        while self._calibration_peak(choices) > self.budget:
+            swaps = []
+            for name, o in choices.items():
+                c = self.runtimes[name].contract
+                cheaper = [
+                    alt
+                    for alt in ("recompute", "regions")
+                    if alt in allowed[name] and c.preserved_bytes(alt) < c.preserved_bytes(o)
+                ]
+                if cheaper:
+                    saved = c.preserved_bytes(o) - c.preserved_bytes(cheaper[0])
+                    swaps.append((saved, name, cheaper[0]))
+            if not swaps:
+                return  # the lowest options already: the first plan judges the budget
+            _, name, alt = max(swaps)
+            choices[name] = alt
 
     def _never_trained(self, rt: SegmentRuntime) -> bool:
         """A segment that has not run under autograd in training mode through two whole steps
