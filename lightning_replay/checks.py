@@ -93,9 +93,9 @@ def _nondeterministic(t: torch.Tensor) -> bool:
     return t.device.type != "cpu" and not torch.are_deterministic_algorithms_enabled()
 
 
-#: further passes of the reference's backward taken where the replay's gradients differ from
-#: it: kernels that accumulate with atomics (SDPA's backward on CUDA) rarely agree twice, but
-#: may by chance on small tensors; one pass more than the first is the usual measure
+#: further passes taken where the replay's gradients differ from the reference's: this many
+#: of the reference's backward, and one of the replay's own. Kernels that accumulate with
+#: atomics (SDPA's backward on CUDA) rarely agree twice, but may by chance on small tensors
 NOISE_SAMPLES = 2
 #: a replay within this many times the reference's own spread matches
 NOISE_FACTOR = 4.0
@@ -117,20 +117,25 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(d.max()) if d.numel() else 0.0
 
 
-def _reference_samples(sel: list, wrt: list, grads: list) -> list[tuple]:
+def _noise_samples(pairing: "_Pairing", sel: list, wrt: list, grads: list) -> tuple[list, list]:
     """:data:`NOISE_SAMPLES` more backward passes of the reference (the graph differentiated
-    from the forward's saved tensors), the last one freeing the graph."""
-    out = []
+    from the forward's saved tensors) and one more of the replay's own, the last pass freeing
+    the graph: (reference passes, replay passes)."""
+    refs, reps = [], []
+    pairing.forward = False
+    reps.append(torch.autograd.grad(sel, wrt, grads, retain_graph=True, allow_unused=True))
+    pairing.forward = True
     for k in range(NOISE_SAMPLES):
         last = k == NOISE_SAMPLES - 1
-        out.append(torch.autograd.grad(sel, wrt, grads, retain_graph=not last, allow_unused=True))
-    return out
+        refs.append(torch.autograd.grad(sel, wrt, grads, retain_graph=not last, allow_unused=True))
+    return refs, reps
 
 
 class _Noise:
-    """The reference's own run-to-run spread, per gradient: the largest difference between its
-    first backward pass and any later one (all taken from the same saved tensors, so a spread
-    is the kernels' own nondeterminism, never a difference of state).
+    """The kernels' own run-to-run spread, per gradient: the largest difference between the
+    reference's first backward pass and any later one, and between the replay's first and any
+    later one (each taken from the same saved tensors, so a spread is the kernels' own
+    nondeterminism, never a difference of state).
 
     A reference whose passes agree bit for bit is exact: the replay must then be too. A noisy
     one admits, per gradient, :data:`NOISE_FACTOR` times its spread, and at least
@@ -147,11 +152,17 @@ class _Noise:
         False
     """
 
-    def __init__(self, ref: tuple, samples: list[tuple]) -> None:
+    def __init__(
+        self, ref: tuple, samples: list[tuple], rep: tuple = (), rep_samples: list[tuple] = ()
+    ) -> None:
         self.samples = len(samples) + 1
+        self.replay_passes = len(rep_samples) + 1 if rep else 0
         self.spread = [0.0] * len(ref)
-        for sample in samples:
-            for i, (a, b) in enumerate(zip(ref, sample)):
+        # each pass against the first of its kind: the reference's from the forward's saved
+        # tensors, the replay's from its own (the same kernels, run again)
+        pairs = [(ref, s) for s in samples] + [(rep, s) for s in rep_samples]
+        for first, sample in pairs:
+            for i, (a, b) in enumerate(zip(first, sample)):
                 if a is not None and b is not None and not _bitwise_equal(a, b):
                     self.spread[i] = max(self.spread[i], _max_abs_diff(a, b))
         self.noisy = any(s > 0 for s in self.spread)
@@ -176,6 +187,7 @@ class _Noise:
             "summary": summary,
             "spread": top,
             "reference_passes": self.samples,
+            "replay_passes": self.replay_passes,
             "factor": NOISE_FACTOR,
             "floor_ulps": NOISE_FLOOR_ULPS,
             "tensors": within[:16],
@@ -538,6 +550,7 @@ class SegmentChecks:
         pairing = _Pairing(fwd, self.name, (lambda: _clock(eng)) if timed else None)
         ref = rep = None
         samples: list = []  # further passes of the reference, where it differs from the replay
+        rep_samples: list = []  # ... and of the replay
         bad: list[str] = []
         # A checked replay leaks nothing into the model, whatever the contract missed: every
         # buffer and tensor attribute of the segment is put back byte for byte (slots,
@@ -576,9 +589,8 @@ class SegmentChecks:
                     pairing.forward = False
                     rep = torch.autograd.grad(sel, wrt, grads, retain_graph=True, allow_unused=True)
                     if not all(_same_grad(a, b) for a, b in zip(ref, rep)):
-                        # the reference's own run-to-run spread: differentiate it again
-                        pairing.forward = True
-                        samples = _reference_samples(sel, wrt, grads)
+                        # the kernels' own run-to-run spread: differentiate both again
+                        samples, rep_samples = _noise_samples(pairing, sel, wrt, grads)
                 if timed:
                     # inside the replay context (its swapped-in state must hold for them), but
                     # the check's pairing and backward passes are no part of what a replay costs
@@ -591,7 +603,7 @@ class SegmentChecks:
         ]
         tolerated = []
         tol = (GRAD_RTOL, GRAD_ATOL)
-        noise = _Noise(ref, samples) if ref is not None else None
+        noise = _Noise(ref, samples, rep, rep_samples) if ref is not None else None
         within_noise: list[str] = []
         # The reference pass takes its saved tensors from the forward, but the rest of each
         # node (a Python scalar factor, a shape) from the replay: a replay that differs there
