@@ -31,7 +31,8 @@ import torch
 
 from lightning_replay._compat import TorchDispatchMode
 from lightning_replay.host_rng import global_rngs, states
-from lightning_replay.state import StorageKey, digests, storage_key
+from lightning_replay.preservation import write_args
+from lightning_replay.state import StorageKey, digests, storage_bytes, storage_key
 
 #: names torch gives the RNG outputs of its fused attention ops
 RNG_OUTPUT_NAMES = frozenset(
@@ -141,6 +142,16 @@ class ProducerLog(TorchDispatchMode):
         self.produced = {}
 
 
+def _tensor_arguments(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    out = []
+    for v in [*args, *kwargs.values()]:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
+
+
 def _several_outputs(func: Any) -> bool:
     returns = func._schema.returns
     return len(returns) > 1 or (len(returns) == 1 and str(returns[0].type).startswith("List"))
@@ -181,9 +192,26 @@ def _run_again(p: _Produced) -> torch.Tensor | None:
     """The op's output ``p.index`` from a second run on the same arguments, from the same
     generator states (a kernel drawing from a host generator reproduces its draw: a value it
     drew is evidence, not noise), outside autograd and autocast (the first ran below both: its
-    arguments are as the kernel received them)."""
+    arguments are as the kernel received them). None where the op writes: one its schema says
+    writes is not run again; one that wrote an argument all the same (eager CPU batch norm's
+    running statistics) has its bytes put back."""
+    if write_args(p.func):
+        return None
+    inputs: dict = {}
+    for t in _tensor_arguments(p.args, p.kwargs):
+        key = storage_key(t)
+        if key is not None and key not in inputs:
+            inputs[key] = (t, storage_bytes(t).clone())
     with torch.no_grad(), _no_autocast(), _drawing_from(p.rngs):
         out = p.func(*p.args, **p.kwargs)
+        wrote = False
+        for t, before in inputs.values():
+            live = storage_bytes(t)
+            if not torch.equal(live, before):
+                live.copy_(before)
+                wrote = True
+    if wrote:
+        return None
     outs = out if isinstance(out, (tuple, list)) else (out,)
     tensors = [t for t in outs if isinstance(t, torch.Tensor)]
     return tensors[p.index] if p.index < len(tensors) else None

@@ -517,3 +517,22 @@ def test_the_follow_up_check_of_an_unread_workspace_matches(kernel):
     assert _bad(records) == []
     grad = [r for r in records if r.check == "grad"]
     assert grad and grad[0].step == min(r.step for r in records if r.check == "probe") + 1
+
+
+def test_running_a_kernel_again_never_writes_what_it_read():
+    """Eager CPU batch norm writes its running statistics without a schema annotation: the
+    probe's second run of it (to tell whether its saved mean is reproducible) leaves them as
+    the first run left them, and calls the value no kernel noise."""
+    from lightning_replay.kernel_noise import ProducerLog
+
+    x = torch.randn(6, 3)
+    mean, var = torch.zeros(3), torch.ones(3)
+    log = ProducerLog()
+    with log:
+        out, save_mean, _ = torch.ops.aten.native_batch_norm(
+            x, None, None, mean, var, True, 0.1, 1e-5
+        )
+    after = mean.clone(), var.clone()
+    assert not torch.equal(after[0], torch.zeros(3))  # the first run wrote them
+    assert log.unreproduced(save_mean) is None
+    assert torch.equal(mean, after[0]) and torch.equal(var, after[1])
