@@ -4,11 +4,11 @@ A derivative-checked call runs its forward with its graph, as a retained segment
 training on that step is plain PyTorch's; its outputs pass through a tap
 (:class:`_CheckTap`) whose backward replays the segment under its contract and differentiates
 the replay twice: from the tensors the forward saved (the reference) and from its own.
-Gradients are compared bit for bit. Where they differ, the reference is differentiated again
-(:data:`NOISE_SAMPLES` times): a reference whose passes differ among themselves is noisy (a
-kernel that accumulates with atomics), and the replay is then judged against that measured
-spread with a floor by dtype (:class:`_Noise`), the spread recorded with the check; an exact
-reference keeps the check bitwise. Byte checks compare digests of contract state and outputs.
+Gradients are compared bit for bit. Where they differ, both are differentiated again (the
+reference :data:`NOISE_SAMPLES` times, the replay once): passes from the same saved tensors
+that differ among themselves are the kernels' noise (atomics), and the replay is then judged
+against that measured spread with a floor by dtype (:class:`_Noise`), the spread recorded
+with the check; where the passes agree, the check stays bitwise. Byte checks compare digests of contract state and outputs.
 A divergence makes the segment react (re-probe, then retain).
 """
 

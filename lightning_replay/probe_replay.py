@@ -238,8 +238,8 @@ class _ProbeReplay:
             ]
             what = (
                 "reproduced its outputs bit for bit but not the tensors it saved for backward "
-                f"{shown}, which its kernels reproduce on their own arguments: a value only the "
-                "gradient reads differs"
+                f"{shown}, and no kernel's own run-to-run variation explains them: a value "
+                "only the gradient reads differs"
             )
         message = (
             f"segment {rt.name!r}: the replay of its probe (step {probe.step}) {what}: that "
