@@ -533,6 +533,7 @@ class SegmentProbe:
                 key = storage_key(t)
                 if key not in params:
                     replay.saved_tokens.append(digest_token(t))
+                    replay.saved.append(t)  # until compared (a kernel's own noise, see there)
                 # all alive until backward reads them: keys are distinct. FSDP's gathered
                 # parameters are the base's (refilled since the forward, maybe elsewhere)
                 if key is not None and not (acct is not None and acct.elsewhere(t)):
@@ -541,7 +542,7 @@ class SegmentProbe:
 
             eng._segment_depth += 1
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next):
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next), replay.producers:
                     out = self.orig_forward(*args, **kwargs)
             finally:
                 eng._segment_depth -= 1

@@ -176,3 +176,72 @@ def snapshot_pool_storages(engine: object) -> set[int]:
                 if s is not None:
                     out.add(s.data_ptr())
     return out
+
+
+class StepReferee:
+    """Each training step's whole-process peak, beside an engine that measures some steps itself.
+
+    Only one profiler runs at a time: where the engine measures a step (its own profiler is
+    running when the step's first module is called), the referee stays off and reports the
+    engine's figure for that step (the same definition: the process's live storages when the
+    step began + the profiler's net peak), marked ``"engine"``; elsewhere it measures the step
+    itself, from the first module call after the engine's window opened (the walk then sees the
+    batch and whatever anyone holds) to the end of the step, marked ``"referee"``.
+
+    The module pre-hook it needs stays registered for the whole run (``close()`` removes it):
+    hooks are part of a segment's preconditions, and one added and removed around every step
+    would re-probe every step.
+    """
+
+    def __init__(self) -> None:
+        self._state: dict | None = None
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._hook)
+
+    def close(self) -> None:
+        self._handle.remove()
+
+    def _hook(self, module: object, args: object) -> None:
+        st = self._state
+        if st is None or st["prof"] is not None or st["engine"]:
+            return
+        engine = st["e"]
+        if engine is not None and engine.step == st["step"]:
+            return  # the engine's window has not opened yet
+        if bool(torch.autograd.profiler._is_profiler_enabled):
+            st["engine"] = True
+            return
+        st["base"] = process_tensor_bytes()
+        st["prof"] = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        st["prof"].__enter__()
+
+    def __call__(self, fn: Callable[[], object], engine: object = None) -> tuple[int, str]:
+        """Run one step ``fn``; return ``(peak bytes, "referee" | "engine")``."""
+        st = self._state = {
+            "prof": None,
+            "engine": False,
+            "e": engine,
+            "step": getattr(engine, "step", None),
+        }
+        try:
+            fn()
+        finally:
+            self._state = None
+        if st["engine"]:
+            peak = getattr(engine, "_truth_peak", None)
+            if peak is None:
+                raise AssertionError("another profiler ran through the step: nothing measured")
+            return int(peak), "engine"
+        if st["prof"] is None:
+            raise AssertionError("no module ran in the step: nothing was measured")
+        prof = st["prof"]
+        prof.__exit__(None, None, None)
+        events = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+        running = peak = 0
+        for _, nbytes in events:
+            running += nbytes
+            peak = max(peak, running)
+        return st["base"] + peak, "referee"
