@@ -27,6 +27,7 @@ from lightning_replay._compat import (
     tree_flatten,
 )
 from lightning_replay.accounting import Saved
+from lightning_replay.arguments import call_tensors, check_rebuild, flatten_call, unflatten_call
 from lightning_replay.contract import ReplayContract, StateEntry
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.probe_replay import _ProbeReplay
@@ -357,7 +358,19 @@ class SegmentProbe:
         eng = self.engine
         self.status = "probing"
         self.guard.accept()  # this forward's preconditions are what the probe will cover
-        leaves = tensor_leaves((args, kwargs))
+        # every tensor the call reaches, inside argument objects too (arguments.py)
+        flat_call, call_spec = flatten_call(args, kwargs)
+        if call_spec.objects:
+            why = check_rebuild(flat_call, call_spec)
+            if why is not None:
+                self.status = "probe"
+                raise ReplayConfigError(
+                    f"segment {self.name!r} is called with an argument object its replay "
+                    f"cannot rebuild as the forward saw it: {why}. Pass the segment its "
+                    "tensors (or a dataclass, namedtuple, dict or list of them), or leave this "
+                    "segment out of `segments`."
+                )
+        leaves = [x for x in flat_call if isinstance(x, torch.Tensor)]
         leaf_keys = [storage_key(t) for t in leaves]
         input_keys = {k for k in leaf_keys if k}
         params = {k for k in (storage_key(p) for p in eng.model.parameters()) if k is not None}
@@ -485,6 +498,8 @@ class SegmentProbe:
         """
         box: dict[str, Any] = {}
         eng = self.engine
+        # the call as the forward saw it: argument objects' fields rebound later are not read
+        flat_call, call_spec = flatten_call(args, kwargs)
 
         # The arguments reach the replay through this closure, not as checkpoint's inputs:
         # checkpoint would save them and refuse one written in place since (a view of state
@@ -514,8 +529,11 @@ class SegmentProbe:
 
             eng._segment_depth += 1
             try:
+                a, kw = (
+                    unflatten_call(flat_call, call_spec) if call_spec.objects else (args, kwargs)
+                )
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next):
-                    out = self.orig_forward(*args, **kwargs)
+                    out = self.orig_forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
             replay.compare(out)
@@ -524,7 +542,7 @@ class SegmentProbe:
         # Checkpoint preserves the RNG of the devices of its inputs: an empty tensor on the
         # accelerator the segment runs on names it (its arguments do not reach checkpoint).
         dev = next(
-            (t.device for t in tensor_leaves((args, kwargs)) if t.device.type != "cpu"),
+            (t.device for t in call_tensors(args, kwargs) if t.device.type != "cpu"),
             eng._cuda_device,
         )
         device = (torch.empty(0, device=dev),) if dev is not None else ()

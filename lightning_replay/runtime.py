@@ -17,8 +17,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_replay._compat import checkpoint_frame_forward, tree_flatten, tree_unflatten
+from lightning_replay._compat import checkpoint_frame_forward
 from lightning_replay.accounting import checkpoint_rng_bytes
+from lightning_replay.arguments import flatten_call, unflatten_call
 from lightning_replay.checks import SegmentChecks
 from lightning_replay.contract import ReplayContract
 from lightning_replay.costs import clock, saved_tensor_overhead
@@ -28,9 +29,7 @@ from lightning_replay.host_rng import as_host_rng, is_host_rng
 from lightning_replay.probe import SegmentProbe, _Probe
 from lightning_replay.restore import _Bound, _Invocation, _ReplayContext
 from lightning_replay.slots import capture_generators
-from lightning_replay.state import (
-    storage_key,
-)
+from lightning_replay.state import storage_key, strided_copy
 from lightning_replay.state import unique_bytes as _unique_bytes
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
@@ -196,7 +195,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             flat, spec = list(args), None  # the common call: tensors only, nothing to flatten
         else:
-            flat, spec = tree_flatten((args, kwargs))
+            # tensors inside argument objects (a dataclass batch) too: see arguments.py
+            flat, spec = flatten_call(args, kwargs)
             hosts = [as_host_rng(x) for x in flat if is_host_rng(x)]
             if hosts:  # a generator outside torch passed in: its state at this call
                 inv.gens = inv.gens + capture_generators(hosts)
@@ -215,7 +215,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                         continue
                     j += 1
                     if j in written or (changing and storage_key(x) in changing):
-                        snap = x.detach().clone()
+                        snap = strided_copy(x)  # as laid out at the forward (its strides)
                         inv.subs[i] = (x, snap)
                         inv.preserved_bytes += snap.untyped_storage().nbytes()
                         eng._held_bytes += snap.untyped_storage().nbytes()
@@ -262,13 +262,16 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 flat = list(flat)
                 for i, (live, _) in inv.subs.items():
                     if inv.replaying:  # a fresh copy of the forward bytes (writable)
-                        x = flat[i].detach()
-                        flat[i] = (x.requires_grad_() if live.requires_grad else x).clone()
+                        x = strided_copy(flat[i])
+                        # (no leaf where it requires grad, as the clone it stands for)
+                        flat[i] = x.requires_grad_().view_as(x) if live.requires_grad else x
                     else:
                         flat[i] = live
-            a, kw = (flat, {}) if spec is None else tree_unflatten(list(flat), spec)
             if inv.replaying:
+                # the call as at the forward: argument objects rebuilt with their fields then
+                a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
                 return forward(*a, **kw)
+            a, kw = (flat, {}) if spec is None else (args, kwargs)  # the live objects
             eng._segment_depth += 1
             # a calibration step may run this forward under a capture mode of its own, to
             # measure what the mode costs per op in place (see CostMeter.capture_time)
