@@ -40,7 +40,7 @@ from lightning_replay.host_rng import (
     is_host_rng,
     states,
 )
-from lightning_replay.restore import _Bound
+from lightning_replay.restore import _Bound, user_saved_hooks
 from lightning_replay.module_globals import describe, globals_read
 from lightning_replay.guards import _attrs as _guard_attrs
 from lightning_replay.guards import _contents as _guard_contents
@@ -500,6 +500,8 @@ class SegmentProbe:
         eng = self.engine
         # the call as the forward saw it: argument objects' fields rebound later are not read
         flat_call, call_spec = flatten_call(args, kwargs)
+        # the user's saved-tensor hooks: applied to what the replay saves (runtime.py)
+        user = user_saved_hooks(eng)
 
         # The arguments reach the replay through this closure, not as checkpoint's inputs:
         # checkpoint would save them and refuse one written in place since (a view of state
@@ -525,7 +527,7 @@ class SegmentProbe:
                 # parameters are the base's (refilled since the forward, maybe elsewhere)
                 if key is not None and not (acct is not None and acct.elsewhere(t)):
                     replay.saved_bytes[key] = t.untyped_storage().nbytes()
-                return pack_next(t)
+                return pack_next(t if user is None else user[1](user[0](t)))
 
             eng._segment_depth += 1
             try:

@@ -17,7 +17,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_replay._compat import checkpoint_frame_forward
+from lightning_replay._compat import (
+    checkpoint_frame_forward,
+    under_functorch,
+)
 from lightning_replay.accounting import checkpoint_rng_bytes
 from lightning_replay.arguments import flatten_call, unflatten_call
 from lightning_replay.checks import SegmentChecks
@@ -27,7 +30,7 @@ from lightning_replay.errors import ContractViolation, ReplayConfigError
 from lightning_replay.guards import OUTSIDE, Guard
 from lightning_replay.host_rng import as_host_rng, is_host_rng
 from lightning_replay.probe import SegmentProbe, _Probe
-from lightning_replay.restore import _Bound, _Invocation, _ReplayContext
+from lightning_replay.restore import _Bound, _Invocation, _ReplayContext, user_saved_hooks
 from lightning_replay.slots import capture_generators
 from lightning_replay.state import storage_key, strided_copy
 from lightning_replay.state import unique_bytes as _unique_bytes
@@ -102,9 +105,13 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             not (self.module.training and torch.is_grad_enabled())
             or eng._suspended
             or eng._segment_depth
+            or under_functorch()
         ):
             # A segment called inside another segment's forward or replay is part of it: the
             # outer segment's contract covers its state and the outer replay re-runs it.
+            # Under a torch.func transform (per-sample gradients: vmap(grad(functional_call)))
+            # the segment runs plain: the transform differentiates its own graph, and refuses
+            # the saved-tensor hooks a replay needs.
             return self.orig_forward(*args, **kwargs)
         if torch._C._current_graph_task_id() != -1 or checkpoint_frame_forward() is not None:
             raise _checkpointed_around(self.name)
@@ -296,24 +303,33 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 inv.shared_writes = [t._version != sw.version for sw, t in inv.shared]
             return out
 
+        # The user's saved-tensor hooks around the step apply to what the replay saves, as
+        # plain training applies them to what the forward saves (restore._through_user_hooks)
+        user = user_saved_hooks(eng)
+
+        def context_fn() -> tuple:
+            return contextlib.nullcontext(), _ReplayContext(inv, True, user)
+
+        # ... but not to the inputs checkpoint saves for its replay: the replay starts from
+        # the forward's arguments, not from what the user's hooks make of them (a bf16
+        # rounding). In plain training no hook sees them as such.
+        plain_inputs = (
+            torch.autograd.graph.saved_tensors_hooks(_same, _same)
+            if user is not None
+            else contextlib.nullcontext()
+        )
         # The global RNG is always preserved (torch's default): a segment may draw from it
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
         if not timed:
-            return checkpoint(
-                fn,
-                *call,
-                use_reentrant=False,
-                preserve_rng_state=True,
-                context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True)),
-            )
+            with plain_inputs:
+                return checkpoint(
+                    fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
+                )
         t0 = _timed_clock(eng)
-        out = checkpoint(
-            fn,
-            *call,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True)),
-        )
+        with plain_inputs:
+            out = checkpoint(
+                fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
+            )
         inv.t_prep += _timed_clock(eng) - t0 - inner[0]
         frame, inner[1] = inner[1], None  # (fn, which the frame keeps, must not keep it)
         if frame is not None:
@@ -374,6 +390,10 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             "changing_state": [s.name for s in c.changing] if c else [],
             "options": c.available_options() if c else [],
         }
+
+
+def _same(t: Any) -> Any:
+    return t
 
 
 def _timed_clock(eng: "ReplayEngine") -> float:

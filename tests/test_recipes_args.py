@@ -21,6 +21,7 @@ first step that names the segment and the reason, where the README puts the case
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable, NamedTuple
@@ -385,3 +386,211 @@ def test_strided_input_copy_keeps_its_layout(name: str) -> None:
         assert _diff(expected, run(model)) == [], pres
         assert eng.summary()["blocks.0"]["replays"] == 3
         eng.uninstall()
+
+
+# ----------------------------------------------------------------------------- class 3
+class NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.bn = nn.BatchNorm1d(D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x)).tanh() * x
+
+
+class HookNet(nn.Module):
+    def __init__(self, inside: Callable | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(NormBlock(), NormBlock(), NormBlock())
+        self.head = nn.Linear(D, 1)
+        self.inside = inside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inside is None:
+            return self.head(self.blocks(x))
+        with self.inside():  # hooks entered inside the step (a training_step)
+            h = self.blocks(x)
+        return self.head(h)
+
+
+def _bf16_hooks() -> Any:
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.bfloat16(), lambda t: t.float())
+
+
+def _half_hooks() -> Any:
+    return torch.autograd.graph.saved_tensors_hooks(
+        lambda t: t.half() if t.is_floating_point() else t,
+        lambda t: t.float() if t.is_floating_point() else t,
+    )
+
+
+HOOKS = {
+    "bf16": (_bf16_hooks, False),
+    "half": (_half_hooks, False),
+    "save_on_cpu": (torch.autograd.graph.save_on_cpu, False),
+    "bf16_inside": (_bf16_hooks, True),
+}
+
+
+def _train_hooks(model: nn.Module, hooks: Callable, outside: bool, eng: Any = None) -> list:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    out = []
+    for step in range(STEPS):
+        if eng is not None and step == 3:
+            eng.request_check()
+        x = torch.randn(16, D)
+        with hooks() if outside else contextlib.nullcontext():
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        out.append(_grads(model))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(HOOKS))
+def test_user_saved_tensor_hooks_apply_to_replays(name: str) -> None:
+    """The user's saved-tensor hooks (bf16 rounding, save_on_cpu) around the step or inside it:
+    backward reads what they make of each saved tensor, the replay's too (was: a replay
+    differentiated the unrounded tensors, and its inputs came back rounded)."""
+    hooks, inside = HOOKS[name]
+    torch.manual_seed(1)
+    ref = HookNet(hooks if inside else None)
+    expected = _train_hooks(copy.deepcopy(ref), hooks, not inside)
+    for kw in [{"preservation": p} for p in PRESERVATIONS] + [
+        {"budget": "min"},
+        {"track_memory": True},
+    ]:
+        model = copy.deepcopy(ref)
+        eng = lr.install(model, "blocks.*", **kw)
+        got = _train_hooks(model, hooks, not inside, eng)
+        assert _diff(expected, got) == [], (name, kw)
+        assert eng.summary()["blocks.1"]["replays"] >= 3, eng.summary()
+        eng.uninstall()
+
+
+# ----------------------------------------------------------------------------- class 7
+def _per_sample_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+
+    def loss(p: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, (p, buffers), (xi[None],))
+        return (out.squeeze() - yi).pow(2)
+
+    return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+
+
+class FuncNet(nn.Module):
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        mk = (
+            (lambda: nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D), nn.GELU()))
+            if norm
+            else (lambda: nn.Sequential(nn.Linear(D, D), nn.Tanh()))
+        )
+        self.blocks = nn.Sequential(mk(), mk())
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_torch_func_transforms_run_segments_plain(norm: bool) -> None:
+    """DP-SGD's per-sample gradients (``vmap(grad(functional_call(model, ...)))``), a
+    ``jacrev`` and a ``jvp`` over an installed model equal plain PyTorch's, between ordinary
+    training steps that keep replaying (was: torch's "don't yet support saved tensor hooks"
+    from the probe)."""
+    from torch.func import functional_call, jacrev, jvp
+
+    torch.manual_seed(2)
+    ref = FuncNet(norm)
+    model = copy.deepcopy(ref)
+    eng = lr.install(model, "blocks.*")
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        x, y = torch.randn(B, D, generator=g), torch.randn(B, generator=g)
+        for m in (ref, model):
+            m.zero_grad(set_to_none=True)
+            (m(x).squeeze() - y).pow(2).mean().backward()
+        assert _diff([_grads(ref)], [_grads(model)]) == []
+        a, b = _per_sample_grads(ref, x, y), _per_sample_grads(model, x, y)
+        assert all(torch.equal(a[k], b[k]) for k in a), step
+        ja = jacrev(lambda z: functional_call(ref, dict(ref.named_parameters()), (z,)))(x)
+        jb = jacrev(lambda z: functional_call(model, dict(model.named_parameters()), (z,)))(x)
+        assert torch.equal(ja, jb)
+        t = torch.ones_like(x)
+        assert torch.equal(jvp(ref, (x,), (t,))[1], jvp(model, (x,), (t,))[1])
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), model.parameters()):
+                p.sub_(0.1 * p.grad)
+                q.sub_(0.1 * q.grad)
+    assert eng.summary()["blocks.0"]["replays"] >= 2
+
+
+# ----------------------------------------------------------------------------- classes 8, 9
+class TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(NormBlock(), NormBlock())
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+@pytest.mark.parametrize("how", ["script", "trace", "script_by_class"])
+def test_torchscript_segment_is_refused_by_name(how: str) -> None:
+    """A ``torch.jit.script``-ed or traced segment: refused at install, naming the segment and
+    why (was: AttributeError deep in segments._has_forward)."""
+    model = TwoBlocks()
+    if how == "trace":
+        model.blocks[0] = torch.jit.trace(model.blocks[0], torch.randn(B, D))
+    else:
+        model.blocks[0] = torch.jit.script(model.blocks[0])
+    spec = "blocks.*" if how != "script_by_class" else (lambda n, m: n.startswith("blocks."))
+    with pytest.raises(lr.SegmentError, match=r"'blocks.0' is a TorchScript module"):
+        lr.install(model, spec)
+    assert type(model.blocks[1]) is NormBlock  # nothing installed
+    # beside the segments too: its state cannot be watched either
+    with pytest.raises(lr.SegmentError, match=r"module 'blocks.0' is a TorchScript module"):
+        lr.install(model, ["blocks.1"])
+    assert type(model.blocks[1]) is NormBlock
+
+
+@pytest.mark.parametrize("how", ["compile", "module_compile", "whole", "whole_method", "inner"])
+def test_compiled_segments_are_refused_by_name(how: str) -> None:
+    """``torch.compile`` on a segment, on the model as a whole, or on a module inside a
+    segment is refused at install, naming it and what to do (was: an InternalTorchDynamoError
+    at step 2, or other gradients under inductor). Compiling is lazy: nothing is traced."""
+    model = TwoBlocks()
+    target: nn.Module = model
+    if how == "compile":
+        model.blocks[0] = torch.compile(model.blocks[0], backend="eager")
+        err, match = lr.SegmentError, r"segment 'blocks.0' is compiled \(torch.compile\)"
+    elif how == "module_compile":
+        model.blocks[0].compile(backend="eager")
+        err, match = lr.SegmentError, r"segment 'blocks.0' is compiled \(module.compile\(\)\)"
+    elif how == "whole":
+        target = torch.compile(model, backend="eager")
+        err, match = lr.ReplayConfigError, r"model is compiled as a whole"
+    elif how == "whole_method":
+        model.compile(backend="eager")
+        err, match = lr.ReplayConfigError, r"model is compiled as a whole"
+    else:
+        model.blocks[1].lin.compile(backend="eager")
+        err, match = lr.SegmentError, r"'blocks.1.lin' is compiled .* lies inside segment"
+    spec = "_orig_mod.blocks.*" if how == "whole" else "blocks.*"
+    with pytest.raises(err, match=match):
+        lr.install(target, spec)
+
+
+def test_compiled_module_apart_from_the_segments_is_allowed() -> None:
+    model = TwoBlocks()
+    model.head.compile(backend="eager")
+    lr.install(model, "blocks.*").uninstall()
