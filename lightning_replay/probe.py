@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 import re
 import random
 import sys
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch.utils.checkpoint import CheckpointError, checkpoint, set_checkpoint_early_stop
 
@@ -66,6 +68,7 @@ from lightning_replay.state import (
     digest_token,
     digests,
     find_generator_name,
+    iter_named_state,
     storage_key,
     tensor_leaves,
     unique_generators,
@@ -103,6 +106,76 @@ class _Probe:
         self.written_inputs: list[int] = []  # ... that the segment itself writes
         self.start_index: StateIndex | None = None  # the model's state names at its start
         self.host: list = []  # (HostRNG, state at its start) of those its forward drew from
+        self.sparse_reads: list[str] = []  # the model's sparse tensors its forward read
+
+
+class _HostReads:
+    """While a probe's forward runs: state read straight into host memory, where no dispatch
+    mode sees it (``t.tolist()``, ``t.numpy()``, ``np.asarray(t)``), is watched like state the
+    mode sees read (``.item()``, ``float(t)`` and ``int(t)`` dispatch
+    ``aten::_local_scalar_dense``, which it does see). A tensor the segment made is ignored
+    by the mode's own rule (produced storage)."""
+
+    _NAMES = ("tolist", "numpy", "__array__")
+
+    def __init__(self, mode: DiscoveryMode) -> None:
+        self.mode = mode
+        self._saved: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> "_HostReads":
+        for name in self._NAMES:
+            orig = torch.Tensor.__dict__.get(name, _MISSING)
+            self._saved.append((name, orig))
+            setattr(torch.Tensor, name, self._watch(getattr(torch.Tensor, name)))
+        return self
+
+    def _watch(self, fn: Callable) -> Callable:
+        mode = self.mode
+
+        def watched(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
+                mode.touch_all([t])
+            return fn(t, *args, **kwargs)
+
+        return watched
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, orig in reversed(self._saved):
+            if orig is _MISSING:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, orig)
+        self._saved = []
+
+
+class _SparseStateReads(TorchDispatchMode):
+    """While a probe's forward runs: which of the model's sparse tensors (a sparse COO or CSR
+    buffer or attribute) its ops read. A sparse tensor has no strided storage to snapshot or
+    log, and an in-place op on one reallocates its values: the segment is kept retained
+    (exact, no replay) instead."""
+
+    def __init__(self, sparse: dict[int, str]) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.read: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in list(args) + list(kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor) and id(t) in self.sparse:
+                    self.read.add(self.sparse[id(t)])
+        return func(*args, **kwargs)
+
+
+def _sparse_state(model: nn.Module) -> dict[int, str]:
+    """The model's tensors with no strided storage (sparse layouts), by id: name."""
+    out = {}
+    for ref in iter_named_state(model):
+        t = ref.get()
+        if t is not None and t.layout != torch.strided:
+            out.setdefault(id(t), ref.name)
+    return out
 
 
 class _GlobalStateReads:
@@ -418,6 +491,8 @@ class SegmentProbe:
         passed = [as_host_rng(x) for x in tree_flatten((args, kwargs))[0] if is_host_rng(x)]
         host_before = states(hosts + passed)
         peeked = _GlobalStateReads()
+        sparse = _sparse_state(eng.model)
+        sparse_reads = _SparseStateReads(sparse) if sparse else contextlib.nullcontext()
         # module-level plain values the segment's code names, as before its forward
         glob = [
             (mod, name, _at_forward(mod.__dict__[name])) for mod, name in globals_read(self.modules)
@@ -431,6 +506,8 @@ class SegmentProbe:
                 own,
                 held,
                 peeked,
+                _HostReads(mode),
+                sparse_reads,
                 comparisons() as compared,
             ):
                 out = self.orig_forward(*args, **kwargs)
@@ -475,6 +552,8 @@ class SegmentProbe:
         )
         self.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
         self.input_bytes = _unique_bytes(leaves)
+        if sparse and sparse_reads.read:
+            probe.sparse_reads = sorted(sparse_reads.read)
         self.probes.append(probe)
         self._last_probe = probe
         eng._pending_probes.add(self)
@@ -688,6 +767,8 @@ class SegmentProbe:
             act = max(act, p.activation_bytes)
             self.state_keys.update(p.mode.touched)
             uses_rng |= p.mode.uses_global_rng
+            if p.sparse_reads and not self.demoted:
+                self._keep_for_sparse(p)
             gens.update(p.mode.generators)
             host.update((id(r.obj), r) for r, _ in p.host)
             changed_attrs.update(p.changed_attrs)
@@ -765,6 +846,29 @@ class SegmentProbe:
             check="contract",
             outcome="match",
             detail=_contract_detail(c),
+        )
+
+    def _keep_for_sparse(self, probe: _Probe) -> None:
+        """The probe's forward read sparse model state, which no option can preserve: the
+        segment keeps its activations from now on (exact), recorded and warned once."""
+        eng = self.engine
+        self.demoted = True
+        names = ", ".join(probe.sparse_reads)
+        eng.records.append(
+            step=probe.step,
+            segment=self.name,
+            contract_version=self.version + 1,
+            check="probe",
+            outcome="rejection",
+            detail={"what": f"reads sparse state {names}", "action": "retain"},
+        )
+        warnings.warn(
+            f"segment {self.name!r} reads sparse model state ({names}): a sparse tensor has no "
+            "strided storage to preserve, and an in-place op on it reallocates its values, so "
+            "the segment keeps its activations (retain, exact) instead of replaying. Keep the "
+            "sparse tensor dense, or pass it to the segment as an argument, to replay it.",
+            RuntimeWarning,
+            stacklevel=2,
         )
 
     def _outside_names(self) -> list[str]:

@@ -269,9 +269,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 flat = list(flat)
                 for i, (live, _) in inv.subs.items():
                     if inv.replaying:  # a fresh copy of the forward bytes (writable)
-                        x = strided_copy(flat[i])
-                        # (no leaf where it requires grad, as the clone it stands for)
-                        flat[i] = x.requires_grad_().view_as(x) if live.requires_grad else x
+                        flat[i] = _replay_input(flat[i], live.requires_grad)
                     else:
                         flat[i] = live
             if inv.replaying:
@@ -390,6 +388,22 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             "changing_state": [s.name for s in c.changing] if c else [],
             "options": c.available_options() if c else [],
         }
+
+
+def _replay_input(saved: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A writable copy of an argument's forward bytes for its replay, laid out as at the
+    forward (:func:`~lightning_replay.state.strided_copy`); where it required grad, no leaf
+    (a copy of a leaf that requires grad, as a ``clone`` would be), so that the segment's
+    in-place ops on it run as in the forward."""
+    x = strided_copy(saved)
+    if not requires_grad:
+        return x
+    src = saved.detach().requires_grad_()
+    try:
+        with torch.enable_grad():
+            return x.copy_(src)
+    except RuntimeError:  # an expanded (overlapping) layout cannot be written: a view
+        return src.view_as(src)
 
 
 def _same(t: Any) -> Any:

@@ -323,6 +323,9 @@ def strided_copy(t: torch.Tensor) -> torch.Tensor:
         region = torch.empty(0, dtype=t.dtype, device=t.device).set_(
             t.untyped_storage(), t.storage_offset(), (size,), (1,)
         )
-        out = torch.empty(lead + size, dtype=t.dtype, device=t.device)
-        out[lead:].copy_(region)
-    return out.as_strided(t.shape, t.stride(), lead)
+        buf = torch.empty(lead + size, dtype=t.dtype, device=t.device)
+        buf[lead:].copy_(region)
+        # (set_, not as_strided: a tensor of its own, no view, so it can become a leaf)
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            buf.untyped_storage(), lead, t.shape, t.stride()
+        )

@@ -594,3 +594,135 @@ def test_compiled_module_apart_from_the_segments_is_allowed() -> None:
     model = TwoBlocks()
     model.head.compile(backend="eager")
     lr.install(model, "blocks.*").uninstall()
+
+
+# ----------------------------------------------------------------------------- class 12
+HOST_READS = {
+    "tolist": lambda g: torch.tensor(g.tolist()),
+    "numpy": lambda g: torch.from_numpy(g.numpy().copy()),
+    "asarray": lambda g: torch.tensor(__import__("numpy").asarray(g)),
+    "item": lambda g: torch.stack([torch.tensor(g[i].item()) for i in range(D)]),
+    "float": lambda g: torch.tensor([float(g[i]) for i in range(D)]),
+    "int": lambda g: torch.tensor([int(g[i] * 100) for i in range(D)]) / 100.0,
+}
+
+
+class GainBlock(nn.Module):
+    """Reads a buffer of the model that holds it (not a submodule: ``owner``) on the host."""
+
+    def __init__(self, owner: nn.Module, read: Callable) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        object.__setattr__(self, "owner", owner)
+        self.read = read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.read(self.owner.gains)
+
+
+class GainNet(nn.Module):
+    def __init__(self, read: Callable) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([GainBlock(self, read), GainBlock(self, read)])
+        self.register_buffer("gains", torch.linspace(0.5, 1.5, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[1](self.blocks[0](x).tanh())
+        with torch.no_grad():
+            self.gains.mul_(1.1)  # the root updates it after the segments ran
+        return h
+
+
+class SparseOwnerBlock(nn.Module):
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        object.__setattr__(self, "owner", owner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.owner.adj.to_dense() @ self.lin(x).t()).t().tanh()
+
+
+class SparseOwnBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("adj", _adjacency())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.adj * 2.0).to_dense().matmul(self.lin(x).t()).t().tanh()
+
+
+def _adjacency() -> torch.Tensor:
+    i = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0], [1, 2, 3, 4, 5, 6, 7, 0, 0]])
+    return torch.sparse_coo_tensor(i, torch.rand(9), (D, D)).coalesce()
+
+
+class SparseNet(nn.Module):
+    def __init__(self, own: bool) -> None:
+        super().__init__()
+        self.own = own
+        if own:
+            self.blocks = nn.ModuleList([SparseOwnBlock(), SparseOwnBlock()])
+        else:
+            self.blocks = nn.ModuleList([SparseOwnerBlock(self), SparseOwnerBlock(self)])
+            self.register_buffer("adj", _adjacency())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[1](self.blocks[0](x))
+        with torch.no_grad():  # an in-place op on the sparse buffer after the segments
+            (self.blocks[0].adj if self.own else self.adj).mul_(0.5)
+        return h
+
+
+def _train_plain(model: nn.Module, eng: Any = None) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(STEPS):
+        if eng is not None and step == 3:
+            eng.request_check()
+        model(torch.randn(B, D, generator=g)).pow(2).sum().backward()
+        out.append(_grads(model))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(HOST_READS))
+def test_host_reads_of_state_are_preserved(name: str) -> None:
+    """A buffer the root updates after the forward, read by the segment on the host
+    (``.tolist()``, ``.numpy()``, ``np.asarray``, ``.item()``, ``float``, ``int``): the replay
+    reads its value at the forward (was: ``.tolist()`` read the updated buffer, wrong gradients
+    until a sampled check found it)."""
+    torch.manual_seed(1)
+    ref = GainNet(HOST_READS[name])
+    expected = _train_plain(copy.deepcopy(ref))
+    for pres in PRESERVATIONS:
+        model = copy.deepcopy(ref)
+        eng = lr.install(model, "blocks.*", preservation=pres)
+        assert _diff(expected, _train_plain(model, eng)) == [], pres
+        assert eng.summary()["blocks.0"]["replays"] >= 3
+        assert "gains" in eng.summary()["blocks.0"]["changing_state"]
+        assert not [r for r in eng.records.read() if r.outcome != "match"]
+        eng.uninstall()
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_sparse_state_keeps_the_segment_retained(own: bool) -> None:
+    """A sparse COO buffer the segment reads and the step writes in place after it: no option
+    can preserve it (its values are reallocated), so the segment keeps its activations, exact,
+    with a warning and a record naming the buffer (was: replayed from the new values)."""
+    torch.manual_seed(1)
+    ref = SparseNet(own)
+    expected = _train_plain(copy.deepcopy(ref))
+    for pres in PRESERVATIONS:
+        model = copy.deepcopy(ref)
+        eng = lr.install(model, "blocks.*", preservation=pres)
+        with pytest.warns(RuntimeWarning, match=r"'blocks.0' reads sparse model state"):
+            got = _train_plain(model, eng)
+        assert _diff(expected, got) == [], pres
+        assert eng.summary()["blocks.0"]["mode"] == "retain"
+        rejections = [r for r in eng.records.read() if r.outcome == "rejection"]
+        assert any("adj" in str(r.detail) for r in rejections)
+        eng.uninstall()
