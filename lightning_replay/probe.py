@@ -168,12 +168,17 @@ class _SparseStateReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _sparse_state(model: nn.Module) -> dict[int, str]:
-    """The model's tensors with no strided storage (sparse layouts), by id: name."""
-    out = {}
-    for ref in iter_named_state(model):
-        t = ref.get()
-        if t is not None and t.layout != torch.strided:
+def _sparse_state(model: nn.Module, own: list[nn.Module]) -> dict[int, str]:
+    """The model's tensors with no strided storage (sparse layouts) outside the modules
+    ``own``, by id: name. (A segment's own sparse buffers and attributes are copied with its
+    slots at each forward and put back for the replay: slots.ModuleSlots.)"""
+    mine = {id(m) for m in own}
+    refs = [(ref, ref.get()) for ref in iter_named_state(model)]
+    sparse = [(ref, t) for ref, t in refs if t is not None and t.layout != torch.strided]
+    held = {id(t) for ref, t in sparse if id(ref.module) in mine}
+    out: dict[int, str] = {}
+    for ref, t in sparse:
+        if id(t) not in held:
             out.setdefault(id(t), ref.name)
     return out
 
@@ -491,7 +496,7 @@ class SegmentProbe:
         passed = [as_host_rng(x) for x in tree_flatten((args, kwargs))[0] if is_host_rng(x)]
         host_before = states(hosts + passed)
         peeked = _GlobalStateReads()
-        sparse = _sparse_state(eng.model)
+        sparse = _sparse_state(eng.model, self.modules)
         sparse_reads = _SparseStateReads(sparse) if sparse else contextlib.nullcontext()
         # module-level plain values the segment's code names, as before its forward
         glob = [
