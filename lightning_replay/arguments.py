@@ -38,6 +38,7 @@ import types
 from typing import Any
 
 import torch
+import torch.utils._pytree as _pytree
 from torch import nn
 
 #: how deep :func:`flatten_call` walks into argument objects
@@ -114,6 +115,9 @@ def _holds_tensor(obj: Any, depth: int, budget: list[int]) -> bool:
         return True
     if isinstance(obj, _OPAQUE) or callable(obj) and not dataclasses.is_dataclass(obj):
         return False
+    spec = _pytree.SUPPORTED_NODES.get(type(obj))
+    if spec is not None and type(obj) not in (list, tuple, dict):
+        return any(_holds_tensor(x, depth + 1, budget) for x in spec.flatten_fn(obj)[0])
     if isinstance(obj, (list, tuple)):
         return any(_holds_tensor(x, depth + 1, budget) for x in obj)
     if isinstance(obj, dict):
@@ -172,6 +176,16 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
             seen[id(obj)] = node
             node.children = [walk(x, depth + 1, f"{where}.{f}") for f, x in zip(t._fields, obj)]
             return node
+        spec = _pytree.SUPPORTED_NODES.get(t)
+        if spec is not None and t not in (list, tuple, dict):
+            # a registered pytree node (OrderedDict, defaultdict, deque, HF's ModelOutput, a
+            # user's): flattened and rebuilt by its own registration, as pytree does
+            children, context = spec.flatten_fn(obj)
+            node = _Node("pytree", t)
+            node.template = (spec.unflatten_fn, context)
+            seen[id(obj)] = node
+            node.children = [walk(x, depth + 1, f"{where}[{i}]") for i, x in enumerate(children)]
+            return node
         if t is dict:
             node = _Node("dict", t)
             seen[id(obj)] = node
@@ -225,6 +239,9 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
             out = tuple(build(c) for c in node.children)
         elif kind == "named":
             out = node.type._make(build(c) for c in node.children)
+        elif kind == "pytree":
+            unflatten, context = node.template
+            out = unflatten([build(c) for c in node.children], context)
         elif kind == "dict":
             out = {}
             built[id(node)] = out

@@ -615,9 +615,8 @@ class SegmentProbe:
 
             eng._segment_depth += 1
             try:
-                a, kw = (
-                    unflatten_call(flat_call, call_spec) if call_spec.objects else (args, kwargs)
-                )
+                # the call as at the forward: its containers' and objects' fields then
+                a, kw = unflatten_call(flat_call, call_spec)
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next):
                     out = self.orig_forward(*a, **kw)
             finally:

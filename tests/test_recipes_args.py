@@ -101,6 +101,11 @@ class EncodingLike(collections.UserDict):
             raise AttributeError(item) from exc
 
 
+def _batch_encoding(data: dict) -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.BatchEncoding(data)
+
+
 class TensorDict(dict):
     """A dict subclass with an attribute of its own."""
 
@@ -170,6 +175,18 @@ VARIANTS = {
         lambda b: b.input * b.mask,
         lambda b: b["mask"].zero_(),
         lambda b: b.data.__setitem__("input", b["input"] + 5),
+    ),
+    "hf_batch_encoding": Variant(
+        lambda x: _batch_encoding({"input": x, "mask": torch.ones(B, D)}),
+        lambda b: b["input"] * b.mask,
+        lambda b: b["mask"].zero_(),
+        lambda b: b.data.__setitem__("input", b["input"] + 5),
+    ),
+    "deque_and_ordered_dict": Variant(
+        lambda x: collections.deque([collections.OrderedDict(x=x), 2.0]),
+        lambda q: q[0]["x"] * q[1],
+        lambda q: q[0]["x"].add_(1.0),
+        lambda q: q[0].__setitem__("x", q[0]["x"] * 3),
     ),
     "dict_subclass": Variant(
         lambda x: TensorDict(x=x),
