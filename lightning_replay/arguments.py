@@ -99,17 +99,19 @@ _LEAF = _Node("leaf")
 class CallSpec:
     """The structure of one call's ``(args, kwargs)``: :func:`unflatten_call` rebuilds it."""
 
-    __slots__ = ("root", "objects")
+    __slots__ = ("root", "objects", "too_deep")
 
     def __init__(self, root: _Node, objects: list[tuple[str, Any]]) -> None:
         self.root = root
         #: (where in the call, object) of each argument object walked into
         self.objects = objects
+        #: where objects holding tensors lie deeper than MAX_DEPTH (passed live)
+        self.too_deep: list[str] = []
 
 
-def _holds_tensor(obj: Any, depth: int, budget: list[int]) -> bool:
+def _holds_tensor(obj: Any, depth: int, budget: list[int], limit: int = MAX_DEPTH) -> bool:
     budget[0] -= 1
-    if budget[0] < 0 or depth > MAX_DEPTH:
+    if budget[0] < 0 or depth > limit:
         return False
     if isinstance(obj, torch.Tensor):
         return True
@@ -117,15 +119,15 @@ def _holds_tensor(obj: Any, depth: int, budget: list[int]) -> bool:
         return False
     spec = _pytree.SUPPORTED_NODES.get(type(obj))
     if spec is not None and type(obj) not in (list, tuple, dict):
-        return any(_holds_tensor(x, depth + 1, budget) for x in spec.flatten_fn(obj)[0])
+        return any(_holds_tensor(x, depth + 1, budget, limit) for x in spec.flatten_fn(obj)[0])
     if isinstance(obj, (list, tuple)):
-        return any(_holds_tensor(x, depth + 1, budget) for x in obj)
+        return any(_holds_tensor(x, depth + 1, budget, limit) for x in obj)
     if isinstance(obj, dict):
-        if any(_holds_tensor(x, depth + 1, budget) for x in obj.values()):
+        if any(_holds_tensor(x, depth + 1, budget, limit) for x in obj.values()):
             return True
     if isinstance(obj, (set, frozenset)):
         return False
-    return any(_holds_tensor(v, depth + 1, budget) for _, v, _ in _fields(obj))
+    return any(_holds_tensor(v, depth + 1, budget, limit) for _, v, _ in _fields(obj))
 
 
 def _fields(obj: Any) -> list[tuple[str, Any, bool]]:
@@ -149,6 +151,7 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
     spec that rebuilds it."""
     flat: list = []
     objects: list[tuple[str, Any]] = []
+    deep: list[str] = []
     seen: dict[int, _Node] = {}
     budget = [MAX_NODES]
 
@@ -162,6 +165,8 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
             node.target = prev
             return node
         if depth > MAX_DEPTH or not _holds_tensor(obj, depth, [budget[0]]):
+            if _holds_tensor(obj, depth, [256], 3 * MAX_DEPTH):  # a tensor past the walk's depth
+                deep.append(where)  # passed live: said at the probe (see too_deep)
             flat.append(obj)
             return _LEAF
         budget[0] -= 1
@@ -214,7 +219,9 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
     named.keys = list(kwargs)
     named.children = [walk(v, 1, f"argument {k!r}") for k, v in kwargs.items()]
     root.children = [pos, named]
-    return flat, CallSpec(root, objects)
+    spec = CallSpec(root, objects)
+    spec.too_deep = deep
+    return flat, spec
 
 
 def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:

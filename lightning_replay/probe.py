@@ -29,7 +29,13 @@ from lightning_replay._compat import (
     tree_flatten,
 )
 from lightning_replay.accounting import Saved
-from lightning_replay.arguments import call_tensors, check_rebuild, flatten_call, unflatten_call
+from lightning_replay.arguments import (
+    MAX_DEPTH,
+    call_tensors,
+    check_rebuild,
+    flatten_call,
+    unflatten_call,
+)
 from lightning_replay.contract import ReplayContract, StateEntry
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.probe_replay import _ProbeReplay
@@ -448,6 +454,17 @@ class SegmentProbe:
                     "tensors (or a dataclass, namedtuple, dict or list of them), or leave this "
                     "segment out of `segments`."
                 )
+        if call_spec.too_deep and not getattr(self, "_warned_deep", False):
+            self._warned_deep = True
+            warnings.warn(
+                f"segment {self.name!r} is called with tensors inside argument objects more "
+                f"than {MAX_DEPTH} levels deep ({', '.join(call_spec.too_deep[:4])}): they "
+                "reach its replay as the live objects, so a field rebound or a tensor written "
+                "in place there after the forward would be read new. Pass the segment those "
+                "tensors (or a shallower object).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         leaves = [x for x in flat_call if isinstance(x, torch.Tensor)]
         leaf_keys = [storage_key(t) for t in leaves]
         input_keys = {k for k in leaf_keys if k}

@@ -753,3 +753,23 @@ def test_sparse_state_is_exact(own: bool) -> None:
             assert any("'blocks.0' reads sparse model state (adj)" in m for m in said), said
             assert any("adj" in str(r.detail) for r in rejections)
         eng.uninstall()
+
+
+def test_argument_objects_deeper_than_the_walk_are_warned_about() -> None:
+    """Tensors more than ``MAX_DEPTH`` levels down an argument object are passed live: the
+    probe says so once, naming the segment and where (not silent)."""
+
+    def nest(x: torch.Tensor, n: int) -> Any:
+        return Inner(x) if n == 0 else [nest(x, n - 1)]
+
+    def read(b: Any) -> torch.Tensor:
+        while isinstance(b, list):
+            b = b[0]
+        return b.x
+
+    model = ArgNet(read)
+    eng = lr.install(model, "blocks.*")
+    with pytest.warns(RuntimeWarning, match=r"'blocks.0' is called with tensors inside .* deep"):
+        model(nest(torch.randn(B, D), 8)).sum().backward()
+    model(nest(torch.randn(B, D), 3)).sum().backward()  # within the walk: no warning
+    eng.uninstall()
