@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_replay.contract import SELECTIVE, base_option
 from lightning_replay.planner import CostTable, Option, SegmentCost
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class CostMeter:
         self.region_bytes: dict[str, int] = {}
         # generator states checkpoint keeps per replayed call, in the budget's memory
         self.rng_bytes: dict[str, int] = {}
+        # outputs a selective replay's forward kept for its replay (matrix products, ...)
+        self.selective_bytes: dict[str, int] = {}
         # A(s) measured on a derivative-checked step (the probe's until then)
         self.activation_bytes: dict[str, int] = {}
         # ops the capture mode saw in one step's forward, per timed step that ran it
@@ -134,7 +137,7 @@ class CostMeter:
             for o in c.available_options():
                 if o == "retain" or not self.has(name, o):
                     continue
-                if o == "regions":
+                if base_option(o) == "regions":
                     held = self.region_bytes.get(name, 0) + sum(
                         s.nbytes
                         for s in c.changing
@@ -142,6 +145,8 @@ class CostMeter:
                     )
                 else:
                     held = c.preserved_bytes(o)
+                if o in SELECTIVE:  # the kept op outputs, measured at this segment's forward
+                    held += int(self.selective_bytes.get(name, 0) * grow_in)
                 rng = self.rng_bytes.get(name, 0)
                 opts[o] = Option(
                     memory=inputs + rng + held,
@@ -157,6 +162,7 @@ class CostMeter:
             "input_bytes": dict(self.input_bytes),
             "region_bytes": dict(self.region_bytes),
             "rng_bytes": dict(self.rng_bytes),
+            "selective_bytes": dict(self.selective_bytes),
             "activation_bytes": dict(self.activation_bytes),
             "capture_ops": list(self.capture_ops),
         }

@@ -68,10 +68,25 @@ __all__ = [
 
 #: Preservation options a segment may have. Iteration order everywhere in the planner is this
 #: order, so results never depend on the order a caller happened to build its dicts in.
-OPTION_NAMES: tuple[str, ...] = ("retain", "recompute", "whole", "regions")
+OPTION_NAMES: tuple[str, ...] = (
+    "retain",
+    "recompute",
+    "whole",
+    "regions",
+    "selective",
+    "selective_whole",
+    "selective_regions",
+)
 
 #: Planning methods :func:`plan` accepts. ``joint`` is exact; the others are baselines.
-METHODS: tuple[str, ...] = ("joint", "eager_whole", "fixed_regions", "retain_all", "whole_all")
+METHODS: tuple[str, ...] = (
+    "joint",
+    "eager_whole",
+    "fixed_regions",
+    "retain_all",
+    "whole_all",
+    "selective_all",
+)
 
 #: Version of the JSON layout written by :func:`costs_to_dict` and :meth:`Plan.to_dict`.
 PLANNER_SCHEMA_VERSION = 1
@@ -863,6 +878,16 @@ def _whole_all(table: Sequence[_Seg]) -> Iterator[list[int]]:
     yield picks
 
 
+def _selective_all(table: Sequence[_Seg]) -> Iterator[list[int]]:
+    # every segment replayed selectively, with its lowest-memory selective option (a segment
+    # without one: its lowest-memory option)
+    picks = []
+    for seg in table:
+        selective = [k for k, o in enumerate(seg.names) if o.startswith("selective")]
+        picks.append(seg.lowest_memory(selective or None))
+    yield picks
+
+
 def _fixed_regions(table: Sequence[_Seg]) -> Iterator[list[int]]:
     picks = []
     for seg in table:
@@ -910,6 +935,7 @@ _BASELINES = {
     "fixed_regions": _fixed_regions,
     "retain_all": _retain_all,
     "whole_all": _whole_all,
+    "selective_all": _selective_all,
 }
 
 
@@ -1014,6 +1040,9 @@ def plan(
             * ``fixed_regions``: every segment replayed with its lowest-memory replay option.
             * ``retain_all``: every segment retained (lowest-memory option if it cannot be).
             * ``whole_all``: every segment ``whole``, else ``recompute``, else its
+              lowest-memory option.
+            * ``selective_all``: every segment its lowest-memory selective option
+              (``selective``, ``selective_whole``, ``selective_regions``), else its
               lowest-memory option.
         allowed: Segment name to the options it may take (a preservation pin); every method
             chooses only among those. Segments not named may take any measured option.

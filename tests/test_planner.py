@@ -435,8 +435,11 @@ def test_eager_whole_never_uses_regions_where_it_has_a_choice(
     for c in costs:
         if any(o in c.options for o in ("retain", "whole", "recompute")):
             assert p.choices[c.name] in ("retain", "whole", "recompute")
-        else:
-            assert p.choices[c.name] == "regions"
+        else:  # only options outside the method (regions, selective ones): the lowest memory
+            assert p.choices[c.name] == min(
+                c.options,
+                key=lambda o: (c.options[o].memory, c.options[o].time, OPTION_NAMES.index(o)),
+            )
 
 
 def test_eager_whole_takes_free_savings_first_then_best_ratio() -> None:
