@@ -63,6 +63,8 @@ class CostMeter:
         self.rng_bytes: dict[str, int] = {}
         # outputs a selective replay's forward kept for its replay (matrix products, ...)
         self.selective_bytes: dict[str, int] = {}
+        # of those, the ones autograd saves too: a selective replay does not re-materialize them
+        self.selective_saved_bytes: dict[str, int] = {}
         # A(s) measured on a derivative-checked step (the probe's until then)
         self.activation_bytes: dict[str, int] = {}
         # ops the capture mode saw in one step's forward, per timed step that ran it
@@ -145,13 +147,19 @@ class CostMeter:
                     )
                 else:
                     held = c.preserved_bytes(o)
-                if o in SELECTIVE:  # the kept op outputs, measured at this segment's forward
-                    held += int(self.selective_bytes.get(name, 0) * grow_in)
+                replay = None
+                if o in SELECTIVE:
+                    # the kept op outputs, measured at this segment's forward: held until its
+                    # replay, which re-materializes the activations autograd saves less those
+                    kept = int(self.selective_bytes.get(name, 0) * grow_in)
+                    held += kept
+                    replay = max(act - int(self.selective_saved_bytes.get(name, 0) * grow_in), 0)
                 rng = self.rng_bytes.get(name, 0)
                 opts[o] = Option(
                     memory=inputs + rng + held,
                     time=self.median(name, o),
                     capture=c.needs_capture(o),
+                    replay=replay,
                 )
             out.append(SegmentCost(name=name, activation_bytes=act, options=opts))
         return CostTable(out, capture_time=self.capture_time)
@@ -163,6 +171,7 @@ class CostMeter:
             "region_bytes": dict(self.region_bytes),
             "rng_bytes": dict(self.rng_bytes),
             "selective_bytes": dict(self.selective_bytes),
+            "selective_saved_bytes": dict(self.selective_saved_bytes),
             "activation_bytes": dict(self.activation_bytes),
             "capture_ops": list(self.capture_ops),
         }

@@ -287,7 +287,12 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 inner[1] = checkpoint_frame_forward()
                 t_in = _timed_clock(eng)
             try:
-                with sac.forward if sac is not None else contextlib.nullcontext():
+                with (
+                    sac.forward if sac is not None else contextlib.nullcontext(),
+                    sac.watch_saved()
+                    if sac is not None and eng.measure_costs
+                    else contextlib.nullcontext(),
+                ):
                     if sample is None:
                         out = forward(*a, **kw)
                     else:
@@ -349,6 +354,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         kept = frame.kept_tensors()
         if eng.measure_costs:
             eng.meter.selective_bytes[self.name] = _unique_bytes(kept)
+            eng.meter.selective_saved_bytes[self.name] = frame.kept_saved_bytes()
         acct = eng.accountant
         if acct is not None:
             for t in kept:

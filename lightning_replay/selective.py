@@ -167,9 +167,10 @@ class SelectiveFrame:
         policy: one of :data:`POLICIES`.
     """
 
-    __slots__ = ("forward", "recompute")
+    __slots__ = ("forward", "recompute", "saved")
 
     def __init__(self, policy: str) -> None:
+        self.saved: set | None = None  # storages autograd saved in the forward, if watched
         self.forward, self.recompute = create_selective_checkpoint_contexts(make_policy(policy))
         if _CHECKPOINT_KWARGS:  # entered by the caller, not by checkpoint: say it here
             self.forward.respect_saved_tensors_hooks = False
@@ -197,6 +198,34 @@ class SelectiveFrame:
     def kept_bytes(self) -> int:
         """Bytes of :meth:`kept_tensors`."""
         return sum(t.untyped_storage().nbytes() for t in self.kept_tensors())
+
+    def watch_saved(self) -> Any:
+        """A context for the forward that notes the storage of every tensor autograd saves,
+        handing each on to the saved-tensor hooks around it (checkpoint's): with it,
+        :meth:`kept_saved_bytes` tells which kept outputs the backward itself needs."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        saved = self.saved = set()
+
+        def pack(t: torch.Tensor) -> Any:
+            saved.add((str(t.device), t.untyped_storage().data_ptr()))
+            return outer[0](t) if outer is not None else t
+
+        def unpack(x: Any) -> Any:
+            return outer[1](x) if outer is not None else x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def kept_saved_bytes(self) -> int:
+        """Bytes of the kept outputs that autograd also saved for backward (0 unless the
+        forward ran under :meth:`watch_saved`): what a replay does not re-materialize. Other
+        kept outputs (a product whose consumer saves nothing) are held, not saved."""
+        if not self.saved:
+            return 0
+        return sum(
+            t.untyped_storage().nbytes()
+            for t in self.kept_tensors()
+            if (str(t.device), t.untyped_storage().data_ptr()) in self.saved
+        )
 
 
 def torch_sac_op_list(policy: str = "matmul") -> list:

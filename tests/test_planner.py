@@ -48,8 +48,14 @@ GiB = 2**30
 
 def reference_peak(costs: list[SegmentCost], combo: tuple[str, ...], base: int) -> int:
     total = sum(c.options[o].memory for c, o in zip(costs, combo))
+
+    def rematerialized(c: SegmentCost, o: str) -> int:  # an option's own figure, if it has one
+        replay = c.options[o].replay
+        return c.activation_bytes if replay is None else replay
+
     replay_terms = [
-        sum(costs[j].options[combo[j]].memory for j in range(s + 1)) + costs[s].activation_bytes
+        sum(costs[j].options[combo[j]].memory for j in range(s + 1))
+        + rematerialized(costs[s], combo[s])
         for s in range(len(costs))
         if combo[s] != "retain"
     ]
@@ -109,8 +115,10 @@ def cost_tables(
     def option(o: str) -> Option:
         if o == "retain":
             return Option(draw(memory), 0.0)
-        capture = shared and (o == "regions" or draw(st.booleans()))
-        return Option(draw(memory), draw(times), capture=capture)
+        capture = shared and (o in ("regions", "selective_regions") or draw(st.booleans()))
+        # a selective replay re-materializes only what it recomputes: its own figure, often
+        replay = draw(st.none() | st.integers(0, 80)) if o.startswith("selective") else None
+        return Option(draw(memory), draw(times), capture=capture, replay=replay)
 
     segments = [
         SegmentCost(

@@ -131,6 +131,9 @@ def test_kept_bytes_are_the_kept_outputs_and_charged_to_the_option():
     for c in engine.costs:
         assert set(c.options) == {"retain", "recompute", "selective"}
         assert c.options["selective"].memory == c.options["recompute"].memory + kept
+        # of the kept outputs, autograd saves neither (tanh saves its own output; the second
+        # product is added): the replay re-materializes all of the activations
+        assert c.options["selective"].replay == c.activation_bytes
         assert c.options["selective"].time > 0
     engine.uninstall()
 
@@ -263,3 +266,29 @@ def test_the_planner_takes_selective_where_it_is_faster_under_the_budget():
     assert set(planner.plan(costs, budget=10**6, method="selective_all").choices.values()) == {
         "selective"
     }
+
+
+class _GeluBlock(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_a_kept_output_that_backward_saves_is_not_rematerialized_again():
+    torch.manual_seed(0)
+    model = nn.Sequential(_GeluBlock(), _GeluBlock())
+    engine = lr.install(model, ["0", "1"], budget=10**9, selective="matmul", real_peak=False)
+    for _ in range(engine.steps_to_first_plan + 1):
+        model(torch.randn(8, 16)).sum().backward()
+    first, second = 4 * 8 * 32, 4 * 8 * 16  # the two products' outputs
+    for c in engine.costs:
+        sel, full = c.options["selective"], c.options["recompute"]
+        assert sel.memory == full.memory + first + second
+        # gelu saves its input, the first product's output: kept, so not replayed again
+        assert engine.meter.selective_saved_bytes[c.name] == first
+        assert sel.replay == c.activation_bytes - first
+    engine.uninstall()
