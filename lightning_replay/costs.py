@@ -75,6 +75,11 @@ class CostMeter:
             lambda: {False: deque(maxlen=_KEEP), True: deque(maxlen=_KEEP)}
         )
         self.forward_ops: dict[str, deque] = defaultdict(lambda: deque(maxlen=_KEEP))
+        # a segment's own forward seconds per option it ran under (no capture sample): a
+        # selective option's caching mode costs its forward more than the others' do
+        self.option_forward: dict[str, dict[str, deque]] = defaultdict(
+            lambda: defaultdict(lambda: deque(maxlen=_KEEP))
+        )
 
     def add_time(self, segment: str, option: str, seconds: float) -> None:
         self.times[segment][option].append(seconds)
@@ -84,6 +89,20 @@ class CostMeter:
 
     def median(self, segment: str, option: str) -> float:
         return float(statistics.median(self.times[segment][option]))
+
+    def add_option_forward(self, segment: str, option: str, seconds: float) -> None:
+        self.option_forward[segment][option].append(seconds)
+
+    def forward_extra(self, segment: str, option: str) -> float:
+        """Seconds ``option`` adds to ``segment``'s own forward over the full replays (the
+        median of its forwards under ``option`` less that under the other replayed options;
+        0 until both were timed, or where the difference is negative: noise)."""
+        times = self.option_forward.get(segment, {})
+        mine = times.get(option)
+        others = [t for o, d in times.items() if o not in SELECTIVE and o != "retain" for t in d]
+        if not mine or not others:
+            return 0.0
+        return max(float(statistics.median(mine) - statistics.median(others)), 0.0)
 
     def add_forward_time(self, segment: str, seconds: float, capture: Any = None) -> None:
         """A segment's own forward time; ``capture``: the capture mode it ran under, if any."""
@@ -157,7 +176,8 @@ class CostMeter:
                 rng = self.rng_bytes.get(name, 0)
                 opts[o] = Option(
                     memory=inputs + rng + held,
-                    time=self.median(name, o),
+                    time=self.median(name, o)
+                    + (self.forward_extra(name, o) if o in SELECTIVE else 0.0),
                     capture=c.needs_capture(o),
                     replay=replay,
                 )

@@ -304,6 +304,10 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 inner[0] = _timed_clock(eng) - t_in
                 if sampling:
                     eng.meter.add_forward_time(self.name, inner[0], sample)
+                if not sample and not eng._warmup:
+                    # what a selective forward's caching mode adds is in the forward's own
+                    # time, which no option is charged: kept per option to charge the difference
+                    eng.meter.add_option_forward(self.name, inv.option, inner[0])
             if inv.shared:  # a shared whole copy this forward wrote is not exchanged at replay
                 inv.shared_writes = [t._version != sw.version for sw, t in inv.shared]
             return out

@@ -292,3 +292,20 @@ def test_a_kept_output_that_backward_saves_is_not_rematerialized_again():
         assert engine.meter.selective_saved_bytes[c.name] == first
         assert sel.replay == c.activation_bytes - first
     engine.uninstall()
+
+
+def test_a_selective_forward_pays_for_its_caching_mode():
+    """The caching mode runs in the segment's own forward, which no option's replay time
+    includes: the meter charges a selective option the difference of the forward medians."""
+    from lightning_replay.costs import CostMeter
+
+    meter = CostMeter()
+    assert meter.forward_extra("b", "selective") == 0.0  # nothing timed yet
+    for t in (1.0, 1.2, 1.1):
+        meter.add_option_forward("b", "recompute", t)
+    for t in (1.5, 1.4, 1.6):
+        meter.add_option_forward("b", "selective", t)
+    assert meter.forward_extra("b", "selective") == pytest.approx(0.4)
+    meter.add_option_forward("c", "whole", 2.0)
+    meter.add_option_forward("c", "selective_whole", 1.0)
+    assert meter.forward_extra("c", "selective_whole") == 0.0  # faster: noise, not a saving
