@@ -11,6 +11,15 @@ from lightning_replay.demos.hazards import HAZARDS
 from lightning_replay.planner import InfeasibleBudget, Option, SegmentCost, plan
 
 
+def test_misspelt_segment_suggestions_are_ordered_by_similarity():
+    """The closest names first; equally close ones in the model's order (issue 34)."""
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+    with pytest.raises(lr.SegmentError) as info:
+        lr.install(model, ["block.0"])
+    assert "Did you mean ['blocks.0', 'blocks.1', 'blocks.2']?" in str(info.value)
+
+
 def _model():
     return HAZARDS["batch_norm"]().model
 

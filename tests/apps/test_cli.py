@@ -209,6 +209,19 @@ def test_help_is_useful(capsys):
         assert expect in capsys.readouterr().out, argv
 
 
+def test_help_is_plain_text_for_users(capsys):
+    """No reStructuredText markup and no notes for developers in the console help; the
+    records help lists every record kind its --check filter takes."""
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out and "It is long" not in out, out
+    with pytest.raises(SystemExit):
+        cli.main(["records", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "grad, bytes, probe, replay, version (checks); contract, plan (events)" in out
+
+
 def test_study_args_from_config_and_overrides(tmp_path):
     cfg = cli.parse_study_args(
         [
