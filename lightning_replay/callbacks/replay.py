@@ -275,7 +275,8 @@ class ReplayCallback(Callback):
         engine = strategy.engine
         preservation = strategy.preservation
         return {
-            "budget_bytes": engine.budget if engine is not None else strategy.budget,
+            "budget": _budget_text(strategy),
+            "budget_bytes": _resolved_budget(engine),
             "planner": strategy.planner,
             "preservation": (
                 dict(preservation) if isinstance(preservation, Mapping) else preservation
@@ -411,6 +412,15 @@ class ReplayCallback(Callback):
                 "peak_memory_mib": totals["peak_memory_bytes"] / _MIB,
                 "preserved_mib": totals["preserved_bytes"] / _MIB,
             }
+            # the four memory terms, each under its own name (see the module docstring)
+            for name, value in (
+                ("real_peak_mib", stats.get("real_peak_bytes")),
+                ("predicted_peak_mib", stats.get("predicted_peak_bytes")),
+                ("retain_all_predicted_mib", retain_all),
+                ("budget_mib", engine.budget or (engine.plan.budget if engine.plan else None)),
+            ):
+                if value:
+                    mib[name] = value / _MIB
             for name, value in {**totals, **mib}.items():
                 # float64: byte counts stay exact (float32 rounds above 16 MiB).
                 pl_module.log(
@@ -447,6 +457,8 @@ class ReplayCallback(Callback):
             if plan_changed or (trainer.global_step % max(trainer.log_every_n_steps, 1) == 0):
                 w.flush_records(step)
             if plan_changed:
+                # "min" resolves to bytes only once the first plan is made
+                w.log_config({**self.settings(), "budget_bytes": _resolved_budget(engine)})
                 w.log_plan(
                     plan_rows(engine.plan_version, engine.plan.choices, engine.summary()), step
                 )
@@ -791,6 +803,27 @@ def progress_bar_metrics(
             saved = retain_all - predicted
             bar["replay/saved_MiB" if saved >= 0 else "replay/more_MiB"] = abs(saved) / _MIB
     return bar
+
+
+def _budget_text(strategy: Any) -> str:
+    """The budget as the strategy takes it: ``'1.00 GiB'``, ``'0.5 of device memory'``,
+    ``'min'``; no budget is the default, said as what it means on this device."""
+    budget = strategy.budget
+    if getattr(budget, "is_none", False):
+        on_gpu = strategy.root_device.type == "cuda"
+        return "default: 0.9 of device memory" if on_gpu else "default: min"
+    return str(budget)
+
+
+def _resolved_budget(engine: Any) -> int | None:
+    """The budget in bytes the plan is held to: the resolved budget, or for ``"min"`` the
+    lowest-memory plan's own (None until that plan is made)."""
+    if engine is None:
+        return None
+    if engine.budget:
+        return int(engine.budget)
+    plan = engine.plan
+    return int(plan.budget) if plan is not None and plan.budget else None
 
 
 def _count(records: Iterable[Record]) -> dict[str, int]:
