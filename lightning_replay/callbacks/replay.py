@@ -546,7 +546,11 @@ class ReplayCallback(Callback):
             "accounted_peak_bytes": stats.get("accounted_peak_bytes"),
             "predicted_peak_bytes": (engine.plan.peak_memory if engine.plan is not None else None),
             "retain_all_peak_bytes": retain_all,
+            # the real peak of the last step measured (allocator on GPU: this step's)
+            "real_peak_bytes": stats.get("real_peak_bytes"),
+            "real_peak_step": stats.get("real_peak_step"),
             "budget": engine.budget,
+            "plan_budget": _resolved_budget(engine),  # "min" resolved: the lowest plan's
             "plan_version": engine.plan_version,
             "plan": plan,
             "replays": replays,
@@ -762,12 +766,21 @@ def _saving(saved: int, of: int) -> str:
 
 
 def _suggest_budget(lowest: int | None, predicted: int | None) -> str:
-    """A budget between the lowest-memory plan and retaining everything, in whole MiB."""
+    """A budget between the lowest-memory plan and retaining everything, rounded up to a
+    whole KiB, MiB or GiB as its size reads best.
+
+    Example:
+        >>> _suggest_budget(100 * 2**10, 112 * 2**10), _suggest_budget(7 * 2**20, 11 * 2**20)
+        ('106KiB', '9MiB')
+    """
     if lowest and predicted and predicted > lowest:
-        return f"{-(-(lowest + predicted) // 2 // _MIB)}MiB"
-    if lowest:
-        return f"{-(-lowest // _MIB)}MiB"
-    return "512MiB"
+        target = (lowest + predicted) // 2
+    else:
+        target = lowest or 512 * _MIB
+    for unit, size in (("GiB", 2**30), ("MiB", _MIB), ("KiB", 2**10)):
+        if target >= size or unit == "KiB":
+            return f"{-(-target // size)}{unit}"
+    return f"{target}B"  # pragma: no cover
 
 
 def _lowest_plan(engine: Any) -> int | None:
