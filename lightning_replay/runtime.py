@@ -45,11 +45,12 @@ def _checkpointed_around(name: str) -> ReplayConfigError:
     runs (a reentrant checkpoint recomputing its function)."""
     return ReplayConfigError(
         f"segment {name!r} runs inside torch.utils.checkpoint: the model checkpoints its own "
-        "blocks (Hugging Face gradient_checkpointing_enable(), timm set_grad_checkpointing(), "
+        "blocks (Hugging Face activation_checkpointing_enable(), timm set_grad_checkpointing(), "
         "torch's checkpoint_wrapper, or a checkpoint() call around the segment). "
         "lightning_replay recomputes its segments itself, with their state exact, and one "
         "recomputation cannot run inside another. Turn the model's own checkpointing off "
-        "(model.gradient_checkpointing_disable() for Hugging Face models, "
+        "(model.activation_checkpointing_disable() for Hugging Face models, "
+        "gradient_checkpointing_disable() before transformers 5, "
         "model.set_grad_checkpointing(False) for timm ones), or choose segments outside the "
         "checkpointed modules."
     )
