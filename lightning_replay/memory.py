@@ -7,10 +7,14 @@ about the process's memory, so the planner's base must include them: :class:`Ste
 the real peak of one whole step (forward, backward, optimizer) and the engine adds what the
 accountant did not see to the base.
 
-* CPU: ``torch.profiler`` memory events (every allocation and free of the CPU allocator); the
-  peak is the tensors live when the step starts (parameters, buffers, gradients, optimizer state)
-  plus the highest running sum of the step's net allocations.
-* CUDA: the caching allocator's own peak (``max_memory_allocated``) on the model's device.
+* CPU: every tensor storage the process keeps alive when the step starts (a walk of the garbage
+  collector's objects, each storage once: :func:`process_tensor_bytes`), plus the highest running
+  sum of the step's net allocations from ``torch.profiler`` memory events (every allocation and
+  free of the CPU allocator). The base is the process's, not rebuilt from the model: tensors
+  anyone keeps between steps (the engine, a cache, the caller) are memory the step holds.
+* CUDA: the caching allocator's own peak (``max_memory_allocated`` after
+  ``reset_peak_memory_stats``) on the model's device, which counts what was held when the step
+  began.
 """
 
 from __future__ import annotations
@@ -62,6 +66,53 @@ def live_model_bytes(model: nn.Module, optimizers: list[Any] = ()) -> int:
     return sum(seen.values())
 
 
+def _storage_of(obj: Any) -> Any:
+    """The untyped storage behind a live tensor object, or None (meta, sparse, freed, a
+    wrapper subclass without one)."""
+    t = getattr(obj, "_local_tensor", obj)  # a DTensor: this rank's shard
+    try:
+        if t.is_sparse or t.device.type == "meta":
+            return None
+        s = t.untyped_storage()
+        return s if s.data_ptr() else None
+    except (RuntimeError, NotImplementedError, TypeError):  # a freed FSDP2 storage, fake
+        return None
+
+
+def process_tensor_bytes(device: str = "cpu") -> int:
+    """Bytes of every tensor storage on ``device`` that a Python object keeps alive right now:
+    a walk of the garbage collector's objects, each storage once (by its address).
+
+    This is the process's view, not the engine's: a tensor anyone keeps (a probe's leftovers, a
+    cache, the caller's batch) counts. A walk costs tens of milliseconds with a large library
+    loaded, so the engine takes it only at the start of a step it measures.
+
+    Example:
+        >>> import torch
+        >>> before = process_tensor_bytes()
+        >>> t = torch.empty(1 << 20, dtype=torch.uint8)
+        >>> process_tensor_bytes() - before >= 1 << 20
+        True
+    """
+    import gc
+    import warnings
+
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance on some deprecated lazy objects warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                try:
+                    on = obj.device.type == device
+                except (RuntimeError, AttributeError):
+                    continue
+                if on:
+                    s = _storage_of(obj)
+                    if s is not None:
+                        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 def profiler_busy() -> bool:
     """Whether a profiler is already running in this process (then we measure nothing)."""
     try:
@@ -88,13 +139,14 @@ class StepPeak:
         self.model = model
         self.device = device
         self._prof: Any = None
-        self._base = 0
+        #: the bytes live when the step began (CPU: the process's tensor storages)
+        self.base = 0
 
     def start(self) -> None:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        self._base = live_model_bytes(self.model)
+        self.base = process_tensor_bytes()
         # kineto's own log lines (a CUDA build probing for GPUs) are noise to the user
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self._prof = torch.profiler.profile(
@@ -107,7 +159,7 @@ class StepPeak:
             return int(torch.cuda.max_memory_allocated(self.device))
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
-        return self._base + net_peak(prof)
+        return self.base + net_peak(prof)
 
 
 def net_peak(prof: Any) -> int:

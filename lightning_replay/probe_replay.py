@@ -285,12 +285,24 @@ class _ProbeReplay:
         set_versions([src for src, _, _ in self.repointed], [v for _, _, v in self.repointed])
         set_versions([t for t, _, _ in self.swapped], [v for _, _, v in self.swapped])
         probe = self.box.get("probe")
-        for ob in (probe.observations or []) if probe is not None else []:
-            if ob.touch.snapshot is not None and ob.touch.snapshot.numel():
-                ob.touch.snapshot = ob.touch.snapshot.new_empty(0)
         self.swapped = []
         self.undone = []
         self.repointed = []
+        self.slots = []
+        self.gens = []
+        self.outside = []
+        self.saved_tokens = []
+        self.saved_bytes = {}
+        if probe is not None:
+            # its replay was the last use of what it saw: dropped now if its contract is made
+            # (else when it is, see SegmentProbe._make_contract)
+            probe.replay_done = True
+            if probe.observations is not None and not any(p is probe for p in self.rt.probes):
+                probe.release()
+            else:  # its first-touch copies go now all the same
+                for ob in probe.observations or []:
+                    if ob.touch.snapshot is not None and ob.touch.snapshot.numel():
+                        ob.touch.snapshot = ob.touch.snapshot.new_empty(0)
         return False
 
 
