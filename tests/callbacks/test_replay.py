@@ -218,6 +218,7 @@ def test_fit_ends_with_a_summary_of_plan_memory_checks_and_records(tmp_path, cap
     printed block names the plan, the real peak beside the budget, the predicted peak beside
     retaining every segment (predicted alike), the checks and the records file. The
     retain-everything prediction is held against a run that really retains every segment."""
+
     def retain_everything() -> dict:
         cb = ReplayCallback(check_every_n_steps=None, summary=False)
         trainer(
