@@ -1041,9 +1041,18 @@ class ReplayEngine:
         warm-up step and ``calibration_steps`` timed ones, then the plan's step. Before every
         segment is probed, both phases are counted."""
         probed = all(rt.contract is not None for rt in self.runtimes.values())
-        phases = 1 + (
-            not probed
-            or any("regions" in rt.contract.available_options() for rt in self.runtimes.values())
+        offered = {
+            o
+            for rt in self.runtimes.values()
+            if rt.contract is not None
+            for o in rt.contract.available_options()
+        }
+        selective = self.config.selective_policy is not None
+        phases = (
+            1
+            + (not probed or "regions" in offered)
+            + (selective and (not probed or bool(offered & {"selective", "selective_whole"})))
+            + (selective and (not probed or "selective_regions" in offered))
         )
         return 1 + phases * (self.calibration_steps + 1) + 1
 
@@ -1059,13 +1068,20 @@ class ReplayEngine:
         ):
             return
         if self.plan is None and not self._calibration:
-            phases = ["replay"]
-            if any(
-                "regions" in rt.contract.available_options()
+            offered = {
+                o
                 for rt in self.runtimes.values()
                 if rt.contract is not None
-            ):
+                for o in rt.contract.available_options()
+            }
+            phases = ["replay"] if offered & {"recompute", "whole"} else []
+            if "regions" in offered:
                 phases.append("regions")
+            if offered & {"selective", "selective_whole"}:
+                phases.append("selective")
+            if "selective_regions" in offered:
+                phases.append("selective_regions")
+            phases = phases or ["replay"]
             # each phase starts with a warm-up step whose timings are not kept
             self._calibration = [
                 ph for ph in phases for ph in [ph + ":warmup"] + [ph] * self.calibration_steps
@@ -1095,13 +1111,18 @@ class ReplayEngine:
                 for o in rt.contract.available_options()
                 if o in PIN_OPTIONS.get(rt.preservation, OPTIONS)
             ]
-            if phase == "replay":
-                for o in ("recompute", "whole"):
-                    if o in opts:
-                        choices[name] = o
-                        break
-            elif "regions" in opts:
-                choices[name] = "regions"
+            # each phase times its options: a full replay, regions, a selective replay
+            # (whole or nothing preserved), a selective one with regions
+            first = {
+                "replay": ("recompute", "whole"),
+                "regions": ("regions",),
+                "selective": ("selective", "selective_whole"),
+                "selective_regions": ("selective_regions",),
+            }[phase]
+            for o in first:
+                if o in opts:
+                    choices[name] = o
+                    break
         self._fit_calibration(choices, allowed)
         for name, o in choices.items():
             self.runtimes[name].set_option(o)
@@ -1306,7 +1327,7 @@ class ReplayEngine:
         if self._warmup and inv.step == self.step:
             return
         total = inv.t_prep + seconds
-        if inv.option == "regions":
+        if inv.option in ("regions", "selective_regions"):
             # the capture mode's own time is the table's, paid once (CostTable.capture_time)
             total += sum(self._capture_entry_time.get(k, 0.0) for k, _ in inv.regions)
             self.meter.region_bytes[inv.rt.name] = max(

@@ -176,6 +176,7 @@ def install(
     real_peak: bool = True,
     replan_on: Iterable[str] = (),
     replan_cooldown_steps: int = 10,
+    selective: str | None = None,
 ) -> ReplayEngine:
     """Make the given submodules of ``model`` replay exactly under activation recomputation.
 
@@ -218,6 +219,11 @@ def install(
             only). Off (``()``) by default; pass e.g. ``replan_on=("violations", "memory")`` to
             turn it on. Under ``Trainer(strategy="replay")``, ``ReplayCallback`` does this.
         replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
+        selective: a selective policy (``"matmul"``: keep matrix product, attention and
+            convolution outputs; ``"every_other_matmul"``; see
+            :mod:`~lightning_replay.selective`): the planner may also replay a segment
+            selectively, with the same preservation as a full replay. ``None`` (default): only
+            segments pinned to ``preservation="selective"`` are, under ``"matmul"``.
 
     Returns:
         The :class:`ReplayEngine`; ``engine.uninstall()`` restores the model.
@@ -255,6 +261,7 @@ def install(
         calibration_steps=calibration_steps,
         real_peak=real_peak,
         replan=replan,
+        selective=selective,
         caller="install",
     )
     return install_config(model, config)

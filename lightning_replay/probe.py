@@ -27,7 +27,7 @@ from lightning_replay._compat import (
     tree_flatten,
 )
 from lightning_replay.accounting import Saved
-from lightning_replay.contract import ReplayContract, StateEntry
+from lightning_replay.contract import SELECTIVE, ReplayContract, StateEntry
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.probe_replay import _ProbeReplay
 from lightning_replay.errors import ReplayConfigError, ReplayError
@@ -758,6 +758,7 @@ class SegmentProbe:
             written_inputs=sorted(written_inputs),
             activation_bytes=act,
             probed_at_step=probes[0].step if probes else 0,
+            selective=eng.config.selective_policy is not None,
         )
         order = {e.name: i for i, e in enumerate(c.state)}
         self.bound = sorted(bound.values(), key=lambda b: order[b.entry.name])
@@ -822,12 +823,15 @@ class SegmentProbe:
         p = self.preservation
         if p == "retain":
             return "retain"
+        if p == "selective":  # its cheapest preservation by memory, as auto's below
+            opts = [o for o in c.available_options() if o in SELECTIVE]
+            return min(opts, key=lambda o: (c.preserved_bytes(o), o != "selective_whole"))
         if c.stateless:
             return "recompute"
         if p in ("whole", "regions"):
             return p
         # auto: the cheapest correct option by memory; whole wins ties (no capture work).
-        opts = [o for o in c.available_options() if o != "retain"]
+        opts = [o for o in c.available_options() if o != "retain" and o not in SELECTIVE]
         return min(opts, key=lambda o: (c.preserved_bytes(o), o != "whole"))
 
     def _derive(self) -> None:
