@@ -478,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     t_run = time.perf_counter()
     all_specs = specs(args.smoke)
     arms = [a for a in args.arms.split(",") if a]
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in all_specs] + [a for a in arms if a not in ARMS]
+    if unknown:
+        ap.error(f"unknown models or arms {unknown}; models {list(all_specs)}, arms {ARMS}")
 
     def save() -> None:
         results["seconds"] = round(time.perf_counter() - t_run, 1)
@@ -485,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "w") as f:
             json.dump(results, f, indent=1, default=str)
 
-    for name in args.models.split(","):
+    for name in models:
         spec = all_specs[name]
         res = results["models"][name] = {"what": spec.what, "arms": {}}
         for arm in arms:
@@ -533,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             res["ratios"] = _ratios(res)
             save()
+    save()
     print(table(results), flush=True)
     for name, res in results["models"].items():
         r = res.get("ratios", {})
