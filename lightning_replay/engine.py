@@ -33,7 +33,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_replay import planner as _planner
-from lightning_replay._compat import at_backward_end, tree_leaves
+from lightning_replay._compat import at_backward_end, top_saved_tensors_hooks, tree_leaves
 from lightning_replay.accounting import MemoryAccountant
 from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.config import PIN_OPTIONS
@@ -757,6 +757,8 @@ class ReplayEngine:
                 storage_key(t) for t in list(self.model.parameters()) + list(self.model.buffers())
             }
             acct.reset_peak()
+            # (the user's hooks below it still apply to what replays save: runtime.py)
+            self._hooks_below_accountant = top_saved_tensors_hooks()
             self._acct_hooks = acct.saved_tensors_hooks()
             self._acct_hooks.__enter__()
         # pending invocations armed under an earlier plan still need their writes logged

@@ -18,8 +18,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_replay._compat import checkpoint_frame_forward, tree_flatten, tree_unflatten
+from lightning_replay._compat import (
+    checkpoint_frame_forward,
+    under_functorch,
+)
 from lightning_replay.accounting import checkpoint_rng_bytes
+from lightning_replay.arguments import flatten_call, unflatten_call
 from lightning_replay.checks import SegmentChecks
 from lightning_replay.contract import SELECTIVE, ReplayContract
 from lightning_replay.costs import clock, saved_tensor_overhead
@@ -27,12 +31,10 @@ from lightning_replay.errors import ContractViolation, ReplayConfigError
 from lightning_replay.guards import OUTSIDE, Guard
 from lightning_replay.host_rng import as_host_rng, is_host_rng
 from lightning_replay.probe import SegmentProbe, _Probe
-from lightning_replay.restore import _Bound, _Invocation, _ReplayContext
+from lightning_replay.restore import _Bound, _Invocation, _ReplayContext, user_saved_hooks
 from lightning_replay.selective import SelectiveFrame
 from lightning_replay.slots import capture_generators
-from lightning_replay.state import (
-    storage_key,
-)
+from lightning_replay.state import storage_key, strided_copy
 from lightning_replay.state import unique_bytes as _unique_bytes
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
@@ -132,9 +134,13 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             not (self.module.training and torch.is_grad_enabled())
             or eng._suspended
             or eng._segment_depth
+            or under_functorch()
         ):
             # A segment called inside another segment's forward or replay is part of it: the
             # outer segment's contract covers its state and the outer replay re-runs it.
+            # Under a torch.func transform (per-sample gradients: vmap(grad(functional_call)))
+            # the segment runs plain: the transform differentiates its own graph, and refuses
+            # the saved-tensor hooks a replay needs.
             return self.orig_forward(*args, **kwargs)
         if torch._C._current_graph_task_id() != -1 or checkpoint_frame_forward() is not None:
             raise _checkpointed_around(self.name)
@@ -225,7 +231,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             flat, spec = list(args), None  # the common call: tensors only, nothing to flatten
         else:
-            flat, spec = tree_flatten((args, kwargs))
+            # tensors inside argument objects (a dataclass batch) too: see arguments.py
+            flat, spec = flatten_call(args, kwargs)
             hosts = [as_host_rng(x) for x in flat if is_host_rng(x)]
             if hosts:  # a generator outside torch passed in: its state at this call
                 inv.gens = inv.gens + capture_generators(hosts)
@@ -244,7 +251,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                         continue
                     j += 1
                     if j in written or (changing and storage_key(x) in changing):
-                        snap = x.detach().clone()
+                        snap = strided_copy(x)  # as laid out at the forward (its strides)
                         inv.subs[i] = (x, snap)
                         inv.preserved_bytes += snap.untyped_storage().nbytes()
                         eng._held_bytes += snap.untyped_storage().nbytes()
@@ -296,16 +303,17 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 flat = list(flat)
                 for i, (live, _) in inv.subs.items():
                     if inv.replaying:  # a fresh copy of the forward bytes (writable)
-                        x = flat[i].detach()
-                        flat[i] = (x.requires_grad_() if live.requires_grad else x).clone()
+                        flat[i] = _replay_input(flat[i], live.requires_grad)
                     else:
                         flat[i] = live
-            a, kw = (flat, {}) if spec is None else tree_unflatten(list(flat), spec)
             if inv.replaying:
+                # the call as at the forward: argument objects rebuilt with their fields then
+                a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
                 if sac is not None:  # the kept outputs stand in for their ops
                     with sac.recompute:
                         return forward(*a, **kw)
                 return forward(*a, **kw)
+            a, kw = (flat, {}) if spec is None else (args, kwargs)  # the live objects
             eng._segment_depth += 1
             # a calibration step may run this forward under a capture mode of its own, to
             # measure what the mode costs per op in place (see CostMeter.capture_time)
@@ -340,28 +348,33 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 inv.shared_writes = [t._version != sw.version for sw, t in inv.shared]
             return out
 
-        context_fn = _full_replay(inv)
+        # The user's saved-tensor hooks around the step apply to what the replay saves, as
+        # plain training applies them to what the forward saves (restore._through_user_hooks)
+        user = user_saved_hooks(eng)
+        context_fn = _full_replay(inv, user)
+        # ... but not to the inputs checkpoint saves for its replay: the replay starts from
+        # the forward's arguments, not from what the user's hooks make of them (a bf16
+        # rounding). In plain training no hook sees them as such.
+        plain_inputs = (
+            torch.autograd.graph.saved_tensors_hooks(_same, _same)
+            if user is not None
+            else contextlib.nullcontext()
+        )
         # The global RNG is always preserved (torch's default): a segment may draw from it
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
         if not timed:
-            out = checkpoint(
-                fn,
-                *call,
-                use_reentrant=False,
-                preserve_rng_state=True,
-                context_fn=context_fn,
-            )
+            with plain_inputs:
+                out = checkpoint(
+                    fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
+                )
             if sac is not None and (eng.accountant is not None or eng.measure_costs):
                 self._charge_kept(inv, sac)
             return out
         t0 = _timed_clock(eng)
-        out = checkpoint(
-            fn,
-            *call,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=context_fn,
-        )
+        with plain_inputs:
+            out = checkpoint(
+                fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
+            )
         inv.t_prep += _timed_clock(eng) - t0 - inner[0]
         if sac is not None:
             self._charge_kept(inv, sac)
@@ -441,10 +454,30 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         }
 
 
-def _full_replay(inv: _Invocation):
+def _replay_input(saved: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A writable copy of an argument's forward bytes for its replay, laid out as at the
+    forward (:func:`~lightning_replay.state.strided_copy`); where it required grad, no leaf
+    (a copy of a leaf that requires grad, as a ``clone`` would be), so that the segment's
+    in-place ops on it run as in the forward."""
+    x = strided_copy(saved)
+    if not requires_grad:
+        return x
+    src = saved.detach().requires_grad_()
+    try:
+        with torch.enable_grad():
+            return x.copy_(src)
+    except RuntimeError:  # an expanded (overlapping) layout cannot be written: a view
+        return src.view_as(src)
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _full_replay(inv: _Invocation, user: tuple | None = None):
     """``context_fn`` of a full replay: nothing around the forward, the contract's replay
     context around the recomputation."""
-    return lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True))
+    return lambda: (contextlib.nullcontext(), _ReplayContext(inv, True, user))
 
 
 def _timed_clock(eng: "ReplayEngine") -> float:
