@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -114,7 +115,8 @@ class ReplayEngine:
         config: ReplayConfig,
         records: RecordStore,
     ) -> None:
-        self.model = model
+        self._model: nn.Module | None = model  # weak after uninstall (see the property)
+        self._model_ref = weakref.ref(model)
         #: What the engine was installed with; :meth:`reconfigure` and :meth:`replan` keep its
         #: budget and planner current.
         self.config = config
@@ -207,6 +209,12 @@ class ReplayEngine:
         self.installed = True
 
     # ---------------------------------------------------------------- public
+    @property
+    def model(self) -> nn.Module | None:
+        """The model the engine is installed on. After :meth:`uninstall` the engine no longer
+        keeps it alive: this is the model while something else holds it, else ``None``."""
+        return self._model if self._model is not None else self._model_ref()
+
     @property
     def budget(self) -> int | None:
         """The budget in bytes plans are made for (``None``: the lowest-memory correct plan,
@@ -793,6 +801,24 @@ class ReplayEngine:
         self._root_class = None
         self.log.clear()
         self.installed = False
+        self._release()
+
+    def _release(self) -> None:
+        """Drop every reference the engine holds to the model, its tensors and the objects
+        around it (optimizers, outside state, generators, caches), without leaving a cycle that
+        only the cyclic garbage collector could free: after :meth:`uninstall`, dropping the
+        model and its optimizer frees all of their tensors at once. What is kept is metadata:
+        the records, the contracts (names, shapes, versions), the plan, the counters."""
+        for rt in self.runtimes.values():
+            rt.release()
+        self._external = []
+        self._optimizers = []
+        self._pending_probes = set()
+        self._truth_plan = None
+        self.host_watch = HostWatch()
+        self.last_replay = None
+        _release_caches(self)
+        self._model = None
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -1304,6 +1330,15 @@ class ReplayEngine:
             )
             for rt in self.runtimes.values()
         )
+
+
+def _release_caches(engine: ReplayEngine) -> None:
+    """The module-level caches keyed by the engine or its runtimes (restore.py)."""
+    from lightning_replay import restore
+
+    restore._SHARED.pop(engine, None)
+    for rt in engine.runtimes.values():
+        restore._POOLS.pop(rt, None)
 
 
 def _resolve_budget(config: ReplayConfig, model: nn.Module) -> int | None:

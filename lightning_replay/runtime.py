@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,7 +62,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
     ) -> None:
         self.engine = engine
         self.name = name
-        self.module = module
+        self._module: nn.Module | None = module  # weak after release (see the property)
+        self._module_ref = weakref.ref(module)
         self.orig_class = type(module)
         self.orig_forward = functools.partial(self.orig_class.forward, module)
         self.modules = list(module.modules())
@@ -95,6 +97,31 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self._entry_plan: tuple | None = None  # restore._entry_plan's cache
         if engine.measure_costs:
             saved_tensor_overhead()  # measured once per process, outside any step
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The segment's module; after :meth:`release`, only while something else holds it."""
+        return self._module if self._module is not None else self._module_ref()
+
+    def release(self) -> None:
+        """Drop every reference to the model's modules and tensors (the engine's uninstall):
+        probes and what they saw, the bound state, the guard's view of the modules, the
+        generators, the outside attributes. The contract (names, shapes, versions) and the
+        counters stay for the records and the summary. Pending replays keep what they took
+        at their forward (restore._Invocation)."""
+        for p in self.probes:
+            p.mode.release()  # (its region-log arms: the log is cleared with the engine's)
+            p.release()
+        self.probes = []
+        self._module = None
+        self.orig_forward = None
+        self.modules = []
+        self.module_names = {}
+        self.guard = Guard([])
+        self.bound = []
+        self.generators = []
+        self.outside = []
+        self._entry_plan = None
 
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
