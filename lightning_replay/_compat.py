@@ -58,6 +58,14 @@ def set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
         torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
 
 
+def under_functorch() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ``jvp``, ...) is
+    running: its tensors are wrapped per level, and ``grad``/``vjp`` refuse saved-tensor
+    hooks, which checkpoint and the probe need."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     """The innermost active saved-tensor hooks (pack, unpack), or None: what
     ``torch.utils.checkpoint`` itself uses to find them."""

@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
+from lightning_replay._compat import top_saved_tensors_hooks
 from lightning_replay.errors import SavedTensorModified
 from lightning_replay.state import storage_key
 
@@ -138,12 +139,16 @@ class MemoryAccountant:
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks that count every tensor autograd saves while they are active."""
         acct = self
+        # the user's own hooks these are pushed over (a bf16 rounding, save_on_cpu): what
+        # backward reads is still what they make of each tensor, as in plain training
+        below = top_saved_tensors_hooks()
 
         def pack(t: torch.Tensor) -> Any:
             return _Held(t, acct)
 
         def unpack(h: Any) -> torch.Tensor:
-            return h.unpack()
+            t = h.unpack()
+            return t if below is None else below[1](below[0](t))
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

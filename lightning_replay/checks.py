@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from lightning_replay._compat import top_saved_tensors_hooks, tree_map, tree_unflatten
+from lightning_replay._compat import top_saved_tensors_hooks, tree_map
+from lightning_replay.arguments import call_tensors, unflatten_call
 from lightning_replay.accounting import Saved
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
@@ -444,7 +445,7 @@ class SegmentChecks:
         change). ``record`` gets the tensors it saves, in order (see :func:`_saving_counted`)."""
         eng = self.engine
         saved: dict = {}
-        exclude = self.state_keys | {storage_key(t) for t in tensor_leaves((args, kwargs))}
+        exclude = self.state_keys | {storage_key(t) for t in call_tensors(args, kwargs)}
         eng._segment_depth += 1
         try:
             with _saving_counted(
@@ -477,7 +478,7 @@ class SegmentChecks:
         saved: list[torch.Tensor] = []
         out = self._measured_call(args, kwargs, saved)
         outs = _grad_outputs(out)
-        tapped = _tappable(outs, tensor_leaves((args, kwargs)))
+        tapped = _tappable(outs, call_tensors(args, kwargs))
         if not tapped:
             inv.release()
             return out
@@ -544,7 +545,7 @@ class SegmentChecks:
                     with torch.enable_grad():  # backward runs without grad mode
                         views[j] = leaves[j].view_as(leaves[j])
                 flat[i] = views[j]
-        args, kwargs = (flat, {}) if box.spec is None else tree_unflatten(flat, box.spec)
+        args, kwargs = (flat, {}) if box.spec is None else unflatten_call(flat, box.spec)
         wrt = leaves + box.params
         timed = eng.measure_costs and (eng._sync or not eng._cuda)
         pairing = _Pairing(fwd, self.name, (lambda: _clock(eng)) if timed else None)

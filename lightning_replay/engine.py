@@ -33,7 +33,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_replay import planner as _planner
-from lightning_replay._compat import at_backward_end, tree_leaves
+from lightning_replay._compat import at_backward_end, top_saved_tensors_hooks, tree_leaves
 from lightning_replay.accounting import MemoryAccountant
 from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.config import PIN_OPTIONS
@@ -192,6 +192,8 @@ class ReplayEngine:
         self._checked: frozenset = frozenset()  # segments derivative-checked this window
         self._check_cursor = 0
         self.checks_skipped = 0  # checked windows whose derivative check did not fit the budget
+        self.checks_skipped_reason: str | None = None  # why the last one was skipped
+        self._step_choices: dict[str, str] | None = None  # a checked step's own plan, if any
         self._check_bytes = False
         self._check_next: tuple[bool, bool] | None = None
         self._replays_last_step = 0
@@ -737,6 +739,10 @@ class ReplayEngine:
         self.host_watch.begin()
         self._replays_this_step = 0
         chk, self._check_next = self._check_next, None
+        if self._step_choices is not None:  # the last checked step ran a plan of its own
+            self._step_choices = None
+            if self.plan is not None:
+                self.set_options(self.plan.choices)
         self._check_grad, self._check_bytes = chk[:2] if chk else (False, False)
         self._truth_checked = self._check_grad  # a checked step holds more than the plan says
         self._checked = self._select_checked(chk[2]) if self._check_grad else frozenset()
@@ -757,6 +763,8 @@ class ReplayEngine:
                 storage_key(t) for t in list(self.model.parameters()) + list(self.model.buffers())
             }
             acct.reset_peak()
+            # (the user's hooks below it still apply to what replays save: runtime.py)
+            self._hooks_below_accountant = top_saved_tensors_hooks()
             self._acct_hooks = acct.saved_tensors_hooks()
             self._acct_hooks.__enter__()
         # pending invocations armed under an earlier plan still need their writes logged
@@ -1042,9 +1050,18 @@ class ReplayEngine:
         warm-up step and ``calibration_steps`` timed ones, then the plan's step. Before every
         segment is probed, both phases are counted."""
         probed = all(rt.contract is not None for rt in self.runtimes.values())
-        phases = 1 + (
-            not probed
-            or any("regions" in rt.contract.available_options() for rt in self.runtimes.values())
+        offered = {
+            o
+            for rt in self.runtimes.values()
+            if rt.contract is not None
+            for o in rt.contract.available_options()
+        }
+        selective = self.config.selective_policy is not None
+        phases = (
+            1
+            + (not probed or "regions" in offered)
+            + (selective and (not probed or bool(offered & {"selective", "selective_whole"})))
+            + (selective and (not probed or "selective_regions" in offered))
         )
         return 1 + phases * (self.calibration_steps + 1) + 1
 
@@ -1060,13 +1077,20 @@ class ReplayEngine:
         ):
             return
         if self.plan is None and not self._calibration:
-            phases = ["replay"]
-            if any(
-                "regions" in rt.contract.available_options()
+            offered = {
+                o
                 for rt in self.runtimes.values()
                 if rt.contract is not None
-            ):
+                for o in rt.contract.available_options()
+            }
+            phases = ["replay"] if offered & {"recompute", "whole"} else []
+            if "regions" in offered:
                 phases.append("regions")
+            if offered & {"selective", "selective_whole"}:
+                phases.append("selective")
+            if "selective_regions" in offered:
+                phases.append("selective_regions")
+            phases = phases or ["replay"]
             # each phase starts with a warm-up step whose timings are not kept
             self._calibration = [
                 ph for ph in phases for ph in [ph + ":warmup"] + [ph] * self.calibration_steps
@@ -1096,13 +1120,18 @@ class ReplayEngine:
                 for o in rt.contract.available_options()
                 if o in PIN_OPTIONS.get(rt.preservation, OPTIONS)
             ]
-            if phase == "replay":
-                for o in ("recompute", "whole"):
-                    if o in opts:
-                        choices[name] = o
-                        break
-            elif "regions" in opts:
-                choices[name] = "regions"
+            # each phase times its options: a full replay, regions, a selective replay
+            # (whole or nothing preserved), a selective one with regions
+            first = {
+                "replay": ("recompute", "whole"),
+                "regions": ("regions",),
+                "selective": ("selective", "selective_whole"),
+                "selective_regions": ("selective_regions",),
+            }[phase]
+            for o in first:
+                if o in opts:
+                    choices[name] = o
+                    break
         self._fit_calibration(choices, allowed)
         for name, o in choices.items():
             self.runtimes[name].set_option(o)
@@ -1210,19 +1239,67 @@ class ReplayEngine:
                 chosen.append(n)
                 last = i
         if not chosen:
+            # No room beside the plan in force: plan this one step around the check (more
+            # segments replayed for one step), so a tight budget still gets its replays checked.
+            for i, n in enumerate(order):
+                step_plan = self._check_step_plan(by_name, n, grads)
+                if step_plan is not None:
+                    self._step_choices = dict(step_plan.choices)
+                    self.set_options({m: o for m, o in step_plan.choices.items()})
+                    self._check_cursor = k + i + 1
+                    return frozenset([n])
             self.checks_skipped += 1
+            self.checks_skipped_reason = (
+                f"keeping one replayed segment's graph beside its replay needs more than the "
+                f"budget {format_bytes(self.budget)}, even with every other segment replayed"
+            )
             if self.checks_skipped == 1:
                 warnings.warn(
-                    f"derivative check skipped at step {self.step}: keeping any one replayed "
-                    f"segment's graph would exceed the budget ({format_bytes(self.budget)}) "
-                    "by the measured costs. Raise the budget to check under it, or name "
-                    "segments with request_check(segments=...).",
+                    f"derivative check skipped at step {self.step}: "
+                    f"{self.checks_skipped_reason}, by the measured costs. Raise the budget to "
+                    "check under it, or name segments with request_check(segments=...).",
                     RuntimeWarning,
                     stacklevel=3,
                 )
             return frozenset()
         self._check_cursor = k + last + 1
         return frozenset(chosen)
+
+    def _check_step_plan(
+        self, by_name: Mapping[str, _planner.SegmentCost], checked: str, grads: Mapping[str, int]
+    ) -> _planner.Plan | None:
+        """A plan for one checked step: ``checked`` keeps its graph beside its planned option
+        (charged as :meth:`_checked_peak` charges it) and the others take whatever fits the
+        budget (their pins kept); None when nothing does."""
+        costs = []
+        for c in self.costs or []:
+            if c.name not in by_name:
+                if c.name in self.plan.choices and c.name in self.runtimes:
+                    return None  # a planned segment without its measured option: no basis
+                continue
+            if c.name == checked:
+                o = self.plan.choices[c.name]
+                opt = c.options[o]
+                keep = c.options["retain"].memory + opt.memory + grads[c.name]
+                c = _planner.SegmentCost(
+                    c.name, c.activation_bytes, {o: _planner.Option(memory=keep, time=opt.time)}
+                )
+            costs.append(c)
+        allowed = {
+            name: PIN_OPTIONS[self.runtimes[name].preservation]
+            for name in by_name
+            if name != checked and self.runtimes[name].preservation in PIN_OPTIONS
+        }
+        try:
+            return _planner.plan(
+                costs,
+                budget=self.budget,
+                base_memory=self.real_base_memory,
+                method=self.planner,
+                allowed=allowed,
+            )
+        except (_planner.InfeasibleBudget, ValueError, KeyError):
+            return None
 
     def _checked_peak(
         self,
@@ -1275,7 +1352,7 @@ class ReplayEngine:
         if self._warmup and inv.step == self.step:
             return
         total = inv.t_prep + seconds
-        if inv.option == "regions":
+        if inv.option in ("regions", "selective_regions"):
             # the capture mode's own time is the table's, paid once (CostTable.capture_time)
             total += sum(self._capture_entry_time.get(k, 0.0) for k, _ in inv.regions)
             self.meter.region_bytes[inv.rt.name] = max(

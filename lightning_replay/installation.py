@@ -21,10 +21,12 @@ import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from lightning_replay._compat import under_functorch
 from lightning_replay.config import ReplanSettings, ReplayConfig
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.records import RecordStore
-from lightning_replay.segments import SegmentSpec, resolve_segments
+from lightning_replay.errors import SegmentError
+from lightning_replay.segments import SegmentSpec, _is_compiled, resolve_segments
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_replay.engine import ReplayEngine
@@ -91,7 +93,7 @@ def _root_class(cls: type) -> type:
 
     def forward(self, *args, **kwargs):
         eng = _ROOTS.get(self)
-        if eng is None:
+        if eng is None or under_functorch():  # (a torch.func transform: no window, see runtime)
             return cls.forward(self, *args, **kwargs)
         eng._explicit_windows += 1
         eng.begin_window(continuation=not torch.is_grad_enabled(), inputs=(args, kwargs))
@@ -176,6 +178,7 @@ def install(
     real_peak: bool = True,
     replan_on: Iterable[str] = (),
     replan_cooldown_steps: int = 10,
+    selective: str | None = None,
 ) -> ReplayEngine:
     """Make the given submodules of ``model`` replay exactly under activation recomputation.
 
@@ -218,6 +221,11 @@ def install(
             only). Off (``()``) by default; pass e.g. ``replan_on=("violations", "memory")`` to
             turn it on. Under ``Trainer(strategy="replay")``, ``ReplayCallback`` does this.
         replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
+        selective: a selective policy (``"matmul"``: keep matrix product, attention and
+            convolution outputs; ``"every_other_matmul"``; see
+            :mod:`~lightning_replay.selective`): the planner may also replay a segment
+            selectively, with the same preservation as a full replay. ``None`` (default): only
+            segments pinned to ``preservation="selective"`` are, under ``"matmul"``.
 
     Returns:
         The :class:`ReplayEngine`; ``engine.uninstall()`` restores the model.
@@ -255,6 +263,7 @@ def install(
         calibration_steps=calibration_steps,
         real_peak=real_peak,
         replan=replan,
+        selective=selective,
         caller="install",
     )
     return install_config(model, config)
@@ -281,9 +290,107 @@ def install_config(model: nn.Module, config: ReplayConfig) -> ReplayEngine:
                 f"model already has lightning_replay installed (segment "
                 f"{_RUNTIMES[mod].name!r}); call engine.uninstall() before installing again"
             )
+    _refuse_compiled(model)
     resolved = resolve_segments(model, config.segments)
+    _refuse_compiled_around(model, resolved)
+    _refuse_own_checkpointing(model, resolved)
     config.pins(resolved)
     from lightning_replay.engine import ReplayEngine, _resolve_budget
 
     _resolve_budget(config, model)  # a fraction that cannot resolve fails before any change
     return ReplayEngine(model, resolved, config, config.make_records(rank=_rank()))
+
+
+def _refuse_compiled(model: nn.Module) -> None:
+    """A model compiled as a whole (``torch.compile(model)``, ``model.compile()``): its
+    forward, the window, would be traced with the segments' runtimes inside it."""
+    how = _is_compiled(model)
+    if how is not None:
+        raise ReplayConfigError(
+            f"model is compiled as a whole ({how}): its forward would trace lightning_replay's "
+            "own code into the compiled graph, which cannot probe or replay a segment "
+            "(torch.compile is not supported, see the README's Out of scope). Install replay "
+            "on the eager model (for torch.compile(model): its ._orig_mod) and do not compile "
+            "it; compile only modules that hold no segment."
+        )
+
+
+def _refuse_compiled_around(model: nn.Module, segments: Mapping[str, nn.Module]) -> None:
+    """A compiled module that holds a segment, or lies inside one: the same reason as
+    :func:`_refuse_compiled` (a compiled module apart from every segment may stay)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.jit.ScriptModule):
+            raise SegmentError(
+                f"module {name!r} is a TorchScript module (torch.jit.script or "
+                "torch.jit.trace): its state lives in the TorchScript interpreter, where "
+                "lightning_replay can neither watch it nor put it back for a replay (TorchScript "
+                "is not supported, see the README's Out of scope). Keep the module eager while "
+                "training with replay (script or trace it for deployment afterwards)."
+            )
+        how = _is_compiled(mod)
+        if how is None:
+            continue
+        for seg in segments:
+            if seg.startswith(name + ".") or name.startswith(seg + "."):
+                where = "holds" if seg.startswith(name + ".") else "lies inside"
+                raise SegmentError(
+                    f"module {name!r} is compiled ({how}) and {where} segment {seg!r}: a "
+                    "compiled forward runs as one graph, which the probe cannot watch and a "
+                    "replay cannot re-run with the state it saw (torch.compile is not "
+                    "supported, see the README's Out of scope). Do not compile the segments "
+                    "or the modules around them; modules that hold no segment may stay "
+                    "compiled."
+                )
+
+
+def _refuse_own_checkpointing(model: nn.Module, segments: Mapping[str, nn.Module]) -> None:
+    """Refuse, before anything changes, a model whose own (Hugging Face style) gradient
+    checkpointing is on in or around a segment: it would run a segment inside its own
+    recomputation, and the first step would fail deep in autograd.
+
+    The fix named is the model's own method: ``activation_checkpointing_disable()`` in
+    transformers 5.x (``gradient_checkpointing_disable()`` is its deprecated alias there), the
+    older name where only that exists, else the flag itself.
+    """
+    names = list(segments)
+    flagged = [
+        n
+        for n, m in model.named_modules()
+        if getattr(m, "gradient_checkpointing", None) is True
+        and any(n == s or _inside(n, s) or _inside(s, n) for s in names)
+    ]
+    if not flagged:
+        return
+    owners = [  # the outermost module above a flagged one that can turn it off
+        n
+        for n, m in model.named_modules()
+        if any(n == f or _inside(f, n) for f in flagged)
+        and (
+            callable(getattr(m, "activation_checkpointing_disable", None))
+            or callable(getattr(m, "gradient_checkpointing_disable", None))
+        )
+    ]
+    if owners:
+        owner = min(owners, key=lambda n: n.count(".") if n else -1)
+        mod = model.get_submodule(owner)
+        method = (
+            "activation_checkpointing_disable"
+            if callable(getattr(mod, "activation_checkpointing_disable", None))
+            else "gradient_checkpointing_disable"
+        )
+        where = f"model.{owner}" if owner else "model"
+        fix = f"call {where}.{method}() before installing"
+    else:
+        fix = "set " + ", ".join(f"{f or 'model'}.gradient_checkpointing = False" for f in flagged)
+    shown = ", ".join(repr(f) for f in flagged[:4]) + (", ..." if len(flagged) > 4 else "")
+    raise ReplayConfigError(
+        f"the model checkpoints its own activations (gradient_checkpointing=True on {shown}), "
+        "in or around the segments: lightning_replay recomputes its segments itself, with "
+        f"their state exact, and one recomputation cannot run inside another. To replay, {fix}; "
+        "or choose segments outside the checkpointed modules."
+    )
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether module ``name`` is strictly inside module ``outer`` (``""`` is the root)."""
+    return outer == "" and name != "" or name.startswith(outer + ".")

@@ -19,8 +19,11 @@ accountant did not see to the base.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import sys
+import tempfile
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -152,14 +155,67 @@ class StepPeak:
         self._prof = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         )
-        self._prof.__enter__()
+        before = torch.empty(1)  # allocated before the profiler: see _native_noise_captured
+        with _native_noise_captured():
+            self._prof.__enter__()
+            del before
 
     def stop(self) -> int:
         if self.device is not None and self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         prof, self._prof = self._prof, None
-        prof.__exit__(None, None, None)
+        with _native_noise_captured():
+            prof.__exit__(None, None, None)
         return self.base + net_peak(prof)
+
+
+# Lines libtorch and kineto write straight to file descriptor 2 when a CPU profiler starts and
+# stops (``USDT: ... profiler_start``; a CPU-only build probing for GPUs), and c10's warning,
+# once per process, that a block allocated before profiling was freed inside it. No setting
+# silences them in torch 2.14 (KINETO_LOG_LEVEL does not reach the USDT lines).
+_NATIVE_NOISE = (
+    "USDT:",
+    "profiler_start",
+    "profiler_stop",
+    "allocated before the profiling started",
+    "gpuGetDeviceCount failed",
+)
+
+
+@contextlib.contextmanager
+def _native_noise_captured() -> Iterator[None]:
+    """Run the block with file descriptor 2 going to a buffer; write back to stderr every
+    line that is not the profiler's own noise (:data:`_NATIVE_NOISE`).
+
+    Around the profiler's start and stop only: there the USDT lines are written. The c10
+    warning about a block freed under the profiler prints once per process, so
+    :meth:`StepPeak.start` frees one such block inside this block, and the step's own frees
+    find it already said."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no file descriptor 2 (an embedded interpreter)
+        yield
+        return
+    with tempfile.TemporaryFile() as buf:
+        os.dup2(buf.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except ValueError:
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            buf.seek(0)
+            kept = [
+                line
+                for line in buf.read().decode(errors="replace").splitlines(keepends=True)
+                if not any(n in line for n in _NATIVE_NOISE)
+            ]
+            if kept:
+                sys.stderr.write("".join(kept))
 
 
 def net_peak(prof: Any) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_replay._compat import TorchDispatchMode, op_arguments
+from lightning_replay import state as _state
 from lightning_replay.costs import clock
 from lightning_replay.state import _SWAP_CHUNK, StorageKey, storage_bytes, storage_key, swap_
 
@@ -495,7 +496,7 @@ class SharedWhole:
         return (
             self.snap is not None
             and not self.spoiled
-            and self.snap.device.type == "cpu"
+            and _state.host_reads_free(self.snap)
             and t._version == self.version
             and storage_key(t) == self.key
             and t.untyped_storage().nbytes() == self.nbytes

@@ -18,8 +18,12 @@ import torch
 import torch.utils.checkpoint as _checkpoint_module
 from torch.utils.checkpoint import CheckpointError
 
-from lightning_replay._compat import checkpoint_frame_recomputing, set_versions
-from lightning_replay.contract import StateEntry
+from lightning_replay._compat import (
+    checkpoint_frame_recomputing,
+    set_versions,
+    top_saved_tensors_hooks,
+)
+from lightning_replay.contract import SELECTIVE, StateEntry
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
 from lightning_replay.host_rng import fingerprints, moved
@@ -338,12 +342,19 @@ class _ReplayContext:
         "_recompute",
         "_suspects",
         "_checked_after",
+        "_user_hooks",
+        "_pushed",
     )
 
-    def __init__(self, inv: _Invocation, recompute: bool = False) -> None:
+    def __init__(
+        self, inv: _Invocation, recompute: bool = False, user_hooks: tuple | None = None
+    ) -> None:
         self.inv = inv
         self._stage = 0
         self._checked_after = False
+        # the user's saved-tensor hooks (pack, unpack) active at the forward (see __enter__)
+        self._user_hooks = user_hooks
+        self._pushed = None
         # checkpoint's recomputation (it checks saved tensors): None, else whether it stops
         # early (checkpoint reads that at the forward, when this context is made)
         self._recompute = _early_stop() if recompute else None
@@ -429,12 +440,17 @@ class _ReplayContext:
         self._checked_after = (
             _refusals_name_the_segment(inv) if self._recompute is not None else False
         )
+        if self._user_hooks is not None and self._recompute is not None:
+            self._pushed = _through_user_hooks(self._user_hooks)
+            if self._pushed is not None:
+                self._pushed.__enter__()
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
-            eng._replay_started(
-                eng.meter.activation_bytes.get(rt.name, rt.contract.activation_bytes)
-            )
+            act = eng.meter.activation_bytes.get(rt.name, rt.contract.activation_bytes)
+            if inv.option in SELECTIVE:  # the kept outputs autograd saves are held already
+                act = max(act - eng.meter.selective_saved_bytes.get(rt.name, 0), 0)
+            eng._replay_started(act)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         inv = self.inv
@@ -451,6 +467,9 @@ class _ReplayContext:
         inv = self.inv
         self._stage = 0
         if stage >= 4:
+            if self._pushed is not None:
+                self._pushed.__exit__(None, None, None)
+                self._pushed = None
             inv.replaying = False
             inv.rt.engine._segment_depth -= 1
             if self._suspects is not None:
@@ -526,6 +545,35 @@ class _ReplayContext:
                     f"replay, expected {expected})",
                     inv,
                 )
+
+
+def user_saved_hooks(eng: Any) -> tuple | None:
+    """The user's saved-tensor hooks (pack, unpack) active now, or None: the innermost ones,
+    unless those are the engine's own memory accountant's (then the ones it was pushed over)."""
+    top = top_saved_tensors_hooks()
+    acct = getattr(eng, "_acct_hooks", None)
+    if top is not None and acct is not None and top[0] is acct.pack_hook:
+        return getattr(eng, "_hooks_below_accountant", None)
+    return top
+
+
+def _through_user_hooks(user: tuple) -> Any:
+    """Hooks over checkpoint's recomputation hook that pass each tensor the replay saves
+    through the user's own saved-tensor hooks first (``unpack(pack(t))``), or None.
+
+    In plain training the user's hooks (a ``saved_tensors_hooks`` around the step: rounding
+    to bf16, ``save_on_cpu``) transform what backward reads; a replay's tensors are saved by
+    checkpoint's own hook, innermost, and would reach backward untransformed."""
+    top = top_saved_tensors_hooks()  # checkpoint's recomputation hook
+    if top is None:
+        return None
+    ck_pack, ck_unpack = top
+    u_pack, u_unpack = user
+
+    def pack(t: torch.Tensor) -> Any:
+        return ck_pack(u_unpack(u_pack(t)))
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, ck_unpack)
 
 
 def _drew_uncaptured(inv: _Invocation, rngs: list, before: list) -> None:

@@ -18,20 +18,23 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_replay._compat import checkpoint_frame_forward, tree_flatten, tree_unflatten
+from lightning_replay._compat import (
+    checkpoint_frame_forward,
+    under_functorch,
+)
 from lightning_replay.accounting import checkpoint_rng_bytes
+from lightning_replay.arguments import flatten_call, unflatten_call
 from lightning_replay.checks import SegmentChecks
-from lightning_replay.contract import ReplayContract
+from lightning_replay.contract import SELECTIVE, ReplayContract
 from lightning_replay.costs import clock, saved_tensor_overhead
 from lightning_replay.errors import ContractViolation, ReplayConfigError
 from lightning_replay.guards import OUTSIDE, Guard
 from lightning_replay.host_rng import as_host_rng, is_host_rng
 from lightning_replay.probe import SegmentProbe, _Probe
-from lightning_replay.restore import _Bound, _Invocation, _ReplayContext
+from lightning_replay.restore import _Bound, _Invocation, _ReplayContext, user_saved_hooks
+from lightning_replay.selective import SelectiveFrame
 from lightning_replay.slots import capture_generators
-from lightning_replay.state import (
-    storage_key,
-)
+from lightning_replay.state import storage_key, strided_copy
 from lightning_replay.state import unique_bytes as _unique_bytes
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
@@ -44,11 +47,12 @@ def _checkpointed_around(name: str) -> ReplayConfigError:
     runs (a reentrant checkpoint recomputing its function)."""
     return ReplayConfigError(
         f"segment {name!r} runs inside torch.utils.checkpoint: the model checkpoints its own "
-        "blocks (Hugging Face gradient_checkpointing_enable(), timm set_grad_checkpointing(), "
+        "blocks (Hugging Face activation_checkpointing_enable(), timm set_grad_checkpointing(), "
         "torch's checkpoint_wrapper, or a checkpoint() call around the segment). "
         "lightning_replay recomputes its segments itself, with their state exact, and one "
         "recomputation cannot run inside another. Turn the model's own checkpointing off "
-        "(model.gradient_checkpointing_disable() for Hugging Face models, "
+        "(model.activation_checkpointing_disable() for Hugging Face models, "
+        "gradient_checkpointing_disable() before transformers 5, "
         "model.set_grad_checkpointing(False) for timm ones), or choose segments outside the "
         "checkpointed modules."
     )
@@ -130,9 +134,13 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             not (self.module.training and torch.is_grad_enabled())
             or eng._suspended
             or eng._segment_depth
+            or under_functorch()
         ):
             # A segment called inside another segment's forward or replay is part of it: the
             # outer segment's contract covers its state and the outer replay re-runs it.
+            # Under a torch.func transform (per-sample gradients: vmap(grad(functional_call)))
+            # the segment runs plain: the transform differentiates its own graph, and refuses
+            # the saved-tensor hooks a replay needs.
             return self.orig_forward(*args, **kwargs)
         if torch._C._current_graph_task_id() != -1 or checkpoint_frame_forward() is not None:
             raise _checkpointed_around(self.name)
@@ -223,7 +231,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             flat, spec = list(args), None  # the common call: tensors only, nothing to flatten
         else:
-            flat, spec = tree_flatten((args, kwargs))
+            # tensors inside argument objects (a dataclass batch) too: see arguments.py
+            flat, spec = flatten_call(args, kwargs)
             hosts = [as_host_rng(x) for x in flat if is_host_rng(x)]
             if hosts:  # a generator outside torch passed in: its state at this call
                 inv.gens = inv.gens + capture_generators(hosts)
@@ -242,7 +251,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                         continue
                     j += 1
                     if j in written or (changing and storage_key(x) in changing):
-                        snap = x.detach().clone()
+                        snap = strided_copy(x)  # as laid out at the forward (its strides)
                         inv.subs[i] = (x, snap)
                         inv.preserved_bytes += snap.untyped_storage().nbytes()
                         eng._held_bytes += snap.untyped_storage().nbytes()
@@ -282,6 +291,11 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         # around this call is timed in place too: its frame around the forward here, and in
         # backward its work before and after the replay context (restore._ReplayContext).
         timed = eng.measure_costs and (eng._sync or not eng._cuda)
+        # A selective option keeps the outputs of the ops its policy names: torch's selective
+        # checkpoint modes run around the segment's own forward and, at backward, around its
+        # replay inside the contract's replay context, so the ops that run again see the entry
+        # state the contract swapped in (the engine's own work around them is not cached).
+        sac = SelectiveFrame(eng.config.selective_policy) if inv.option in SELECTIVE else None
         inner = [0.0, None]  # the forward's own seconds, checkpoint's frame
 
         def fn(*flat: Any) -> Any:
@@ -289,13 +303,17 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 flat = list(flat)
                 for i, (live, _) in inv.subs.items():
                     if inv.replaying:  # a fresh copy of the forward bytes (writable)
-                        x = flat[i].detach()
-                        flat[i] = (x.requires_grad_() if live.requires_grad else x).clone()
+                        flat[i] = _replay_input(flat[i], live.requires_grad)
                     else:
                         flat[i] = live
-            a, kw = (flat, {}) if spec is None else tree_unflatten(list(flat), spec)
             if inv.replaying:
+                # the call as at the forward: argument objects rebuilt with their fields then
+                a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
+                if sac is not None:  # the kept outputs stand in for their ops
+                    with sac.recompute:
+                        return forward(*a, **kw)
                 return forward(*a, **kw)
+            a, kw = (flat, {}) if spec is None else (args, kwargs)  # the live objects
             eng._segment_depth += 1
             # a calibration step may run this forward under a capture mode of its own, to
             # measure what the mode costs per op in place (see CostMeter.capture_time)
@@ -305,40 +323,61 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 inner[1] = checkpoint_frame_forward()
                 t_in = _timed_clock(eng)
             try:
-                if sample is None:
-                    out = forward(*a, **kw)
-                else:
-                    with sample:
+                with (
+                    sac.forward if sac is not None else contextlib.nullcontext(),
+                    sac.watch_saved()
+                    if sac is not None and eng.measure_costs
+                    else contextlib.nullcontext(),
+                ):
+                    if sample is None:
                         out = forward(*a, **kw)
+                    else:
+                        with sample:
+                            out = forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
             if timed:
                 inner[0] = _timed_clock(eng) - t_in
                 if sampling:
                     eng.meter.add_forward_time(self.name, inner[0], sample)
+                if not sample and not eng._warmup:
+                    # what a selective forward's caching mode adds is in the forward's own
+                    # time, which no option is charged: kept per option to charge the difference
+                    eng.meter.add_option_forward(self.name, inv.option, inner[0])
             if inv.shared:  # a shared whole copy this forward wrote is not exchanged at replay
                 inv.shared_writes = [t._version != sw.version for sw, t in inv.shared]
             return out
 
+        # The user's saved-tensor hooks around the step apply to what the replay saves, as
+        # plain training applies them to what the forward saves (restore._through_user_hooks)
+        user = user_saved_hooks(eng)
+        context_fn = _full_replay(inv, user)
+        # ... but not to the inputs checkpoint saves for its replay: the replay starts from
+        # the forward's arguments, not from what the user's hooks make of them (a bf16
+        # rounding). In plain training no hook sees them as such.
+        plain_inputs = (
+            torch.autograd.graph.saved_tensors_hooks(_same, _same)
+            if user is not None
+            else contextlib.nullcontext()
+        )
         # The global RNG is always preserved (torch's default): a segment may draw from it
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
         if not timed:
-            return checkpoint(
-                fn,
-                *call,
-                use_reentrant=False,
-                preserve_rng_state=True,
-                context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True)),
-            )
+            with plain_inputs:
+                out = checkpoint(
+                    fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
+                )
+            if sac is not None and (eng.accountant is not None or eng.measure_costs):
+                self._charge_kept(inv, sac)
+            return out
         t0 = _timed_clock(eng)
-        out = checkpoint(
-            fn,
-            *call,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True)),
-        )
+        with plain_inputs:
+            out = checkpoint(
+                fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
+            )
         inv.t_prep += _timed_clock(eng) - t0 - inner[0]
+        if sac is not None:
+            self._charge_kept(inv, sac)
         frame, inner[1] = inner[1], None  # (fn, which the frame keeps, must not keep it)
         if frame is not None:
             # per saved tensor: its pack hook now and its unpack hook in backward, which no
@@ -352,6 +391,21 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
 
             frame.recompute_fn = stamped
         return out
+
+    def _charge_kept(self, inv: _Invocation, frame: SelectiveFrame) -> None:
+        """The outputs a selective forward kept are held until its replay: the accountant
+        holds them for the invocation, the cost meter takes their bytes as the option's."""
+        eng = self.engine
+        kept = frame.kept_tensors()
+        if eng.measure_costs:
+            eng.meter.selective_bytes[self.name] = _unique_bytes(kept)
+            eng.meter.selective_saved_bytes[self.name] = frame.kept_saved_bytes()
+        acct = eng.accountant
+        if acct is not None:
+            for t in kept:
+                key = acct.hold_tensor(t, self.name)
+                if key is not None:
+                    inv.held.append(key)
 
     def _violation(self, state: str, detail: str, inv: _Invocation) -> None:
         eng = self.engine
@@ -398,6 +452,32 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             "changing_state": [s.name for s in c.changing] if c else [],
             "options": c.available_options() if c else [],
         }
+
+
+def _replay_input(saved: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A writable copy of an argument's forward bytes for its replay, laid out as at the
+    forward (:func:`~lightning_replay.state.strided_copy`); where it required grad, no leaf
+    (a copy of a leaf that requires grad, as a ``clone`` would be), so that the segment's
+    in-place ops on it run as in the forward."""
+    x = strided_copy(saved)
+    if not requires_grad:
+        return x
+    src = saved.detach().requires_grad_()
+    try:
+        with torch.enable_grad():
+            return x.copy_(src)
+    except RuntimeError:  # an expanded (overlapping) layout cannot be written: a view
+        return src.view_as(src)
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _full_replay(inv: _Invocation, user: tuple | None = None):
+    """``context_fn`` of a full replay: nothing around the forward, the contract's replay
+    context around the recomputation."""
+    return lambda: (contextlib.nullcontext(), _ReplayContext(inv, True, user))
 
 
 def _timed_clock(eng: "ReplayEngine") -> float:

@@ -17,6 +17,8 @@ from lightning_replay.planner import (
     costs_from_dict,
     costs_to_dict,
     min_feasible_budget,
+    plan,
+    predicted_peak,
 )
 from lightning_replay.verify import grad_diffs, train_steps
 from tests.helpers.torch_memory import whole_step_peak
@@ -404,3 +406,45 @@ def test_a_plan_adopted_after_the_window_began_logs_regions_in_that_step():
     steady = exact_step(s + 2)
     assert adopted == steady < held_whole, (adopted, steady, held_whole)
     engine.uninstall()
+
+
+def test_a_check_with_no_room_beside_the_plan_runs_under_a_plan_for_its_step():
+    """Under a budget the plan fills (retaining some segments), keeping one replayed segment's
+    graph does not fit beside the plan; the checked step replays more segments for that step
+    so the check fits, holds the budget, matches, and the plan is back the step after."""
+    m, make = _sparse()
+    e = lr.install(m, m.segments, budget=10**12)
+    train_steps(m, make, STEPS_TO_PLAN)
+    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory))
+    train_steps(m, make, 3)  # the plan's first step is measured: the real base is known
+    by_name = {c.name: c for c in e.costs}
+    lo = min_feasible_budget(e.costs, e.real_base_memory)
+    hi = predicted_peak(e.costs, {c.name: "retain" for c in e.costs}, e.real_base_memory)
+    found = None
+    for k in range(1, 40):
+        budget = lo + (hi - lo) * k // 40
+        p = plan(e.costs, budget, e.real_base_memory)
+        replayed = [n for n, o in p.choices.items() if o != "retain"]
+        if not replayed or len(replayed) == len(p.choices):
+            continue
+        e.replan(budget=budget)
+        by_name = {c.name: c for c in e.costs}
+        grads = {
+            n: 2 * sum(q.numel() * 4 for q in m.get_submodule(n).parameters()) for n in by_name
+        }
+        if min(e._checked_peak(by_name, [n]) for n in replayed) > budget and any(
+            e._check_step_plan(by_name, n, grads) is not None for n in replayed
+        ):
+            found = budget
+            break
+    assert found is not None, "no budget between lo and hi leaves a check room only by replanning"
+    version, choices = e.plan_version, dict(e.plan.choices)
+    seen = _checked_steps(m, e, make, 1)
+    assert seen[0]["checked"], seen  # checked, not skipped
+    assert seen[0]["peak_bytes"] <= e.budget, (seen, e.budget)
+    assert e.checks_skipped == 0 and e.plan_version == version
+    outcomes = {(r.check, r.outcome) for r in e.records.read() if r.check in ("grad", "bytes")}
+    assert outcomes == {("grad", "match"), ("bytes", "match")}
+    train_steps(m, make, 1)  # the plan in force again
+    assert e.plan_version == version, (e.plan.choices, choices)
+    assert {n: e.runtimes[n].planned_option for n in choices} == choices
