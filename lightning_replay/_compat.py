@@ -31,6 +31,7 @@ __all__ = [
     "checkpoint_frame_recomputing",
     "dict_version",
     "distributed_is_initialized",
+    "graph_task_keeps_graph",
     "logger_connector",
     "op_arguments",
     "precision_plugin",
@@ -56,6 +57,17 @@ def set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
     byte back as it was)."""
     if tensors:
         torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+
+
+def graph_task_keeps_graph() -> bool:
+    """Whether the backward running now keeps its graph (``retain_graph=True``, or
+    ``create_graph=True``, which implies it): a later backward can differentiate the same
+    forward again. True where it cannot be told (no backward running, or torch moved it): the
+    caller then keeps what a second backward would need."""
+    if torch._C._current_graph_task_id() == -1:
+        return True
+    read = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if read is None else bool(read())
 
 
 def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:

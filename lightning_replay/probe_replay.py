@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_replay._compat import set_versions
+from lightning_replay._compat import graph_task_keeps_graph, set_versions
 from lightning_replay.errors import ReplayError, SavedTensorModified
 from lightning_replay.preservation import redo, undo
 from lightning_replay.slots import (
@@ -59,6 +59,7 @@ class _ProbeReplay:
         self.saved_tokens: list = []
         self.saved_bytes: dict = {}  # storage key -> bytes of what the replay saved
         self.params: set = set()
+        self.keep = False
 
     def __enter__(self) -> None:
         probe: _Probe = self.box["probe"]
@@ -80,6 +81,9 @@ class _ProbeReplay:
         self.swapped = []
         self.undone = []
         self.repointed = []
+        # a backward that keeps its graph (create_graph: a gradient penalty) may be followed by
+        # another that replays again: the first-touch copies then stay intact for it
+        self.keep = graph_task_keeps_graph()
         with torch.no_grad():
             for ob in probe.observations:
                 t = ob.touch
@@ -108,6 +112,10 @@ class _ProbeReplay:
                 live = storage_bytes(t.tensor)
                 if live.numel() != t.snapshot.numel():
                     continue  # resized since: the output comparison says if it mattered
+                if self.keep:
+                    self.swapped.append((t.tensor, live.clone(), t.tensor._version))
+                    live.copy_(t.snapshot)
+                    continue
                 self.swapped.append((t.tensor, t.snapshot, t.tensor._version))
                 swap_(live, t.snapshot)
         self.slots = swap_slots(probe.slots)
@@ -222,7 +230,7 @@ class _ProbeReplay:
                 src.set_(*live)
         set_versions([src for src, _, _ in self.repointed], [v for _, _, v in self.repointed])
         set_versions([t for t, _, _ in self.swapped], [v for _, _, v in self.swapped])
-        probe = self.box.get("probe")
+        probe = self.box.get("probe") if not self.keep else None
         for ob in (probe.observations or []) if probe is not None else []:
             if ob.touch.snapshot is not None and ob.touch.snapshot.numel():
                 ob.touch.snapshot = ob.touch.snapshot.new_empty(0)

@@ -18,7 +18,11 @@ import torch
 import torch.utils.checkpoint as _checkpoint_module
 from torch.utils.checkpoint import CheckpointError
 
-from lightning_replay._compat import checkpoint_frame_recomputing, set_versions
+from lightning_replay._compat import (
+    checkpoint_frame_recomputing,
+    graph_task_keeps_graph,
+    set_versions,
+)
 from lightning_replay.contract import StateEntry
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
@@ -195,6 +199,7 @@ class _Invocation:
         self.kept = bool(whole or self.regions or self.shared)
         if self.regions or self.shared:
             # Dropped without replay (graph freed, backward never called): disarm anyway.
+            self._token["finalizer"] = True
             weakref.finalize(
                 self,
                 _dropped,
@@ -241,6 +246,20 @@ class _Invocation:
             sw.users += 1
             mine.append((sw, t))
         self.shared = mine
+
+    def release_with_graph(self) -> None:
+        """Keep what this call preserved for another replay (a backward that keeps its graph
+        replayed it), until :meth:`release` or, at the latest, until the graph that can reach
+        it is freed: checkpoint's frame holds the replay context, which holds this object, so
+        it dies with the last saved tensor of the segment's graph."""
+        token = self._token
+        if self.done or "held" in token:
+            return
+        # what release() would also give back, fixed now (nothing is added after a replay)
+        token["held"] = (self.rt.engine.accountant, list(self.held), self.preserved_bytes)
+        if not token.get("finalizer"):
+            token["finalizer"] = True
+            weakref.finalize(self, _dropped, self.rt.engine.log, [], self.rt.engine, [], token)
 
     def release(self) -> None:
         if self.done:
@@ -316,6 +335,13 @@ def _dropped(log: RegionLog, keys: list, eng: Any, sws: list[SharedWhole], token
         for key in keys:
             log.release(key)
         _free_shared(eng, sws)
+        held = token.get("held")
+        if held is not None:  # kept after a replay for another (release_with_graph)
+            acct, keys_held, nbytes = held
+            eng._held_bytes -= nbytes
+            if acct is not None:
+                for key in keys_held:
+                    acct.drop(key)
 
 
 class _ReplayContext:
@@ -338,11 +364,15 @@ class _ReplayContext:
         "_recompute",
         "_suspects",
         "_checked_after",
+        "_paused",
+        "_keep",
     )
 
     def __init__(self, inv: _Invocation, recompute: bool = False) -> None:
         self.inv = inv
         self._stage = 0
+        self._paused = False
+        self._keep = False
         self._checked_after = False
         # checkpoint's recomputation (it checks saved tensors): None, else whether it stops
         # early (checkpoint reads that at the forward, when this context is made)
@@ -354,10 +384,29 @@ class _ReplayContext:
         eng = rt.engine
         if inv.done and inv.kept:
             raise ReplayError(
-                f"segment {rt.name!r} is being replayed a second time for the step {inv.step} "
-                "(backward with retain_graph=True?). Its preserved state is gone after the first "
-                "replay. Use preservation='retain' for segments whose graph is reused."
+                f"segment {rt.name!r} is being replayed again for the step {inv.step}, by a "
+                "backward after one that freed its graph (retain_graph=False): its preserved "
+                "state went with that graph. Pass retain_graph=True to the earlier backward "
+                "(as plain PyTorch needs where the two share nodes), or use "
+                f"preservation={{{rt.name!r}: 'retain'}}."
             )
+        # A checkpoint's recomputation runs once per backward that reaches it: one that keeps
+        # its graph (retain_graph, create_graph: a gradient penalty, R1, second-order MAML) can
+        # be followed by another, which must replay from the same preserved state. It is then
+        # kept, intact, until a backward that frees the graph has replayed, or the graph dies.
+        self._keep = self._recompute is not None and graph_task_keeps_graph()
+        # Nothing from here to the end of _undo is the window's write: where backward runs
+        # inside a manual window, its capture mode is still on and must not log the swaps or
+        # the replayed forward's writes (a later replay would expect their versions).
+        eng.log.paused += 1
+        self._paused = True
+        try:
+            self._enter(inv, rt, eng)
+        except BaseException:
+            self._undo(self._stage)
+            raise
+
+    def _enter(self, inv: _Invocation, rt: "SegmentRuntime", eng: Any) -> None:
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
         self._t0 = clock(eng._cuda)
@@ -389,7 +438,7 @@ class _ReplayContext:
                     )
                     t.set_(st, *meta)
             if inv.whole is not None:
-                inv.whole.swap_in()
+                inv.whole.swap_in(keep=self._keep)
             for i, (sw, t) in enumerate(inv.shared):
                 sw.swap_in(t, writes=bool(inv.shared_writes and inv.shared_writes[i]))
             regions = [eng.log.since(key, mark) for key, mark in inv.regions] if inv.regions else ()
@@ -482,7 +531,10 @@ class _ReplayContext:
             tensors = [t for _, t in inv.tensors]
             if [t._version for t in tensors] != self._versions:
                 _reset_versions(tensors, self._versions)
-            inv.release()
+            if self._keep:
+                inv.release_with_graph()
+            else:
+                inv.release()
             eng = inv.rt.engine
             if eng.measure_costs and stage >= 4 and (eng._sync or not eng._cuda):
                 if eng._sync:
@@ -496,6 +548,9 @@ class _ReplayContext:
                     inv.t_pending = (seconds, now)
                 else:
                     eng._record_replay_time(inv, seconds)
+        if self._paused:
+            self._paused = False
+            self.inv.rt.engine.log.paused -= 1
 
     def _check_versions(self) -> None:
         inv = self.inv

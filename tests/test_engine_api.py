@@ -675,17 +675,24 @@ def test_checked_calls_keep_structure_and_gradients_of_odd_segments():
     assert not any(o == "divergence" for _, o in outcomes)
 
 
-def test_checked_step_backward_twice_is_a_clear_error():
+def test_checked_step_backward_twice_matches_plain():
+    """A checked step differentiated twice (retain_graph=True): checked at the first
+    backward, the second runs on the segment's own graph, as plain PyTorch's does."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    plain = copy.deepcopy(model)
     engine = lr.install(model, ["0"])
     x = torch.randn(3, 4)
-    model(x).sum().backward()
+    for m in (plain, model):
+        m(x).sum().backward()
     engine.request_check()
-    loss = model(x).sum()
-    loss.backward(retain_graph=True)
-    with pytest.raises(lr.ReplayError, match="second time"):
+    for m in (plain, model):
+        loss = m(x).sum()
+        loss.backward(retain_graph=True)
         loss.backward()
+    for (n, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    assert [r.outcome for r in engine.records.read(check="grad")] == ["match"]
 
 
 @pytest.mark.parametrize("nondeterministic,outcome", [(False, "divergence"), (True, "match")])
