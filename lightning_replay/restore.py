@@ -197,18 +197,6 @@ class _Invocation:
         finally:
             torch._C._set_grad_enabled(prev)
         self.kept = bool(whole or self.regions or self.shared)
-        if self.regions or self.shared:
-            # Dropped without replay (graph freed, backward never called): disarm anyway.
-            self._token["finalizer"] = True
-            weakref.finalize(
-                self,
-                _dropped,
-                log,
-                [k for k, _ in self.regions],
-                eng,
-                [sw for sw, _ in self.shared],
-                self._token,
-            )
         g = rt.guard
         if len(g.captures) != len(rt.modules):
             g.captures = [MISSING] * len(rt.modules)
@@ -247,19 +235,24 @@ class _Invocation:
             mine.append((sw, t))
         self.shared = mine
 
-    def release_with_graph(self) -> None:
-        """Keep what this call preserved for another replay (a backward that keeps its graph
-        replayed it), until :meth:`release` or, at the latest, until the graph that can reach
-        it is freed: checkpoint's frame holds the replay context, which holds this object, so
-        it dies with the last saved tensor of the segment's graph."""
-        token = self._token
-        if self.done or "held" in token:
+    def watch(self) -> None:
+        """Once the call's preserved state is complete (the runtime's ``_prepare``): should
+        this object die before :meth:`release` (its graph freed without a backward reaching
+        it, a detached output, a graph kept for a second backward and then dropped), give
+        back all the same what it holds: region-log arms, shared copies, held bytes."""
+        if self.done or not (self.kept or self.held or self.preserved_bytes):
             return
-        # what release() would also give back, fixed now (nothing is added after a replay)
-        token["held"] = (self.rt.engine.accountant, list(self.held), self.preserved_bytes)
-        if not token.get("finalizer"):
-            token["finalizer"] = True
-            weakref.finalize(self, _dropped, self.rt.engine.log, [], self.rt.engine, [], token)
+        eng = self.rt.engine
+        self._token["held"] = (eng.accountant, self.held, self.preserved_bytes)
+        weakref.finalize(
+            self,
+            _dropped,
+            eng.log,
+            [k for k, _ in self.regions],
+            eng,
+            [sw for sw, _ in self.shared],
+            self._token,
+        )
 
     def release(self) -> None:
         if self.done:
@@ -276,7 +269,7 @@ class _Invocation:
         if acct is not None:
             for key in self.held:
                 acct.drop(key)
-        self.held = []
+        self.held.clear()
 
 
 def _entry_plan(rt: "SegmentRuntime") -> list[tuple]:
@@ -336,7 +329,7 @@ def _dropped(log: RegionLog, keys: list, eng: Any, sws: list[SharedWhole], token
             log.release(key)
         _free_shared(eng, sws)
         held = token.get("held")
-        if held is not None:  # kept after a replay for another (release_with_graph)
+        if held is not None:  # (see _Invocation.watch)
             acct, keys_held, nbytes = held
             eng._held_bytes -= nbytes
             if acct is not None:
@@ -531,10 +524,11 @@ class _ReplayContext:
             tensors = [t for _, t in inv.tensors]
             if [t._version for t in tensors] != self._versions:
                 _reset_versions(tensors, self._versions)
-            if self._keep:
-                inv.release_with_graph()
-            else:
+            if not self._keep:
                 inv.release()
+            # else kept for the next backward's replay, and given back when it releases, or
+            # when the graph that can reach it dies: checkpoint's frame holds this context,
+            # which holds ``inv`` (see _Invocation.watch)
             eng = inv.rt.engine
             if eng.measure_costs and stage >= 4 and (eng._sync or not eng._cuda):
                 if eng._sync:
