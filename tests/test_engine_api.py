@@ -91,16 +91,22 @@ def test_cpu_bf16_autocast(hazard):
     assert_same_state(snapshot_state(ref), snapshot_state(model))
 
 
-def test_eval_and_no_grad_run_plain():
+def test_no_grad_and_graphless_eval_run_plain_and_eval_with_trained_weights_is_probed():
+    """No graph, nothing to replay: under no_grad, or in eval() with nothing requiring grad (a
+    frozen teacher). A segment in eval() whose weights train (a frozen-BatchNorm backbone)
+    builds a graph like one in training mode, and is probed (then replayed) like one."""
     h = HAZARDS["batch_norm"]()
     engine = lr.install(h.model, h.segments)
-    h.model.eval()
-    h.model(h.make_input(0)).sum().backward()
-    h.model.train()
     with torch.no_grad():
         h.model(h.make_input(0))
+    h.model.eval()
+    h.model.requires_grad_(False)
+    h.model(h.make_input(0))
     s = engine.summary()["blocks.0"]
-    assert s["forwards"] == 0 and s["mode"] == "probe"
+    assert s["forwards"] == 0 and s["mode"] == "plain"  # two windows, no graph: named so
+    h.model.requires_grad_(True)
+    h.model(h.make_input(0)).sum().backward()
+    assert engine.summary()["blocks.0"]["forwards"] == 1
 
 
 def test_state_dict_keys_and_uninstall():
