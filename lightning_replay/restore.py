@@ -105,6 +105,7 @@ class _Invocation:
         "kept",
         "outside",
         "replaying",
+        "in_forward",
         "changing",
         "__weakref__",
     )
@@ -139,6 +140,7 @@ class _Invocation:
         self.done = False
         self.kept = False  # holds preserved bytes that the first replay releases
         self.replaying = False
+        self.in_forward = False  # its forward runs (a backward inside it may replay it)
         self._token = {"done": False}
         log = eng.log
         capturing = eng._capturing
@@ -387,7 +389,9 @@ class _ReplayContext:
         # its graph (retain_graph, create_graph: a gradient penalty, R1, second-order MAML) can
         # be followed by another, which must replay from the same preserved state. It is then
         # kept, intact, until a backward that frees the graph has replayed, or the graph dies.
-        self._keep = self._recompute is not None and graph_task_keeps_graph()
+        # A backward run inside the segment's own forward (torch.autograd.grad of an energy)
+        # makes checkpoint recompute it there: the step's own backward replays it once more.
+        self._keep = self._recompute is not None and (inv.in_forward or graph_task_keeps_graph())
         # Nothing from here to the end of _undo is the window's write: where backward runs
         # inside a manual window, its capture mode is still on and must not log the swaps or
         # the replayed forward's writes (a later replay would expect their versions).

@@ -330,6 +330,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             if timed:
                 inner[1] = checkpoint_frame_forward()
                 t_in = _timed_clock(eng)
+            inv.in_forward = True
             try:
                 if sample is None:
                     out = forward(*a, **kw)
@@ -337,6 +338,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                     with sample:
                         out = forward(*a, **kw)
             finally:
+                inv.in_forward = False
                 eng._segment_depth -= 1
             if timed:
                 inner[0] = _timed_clock(eng) - t_in

@@ -374,6 +374,22 @@ class Hamiltonian(nn.Module):
         return x + 0.1 * torch.cat([dp, -dq], 1)
 
 
+class GradFeature(nn.Module):
+    """An input gradient without create_graph, used as a feature: the backward inside the
+    forward frees its own graph, yet the step's backward replays the segment again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.bn = nn.BatchNorm1d(D)
+
+    def forward(self, x):
+        with torch.enable_grad():
+            xx = x.detach().requires_grad_(True)
+            (g,) = torch.autograd.grad(torch.tanh(self.bn(self.fc(xx))).pow(2).sum(), xx)
+        return torch.tanh(self.bn(self.fc(x))) + g
+
+
 def _mse(m, step):
     m(_x(step)).pow(2).mean().backward()
 
@@ -381,8 +397,8 @@ def _mse(m, step):
 @pytest.mark.parametrize("preservation", PRESERVATIONS)
 @pytest.mark.parametrize(
     "block",
-    [Energy, lambda: Energy(norm=True), Hamiltonian],
-    ids=["energy", "energy_batchnorm", "hamiltonian"],
+    [Energy, lambda: Energy(norm=True), Hamiltonian, GradFeature],
+    ids=["energy", "energy_batchnorm", "hamiltonian", "grad_feature"],
 )
 def test_autograd_grad_inside_a_segment_forward_is_exact(block, preservation):
     engine = _exact(lambda: Stack(block), BLOCKS, _mse, preservation=preservation)
