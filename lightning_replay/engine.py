@@ -1069,7 +1069,9 @@ class ReplayEngine:
         (a frozen teacher under ``torch.no_grad``, a branch not taken): it holds no activations
         to plan for, and the other segments are planned without it. Should it run with
         autograd later, it is probed then, and joins the next plan."""
-        return rt.idle_reason() is not None
+        return rt.idle_reason() is not None or (
+            rt.forwards == 0 and rt.contract is None and self.step >= 2
+        )
 
     def _name_idle_segments(self) -> None:
         """Once per segment, after the first windows: a segment that will not replay is named,
@@ -1079,7 +1081,9 @@ class ReplayEngine:
         fresh = [rt for rt in self.runtimes.values() if rt.name not in warned and rt.idle_reason()]
         if not fresh:
             return
-        uncalled = [rt for rt in fresh if rt.idle_reason() == NOT_CALLED]
+        # (one skipped at random, its list's other items called, is warned about, never
+        # stopped: plain PyTorch trains it)
+        uncalled = [rt for rt in fresh if rt.idle_reason() == NOT_CALLED and not rt.skipped()]
         if uncalled and self.on_violation == "raise":
             raise ReplayConfigError(
                 "; ".join(idle_message(rt) for rt in uncalled)

@@ -49,16 +49,19 @@ if TYPE_CHECKING:  # annotations only: these modules import this one
 #: requiring grad, or inside a backward): nothing to replay, it runs plain
 NOT_CALLED = "not called"
 PLAIN = "plain"
+#: windows after which a segment whose siblings ran, never called itself, is named
+SKIPPED_WINDOWS = 32
 
 
 def idle_message(rt: "SegmentRuntime") -> str:
     """Why ``rt`` does not replay, for a warning or an error."""
     if rt.idle_reason() == NOT_CALLED:
+        windows = "window" if rt.engine.step == 1 else f"{rt.engine.step} windows"
         return (
             f"segment {rt.name!r} was never called in the model's forward in the first "
-            f"window: it cannot replay (a spare module, or a segment named by mistake). The "
-            "other segments are planned and checked without it; remove it from `segments`, "
-            "or, for a module the forward calls only sometimes (LayerDrop), install with "
+            f"{windows}: it cannot replay (a spare module, or a segment named by mistake). "
+            "The other segments are planned and checked without it; remove it from "
+            "`segments`, or, for a module the forward calls only sometimes, install with "
             "on_violation='record' to be warned instead of stopped"
         )
     where = []
@@ -415,11 +418,23 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         if self.contract is not None or self.forwards:
             return None
         step = self.engine.step
-        if self.calls == 0 and step >= 1:
-            return NOT_CALLED
+        if self.calls == 0:
+            # one of a list whose other items ran (LayerDrop skips layers at random) is only
+            # called "not called" once it has stayed so for a long while
+            return NOT_CALLED if step >= (SKIPPED_WINDOWS if self.skipped() else 1) else None
         if step >= 2:
             return PLAIN
         return None
+
+    def skipped(self) -> bool:
+        """Whether another segment of the same parent module (an item of the same list) has
+        been called: this one may be skipped at random (LayerDrop, stochastic depth over a
+        list), not missing from the forward."""
+        parent = self.name.rpartition(".")[0]
+        return any(
+            rt.calls and rt is not self and rt.name.rpartition(".")[0] == parent
+            for rt in self.engine.runtimes.values()
+        )
 
     def summary(self) -> dict[str, Any]:
         c = self.contract

@@ -559,6 +559,30 @@ def test_a_never_called_segment_stops_the_run_under_raise_after_the_first_window
         _mse(model, 1)
 
 
+class LayerDropStack(Stack):
+    """Skips its second block on the first steps (LayerDrop, stochastic depth over a list)."""
+
+    def __init__(self) -> None:
+        super().__init__(BNBlock, n=3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.pre(x)
+        for i, b in enumerate(self.blocks):
+            if i == 1 and self.calls <= 3:
+                continue
+            h = b(h)
+        return self.head(h)
+
+
+def test_a_segment_skipped_while_its_siblings_run_is_not_refused():
+    """Not called in the first windows while the other items of its list ran: skipped, not
+    missing. No error under raise, no warning; it is probed once called and replays."""
+    engine = _exact(LayerDropStack, ["blocks.0", "blocks.1", "blocks.2"], _mse, steps=7)
+    assert engine.summary()["blocks.1"]["replays"] >= 2, engine.summary()
+
+
 class LitProbed(L.LightningModule):
     def __init__(self, twice: bool = False) -> None:
         super().__init__()
