@@ -21,6 +21,12 @@ Sections (keys of the JSON):
 * ``planner``: planning time for 16/64/256 segments and the optimality gap against exhaustive
   search.
 * ``checks``: step time with derivative + byte checks every 50 steps over without.
+* ``frontier``: HF GPT-2 and a small HF Llama (``frontier.py``): budgets from the lowest-memory
+  plan's peak to plain training's, in 6 steps; at each, the step time and measured peak of the
+  joint plan with the selective option, without it, and torch checkpoint + torch's selective
+  checkpoint (same policy) on every block, side by side with a second torch arm as the noise
+  control. ``frontier.worst_vs_best_other``: the largest, over points, of joint with selective
+  over the faster feasible other arm. The plot goes to ``results/frontier-latest.png``.
 """
 
 from __future__ import annotations
@@ -80,6 +86,20 @@ SUITES = {
         ),
         "dense_queue": dict(rows=16384, dim=128, write_rows=128, batch=256, rounds=15),
         "checks": dict(steps=500, every=50),
+        "frontier": dict(
+            points=6,
+            rounds=16,  # 2 copies per arm
+            copies=2,
+            # a selective option's forward cost is a difference of two forward medians
+            calibration_steps=5,
+            png=os.path.join(HERE, "results", "frontier-latest.png"),
+            # at width 128 x 64 tokens the dispatch modes of a selective replay cost more than
+            # the products it keeps (every selective arm slower than a full replay on CPU)
+            models={
+                "gpt2": dict(layers=4, width=256, seq=128, batch=4),
+                "llama": dict(layers=4, width=256, seq=128, batch=4),
+            },
+        ),
     },
     "full": {
         "overhead": dict(width=2048, blocks=8, batch=128, repeats=36),
@@ -107,6 +127,17 @@ SUITES = {
         ),
         "dense_queue": dict(rows=65536, dim=128, write_rows=256, batch=512, rounds=9),
         "checks": dict(steps=1000, every=50),
+        "frontier": dict(
+            points=6,
+            rounds=36,
+            copies=2,
+            calibration_steps=5,
+            png=os.path.join(HERE, "results", "frontier-full-latest.png"),
+            models={
+                "gpt2": dict(layers=6, width=256, seq=128, batch=8),
+                "llama": dict(layers=6, width=256, seq=128, batch=8),
+            },
+        ),
     },
     # seconds, for the test that keeps this script working (figures meaningless)
     "smoke": {
@@ -140,6 +171,17 @@ SUITES = {
         ),
         "dense_queue": dict(rows=64, dim=16, write_rows=4, batch=8, rounds=2),
         "checks": dict(steps=4, every=2),
+        "frontier": dict(
+            points=3,
+            rounds=2,
+            copies=1,
+            calibration_steps=1,
+            png=None,  # the test draws it into its own folder
+            models={
+                "gpt2": dict(layers=2, width=16, seq=8, batch=2),
+                "llama": dict(layers=2, width=16, seq=8, batch=2),
+            },
+        ),
     },
 }
 
@@ -266,6 +308,15 @@ def bench_checks(cfg: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------- driver
+def bench_frontier(cfg: dict) -> dict:
+    import frontier
+
+    r = frontier.run(cfg)
+    if cfg.get("png"):
+        r["png"] = frontier.plot(r, cfg["png"])
+    return r
+
+
 def run_suite(suite: str, only: list[str] | None = None) -> dict:
     cfg = SUITES[suite]
     sections = {
@@ -275,6 +326,7 @@ def run_suite(suite: str, only: list[str] | None = None) -> dict:
         "dense_queue": lambda: bench_dense_queue(cfg["dense_queue"]),
         "planner": bench_planner,
         "checks": lambda: bench_checks(cfg["checks"]),
+        "frontier": lambda: bench_frontier(cfg["frontier"]),
     }
     dev = device()
     out: dict[str, Any] = {
@@ -385,6 +437,33 @@ def targets(r: dict) -> list[tuple[str, Any, str, bool]]:
     if "checks" in r:
         v = r["checks"]["overhead_ratio_every_50"]
         add("checks.overhead_ratio_every_50", round(v, 3), "<= 1.03", v <= 1.03)
+    if "frontier" in r:
+        f = r["frontier"]
+        v = f["worst_vs_best_other"]
+        add(
+            "frontier.worst_vs_best_other",
+            v and round(v, 3),
+            "<= 1.01 (joint+selective / faster other arm)",
+            v is not None and v <= 1.01,
+        )
+        add("frontier.points_le_0_95", f["points_le_0_95"], ">= 2", f["points_le_0_95"] >= 2)
+        over = sum(
+            1
+            for n, m in f.items()
+            if isinstance(m, dict) and "points" in m
+            for p in m["points"]
+            for a in ("joint_selective", "joint")
+            if p[a]["feasible"] and not p[a]["within_budget"]
+        )
+        add("frontier: plans over budget (measured peak)", over, "0", over == 0)
+        for n, m in f.items():
+            if isinstance(m, dict) and "torch_vs_torch" in m:
+                add(
+                    f"frontier.{n}.torch_vs_torch",
+                    round(m["torch_vs_torch"], 3),
+                    "(report: two torch SAC arms, this run's noise)",
+                    True,
+                )
     if "dense_queue" in r:
         d = r["dense_queue"]
         add(

@@ -52,7 +52,8 @@ ACCEPTED_FORMS = (
     "a positive int of bytes (e.g. 47244640256); a string with a number and an optional unit "
     "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), case-insensitive "
     "(e.g. '44GiB', '1.5GB', '2 GiB', '1024'); or a float in (0, 1] meaning that fraction of the "
-    "device's memory: a CUDA device's total memory, or physical memory on CPU (e.g. 0.9)"
+    "device's memory: a CUDA device's total memory, or physical memory on CPU (e.g. 0.9); or "
+    "'min' for the lowest-memory correct plan"
 )
 
 # An optional sign is matched so that "-1GiB" is reported as "not positive" rather than as
@@ -68,8 +69,9 @@ def _reject(value: object, why: str) -> ValueError:
     )
 
 
-def parse_budget(value: int | float | str, device: _DeviceLike = None) -> int:
-    """Convert a user-written memory budget to a positive number of bytes.
+def parse_budget(value: int | float | str, device: _DeviceLike = None) -> int | None:
+    """Convert a user-written memory budget to a positive number of bytes (``None`` for
+    ``"min"``: no number of bytes, the planner finds the lowest-memory correct plan).
 
     Args:
         value: The budget. An ``int`` is bytes. A ``str`` is a number with an optional unit:
@@ -79,11 +81,12 @@ def parse_budget(value: int | float | str, device: _DeviceLike = None) -> int:
             (a budget rounded down is still held); a fractional count of plain bytes is
             rejected. A ``float`` in ``(0, 1]`` is that fraction of ``device``'s memory (see
             :func:`device_memory`); a ``float`` above 1 must be a whole number of bytes.
+            ``"min"`` is the lowest-memory correct plan, as in ``install(budget="min")``.
         device: The device a fractional budget refers to (``torch.device``, ``"cuda:0"``,
             ``"cpu"`` or a CUDA index). Ignored for byte budgets.
 
     Returns:
-        The budget in bytes, always ``> 0``.
+        The budget in bytes, always ``> 0``; ``None`` for ``"min"``.
 
     Raises:
         ValueError: If the value is a bool, zero, negative, NaN or infinite, a non-whole float
@@ -99,6 +102,8 @@ def parse_budget(value: int | float | str, device: _DeviceLike = None) -> int:
         47244640256
         >>> parse_budget("1.5 GB")
         1500000000
+        >>> parse_budget("min") is None  # the lowest-memory plan: no bytes to name
+        True
         >>> parse_budget(0.5, device="cpu") == device_memory("cpu") // 2
         True
         >>> parse_budget(0.5)  # doctest: +ELLIPSIS
@@ -116,6 +121,8 @@ def parse_budget(value: int | float | str, device: _DeviceLike = None) -> int:
     if isinstance(value, numbers.Real):
         return _parse_float(float(value), device)
     if isinstance(value, str):
+        if value.strip().lower() == "min":
+            return None
         return _parse_string(value)
     raise TypeError(
         f"budget={value!r} has type {type(value).__name__}, which is not a memory budget. "

@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_replay.errors import RecordsError, ReplayConfigError, ReplayError
+from lightning_replay.records import BYTES, EVENTS, GRAD, PROBE, REPLAY, VERSION
+
+_CHECK_KINDS = (GRAD, BYTES, PROBE, REPLAY, VERSION)  # every kind that is not an event
 
 _LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
@@ -118,6 +121,29 @@ def _concise(message: str) -> str:
     ]
     return "\n".join(keep).strip()
 
+
+_HELP = """Train, evaluate, compare, report and query from the command line.
+
+commands:
+  fit, validate, test   LightningCLI (--config configs/dense_queue_cpu.yaml, any --trainer.*,
+                        --model.*, --data.* override; the model and data default to the
+                        dense-queue application, and class_path selects others such as the
+                        sparse-write workload)
+  study                 the seven-method comparison a config's study: section describes
+  doctor                what checkpointing does to a config's model, measured on copies;
+                        writes doctor.json and doctor.html
+  report RUN_DIR        an HTML report with plots of a study or a fit run
+  records RUN_DIR       query the execution records (SQLite) of a study or a fit run
+
+There is no predict: replay only changes training (prediction runs no backward, so nothing is
+recomputed), and a trained model's weights and state_dict keys are plain. Predict with any
+Trainer, or `lightning-replay test` for the configured test metrics.
+
+examples:
+  lightning-replay fit --config configs/dense_queue_cpu.yaml --trainer.max_epochs=2
+  lightning-replay study --config configs/dense_queue_cpu.yaml --study.seeds='[0]'
+  lightning-replay report runs/dense_queue_study
+  lightning-replay records runs/dense_queue_study --outcome divergence --format json"""
 
 _LIGHTNING_HELP = """Train (fit), validate or test through LightningCLI. The model and data
 default to the dense-queue application (DenseQueueModule, DenseQueueDataModule); a config's
@@ -502,7 +528,7 @@ def run_report(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="lightning-replay",
-        description=__doc__,
+        description=_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
@@ -565,7 +591,7 @@ def _parser() -> argparse.ArgumentParser:
     qp.add_argument(
         "--check",
         default=None,
-        help="record kind: grad, bytes, version (checks); contract, plan (events)",
+        help=f"record kind: {', '.join(_CHECK_KINDS)} (checks); {', '.join(EVENTS)} (events)",
     )
     qp.add_argument(
         "--kind",

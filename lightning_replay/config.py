@@ -16,7 +16,7 @@ Example:
     >>> ReplayConfig(planner="greedy", caller="install")
     Traceback (most recent call last):
     ...
-    lightning_replay.errors.ReplayConfigError: install(planner='greedy') is not known; use one of ['joint', 'eager_whole', 'fixed_regions', 'retain_all', 'whole_all']
+    lightning_replay.errors.ReplayConfigError: install(planner='greedy') is not known; use one of ['joint', 'eager_whole', 'fixed_regions', 'retain_all', 'whole_all', 'selective_all']
 """
 
 from __future__ import annotations
@@ -30,14 +30,16 @@ from lightning_replay import planner as _planner
 from lightning_replay.budget import Budget
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.records import RecordStore
+from lightning_replay.selective import POLICIES
 
 #: What ``preservation=`` accepts, for all segments or per segment.
-PRESERVATIONS = ("auto", "whole", "regions", "retain")
+PRESERVATIONS = ("auto", "whole", "regions", "retain", "selective")
 #: The options a per-segment preservation pin leaves the planner (``auto``: all of them).
 PIN_OPTIONS = {
     "retain": frozenset({"retain"}),
     "whole": frozenset({"whole", "recompute"}),
     "regions": frozenset({"regions", "recompute"}),
+    "selective": frozenset({"selective", "selective_whole", "selective_regions"}),
 }
 #: What ``on_violation=`` accepts.
 ON_VIOLATION = ("raise", "record")
@@ -176,6 +178,10 @@ class ReplayConfig:
             loaded plan's options keep being timed, so a later re-plan has costs).
         replan: when the engine re-plans by itself (a :class:`ReplanSettings`; off by
             default: ``ReplayCallback`` re-plans for the strategies).
+        selective: a policy of :data:`lightning_replay.selective.POLICIES` (``"matmul"``,
+            ``"every_other_matmul"``): the planner may also replay segments selectively
+            (keeping the outputs of the ops the policy names). ``None``: it may not, unless a
+            segment's preservation is ``"selective"`` (then under ``"matmul"``).
         caller: the call the arguments were given to, for error messages only (``"install"``,
             ``"ReplayStrategy"``); not part of the value.
     """
@@ -193,6 +199,7 @@ class ReplayConfig:
     real_peak: bool = True
     measure_costs: bool | None = None
     replan: ReplanSettings = ReplanSettings()
+    selective: str | None = None
     caller: str = field(default="ReplayConfig", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -251,6 +258,8 @@ class ReplayConfig:
             raise bad("measure_costs", self.measure_costs, "must be None or a bool")
         check_count(call, "base_memory", self.base_memory, minimum=0)
         check_count(call, "calibration_steps", self.calibration_steps)
+        if self.selective is not None and self.selective not in POLICIES:
+            raise bad("selective", self.selective, f"is not known; use one of {list(POLICIES)}")
         if not isinstance(self.replan, ReplanSettings):
             raise ReplayConfigError(
                 f"{call}(replan=...) must be a ReplanSettings, got {type(self.replan).__name__}"
@@ -276,6 +285,16 @@ class ReplayConfig:
                 f"among the installed segments {names}"
             )
         return {k: v for k, v in self.preservation.items() if v != "auto"}
+
+    @property
+    def selective_policy(self) -> str | None:
+        """The policy selective replays run under: ``selective``, else ``"matmul"`` when some
+        segment's preservation is ``"selective"``, else ``None`` (no selective options)."""
+        if self.selective is not None:
+            return self.selective
+        pres = self.preservation
+        values = [pres] if isinstance(pres, str) else list(pres.values())
+        return "matmul" if "selective" in values else None
 
     def preservation_of(self, segment: str) -> str:
         """The preservation asked for ``segment`` (``"auto"`` unless pinned)."""

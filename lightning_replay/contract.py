@@ -15,10 +15,34 @@ from lightning_replay.errors import ContractSchemaError
 
 SCHEMA_VERSION = 2
 
-OPTIONS = ("retain", "recompute", "whole", "regions")
+OPTIONS = (
+    "retain",
+    "recompute",
+    "whole",
+    "regions",
+    "selective",
+    "selective_whole",
+    "selective_regions",
+)
 """Segment options. ``retain``: keep activations; ``recompute``: replay, nothing to preserve;
 ``whole``: snapshot each changing state tensor at forward; ``regions``: keep only the regions
-overwritten in the window (falls back to ``whole`` for state whose writes can't be localized)."""
+overwritten in the window (falls back to ``whole`` for state whose writes can't be localized).
+``selective``, ``selective_whole``, ``selective_regions``: the same three replays, but the
+outputs of the ops a policy keeps (matrix products, attention, convolutions: see
+:mod:`lightning_replay.selective`) come from the forward instead of running again."""
+
+#: Each selective option and the replayed option whose preservation it shares.
+SELECTIVE = {"selective": "recompute", "selective_whole": "whole", "selective_regions": "regions"}
+
+
+def base_option(option: str) -> str:
+    """The option whose preservation ``option`` uses (itself, but for the selective ones).
+
+    Example:
+        >>> base_option("selective_regions"), base_option("whole")
+        ('regions', 'whole')
+    """
+    return SELECTIVE.get(option, option)
 
 
 @dataclasses.dataclass
@@ -59,6 +83,7 @@ class StateEntry:
 
 def _preservation(s: StateEntry, option: str) -> str:
     """How ``s`` is preserved for a replay under ``option`` (see :attr:`StateEntry.preservation`)."""
+    option = base_option(option)
     if not s.changes_in_window:
         return "guard" if option != "retain" and s.kind != "parameter" else "none"
     if option in ("retain", "recompute"):
@@ -91,6 +116,7 @@ class ReplayContract:
     written_inputs: list[int] = dataclasses.field(default_factory=list)
     activation_bytes: int = 0
     probed_at_step: int = 0
+    selective: bool = False
     schema: int = SCHEMA_VERSION
 
     # ---- derived views ----
@@ -105,17 +131,21 @@ class ReplayContract:
         return not self.changing
 
     def available_options(self) -> list[str]:
-        """Options that honour this contract."""
+        """Options that honour this contract (the selective ones where ``selective`` is set:
+        the engine offers them when it was given a selective policy)."""
         if self.stateless:
-            return ["retain", "recompute"]
-        opts = ["retain", "whole"]
-        if any(s.regions_ok and not s.unannotated_write for s in self.changing):
-            opts.append("regions")
+            opts = ["retain", "recompute"]
+        else:
+            opts = ["retain", "whole"]
+            if any(s.regions_ok and not s.unannotated_write for s in self.changing):
+                opts.append("regions")
+        if self.selective:
+            opts += [o for o, base in SELECTIVE.items() if base in opts]
         return opts
 
     def preserved_bytes(self, option: str | None = None) -> int:
         """Bytes this contract holds from forward to replay under ``option`` (probe estimate)."""
-        option = option or self.option
+        option = base_option(option or self.option)
         if option in ("retain", "recompute"):
             return 0
         total = 0

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_replay.contract import SELECTIVE, base_option
 from lightning_replay.planner import CostTable, Option, SegmentCost
 
 if TYPE_CHECKING:
@@ -60,6 +61,10 @@ class CostMeter:
         self.region_bytes: dict[str, int] = {}
         # generator states checkpoint keeps per replayed call, in the budget's memory
         self.rng_bytes: dict[str, int] = {}
+        # outputs a selective replay's forward kept for its replay (matrix products, ...)
+        self.selective_bytes: dict[str, int] = {}
+        # of those, the ones autograd saves too: a selective replay does not re-materialize them
+        self.selective_saved_bytes: dict[str, int] = {}
         # A(s) measured on a derivative-checked step (the probe's until then)
         self.activation_bytes: dict[str, int] = {}
         # ops the capture mode saw in one step's forward, per timed step that ran it
@@ -70,6 +75,11 @@ class CostMeter:
             lambda: {False: deque(maxlen=_KEEP), True: deque(maxlen=_KEEP)}
         )
         self.forward_ops: dict[str, deque] = defaultdict(lambda: deque(maxlen=_KEEP))
+        # a segment's own forward seconds per option it ran under (no capture sample): a
+        # selective option's caching mode costs its forward more than the others' do
+        self.option_forward: dict[str, dict[str, deque]] = defaultdict(
+            lambda: defaultdict(lambda: deque(maxlen=_KEEP))
+        )
 
     def add_time(self, segment: str, option: str, seconds: float) -> None:
         self.times[segment][option].append(seconds)
@@ -79,6 +89,20 @@ class CostMeter:
 
     def median(self, segment: str, option: str) -> float:
         return float(statistics.median(self.times[segment][option]))
+
+    def add_option_forward(self, segment: str, option: str, seconds: float) -> None:
+        self.option_forward[segment][option].append(seconds)
+
+    def forward_extra(self, segment: str, option: str) -> float:
+        """Seconds ``option`` adds to ``segment``'s own forward over the full replays (the
+        median of its forwards under ``option`` less that under the other replayed options;
+        0 until both were timed, or where the difference is negative: noise)."""
+        times = self.option_forward.get(segment, {})
+        mine = times.get(option)
+        others = [t for o, d in times.items() if o not in SELECTIVE and o != "retain" for t in d]
+        if not mine or not others:
+            return 0.0
+        return max(float(statistics.median(mine) - statistics.median(others)), 0.0)
 
     def add_forward_time(self, segment: str, seconds: float, capture: Any = None) -> None:
         """A segment's own forward time; ``capture``: the capture mode it ran under, if any."""
@@ -134,7 +158,7 @@ class CostMeter:
             for o in c.available_options():
                 if o == "retain" or not self.has(name, o):
                     continue
-                if o == "regions":
+                if base_option(o) == "regions":
                     held = self.region_bytes.get(name, 0) + sum(
                         s.nbytes
                         for s in c.changing
@@ -142,11 +166,20 @@ class CostMeter:
                     )
                 else:
                     held = c.preserved_bytes(o)
+                replay = None
+                if o in SELECTIVE:
+                    # the kept op outputs, measured at this segment's forward: held until its
+                    # replay, which re-materializes the activations autograd saves less those
+                    kept = int(self.selective_bytes.get(name, 0) * grow_in)
+                    held += kept
+                    replay = max(act - int(self.selective_saved_bytes.get(name, 0) * grow_in), 0)
                 rng = self.rng_bytes.get(name, 0)
                 opts[o] = Option(
                     memory=inputs + rng + held,
-                    time=self.median(name, o),
+                    time=self.median(name, o)
+                    + (self.forward_extra(name, o) if o in SELECTIVE else 0.0),
                     capture=c.needs_capture(o),
+                    replay=replay,
                 )
             out.append(SegmentCost(name=name, activation_bytes=act, options=opts))
         return CostTable(out, capture_time=self.capture_time)
@@ -157,6 +190,8 @@ class CostMeter:
             "input_bytes": dict(self.input_bytes),
             "region_bytes": dict(self.region_bytes),
             "rng_bytes": dict(self.rng_bytes),
+            "selective_bytes": dict(self.selective_bytes),
+            "selective_saved_bytes": dict(self.selective_saved_bytes),
             "activation_bytes": dict(self.activation_bytes),
             "capture_ops": list(self.capture_ops),
         }

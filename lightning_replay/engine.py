@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -109,7 +110,8 @@ class ReplayEngine:
         config: ReplayConfig,
         records: RecordStore,
     ) -> None:
-        self.model = model
+        self._model: nn.Module | None = model  # weak after uninstall (see the property)
+        self._model_ref = weakref.ref(model)
         #: What the engine was installed with; :meth:`reconfigure` and :meth:`replan` keep its
         #: budget and planner current.
         self.config = config
@@ -156,7 +158,7 @@ class ReplayEngine:
         self._next_truth = 0  # the step of the next periodic measurement
         self._truth_gap = self.TRUTH_EVERY[0]
         self._truth_plan: _planner.Plan | None = None  # the plan the measured step ran
-        self._truth_opt = 0  # tracked optimizers' state bytes when the measured step began
+        self._truth_opt = 0  # bytes the measured step began with beyond the model and batch
         self._truth_checked = False  # whether the last step began was derivative-checked
         self._truth_inputs = 0  # bytes of the measured step's inputs, made before it began
         self._truth_size: int | None = None  # the largest input (elements) measured at
@@ -185,12 +187,15 @@ class ReplayEngine:
         self._checked: frozenset = frozenset()  # segments derivative-checked this window
         self._check_cursor = 0
         self.checks_skipped = 0  # checked windows whose derivative check did not fit the budget
+        self.checks_skipped_reason: str | None = None  # why the last one was skipped
+        self._step_choices: dict[str, str] | None = None  # a checked step's own plan, if any
         self._check_bytes = False
         self._check_next: tuple[bool, bool] | None = None
         self._replays_last_step = 0
         self._preserved_last_step = 0
         self._last_step = 0
         self._last_cuda_peak = 0
+        self._cuda_held = 0  # allocator bytes held as the last window began (CUDA)
         self._suspended = False
         self._order = 0
         self._hooks: list = []
@@ -201,6 +206,12 @@ class ReplayEngine:
         self.installed = True
 
     # ---------------------------------------------------------------- public
+    @property
+    def model(self) -> nn.Module | None:
+        """The model the engine is installed on. After :meth:`uninstall` the engine no longer
+        keeps it alive: this is the model while something else holds it, else ``None``."""
+        return self._model if self._model is not None else self._model_ref()
+
     @property
     def budget(self) -> int | None:
         """The budget in bytes plans are made for (``None``: the lowest-memory correct plan,
@@ -725,6 +736,10 @@ class ReplayEngine:
         self.host_watch.begin()
         self._replays_this_step = 0
         chk, self._check_next = self._check_next, None
+        if self._step_choices is not None:  # the last checked step ran a plan of its own
+            self._step_choices = None
+            if self.plan is not None:
+                self.set_options(self.plan.choices)
         self._check_grad, self._check_bytes = chk[:2] if chk else (False, False)
         self._truth_checked = self._check_grad  # a checked step holds more than the plan says
         self._checked = self._select_checked(chk[2]) if self._check_grad else frozenset()
@@ -736,6 +751,9 @@ class ReplayEngine:
             dev = self._cuda_device
             self._last_cuda_peak = torch.cuda.max_memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
+            # held as the step begins (host-side counter, no synchronization): the peak counts
+            # it, and what of it is not the model's does not grow with the input
+            self._cuda_held = int(torch.cuda.memory_allocated(dev))
         if acct is not None:
             self._last_peak = acct.peak
             acct.static = {
@@ -786,6 +804,24 @@ class ReplayEngine:
         self._root_class = None
         self.log.clear()
         self.installed = False
+        self._release()
+
+    def _release(self) -> None:
+        """Drop every reference the engine holds to the model, its tensors and the objects
+        around it (optimizers, outside state, generators, caches), without leaving a cycle that
+        only the cyclic garbage collector could free: after :meth:`uninstall`, dropping the
+        model and its optimizer frees all of their tensors at once. What is kept is metadata:
+        the records, the contracts (names, shapes, versions), the plan, the counters."""
+        for rt in self.runtimes.values():
+            rt.release()
+        self._external = []
+        self._optimizers = []
+        self._pending_probes = set()
+        self._truth_plan = None
+        self.host_watch = HostWatch()
+        self.last_replay = None
+        _release_caches(self)
+        self._model = None
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -829,7 +865,11 @@ class ReplayEngine:
             self._residual = over
             # the input size of the step measured (on CUDA, the step just trained)
             self._residual_size = self._truth_step_size if measured else self._window_size
-            self._residual_fixed = self._optimizer_bytes()
+            self._residual_fixed = (
+                self._truth_opt
+                if measured
+                else max(self._optimizer_bytes(), self._cuda_held - self._static_bytes())
+            )
         if self.plan is None:
             return
         self._refit_plan()
@@ -904,7 +944,6 @@ class ReplayEngine:
         # so the profiler does not span the caller's code between steps; else when the next
         # window begins. Not from inside backward: autograd restores the thread's profiler
         # state after its callbacks.
-        self._truth_opt = self._optimizer_bytes()  # state live before the step
         self._truth_hook = register_optimizer_step_post_hook(
             lambda opt, *_: self._stop_truth(truth, opt)
         )
@@ -915,11 +954,16 @@ class ReplayEngine:
             if self._truth_hook is not None:
                 self._truth_hook.remove()
                 self._truth_hook = None
-            found = 0
-            if optimizer is not None and self._adopt_optimizer(optimizer):
-                # its state (made before this step or by it: counted once more, at worst)
-                found = live_model_bytes(nn.Module(), [optimizer])
-            self._truth_peak = truth.stop() + self._truth_opt + found + self._truth_inputs
+            if optimizer is not None:
+                self._adopt_optimizer(optimizer)
+            # the process's live storages when the step began (parameters, optimizer state,
+            # the batch, whatever anyone kept) + the step's net peak: nothing to add
+            self._truth_peak = truth.stop()
+            # held between steps, not growing with the input: the optimizer's state and
+            # whatever else the process kept beyond the model's own tensors and the batch
+            self._truth_opt = max(
+                self._optimizer_bytes(), truth.base - self._static_bytes() - self._truth_inputs
+            )
 
     def _adopt_optimizer(self, optimizer: Any) -> bool:
         """Track an optimizer seen stepping this model's parameters (one ``track_optimizer``
@@ -1000,9 +1044,18 @@ class ReplayEngine:
         warm-up step and ``calibration_steps`` timed ones, then the plan's step. Before every
         segment is probed, both phases are counted."""
         probed = all(rt.contract is not None for rt in self.runtimes.values())
-        phases = 1 + (
-            not probed
-            or any("regions" in rt.contract.available_options() for rt in self.runtimes.values())
+        offered = {
+            o
+            for rt in self.runtimes.values()
+            if rt.contract is not None
+            for o in rt.contract.available_options()
+        }
+        selective = self.config.selective_policy is not None
+        phases = (
+            1
+            + (not probed or "regions" in offered)
+            + (selective and (not probed or bool(offered & {"selective", "selective_whole"})))
+            + (selective and (not probed or "selective_regions" in offered))
         )
         return 1 + phases * (self.calibration_steps + 1) + 1
 
@@ -1020,13 +1073,20 @@ class ReplayEngine:
         if all(rt.contract is None for rt in self.runtimes.values()):
             return  # no segment replays (see _name_idle_segments): nothing to plan
         if self.plan is None and not self._calibration:
-            phases = ["replay"]
-            if any(
-                "regions" in rt.contract.available_options()
+            offered = {
+                o
                 for rt in self.runtimes.values()
                 if rt.contract is not None
-            ):
+                for o in rt.contract.available_options()
+            }
+            phases = ["replay"] if offered & {"recompute", "whole"} else []
+            if "regions" in offered:
                 phases.append("regions")
+            if offered & {"selective", "selective_whole"}:
+                phases.append("selective")
+            if "selective_regions" in offered:
+                phases.append("selective_regions")
+            phases = phases or ["replay"]
             # each phase starts with a warm-up step whose timings are not kept
             self._calibration = [
                 ph for ph in phases for ph in [ph + ":warmup"] + [ph] * self.calibration_steps
@@ -1045,24 +1105,81 @@ class ReplayEngine:
             # an untimed step: what it holds beyond the accountant's figures is known before
             # the first plan is made (the profiler would slow the timed ones)
             self._truth_pending = True
-        for rt in self.runtimes.values():
+        choices: dict[str, str] = {}
+        allowed: dict[str, list[str]] = {}
+        for name, rt in self.runtimes.items():
             if rt.contract is None:  # never trained (see _never_trained): nothing to time
                 continue
             # a pinned segment is calibrated only in the options its pin allows
-            opts = [
+            opts = allowed[name] = [
                 o
                 for o in rt.contract.available_options()
                 if o in PIN_OPTIONS.get(rt.preservation, OPTIONS)
             ]
-            if phase == "replay":
-                for o in ("recompute", "whole"):
-                    if o in opts:
-                        rt.set_option(o)
-                        break
-            elif "regions" in opts:
-                rt.set_option("regions")
+            # each phase times its options: a full replay, regions, a selective replay
+            # (whole or nothing preserved), a selective one with regions
+            first = {
+                "replay": ("recompute", "whole"),
+                "regions": ("regions",),
+                "selective": ("selective", "selective_whole"),
+                "selective_regions": ("selective_regions",),
+            }[phase]
+            for o in first:
+                if o in opts:
+                    choices[name] = o
+                    break
+        self._fit_calibration(choices, allowed)
+        for name, o in choices.items():
+            self.runtimes[name].set_option(o)
         for rt in self.runtimes.values():
             rt.planned_option = None  # calibration is not a plan
+
+    def _calibration_peak(self, choices: Mapping[str, str]) -> int:
+        """A calibration step's peak by the probe's figures, as the planner predicts a plan's:
+        the real base, each segment's inputs and preserved state under its calibration option
+        (its activations where it keeps them), and each replay's activations on top."""
+        costs, picks = [], {}
+        for name in self.segments:
+            rt = self.runtimes[name]
+            c = rt.contract
+            if c is None:
+                continue
+            o = choices.get(name, c.option)
+            held = (
+                c.activation_bytes + rt.input_saved_bytes
+                if o == "retain"
+                else rt.input_bytes + c.preserved_bytes(o)
+            )
+            costs.append(
+                _planner.SegmentCost(name, c.activation_bytes, {o: _planner.Option(held, 0.0)})
+            )
+            picks[name] = o
+        return _planner.predicted_peak(costs, picks, self.real_base_memory)
+
+    def _fit_calibration(self, choices: dict[str, str], allowed: Mapping[str, list]) -> None:
+        """Under a byte budget, calibrate only options that fit: where a whole snapshot would
+        take the step over the budget, the segment is timed with regions (or recompute) in this
+        phase instead, largest snapshot first. An option that does not fit with every other
+        segment at its calibration option fits in no plan either, so nothing the planner could
+        choose is left untimed; it stays out of the cost table (never measured)."""
+        if self.budget is None:
+            return
+        while self._calibration_peak(choices) > self.budget:
+            swaps = []
+            for name, o in choices.items():
+                c = self.runtimes[name].contract
+                cheaper = [
+                    alt
+                    for alt in ("recompute", "regions")
+                    if alt in allowed[name] and c.preserved_bytes(alt) < c.preserved_bytes(o)
+                ]
+                if cheaper:
+                    saved = c.preserved_bytes(o) - c.preserved_bytes(cheaper[0])
+                    swaps.append((saved, name, cheaper[0]))
+            if not swaps:
+                return  # the lowest options already: the first plan judges the budget
+            _, name, alt = max(swaps)
+            choices[name] = alt
 
     def _never_trained(self, rt: SegmentRuntime) -> bool:
         """A segment that has not run under autograd in training mode through two whole steps
@@ -1133,19 +1250,67 @@ class ReplayEngine:
                 chosen.append(n)
                 last = i
         if not chosen:
+            # No room beside the plan in force: plan this one step around the check (more
+            # segments replayed for one step), so a tight budget still gets its replays checked.
+            for i, n in enumerate(order):
+                step_plan = self._check_step_plan(by_name, n, grads)
+                if step_plan is not None:
+                    self._step_choices = dict(step_plan.choices)
+                    self.set_options({m: o for m, o in step_plan.choices.items()})
+                    self._check_cursor = k + i + 1
+                    return frozenset([n])
             self.checks_skipped += 1
+            self.checks_skipped_reason = (
+                f"keeping one replayed segment's graph beside its replay needs more than the "
+                f"budget {format_bytes(self.budget)}, even with every other segment replayed"
+            )
             if self.checks_skipped == 1:
                 warnings.warn(
-                    f"derivative check skipped at step {self.step}: keeping any one replayed "
-                    f"segment's graph would exceed the budget ({format_bytes(self.budget)}) "
-                    "by the measured costs. Raise the budget to check under it, or name "
-                    "segments with request_check(segments=...).",
+                    f"derivative check skipped at step {self.step}: "
+                    f"{self.checks_skipped_reason}, by the measured costs. Raise the budget to "
+                    "check under it, or name segments with request_check(segments=...).",
                     RuntimeWarning,
                     stacklevel=3,
                 )
             return frozenset()
         self._check_cursor = k + last + 1
         return frozenset(chosen)
+
+    def _check_step_plan(
+        self, by_name: Mapping[str, _planner.SegmentCost], checked: str, grads: Mapping[str, int]
+    ) -> _planner.Plan | None:
+        """A plan for one checked step: ``checked`` keeps its graph beside its planned option
+        (charged as :meth:`_checked_peak` charges it) and the others take whatever fits the
+        budget (their pins kept); None when nothing does."""
+        costs = []
+        for c in self.costs or []:
+            if c.name not in by_name:
+                if c.name in self.plan.choices and c.name in self.runtimes:
+                    return None  # a planned segment without its measured option: no basis
+                continue
+            if c.name == checked:
+                o = self.plan.choices[c.name]
+                opt = c.options[o]
+                keep = c.options["retain"].memory + opt.memory + grads[c.name]
+                c = _planner.SegmentCost(
+                    c.name, c.activation_bytes, {o: _planner.Option(memory=keep, time=opt.time)}
+                )
+            costs.append(c)
+        allowed = {
+            name: PIN_OPTIONS[self.runtimes[name].preservation]
+            for name in by_name
+            if name != checked and self.runtimes[name].preservation in PIN_OPTIONS
+        }
+        try:
+            return _planner.plan(
+                costs,
+                budget=self.budget,
+                base_memory=self.real_base_memory,
+                method=self.planner,
+                allowed=allowed,
+            )
+        except (_planner.InfeasibleBudget, ValueError, KeyError):
+            return None
 
     def _checked_peak(
         self,
@@ -1198,7 +1363,7 @@ class ReplayEngine:
         if self._warmup and inv.step == self.step:
             return
         total = inv.t_prep + seconds
-        if inv.option == "regions":
+        if inv.option in ("regions", "selective_regions"):
             # the capture mode's own time is the table's, paid once (CostTable.capture_time)
             total += sum(self._capture_entry_time.get(k, 0.0) for k, _ in inv.regions)
             self.meter.region_bytes[inv.rt.name] = max(
@@ -1253,6 +1418,15 @@ class ReplayEngine:
             )
             for rt in self.runtimes.values()
         )
+
+
+def _release_caches(engine: ReplayEngine) -> None:
+    """The module-level caches keyed by the engine or its runtimes (restore.py)."""
+    from lightning_replay import restore
+
+    restore._SHARED.pop(engine, None)
+    for rt in engine.runtimes.values():
+        restore._POOLS.pop(rt, None)
 
 
 def _resolve_budget(config: ReplayConfig, model: nn.Module) -> int | None:

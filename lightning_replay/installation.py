@@ -176,6 +176,7 @@ def install(
     real_peak: bool = True,
     replan_on: Iterable[str] = (),
     replan_cooldown_steps: int = 10,
+    selective: str | None = None,
 ) -> ReplayEngine:
     """Make the given submodules of ``model`` replay exactly under activation recomputation.
 
@@ -218,6 +219,11 @@ def install(
             only). Off (``()``) by default; pass e.g. ``replan_on=("violations", "memory")`` to
             turn it on. Under ``Trainer(strategy="replay")``, ``ReplayCallback`` does this.
         replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
+        selective: a selective policy (``"matmul"``: keep matrix product, attention and
+            convolution outputs; ``"every_other_matmul"``; see
+            :mod:`~lightning_replay.selective`): the planner may also replay a segment
+            selectively, with the same preservation as a full replay. ``None`` (default): only
+            segments pinned to ``preservation="selective"`` are, under ``"matmul"``.
 
     Returns:
         The :class:`ReplayEngine`; ``engine.uninstall()`` restores the model.
@@ -255,6 +261,7 @@ def install(
         calibration_steps=calibration_steps,
         real_peak=real_peak,
         replan=replan,
+        selective=selective,
         caller="install",
     )
     return install_config(model, config)
@@ -282,8 +289,62 @@ def install_config(model: nn.Module, config: ReplayConfig) -> ReplayEngine:
                 f"{_RUNTIMES[mod].name!r}); call engine.uninstall() before installing again"
             )
     resolved = resolve_segments(model, config.segments)
+    _refuse_own_checkpointing(model, resolved)
     config.pins(resolved)
     from lightning_replay.engine import ReplayEngine, _resolve_budget
 
     _resolve_budget(config, model)  # a fraction that cannot resolve fails before any change
     return ReplayEngine(model, resolved, config, config.make_records(rank=_rank()))
+
+
+def _refuse_own_checkpointing(model: nn.Module, segments: Mapping[str, nn.Module]) -> None:
+    """Refuse, before anything changes, a model whose own (Hugging Face style) gradient
+    checkpointing is on in or around a segment: it would run a segment inside its own
+    recomputation, and the first step would fail deep in autograd.
+
+    The fix named is the model's own method: ``activation_checkpointing_disable()`` in
+    transformers 5.x (``gradient_checkpointing_disable()`` is its deprecated alias there), the
+    older name where only that exists, else the flag itself.
+    """
+    names = list(segments)
+    flagged = [
+        n
+        for n, m in model.named_modules()
+        if getattr(m, "gradient_checkpointing", None) is True
+        and any(n == s or _inside(n, s) or _inside(s, n) for s in names)
+    ]
+    if not flagged:
+        return
+    owners = [  # the outermost module above a flagged one that can turn it off
+        n
+        for n, m in model.named_modules()
+        if any(n == f or _inside(f, n) for f in flagged)
+        and (
+            callable(getattr(m, "activation_checkpointing_disable", None))
+            or callable(getattr(m, "gradient_checkpointing_disable", None))
+        )
+    ]
+    if owners:
+        owner = min(owners, key=lambda n: n.count(".") if n else -1)
+        mod = model.get_submodule(owner)
+        method = (
+            "activation_checkpointing_disable"
+            if callable(getattr(mod, "activation_checkpointing_disable", None))
+            else "gradient_checkpointing_disable"
+        )
+        where = f"model.{owner}" if owner else "model"
+        fix = f"call {where}.{method}() before installing"
+    else:
+        fix = "set " + ", ".join(f"{f or 'model'}.gradient_checkpointing = False" for f in flagged)
+    shown = ", ".join(repr(f) for f in flagged[:4]) + (", ..." if len(flagged) > 4 else "")
+    raise ReplayConfigError(
+        f"the model checkpoints its own activations (gradient_checkpointing=True on {shown}), "
+        "in or around the segments: lightning_replay recomputes its segments itself, with "
+        f"their state exact, and one recomputation cannot run inside another. To replay, {fix}; "
+        "or choose segments outside the checkpointed modules."
+    )
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether module ``name`` is strictly inside module ``outer`` (``""`` is the root)."""
+    return outer == "" and name != "" or name.startswith(outer + ".")

@@ -7,16 +7,23 @@ about the process's memory, so the planner's base must include them: :class:`Ste
 the real peak of one whole step (forward, backward, optimizer) and the engine adds what the
 accountant did not see to the base.
 
-* CPU: ``torch.profiler`` memory events (every allocation and free of the CPU allocator); the
-  peak is the tensors live when the step starts (parameters, buffers, gradients, optimizer state)
-  plus the highest running sum of the step's net allocations.
-* CUDA: the caching allocator's own peak (``max_memory_allocated``) on the model's device.
+* CPU: every tensor storage the process keeps alive when the step starts (a walk of the garbage
+  collector's objects, each storage once: :func:`process_tensor_bytes`), plus the highest running
+  sum of the step's net allocations from ``torch.profiler`` memory events (every allocation and
+  free of the CPU allocator). The base is the process's, not rebuilt from the model: tensors
+  anyone keeps between steps (the engine, a cache, the caller) are memory the step holds.
+* CUDA: the caching allocator's own peak (``max_memory_allocated`` after
+  ``reset_peak_memory_stats``) on the model's device, which counts what was held when the step
+  began.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import sys
+import tempfile
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -62,6 +69,53 @@ def live_model_bytes(model: nn.Module, optimizers: list[Any] = ()) -> int:
     return sum(seen.values())
 
 
+def _storage_of(obj: Any) -> Any:
+    """The untyped storage behind a live tensor object, or None (meta, sparse, freed, a
+    wrapper subclass without one)."""
+    t = getattr(obj, "_local_tensor", obj)  # a DTensor: this rank's shard
+    try:
+        if t.is_sparse or t.device.type == "meta":
+            return None
+        s = t.untyped_storage()
+        return s if s.data_ptr() else None
+    except (RuntimeError, NotImplementedError, TypeError):  # a freed FSDP2 storage, fake
+        return None
+
+
+def process_tensor_bytes(device: str = "cpu") -> int:
+    """Bytes of every tensor storage on ``device`` that a Python object keeps alive right now:
+    a walk of the garbage collector's objects, each storage once (by its address).
+
+    This is the process's view, not the engine's: a tensor anyone keeps (a probe's leftovers, a
+    cache, the caller's batch) counts. A walk costs tens of milliseconds with a large library
+    loaded, so the engine takes it only at the start of a step it measures.
+
+    Example:
+        >>> import torch
+        >>> before = process_tensor_bytes()
+        >>> t = torch.empty(1 << 20, dtype=torch.uint8)
+        >>> process_tensor_bytes() - before >= 1 << 20
+        True
+    """
+    import gc
+    import warnings
+
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance on some deprecated lazy objects warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor):
+                try:
+                    on = obj.device.type == device
+                except (RuntimeError, AttributeError):
+                    continue
+                if on:
+                    s = _storage_of(obj)
+                    if s is not None:
+                        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 def profiler_busy() -> bool:
     """Whether a profiler is already running in this process (then we measure nothing)."""
     try:
@@ -88,26 +142,80 @@ class StepPeak:
         self.model = model
         self.device = device
         self._prof: Any = None
-        self._base = 0
+        #: the bytes live when the step began (CPU: the process's tensor storages)
+        self.base = 0
 
     def start(self) -> None:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        self._base = live_model_bytes(self.model)
+        self.base = process_tensor_bytes()
         # kineto's own log lines (a CUDA build probing for GPUs) are noise to the user
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self._prof = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         )
-        self._prof.__enter__()
+        before = torch.empty(1)  # allocated before the profiler: see _native_noise_captured
+        with _native_noise_captured():
+            self._prof.__enter__()
+            del before
 
     def stop(self) -> int:
         if self.device is not None and self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         prof, self._prof = self._prof, None
-        prof.__exit__(None, None, None)
-        return self._base + net_peak(prof)
+        with _native_noise_captured():
+            prof.__exit__(None, None, None)
+        return self.base + net_peak(prof)
+
+
+# Lines libtorch and kineto write straight to file descriptor 2 when a CPU profiler starts and
+# stops (``USDT: ... profiler_start``; a CPU-only build probing for GPUs), and c10's warning,
+# once per process, that a block allocated before profiling was freed inside it. No setting
+# silences them in torch 2.14 (KINETO_LOG_LEVEL does not reach the USDT lines).
+_NATIVE_NOISE = (
+    "USDT:",
+    "profiler_start",
+    "profiler_stop",
+    "allocated before the profiling started",
+    "gpuGetDeviceCount failed",
+)
+
+
+@contextlib.contextmanager
+def _native_noise_captured() -> Iterator[None]:
+    """Run the block with file descriptor 2 going to a buffer; write back to stderr every
+    line that is not the profiler's own noise (:data:`_NATIVE_NOISE`).
+
+    Around the profiler's start and stop only: there the USDT lines are written. The c10
+    warning about a block freed under the profiler prints once per process, so
+    :meth:`StepPeak.start` frees one such block inside this block, and the step's own frees
+    find it already said."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no file descriptor 2 (an embedded interpreter)
+        yield
+        return
+    with tempfile.TemporaryFile() as buf:
+        os.dup2(buf.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except ValueError:
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            buf.seek(0)
+            kept = [
+                line
+                for line in buf.read().decode(errors="replace").splitlines(keepends=True)
+                if not any(n in line for n in _NATIVE_NOISE)
+            ]
+            if kept:
+                sys.stderr.write("".join(kept))
 
 
 def net_peak(prof: Any) -> int:

@@ -68,10 +68,25 @@ __all__ = [
 
 #: Preservation options a segment may have. Iteration order everywhere in the planner is this
 #: order, so results never depend on the order a caller happened to build its dicts in.
-OPTION_NAMES: tuple[str, ...] = ("retain", "recompute", "whole", "regions")
+OPTION_NAMES: tuple[str, ...] = (
+    "retain",
+    "recompute",
+    "whole",
+    "regions",
+    "selective",
+    "selective_whole",
+    "selective_regions",
+)
 
 #: Planning methods :func:`plan` accepts. ``joint`` is exact; the others are baselines.
-METHODS: tuple[str, ...] = ("joint", "eager_whole", "fixed_regions", "retain_all", "whole_all")
+METHODS: tuple[str, ...] = (
+    "joint",
+    "eager_whole",
+    "fixed_regions",
+    "retain_all",
+    "whole_all",
+    "selective_all",
+)
 
 #: Version of the JSON layout written by :func:`costs_to_dict` and :meth:`Plan.to_dict`.
 PLANNER_SCHEMA_VERSION = 1
@@ -117,6 +132,9 @@ class Option:
             carries once for the step.
         capture: Taking this option turns on the capture mode for the whole forward (its time,
             :attr:`CostTable.capture_time`, is paid once however many segments need it).
+        replay: Bytes this option's replay re-materializes, where they differ from the
+            segment's ``activation_bytes`` (``None``): a selective replay re-materializes only
+            what it recomputes, the outputs it kept being in ``memory`` already.
 
     Raises:
         TypeError: If ``memory`` is not an int, ``time`` is not a real number or ``capture``
@@ -128,21 +146,27 @@ class Option:
         Option(memory=1048576, time=0.004)
         >>> Option(memory=512, time=0.002, capture=True)
         Option(memory=512, time=0.002, capture=True)
+        >>> Option(memory=700, time=0.001, replay=300)
+        Option(memory=700, time=0.001, replay=300)
     """
 
     memory: int
     time: float
     capture: bool = False
+    replay: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory", _check_int_bytes("Option.memory", self.memory))
         object.__setattr__(self, "time", _check_seconds("Option.time", self.time))
         if not isinstance(self.capture, bool):
             raise TypeError(f"Option.capture must be a bool, got {self.capture!r}")
+        if self.replay is not None:
+            object.__setattr__(self, "replay", _check_int_bytes("Option.replay", self.replay))
 
     def __repr__(self) -> str:
         shared = ", capture=True" if self.capture else ""
-        return f"Option(memory={self.memory}, time={self.time}{shared})"
+        replay = f", replay={self.replay}" if self.replay is not None else ""
+        return f"Option(memory={self.memory}, time={self.time}{shared}{replay})"
 
 
 @dataclass(frozen=True)
@@ -456,6 +480,11 @@ class _Seg:
     time: tuple[float, ...]
     replay: tuple[bool, ...]
     capture: tuple[bool, ...]
+    acts: tuple[int, ...] = ()  # bytes each option's replay re-materializes
+
+    def __post_init__(self) -> None:
+        if not self.acts:
+            object.__setattr__(self, "acts", tuple(self.act for _ in self.names))
 
     def index(self, option: str) -> int | None:
         return self.names.index(option) if option in self.names else None
@@ -491,6 +520,10 @@ def _table(costs: Sequence[SegmentCost]) -> list[_Seg]:
                 time=tuple(seg.options[o].time for o in names),
                 replay=tuple(o != "retain" for o in names),
                 capture=tuple(seg.options[o].capture for o in names),
+                acts=tuple(
+                    seg.activation_bytes if seg.options[o].replay is None else seg.options[o].replay
+                    for o in names
+                ),
             )
         )
     return table
@@ -506,6 +539,7 @@ def _without_capture(seg: _Seg) -> _Seg | None:
         seg.act,
         *(tuple(field[k] for k in keep) for field in (seg.names, seg.mem, seg.time, seg.replay)),
         capture=tuple(False for _ in keep),
+        acts=tuple(seg.acts[k] for k in keep),
     )
 
 
@@ -515,7 +549,7 @@ def _peak(table: Sequence[_Seg], picks: Sequence[int], base: int) -> int:
     for seg, k in zip(table, picks):
         prefix += seg.mem[k]
         if seg.replay[k]:
-            replay_peak = max(replay_peak, prefix + seg.act)
+            replay_peak = max(replay_peak, prefix + seg.acts[k])
     return base + max(prefix, replay_peak)
 
 
@@ -607,9 +641,9 @@ def _feasibility_thresholds(table: Sequence[_Seg], cap: int) -> list[int]:
     for s in range(n - 1, -1, -1):
         seg = table[s]
         after = thresholds[s + 1]
-        replay_after = min(after, cap - seg.act)
         thresholds[s] = max(
-            (replay_after if seg.replay[k] else after) - seg.mem[k] for k in range(len(seg.mem))
+            (min(after, cap - seg.acts[k]) if seg.replay[k] else after) - seg.mem[k]
+            for k in range(len(seg.mem))
         )
     return thresholds
 
@@ -619,7 +653,7 @@ def _joint_min_cap(table: Sequence[_Seg]) -> int:
     # Feasibility is monotone in the capacity and F[0] >= 0 decides it exactly, so a binary
     # search over integers finds the exact minimum in ~log2(bytes) cheap passes.
     lo = 0
-    hi = sum(max(seg.mem) for seg in table) + max((seg.act for seg in table), default=0)
+    hi = sum(max(seg.mem) for seg in table) + max((max(seg.acts) for seg in table), default=0)
     while lo < hi:
         mid = (lo + hi) // 2
         if _feasibility_thresholds(table, mid)[0] >= 0:
@@ -762,12 +796,14 @@ def _pareto_pass(
             grown = prefix + seg.mem[k]
             ok = grown <= limit
             if seg.replay[k]:
-                ok &= grown + seg.act <= cap
+                ok &= grown + seg.acts[k] <= cap
             parent = np.flatnonzero(ok)
             if parent.size == 0:
                 continue
             grown = grown[parent]
-            new_peak = np.maximum(peak[parent], grown + seg.act) if seg.replay[k] else peak[parent]
+            new_peak = (
+                np.maximum(peak[parent], grown + seg.acts[k]) if seg.replay[k] else peak[parent]
+            )
             option = np.full(parent.size, k, dtype=np.int8)
             parts.append((grown, time[parent] + seg.time[k], new_peak, parent, option))
         if not parts:
@@ -863,6 +899,16 @@ def _whole_all(table: Sequence[_Seg]) -> Iterator[list[int]]:
     yield picks
 
 
+def _selective_all(table: Sequence[_Seg]) -> Iterator[list[int]]:
+    # every segment replayed selectively, with its lowest-memory selective option (a segment
+    # without one: its lowest-memory option)
+    picks = []
+    for seg in table:
+        selective = [k for k, o in enumerate(seg.names) if o.startswith("selective")]
+        picks.append(seg.lowest_memory(selective or None))
+    yield picks
+
+
 def _fixed_regions(table: Sequence[_Seg]) -> Iterator[list[int]]:
     picks = []
     for seg in table:
@@ -910,6 +956,7 @@ _BASELINES = {
     "fixed_regions": _fixed_regions,
     "retain_all": _retain_all,
     "whole_all": _whole_all,
+    "selective_all": _selective_all,
 }
 
 
@@ -933,7 +980,7 @@ def _check_size(table: Sequence[_Seg], budget: int, base: int) -> None:
         budget
         + base
         + sum(max(seg.mem) for seg in table)
-        + max((seg.act for seg in table), default=0)
+        + max((max((seg.act,) + seg.acts) for seg in table), default=0)
     )
     if total >= _MAX_BYTES:
         raise ValueError(
@@ -1014,6 +1061,9 @@ def plan(
             * ``fixed_regions``: every segment replayed with its lowest-memory replay option.
             * ``retain_all``: every segment retained (lowest-memory option if it cannot be).
             * ``whole_all``: every segment ``whole``, else ``recompute``, else its
+              lowest-memory option.
+            * ``selective_all``: every segment its lowest-memory selective option
+              (``selective``, ``selective_whole``, ``selective_regions``), else its
               lowest-memory option.
         allowed: Segment name to the options it may take (a preservation pin); every method
             chooses only among those. Segments not named may take any measured option.
@@ -1161,6 +1211,8 @@ def costs_to_dict(costs: Sequence[SegmentCost]) -> dict[str, Any]:
         out: dict[str, Any] = {"memory": opt.memory, "time": opt.time}
         if opt.capture:
             out["capture"] = True
+        if opt.replay is not None:
+            out["replay"] = opt.replay
         return out
 
     return {
@@ -1215,6 +1267,7 @@ def costs_from_dict(data: Mapping[str, Any]) -> CostTable:
                         memory=value["memory"],
                         time=value["time"],
                         capture=value.get("capture", False),
+                        replay=value.get("replay"),
                     )
                 except KeyError as err:
                     raise ValueError(f"option {key!r} is missing {err.args[0]!r}") from None

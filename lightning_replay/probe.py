@@ -27,7 +27,7 @@ from lightning_replay._compat import (
     tree_flatten,
 )
 from lightning_replay.accounting import Saved
-from lightning_replay.contract import ReplayContract, StateEntry
+from lightning_replay.contract import SELECTIVE, ReplayContract, StateEntry
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.probe_replay import _ProbeReplay
 from lightning_replay.errors import ReplayConfigError, ReplayError
@@ -108,6 +108,28 @@ class _Probe:
         self.written_inputs: list[int] = []  # ... that the segment itself writes
         self.start_index: StateIndex | None = None  # the model's state names at its start
         self.host: list = []  # (HostRNG, state at its start) of those its forward drew from
+        self.replay_done = False  # (replayed) its replay has run: nothing more needs its data
+
+    def release(self) -> None:
+        """Drop everything the probe holds for its window and its replay: the discovery mode's
+        touches and first-touch copies, the observations, the slot objects, the aliases of
+        saved state, the generator states and outside values. Called once its contract is
+        made (for a replayed probe, once its replay has run too): from then on the contract
+        holds what later steps need (names, shapes, versions), never the probe's tensors."""
+        mode = self.mode
+        mode.touched = {}
+        mode.produced = set()
+        mode.generators = {}
+        mode.generator_states = {}
+        self.observations = []
+        self.slots = []
+        self.saved_state = {}
+        self.saved_tokens = []
+        self.gens = []
+        self.outside = None
+        self.start_index = None
+        self.host = []
+        self.created = []
 
 
 class _GlobalStateReads:
@@ -364,7 +386,12 @@ class SegmentProbe:
         """The probe: this forward runs retained (always exact) under the discovery mode."""
         return self._probe_forward(args, kwargs, replayed=False)
 
-    def _probe_forward(self, args: tuple, kwargs: dict, replayed: bool) -> Any:
+    def _probe_forward(
+        self, args: tuple, kwargs: dict, replayed: bool, box: dict | None = None
+    ) -> Any:
+        """Run the probed forward; ``box`` (a replayed probe's) gets the probe as ``"probe"``.
+        Nothing else keeps it past its contract: the segment's ``probes`` until then, the
+        graph's saved-tensor handles and gradient hook while the graph lives."""
         eng = self.engine
         self.status = "probing"
         self.guard.accept()  # this forward's preconditions are what the probe will cover
@@ -483,7 +510,8 @@ class SegmentProbe:
         self.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
         self.input_bytes = _unique_bytes(leaves)
         self.probes.append(probe)
-        self._last_probe = probe
+        if box is not None:
+            box["probe"] = probe
         eng._pending_probes.add(self)
         grads = [t for t in tensor_leaves(out) if t.requires_grad]
         if grads:
@@ -513,8 +541,7 @@ class SegmentProbe:
         def fn(*_device: Any) -> Any:
             replay = box.get("replay")
             if replay is None:
-                out = self._probe_forward(args, kwargs, replayed=True)
-                box["probe"] = self._last_probe
+                out = self._probe_forward(args, kwargs, replayed=True, box=box)
                 box["digests"] = digests(tensor_leaves(out))
                 return out
             top = top_saved_tensors_hooks()  # checkpoint's recomputation hooks
@@ -526,6 +553,7 @@ class SegmentProbe:
                 key = storage_key(t)
                 if key not in params:
                     replay.saved_tokens.append(digest_token(t))
+                    replay.saved.append(t)  # until compared (a kernel's own noise, see there)
                 # all alive until backward reads them: keys are distinct. FSDP's gathered
                 # parameters are the base's (refilled since the forward, maybe elsewhere)
                 if key is not None and not (acct is not None and acct.elsewhere(t)):
@@ -534,7 +562,7 @@ class SegmentProbe:
 
             eng._segment_depth += 1
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next):
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next), replay.producers:
                     out = self.orig_forward(*args, **kwargs)
             finally:
                 eng._segment_depth -= 1
@@ -750,9 +778,13 @@ class SegmentProbe:
             written_inputs=sorted(written_inputs),
             activation_bytes=act,
             probed_at_step=probes[0].step if probes else 0,
+            selective=eng.config.selective_policy is not None,
         )
         order = {e.name: i for i, e in enumerate(c.state)}
         self.bound = sorted(bound.values(), key=lambda b: order[b.entry.name])
+        for p in probes:  # the contract is made: the probes' tensors go now (issue 31)
+            if not p.replayed or p.replay_done:
+                p.release()  # (a replayed probe whose replay is to come: at its end)
         c.apply_option("retain" if self.demoted else self._choose_option(c))
         self.contract = c
         self._derive()
@@ -811,12 +843,15 @@ class SegmentProbe:
         p = self.preservation
         if p == "retain":
             return "retain"
+        if p == "selective":  # its cheapest preservation by memory, as auto's below
+            opts = [o for o in c.available_options() if o in SELECTIVE]
+            return min(opts, key=lambda o: (c.preserved_bytes(o), o != "selective_whole"))
         if c.stateless:
             return "recompute"
         if p in ("whole", "regions"):
             return p
         # auto: the cheapest correct option by memory; whole wins ties (no capture work).
-        opts = [o for o in c.available_options() if o != "retain"]
+        opts = [o for o in c.available_options() if o != "retain" and o not in SELECTIVE]
         return min(opts, key=lambda o: (c.preserved_bytes(o), o != "whole"))
 
     def _derive(self) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from lightning_replay._compat import graph_task_keeps_graph, set_versions
 from lightning_replay.errors import ReplayError, SavedTensorModified
+from lightning_replay.kernel_noise import ProducerLog
 from lightning_replay.preservation import redo, undo
 from lightning_replay.slots import (
     MISSING,
@@ -57,9 +58,12 @@ class _ProbeReplay:
         self.rt = rt
         self.box = box
         self.saved_tokens: list = []
+        self.saved: list[torch.Tensor] = []  # what the replay saved (tokens' order), until compared
         self.saved_bytes: dict = {}  # storage key -> bytes of what the replay saved
         self.params: set = set()
         self.keep = False
+        #: the replay's multi-output ops: which of its saved values the kernel does not reproduce
+        self.producers = ProducerLog()
 
     def __enter__(self) -> None:
         probe: _Probe = self.box["probe"]
@@ -70,6 +74,8 @@ class _ProbeReplay:
             k for k in (storage_key(p) for p in rt.engine.model.parameters()) if k is not None
         }
         self.saved_tokens = []
+        self.saved = []
+        self.producers.clear()
         self.saved_bytes = {}
         for alias, v0 in probe.saved_state.values():
             if alias._version > v0:
@@ -136,7 +142,22 @@ class _ProbeReplay:
         rt.engine._replays_this_step += 1
 
     def compare(self, out: Any) -> None:
-        """The replay's outputs against the forward's digests."""
+        """The replay's outputs against the forward's digests, and the tensors it saved for
+        backward against the forward's (elements, never storage beyond a view).
+
+        A saved tensor that differs while every output matches bit for bit is either a value
+        only the gradient reads (a gradient scale drawn outside the probe's sight: a
+        divergence) or a value the kernel does not reproduce by itself (an attention kernel's
+        RNG seed when it drew nothing, an unwritten workspace): :class:`ProducerLog` tells them
+        apart, and the latter are recorded with the match, not as a divergence.
+        """
+        try:
+            self._compare(out)
+        finally:
+            self.saved = []
+            self.producers.clear()
+
+    def _compare(self, out: Any) -> None:
         rt = self.rt
         eng = rt.engine
         self._measure_activations()
@@ -150,13 +171,41 @@ class _ProbeReplay:
         # scale) leaves the outputs alike
         ours, theirs = resolve_tokens(self.saved_tokens), resolve_tokens(probe.saved_tokens)
         saved_differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
-        if len(ours) != len(theirs):
+        count_differs = len(ours) != len(theirs)
+        if count_differs:
             saved_differ.append(min(len(ours), len(theirs)))
-        detail = {
+        detail: dict[str, Any] = {
             "what": "replayed probe: outputs and saved tensors of the replay against the forward's",
             "outputs": len(expected),
             "saved_tensors": len(theirs),
         }
+        unreproduced: list[str] = []
+        rerun = False  # some were told by running their op again (not by an RNG output's name)
+        if saved_differ and not differ and not count_differs:
+            # the outputs are the forward's, bit for bit: is each differing saved value one its
+            # kernel does not reproduce by itself?
+            evidence = []
+            for i in saved_differ:
+                why = self.producers.unreproduced(self.saved[i]) if i < len(self.saved) else None
+                if why is None:
+                    evidence.append(i)
+                else:
+                    unreproduced.append(f"saved tensor {i} ({_meta(self.saved[i])}): {why}")
+                    rerun = rerun or not why.startswith("an RNG output")
+            saved_differ = evidence
+        if unreproduced:
+            detail["unreproduced_saved_tensors"] = unreproduced[:16]
+            detail["note"] = (
+                "auxiliary values saved for backward that the kernel does not reproduce by "
+                "itself (not evidence of state); the outputs and every other saved tensor match"
+            )
+            if rerun:
+                # whether the backward reads such a value (a workspace it never reads, or a
+                # draw from a generator no probe sees) is for a derivative check to say: it
+                # differentiates the forward's saved tensors and the replay's, and knows the
+                # kernels' noise. The segment's next step is checked.
+                _check_next_step(eng, rt.name)
+                detail["follow_up"] = "derivative check on the next step"
         if saved_differ:
             detail["differing_saved_tensors"] = saved_differ[:16]
             differ = differ or [f"saved tensor {saved_differ[0]}"]
@@ -185,18 +234,31 @@ class _ProbeReplay:
         if rt.status in ("active", "retain"):
             rt.status = "probe"
         eng._contracts_changed()
+        if differ and not str(differ[0]).startswith("saved tensor"):
+            what = (
+                f"did not reproduce the forward's outputs {differ[:16]} (or the tensors it "
+                f"saved for backward {saved_differ[:16]})"
+            )
+        else:
+            shown = [
+                f"{i} ({_meta(self.saved[i])})" if i < len(self.saved) else str(i)
+                for i in saved_differ[:4]
+            ]
+            what = (
+                "reproduced its outputs bit for bit but not the tensors it saved for backward "
+                f"{shown}, and no kernel's own run-to-run variation explains them: a value "
+                "only the gradient reads differs"
+            )
         message = (
-            f"segment {rt.name!r}: the replay of its probe (step {probe.step}) did not "
-            f"reproduce the forward's outputs {differ[:16]} (or the tensors it saved "
-            f"for backward {saved_differ[:16]}): that step's gradients "
-            "through it differ from plain PyTorch's. Something the probe could not "
-            "restore changed between its forward and backward (a parameter written in "
-            "the window, a storage resized or swapped); recorded as a divergence. Its "
-            "next probe runs retained."
+            f"segment {rt.name!r}: the replay of its probe (step {probe.step}) {what}: that "
+            "step's gradients through it differ from plain PyTorch's. Something the probe "
+            "could not restore changed between its forward and backward (a parameter written "
+            "in the window, a storage resized or swapped, a value drawn outside the model); "
+            "recorded as a divergence. Its next probe runs retained."
         )
         if eng.on_violation == "raise":
             raise ReplayError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def _measure_activations(self) -> None:
         """The segment's activation bytes, from what its replay saved. The forward under
@@ -230,14 +292,40 @@ class _ProbeReplay:
                 src.set_(*live)
         set_versions([src for src, _, _ in self.repointed], [v for _, _, v in self.repointed])
         set_versions([t for t, _, _ in self.swapped], [v for _, _, v in self.swapped])
+        # kept whole for the replay a backward that keeps its graph is followed by (see keep)
         probe = self.box.get("probe") if not self.keep else None
-        for ob in (probe.observations or []) if probe is not None else []:
-            if ob.touch.snapshot is not None and ob.touch.snapshot.numel():
-                ob.touch.snapshot = ob.touch.snapshot.new_empty(0)
         self.swapped = []
         self.undone = []
         self.repointed = []
+        self.slots = []
+        self.gens = []
+        self.outside = []
+        self.saved_tokens = []
+        self.saved_bytes = {}
+        if probe is not None:
+            # its replay was the last use of what it saw: dropped now if its contract is made
+            # (else when it is, see SegmentProbe._make_contract)
+            probe.replay_done = True
+            if probe.observations is not None and not any(p is probe for p in self.rt.probes):
+                probe.release()
+            else:  # its first-touch copies go now all the same
+                for ob in probe.observations or []:
+                    if ob.touch.snapshot is not None and ob.touch.snapshot.numel():
+                        ob.touch.snapshot = ob.touch.snapshot.new_empty(0)
         return False
+
+
+def _check_next_step(eng: Any, segment: str) -> None:
+    """Ask for a derivative check of ``segment`` in the engine's next window (besides
+    whatever was asked already)."""
+    grad, byte, segments = eng._check_next or (True, False, [])
+    if grad and segments is None:
+        return  # every segment is checked already
+    eng._check_next = (True, byte, sorted({*(segments or []), segment}))
+
+
+def _meta(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
 
 
 def _set_all(items: Any) -> None:

@@ -23,7 +23,7 @@ from lightning_replay._compat import (
     graph_task_keeps_graph,
     set_versions,
 )
-from lightning_replay.contract import StateEntry
+from lightning_replay.contract import SELECTIVE, StateEntry
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
 from lightning_replay.host_rng import fingerprints, moved
@@ -478,9 +478,10 @@ class _ReplayContext:
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
-            eng._replay_started(
-                eng.meter.activation_bytes.get(rt.name, rt.contract.activation_bytes)
-            )
+            act = eng.meter.activation_bytes.get(rt.name, rt.contract.activation_bytes)
+            if inv.option in SELECTIVE:  # the kept outputs autograd saves are held already
+                act = max(act - eng.meter.selective_saved_bytes.get(rt.name, 0), 0)
+            eng._replay_started(act)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         inv = self.inv

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,13 +28,14 @@ from lightning_replay._compat import (
 )
 from lightning_replay.accounting import checkpoint_rng_bytes
 from lightning_replay.checks import SegmentChecks
-from lightning_replay.contract import ReplayContract
+from lightning_replay.contract import SELECTIVE, ReplayContract
 from lightning_replay.costs import clock, saved_tensor_overhead
 from lightning_replay.errors import ContractViolation, ReplayConfigError
 from lightning_replay.guards import OUTSIDE, Guard
 from lightning_replay.host_rng import as_host_rng, is_host_rng
 from lightning_replay.probe import SegmentProbe, _Probe
 from lightning_replay.restore import _Bound, _Invocation, _ReplayContext
+from lightning_replay.selective import SelectiveFrame
 from lightning_replay.slots import capture_generators
 from lightning_replay.state import (
     storage_key,
@@ -84,11 +86,12 @@ def _checkpointed_around(name: str) -> ReplayConfigError:
     runs (a reentrant checkpoint recomputing its function)."""
     return ReplayConfigError(
         f"segment {name!r} runs inside torch.utils.checkpoint: the model checkpoints its own "
-        "blocks (Hugging Face gradient_checkpointing_enable(), timm set_grad_checkpointing(), "
+        "blocks (Hugging Face activation_checkpointing_enable(), timm set_grad_checkpointing(), "
         "torch's checkpoint_wrapper, or a checkpoint() call around the segment). "
         "lightning_replay recomputes its segments itself, with their state exact, and one "
         "recomputation cannot run inside another. Turn the model's own checkpointing off "
-        "(model.gradient_checkpointing_disable() for Hugging Face models, "
+        "(model.activation_checkpointing_disable() for Hugging Face models, "
+        "gradient_checkpointing_disable() before transformers 5, "
         "model.set_grad_checkpointing(False) for timm ones), or choose segments outside the "
         "checkpointed modules."
     )
@@ -102,7 +105,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
     ) -> None:
         self.engine = engine
         self.name = name
-        self.module = module
+        self._module: nn.Module | None = module  # weak after release (see the property)
+        self._module_ref = weakref.ref(module)
         self.orig_class = type(module)
         self.orig_forward = functools.partial(self.orig_class.forward, module)
         self.modules = list(module.modules())
@@ -138,6 +142,31 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self._entry_plan: tuple | None = None  # restore._entry_plan's cache
         if engine.measure_costs:
             saved_tensor_overhead()  # measured once per process, outside any step
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The segment's module; after :meth:`release`, only while something else holds it."""
+        return self._module if self._module is not None else self._module_ref()
+
+    def release(self) -> None:
+        """Drop every reference to the model's modules and tensors (the engine's uninstall):
+        probes and what they saw, the bound state, the guard's view of the modules, the
+        generators, the outside attributes. The contract (names, shapes, versions) and the
+        counters stay for the records and the summary. Pending replays keep what they took
+        at their forward (restore._Invocation)."""
+        for p in self.probes:
+            p.mode.release()  # (its region-log arms: the log is cleared with the engine's)
+            p.release()
+        self.probes = []
+        self._module = None
+        self.orig_forward = None
+        self.modules = []
+        self.module_names = {}
+        self.guard = Guard([])
+        self.bound = []
+        self.generators = []
+        self.outside = []
+        self._entry_plan = None
 
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -311,6 +340,11 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         # around this call is timed in place too: its frame around the forward here, and in
         # backward its work before and after the replay context (restore._ReplayContext).
         timed = eng.measure_costs and (eng._sync or not eng._cuda)
+        # A selective option keeps the outputs of the ops its policy names: torch's selective
+        # checkpoint modes run around the segment's own forward and, at backward, around its
+        # replay inside the contract's replay context, so the ops that run again see the entry
+        # state the contract swapped in (the engine's own work around them is not cached).
+        sac = SelectiveFrame(eng.config.selective_policy) if inv.option in SELECTIVE else None
         inner = [0.0, None]  # the forward's own seconds, checkpoint's frame
 
         def fn(*flat: Any) -> Any:
@@ -324,6 +358,9 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                         flat[i] = live
             a, kw = (flat, {}) if spec is None else tree_unflatten(list(flat), spec)
             if inv.replaying:
+                if sac is not None:  # the kept outputs stand in for their ops
+                    with sac.recompute:
+                        return forward(*a, **kw)
                 return forward(*a, **kw)
             eng._segment_depth += 1
             # a calibration step may run this forward under a capture mode of its own, to
@@ -335,11 +372,17 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 t_in = _timed_clock(eng)
             inv.in_forward = True
             try:
-                if sample is None:
-                    out = forward(*a, **kw)
-                else:
-                    with sample:
+                with (
+                    sac.forward if sac is not None else contextlib.nullcontext(),
+                    sac.watch_saved()
+                    if sac is not None and eng.measure_costs
+                    else contextlib.nullcontext(),
+                ):
+                    if sample is None:
                         out = forward(*a, **kw)
+                    else:
+                        with sample:
+                            out = forward(*a, **kw)
             finally:
                 inv.in_forward = False
                 eng._segment_depth -= 1
@@ -347,29 +390,39 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 inner[0] = _timed_clock(eng) - t_in
                 if sampling:
                     eng.meter.add_forward_time(self.name, inner[0], sample)
+                if not sample and not eng._warmup:
+                    # what a selective forward's caching mode adds is in the forward's own
+                    # time, which no option is charged: kept per option to charge the difference
+                    eng.meter.add_option_forward(self.name, inv.option, inner[0])
             if inv.shared:  # a shared whole copy this forward wrote is not exchanged at replay
                 inv.shared_writes = [t._version != sw.version for sw, t in inv.shared]
             return out
 
+        context_fn = _full_replay(inv)
         # The global RNG is always preserved (torch's default): a segment may draw from it
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
         if not timed:
-            return checkpoint(
+            out = checkpoint(
                 fn,
                 *call,
                 use_reentrant=False,
                 preserve_rng_state=True,
-                context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True)),
+                context_fn=context_fn,
             )
+            if sac is not None and (eng.accountant is not None or eng.measure_costs):
+                self._charge_kept(inv, sac)
+            return out
         t0 = _timed_clock(eng)
         out = checkpoint(
             fn,
             *call,
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True)),
+            context_fn=context_fn,
         )
         inv.t_prep += _timed_clock(eng) - t0 - inner[0]
+        if sac is not None:
+            self._charge_kept(inv, sac)
         frame, inner[1] = inner[1], None  # (fn, which the frame keeps, must not keep it)
         if frame is not None:
             # per saved tensor: its pack hook now and its unpack hook in backward, which no
@@ -383,6 +436,21 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
 
             frame.recompute_fn = stamped
         return out
+
+    def _charge_kept(self, inv: _Invocation, frame: SelectiveFrame) -> None:
+        """The outputs a selective forward kept are held until its replay: the accountant
+        holds them for the invocation, the cost meter takes their bytes as the option's."""
+        eng = self.engine
+        kept = frame.kept_tensors()
+        if eng.measure_costs:
+            eng.meter.selective_bytes[self.name] = _unique_bytes(kept)
+            eng.meter.selective_saved_bytes[self.name] = frame.kept_saved_bytes()
+        acct = eng.accountant
+        if acct is not None:
+            for t in kept:
+                key = acct.hold_tensor(t, self.name)
+                if key is not None:
+                    inv.held.append(key)
 
     def _violation(self, state: str, detail: str, inv: _Invocation) -> None:
         eng = self.engine
@@ -464,6 +532,12 @@ def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     if any(p.requires_grad for p in module.parameters()):
         return True
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
+
+
+def _full_replay(inv: _Invocation):
+    """``context_fn`` of a full replay: nothing around the forward, the contract's replay
+    context around the recomputation."""
+    return lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True))
 
 
 def _timed_clock(eng: "ReplayEngine") -> float:

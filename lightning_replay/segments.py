@@ -194,7 +194,7 @@ def _match(model: nn.Module, named: dict[str, nn.Module], spec: SegmentSpec) -> 
                 "Segments must be nn.Module instances (name the module that "
                 "holds it)."
             )
-        close = difflib.get_close_matches(spec, [n for n in named if n], n=3)
+        close = _closest(spec, [n for n in named if n])
         hint = f" Did you mean {close}?" if close else f" Submodules include: {_some(named)}"
         raise SegmentError(f"segment {spec!r} is not a submodule of {type(model).__name__}.{hint}")
     if isinstance(spec, type):
@@ -237,3 +237,19 @@ def _lookup_attr(model: nn.Module, dotted: str):
 def _some(named: dict[str, nn.Module], k: int = 8) -> str:
     names = [n for n in named if n]
     return ", ".join(repr(n) for n in names[:k]) + (" ..." if len(names) > k else "")
+
+
+def _closest(name: str, candidates: list[str], n: int = 3) -> list[str]:
+    """The ``n`` candidates most similar to ``name`` (difflib's ratio, at least 0.6), most
+    similar first; equally similar ones in the model's order (``blocks.1`` before ``blocks.3``).
+
+    Example:
+        >>> _closest("block.0", ["blocks", "blocks.0", "blocks.1", "blocks.2", "blocks.3"])
+        ['blocks.0', 'blocks.1', 'blocks.2']
+    """
+    scored = []
+    for i, c in enumerate(candidates):
+        m = difflib.SequenceMatcher(None, name, c)
+        if m.real_quick_ratio() >= 0.6 and m.quick_ratio() >= 0.6 and m.ratio() >= 0.6:
+            scored.append((-m.ratio(), i, c))
+    return [c for _, _, c in sorted(scored)[:n]]

@@ -11,6 +11,15 @@ from lightning_replay.demos.hazards import HAZARDS
 from lightning_replay.planner import InfeasibleBudget, Option, SegmentCost, plan
 
 
+def test_misspelt_segment_suggestions_are_ordered_by_similarity():
+    """The closest names first; equally close ones in the model's order (issue 34)."""
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+    with pytest.raises(lr.SegmentError) as info:
+        lr.install(model, ["block.0"])
+    assert "Did you mean ['blocks.0', 'blocks.1', 'blocks.2']?" in str(info.value)
+
+
 def _model():
     return HAZARDS["batch_norm"]().model
 
@@ -366,3 +375,58 @@ def test_segments_inside_the_models_own_checkpoint_are_refused_naming_the_fix(re
         assert "gradient_checkpointing_disable()" in msg and "set_grad_checkpointing(False)" in msg
     finally:
         engine.uninstall()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("how", ["lr.install", "strategy"])
+def test_hf_gradient_checkpointing_left_on_is_refused_at_install(how, monkeypatch, tmp_path):
+    """Before any step (no traceback from inside autograd), naming the modules that carry the
+    flag and the installed transformers' own way to turn it off."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = transformers.GPT2Config(
+        vocab_size=32, n_positions=8, n_embd=16, n_layer=2, n_head=2, use_cache=False
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
+    method = "activation_checkpointing_disable" if enable else "gradient_checkpointing_disable"
+    if how == "lr.install":
+        with pytest.raises(lr.ReplayConfigError) as info:
+            lr.install(model, "transformer.h.*")
+        assert f"call model.{method}() before installing" in str(info.value)
+    else:
+        import lightning as L
+
+        class Lit(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = model
+
+            def training_step(self, batch, _):
+                return self.net(input_ids=batch[0], labels=batch[0]).loss
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        ids = torch.randint(0, 32, (4, 8))
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
+        steps = []
+        trainer = L.Trainer(
+            strategy=lr.ReplayStrategy(segments="net.transformer.h.*"),
+            accelerator="cpu",
+            devices=1,
+            max_steps=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            default_root_dir=str(tmp_path),
+            callbacks=[
+                L.pytorch.callbacks.LambdaCallback(on_train_batch_start=lambda *a: steps.append(1))
+            ],
+        )
+        with pytest.raises(lr.ReplayConfigError) as info:
+            trainer.fit(Lit(), loader)
+        assert steps == []  # refused before the first step
+        assert f"call model.net.{method}() before installing" in str(info.value)
+    assert "'transformer.h.0'" in str(info.value) or "'net.transformer.h.0'" in str(info.value)

@@ -159,3 +159,37 @@ def test_median_se_measures_the_spread_of_a_median():
     narrow = median_se([1.0 + 0.01 * (i % 5) for i in range(40)])
     wide = median_se([1.0 + 0.1 * (i % 5) for i in range(40)])
     assert 0 < narrow < wide
+
+
+def test_frontier_writes_every_documented_key(smoke, tmp_path):
+    """benchmarks/frontier.py (the quick suite's ``frontier`` section): budgets from the
+    lowest-memory plan's peak to plain training's, three arms each, measured peaks, the plot."""
+    sys.path.insert(0, BENCH)
+    try:
+        import frontier
+    finally:
+        sys.path.remove(BENCH)
+    bench, r, _ = smoke
+    f = r["frontier"]
+    assert f["worst_vs_best_other"] > 0 and isinstance(f["points_le_0_95"], int)
+    for name in ("gpt2", "llama"):
+        m = f[name]
+        assert len(m["points"]) == bench.SUITES["smoke"]["frontier"]["points"]
+        assert m["torch_vs_torch"] > 0
+        budgets = [p["budget_bytes"] for p in m["points"]]
+        assert budgets == sorted(budgets)
+        assert budgets[0] == m["lowest_plan_peak_bytes"]
+        assert budgets[-1] == m["plain_predicted_peak_bytes"]
+        for p in m["points"]:
+            for arm in frontier.ARMS:
+                assert {"feasible", "step_s", "peak_bytes"} <= set(p[arm])
+            # joint with the selective option is optimal over a superset: feasible wherever
+            # joint is, and feasible at every budget of the sweep
+            assert p["joint_selective"]["feasible"]
+            for arm in ("joint_selective", "joint"):
+                if p[arm]["feasible"]:
+                    assert p[arm]["step_s"] > 0
+                    assert p[arm]["predicted_peak_bytes"] <= p["budget_bytes"]
+    out = tmp_path / "frontier.png"
+    frontier.plot(f, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -96,6 +96,14 @@ def test_rejected_forms_name_budget_quote_the_value_and_list_the_forms(value: ob
     text = str(info.value)
     assert f"budget={value!r}" in text
     assert "GiB" in text and "fraction" in text  # the accepted forms are listed
+    assert "'min'" in text  # ... "min" among them
+
+
+@pytest.mark.parametrize("value", ["min", "MIN", " min "])
+def test_min_is_the_lowest_memory_plan_as_in_install(value: str) -> None:
+    """``parse_budget("min")`` says what ``install(budget="min")`` does: no bytes to name."""
+    assert parse_budget(value) is None
+    assert Budget.parse(value).resolve("cpu") is None
 
 
 @pytest.mark.parametrize("value", [None, [1], b"1GiB", {"GiB": 1}])

@@ -22,6 +22,14 @@ from torch import nn
 import lightning_replay as lr
 from lightning_replay.demos import hazards as hz
 from tests.helpers.compare import assert_same_grads, diff_state, snapshot_state, train_steps
+from tests.helpers.torch_memory import (
+    outlived,
+    process_tensor_bytes,
+    process_tensor_storages,
+    snapshot_pool_storages,
+    state_storages,
+    tensors_outside,
+)
 
 _CHILD = textwrap.dedent("""
     import sys, torch, lightning_replay as lr
@@ -102,12 +110,18 @@ def test_long_run_memory_stays_flat():
     """1,000 steps of every hazard at once. From step 5 on, the engine holds nothing between
     steps and every step's accounted peak is the same; over the run, the interpreter's live
     allocations (``sys.getallocatedblocks``, after a full collection, past the caches' warm-up)
-    grow by less than one block per 2 steps: a leak of anything per step would show."""
+    grow by less than one block per 2 steps: a leak of anything per step would show. The
+    process's own referees, not the engine's counters: its live tensor bytes (a walk of the
+    garbage collector's objects) are the same from step 5 on, and every tensor alive after
+    step 5 that is not the model's or the optimizer's state is dead two steps later, with the
+    cyclic collector off."""
     steps, warmup, every = 1000, 400, 100
     h = hz.HAZARDS["combined"]()
+    before = set(process_tensor_storages())  # (module-level constants and the like)
     engine = lr.install(h.model, h.segments, track_memory=True)
     opt = torch.optim.SGD(h.model.parameters(), lr=1e-3)
     held, live, peaks, blocks = set(), set(), set(), []
+    process, left = {}, []  # the process's referees: live tensor bytes, weak references
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         h.model(h.make_input(step % 7)).pow(2).mean().backward()
@@ -116,9 +130,23 @@ def test_long_run_memory_stays_flat():
             held.add(engine.preserved_bytes)
             live.add((len(engine.log.logs), len(engine.accountant._live)))
             peaks.add(engine.step_stats()["peak_bytes"])
+        if step == 5:  # every tensor alive now that is not state: each must die within 2 steps
+            gc.collect()
+            gc.disable()
+            process[step] = process_tensor_bytes()
+            # the snapshot pools' spare buffers (restore.SnapshotPool: small whole snapshots
+            # reuse them from step to step) are preserved state's bytes, not leftovers
+            pools = snapshot_pool_storages(engine)
+            left = tensors_outside(state_storages(h.model, [opt]) | before | pools)
+        if step == 7:
+            gc.enable()
+            kept = outlived(left, h.model, [opt])
+            assert not kept, [(tuple(t.shape), t.dtype) for t in kept]
         if step + 1 >= warmup and (step + 1 - warmup) % every == 0:
             gc.collect()
             blocks.append((step, sys.getallocatedblocks()))
+            process[step] = process_tensor_bytes()
+    assert len(set(process.values())) == 1, process  # the process's tensors: flat from step 5
     assert held == {0}  # every snapshot and region log released after its replay
     assert live == {(0, 0)}
     assert len(peaks) == 1  # the accounted peak of every step is the same

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import os
@@ -46,6 +47,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from lightning_replay.apps.study_config import METHOD_DESCRIPTIONS  # noqa: E402
@@ -237,61 +239,71 @@ def _plot_memory(runs: list[dict[str, Any]], path: Path) -> str:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, ncol=2)
     if replay:
-        ax = axes[0][-1]
-        budgets = {r["budget"] for r in replay if r.get("budget")}
-        for r in replay:
-            line = _line_and_marks(
-                ax,
-                r["telemetry"],
-                "accounted_peak_bytes",
-                r["label"],
-                alpha=1.0 if r.get("budget") or not budgets else 0.5,
-            )
-            pred = [
-                (t["step"], t["predicted_peak_bytes"] / 2**20)
-                for t in r["telemetry"]
-                if t.get("predicted_peak_bytes")
-            ]
-            if pred and line is not None and (r.get("budget") or len(replay) == 1):
-                ax.plot(*zip(*pred), ls=":", color=line.get_color(), lw=1.2)
-        for b in sorted(budgets):
-            ax.axhline(b / 2**20, color="black", ls="--", lw=1)
-            ax.annotate(
-                f"budget {format_bytes(b)}",
-                (0.01, b / 2**20),
-                fontsize=7,
-                xycoords=("axes fraction", "data"),
-                va="bottom",
-            )
-        retain = [
-            (t["step"], t["retain_all_peak_bytes"] / 2**20)
-            for r in replay
-            for t in r["telemetry"]
-            if t.get("retain_all_peak_bytes")
-        ]
-        if retain:
-            ax.plot(
-                *zip(*retain),
-                ls="-.",
-                color="grey",
-                lw=1,
-                label="retaining every segment (predicted)",
-            )
-        ax.set(
-            title="\n".join(
-                textwrap.wrap(
-                    f"replay runs{which}: the engine's accounted peak (what the budget bounds), the "
-                    "plan's prediction (dotted), the budget (dashed); x: checked steps",
-                    70,
-                )
-            ),
-            xlabel="step",
-            ylabel="MiB",
-        )
-        ax.title.set_fontsize(8)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, ncol=2)
+        _plot_memory_terms(axes[0][-1], replay, which)
     return _save(fig, path)
+
+
+def _plot_memory_terms(ax: Any, replay: list[dict[str, Any]], which: str) -> None:
+    """The replay runs' memory, one line per term with its name in the legend: the real peak
+    (steps the engine measured), the plan's predicted peak, retaining every segment
+    (predicted alike) and the budget; the accountant's own figure only where no real peak was
+    measured (older telemetry). The y axis always reaches the budget."""
+    many = len(replay) > 1
+    top = 0.0
+    for r in replay:
+        tel = r["telemetry"]
+        prefix = f"{r['label']}: " if many else ""
+        real = sorted(
+            {
+                (t["real_peak_step"], t["real_peak_bytes"] / 2**20)
+                for t in tel
+                if t.get("real_peak_bytes") and t.get("real_peak_step") is not None
+            }
+        )
+        if real:
+            (line,) = ax.plot(*zip(*real), "o-", ms=4, lw=1, label=f"{prefix}real peak (measured)")
+        else:
+            line = _line_and_marks(
+                ax, tel, "accounted_peak_bytes", f"{prefix}accounted peak (engine's figures)"
+            )
+        colour = line.get_color() if line is not None else None
+        for key, style, width, name in (
+            ("retain_all_peak_bytes", "-.", 1.0, "retaining every segment (predicted)"),
+            ("predicted_peak_bytes", ":", 2.0, "predicted peak (plan)"),  # on top when equal
+        ):
+            pts = [(t["step"], t[key] / 2**20) for t in tel if t.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), ls=style, lw=width, color=colour, label=f"{prefix}{name}")
+                top = max(top, max(v for _, v in pts))
+        if real:
+            top = max(top, max(v for _, v in real))
+        budgets = sorted({t.get("budget") or t.get("plan_budget") for t in tel} - {None})
+        for b in budgets:
+            lowest = not any(t.get("budget") for t in tel)
+            ax.axhline(
+                b / 2**20,
+                color="black",
+                ls="--",
+                lw=1,
+                label=f"{prefix}budget {format_bytes(b)}"
+                + (" (lowest-memory plan)" if lowest else ""),
+            )
+            top = max(top, b / 2**20)
+    if top:
+        ax.set_ylim(0, top * 1.12)
+    ax.set(title=f"memory of the replay runs{which}", xlabel="step", ylabel="MiB")
+    if top and top < 1:  # under a MiB: KiB reads better than 0.09 MiB
+        kib = (1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1024)
+        step = next(k for k in kib if k >= top * 1024 / 6)
+        ax.yaxis.set_major_locator(matplotlib.ticker.MultipleLocator(step / 1024))
+        ax.yaxis.set_major_formatter(
+            matplotlib.ticker.FuncFormatter(lambda v, _: f"{v * 1024:.0f}")
+        )
+        ax.set_ylabel("KiB")
+    else:
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="lower right")
 
 
 def _timed(tel: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
@@ -407,12 +419,14 @@ def _plot_records(runs: list[dict[str, Any]], path: Path) -> str | None:
     if not with_records:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.2))
-    labels = [r["label"] for r in with_records]
+    labels = [r["label"] for r in with_records] if len(with_records) > 1 else ["this run"]
     bottom = [0] * len(labels)
+    width = 0.8 if len(labels) > 2 else 0.35  # one or two bars: not a wall of colour
     for o in OUTCOMES:
         vals = [sum(1 for x in r["records"] if x.is_check and x.outcome == o) for r in with_records]
-        a.bar(labels, vals, bottom=bottom, label=o, color=_OUTCOME_COLOURS[o])
+        a.bar(labels, vals, width, bottom=bottom, label=o, color=_OUTCOME_COLOURS[o])
         bottom = [x + y for x, y in zip(bottom, vals)]
+    _readable_bars(a, len(labels), max(bottom, default=0))
     a.set(title="checks by outcome (contract and plan events left out)", ylabel="records")
     a.tick_params(axis="x", labelrotation=45 if len(labels) > 3 else 0, labelsize=7)
     a.legend(fontsize=7)
@@ -431,11 +445,13 @@ def _plot_records(runs: list[dict[str, Any]], path: Path) -> str | None:
         b.bar(
             checks,
             vals,
+            0.8 if len(checks) > 2 else 0.35,
             bottom=bottom,
             color=_OUTCOME_COLOURS.get(o, "#999999"),
             label="event (came into force)" if o == "event" else o,
         )
         bottom = [x + y for x, y in zip(bottom, vals)]
+    _readable_bars(b, len(checks), max(bottom, default=0))
     b.set(
         title="records by kind (contract, plan: events; the rest: checks)"
         if len(with_records) == 1
@@ -444,6 +460,15 @@ def _plot_records(runs: list[dict[str, Any]], path: Path) -> str | None:
     )
     b.legend(fontsize=7)
     return _save(fig, path)
+
+
+def _readable_bars(ax: Any, n: int, tallest: float) -> None:
+    """Whole-number counts; room above the tallest bar for the legend; one or two bars kept
+    narrow instead of filling the panel."""
+    ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_ylim(0, max(tallest, 1) * 1.35)
+    if n <= 2:
+        ax.set_xlim(-1.5, n + 0.5)
 
 
 # ------------------------------------------------------------------------------ html
@@ -499,7 +524,6 @@ def _fit_headline(run: Mapping[str, Any]) -> list[str]:
     tel = run["telemetry"]
     steady = steady_rows(tel)
     peaks = [t["peak_bytes"] for t in steady if t.get("peak_bytes")]
-    accounted = [t["accounted_peak_bytes"] for t in steady if t.get("accounted_peak_bytes")]
     retain = next(
         (t["retain_all_peak_bytes"] for t in reversed(tel) if t.get("retain_all_peak_bytes")), None
     )
@@ -510,22 +534,33 @@ def _fit_headline(run: Mapping[str, Any]) -> list[str]:
         f"{len(steady)} with the plan in force (the probe, calibration and checked steps "
         "are the others)."
     ]
-    if peaks:
-        peak = max(peaks)
+    # a real peak is the last step measured: count those measured on a steady step
+    windows = {t.get("window") for t in steady}
+    real = [
+        t["real_peak_bytes"]
+        for t in steady
+        if t.get("real_peak_bytes") and t.get("real_peak_step") in windows
+    ]
+    predicted = next(
+        (t["predicted_peak_bytes"] for t in reversed(tel) if t.get("predicted_peak_bytes")), None
+    )
+    budget = next((t.get("budget") or t.get("plan_budget") for t in reversed(tel)), None)
+    if real:
         out.append(
-            f" Peak memory over those steps {format_bytes(peak)} "
-            f"({'live tensors' if live else 'the engine accounting'})"
+            f" Real peak over those steps {format_bytes(max(real))}"
+            + (f" (budget {format_bytes(budget)})" if budget else "")
+            + "."
         )
-        if accounted and live:
-            out.append(f", accounted {format_bytes(max(accounted))}")
-        if retain:
-            ref = max(accounted) if accounted else peak
-            out.append(
-                f"; retaining every segment would take {format_bytes(retain)} by the "
-                f"measured costs: {format_bytes(retain - ref)} "
-                f"({(retain - ref) / retain:.0%}) saved"
-            )
-        out.append(".")
+    elif peaks:
+        what = "live tensors" if live else "the engine's accounting, not the process's"
+        out.append(f" Peak memory over those steps {format_bytes(max(peaks))} ({what}).")
+    if predicted and retain:
+        saved = retain - predicted
+        out.append(
+            f" Predicted peak {format_bytes(predicted)} vs {format_bytes(retain)} retaining "
+            f"every segment (predicted): {format_bytes(abs(saved))} "
+            f"({abs(saved) / retain:.0%}) {'saved' if saved >= 0 else 'more'}."
+        )
     if times:
         out.append(f" Median step time {times[len(times) // 2]:.1f} ms.")
     recs = run.get("records")
@@ -653,8 +688,12 @@ def write_report(
     for title, name in images:
         if name is None:
             continue
+        # embedded, so the page shows its plots wherever it is opened or sent; the PNG files
+        # stay in plots/ beside it
+        data = base64.b64encode((plots / name).read_bytes()).decode("ascii")
         parts.append(
-            f"<h2>{html.escape(title)}</h2><img src='plots/{name}' alt='{html.escape(title)}'>"
+            f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,{data}' "
+            f"data-file='plots/{name}' alt='{html.escape(title)}'>"
         )
     parts.append("</body></html>")
     out = root / "report.html"

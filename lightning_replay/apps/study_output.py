@@ -42,17 +42,19 @@ def _fmt_records(rec: dict[str, int] | None) -> str:
 def format_markdown(result: StudyResult) -> str:
     """The result table (one row per method and seed) and the per-seed verdicts, in Markdown."""
     lines = [
-        "| method | seed | test top-1 | encoder digest | peak memory (live) | "
-        "median step (steady) | replays | checks (match / rejection / divergence) | "
-        "vs reference |",
-        "|---|---:|---|---|---:|---:|---:|---|---|",
+        "| method | seed | test top-1 | encoder digest | peak, live tensors | "
+        "peak, accounted (vs budget) | median step (steady) | replays | "
+        "checks (match / rejection / divergence) | vs reference |",
+        "|---|---:|---|---|---:|---:|---:|---:|---|---|",
     ]
     for r in result.rows:
         peak = format_bytes(r["peak_bytes"]) if r.get("peak_bytes") is not None else "n/a"
+        acc = r.get("accounted_peak_bytes")
+        accounted = format_bytes(acc) if acc and r.get("budget_bytes") else "-"
         lines.append(
             f"| {r['method']} | {r['seed']} | {format_top1(r['top1'])} | "
             f"`{r['encoder_digest'][:16]}` | "
-            f"{peak} | {r['median_step_ms']:.1f} ms | {r['replays']} | "
+            f"{peak} | {accounted} | {r['median_step_ms']:.1f} ms | {r['replays']} | "
             f"{_fmt_records(r.get('records'))} | "
             f"{'reference' if r.get('reference') == r['method'] else r.get('vs_reference', '')}"
             " |"
@@ -83,8 +85,10 @@ def format_markdown(result: StudyResult) -> str:
         mf = b["min_feasible"]
         how = "given" if b["explicit"] else f"fraction {b['fraction']}"
         lines.append(
-            f"- budget of eager_whole and joint: {format_bytes(b['bytes'])} "
-            f"({how}; minimum feasible "
+            f"- budget of eager_whole and joint: {format_bytes(b['bytes'])}, in the engine's "
+            "accounted terms (saved tensors, snapshots, parameters and gradients): compare it "
+            "with the accounted column, not the live-tensor one, which also holds optimizer "
+            f"state, the batch and temporaries ({how}; minimum feasible "
             f"budgets from measured costs: joint {format_bytes(mf['joint'])}, eager_whole "
             f"{format_bytes(mf['eager_whole'])}, retain all {format_bytes(mf['retain_all'])})."
         )

@@ -8,14 +8,18 @@ calibration, then every ``check_every_n_steps`` windows; logs ``replay/*`` metri
 ``pl_module.log`` (so CSV, TensorBoard and wandb all see them); and writes one JSON line per step
 to ``<default_root_dir>/replay/telemetry.jsonl`` next to the records (what
 ``lightning-replay report`` plots). At the end of fit, rank 0 prints a short summary: the plan,
-the peak against what retaining every segment would take, replays, checks and where the records
-are. With a ``WandbLogger`` it also puts the replay settings into the run's config, defines metric
+the real peak against the budget, the predicted peak against what retaining every segment would
+take (both predicted), replays, checks (and those skipped, with why) and where the records are. With a ``WandbLogger`` it also puts the replay settings into the run's config, defines metric
 summaries and logs the records and the plan as tables.
 
-It is long (over 600 lines once ruff-formatted) because a callback carries the Lightning hooks
-of every user-facing piece: check scheduling, the re-plan shell over
-:class:`~lightning_replay.replan.ReplanPolicy`, telemetry, wandb tables, the end-of-fit summary
-and its resumable state; the decisions themselves are in the core.
+Memory is said in four terms, each compared only with its like: the **real peak** (what the
+process held: the CUDA allocator's peak, or on CPU the profiler-measured peak of the steps the
+engine measures), the **predicted peak** (the plan's), the **budget** (a cap on the real peak)
+and **retaining every segment** (predicted from the same measured costs and base as the plan).
+
+A callback carries the Lightning hooks of every user-facing piece (check scheduling, the
+re-plan shell over :class:`~lightning_replay.replan.ReplanPolicy`, telemetry, wandb tables, the
+end-of-fit summary and its resumable state), hence its length; the decisions are in the core.
 
 Example:
     >>> import lightning as L, lightning_replay
@@ -100,9 +104,10 @@ class ReplayCallback(Callback):
         replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
         shape_patience: steps the new input shapes must persist before ``"shapes"`` re-plans
             (a short last batch does not re-plan).
-        progress_bar: show ``replay/peak`` (this step's peak, MiB) and ``replay/saved`` (MiB
-            below what retaining every segment would take, by the measured costs) in the
-            progress bar.
+        progress_bar: show, in the progress bar, ``replay/real_peak_MiB`` (the last real peak
+            measured: the allocator's on GPU, this step's), ``replay/predicted_MiB`` (the
+            plan's predicted peak) and ``replay/saved_MiB`` (how far that prediction is below
+            retaining every segment, predicted alike), or ``replay/more_MiB`` when above.
         summary: print the end-of-fit summary (rank 0).
 
     Raises:
@@ -185,8 +190,13 @@ class ReplayCallback(Callback):
         self.telemetry_path: str | None = None
         self._checked_first = False
         self._checked_steps = 0
+        self._check_owed: tuple[int, Any] | None = None  # (plan version, budget) at a skip
+        self._skipped_before = 0
         self._steady_peak: int | None = None
+        self._real_peak: tuple[int, int] | None = None  # (step, bytes): largest settled
+        self._settled_at: int | None = None
         self._retain_all_peak: int | None = None
+        self._retain_all_accounted: int | None = None
         self.fit_summary: dict[str, Any] | None = None
         """What the end-of-fit summary says, as data (set at the end of fit)."""
 
@@ -236,8 +246,13 @@ class ReplayCallback(Callback):
         self._replays_total = sum(s["replays"] for s in engine.summary().values())
         self._checked_first = False
         self._checked_steps = 0
+        self._check_owed = None
+        self._skipped_before = engine.checks_skipped
         self._steady_peak = None
+        self._real_peak = None
+        self._settled_at = None
         self._retain_all_peak = None
+        self._retain_all_accounted = None
         self.fit_summary = None
         self._writers = []
         if trainer.is_global_zero:
@@ -260,7 +275,8 @@ class ReplayCallback(Callback):
         engine = strategy.engine
         preservation = strategy.preservation
         return {
-            "budget_bytes": engine.budget if engine is not None else strategy.budget,
+            "budget": _budget_text(strategy),
+            "budget_bytes": _resolved_budget(engine),
             "planner": strategy.planner,
             "preservation": (
                 dict(preservation) if isinstance(preservation, Mapping) else preservation
@@ -281,12 +297,21 @@ class ReplayCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         engine = self._require_strategy().engine
+        owed = self._check_owed is not None and self._check_owed != (
+            engine.plan_version,
+            engine.budget,
+        )
         if self.check_every_n_steps and (
             (engine.step + 1) % self.check_every_n_steps == 0
             or (not self._checked_first and settled(engine))
+            or owed
         ):
-            # the first settled step too: a run shorter than check_every_n_steps still checks
+            # the first settled step too: a run shorter than check_every_n_steps still checks;
+            # and a derivative check skipped for want of room is asked again once the plan or
+            # the budget has changed (it may fit then)
             self._checked_first = True
+            self._check_owed = None
+            self._skipped_before = engine.checks_skipped
             engine.request_check(grad="grad" in self.checks, bytes="bytes" in self.checks)
         if self._policy.observe_shapes(input_shapes(batch)):
             # The re-plan at this step's end needs activation bytes at the new shapes: a
@@ -343,19 +368,27 @@ class ReplayCallback(Callback):
             totals["plan_version"] = engine.plan_version
         self.last_metrics = totals
         checked = bool(stats["checked"]) or any(r.check in _CHECK_KINDS for r in mine)
+        if engine.checks_skipped > self._skipped_before:
+            self._skipped_before = engine.checks_skipped
+            self._check_owed = (engine.plan_version, engine.budget)
         self._checked_steps += checked
         retain_all = self._retain_all(engine)
-        if settled(engine) and not checked and peak:
-            self._steady_peak = max(self._steady_peak or 0, peak)
+        if settled(engine):
+            if self._settled_at is None:
+                self._settled_at = engine.step
+            if not checked and peak:
+                self._steady_peak = max(self._steady_peak or 0, peak)
+        self._note_real_peak(engine, stats, checked)
         if self._telemetry is not None:
             self._write_telemetry(
                 trainer, engine, stats, peak, step_ms, replays, new, checked, retain_all
             )
         if self.progress_bar:
-            bar = {"replay/peak": peak / _MIB}
-            if retain_all is not None:
-                bar["replay/saved"] = (retain_all - peak) / _MIB
-            for name, value in bar.items():
+            for name, value in progress_bar_metrics(
+                real_peak=stats.get("real_peak_bytes"),
+                predicted=stats.get("predicted_peak_bytes"),
+                retain_all=retain_all,
+            ).items():
                 pl_module.log(
                     name,
                     float(value),
@@ -379,6 +412,15 @@ class ReplayCallback(Callback):
                 "peak_memory_mib": totals["peak_memory_bytes"] / _MIB,
                 "preserved_mib": totals["preserved_bytes"] / _MIB,
             }
+            # the four memory terms, each under its own name (see the module docstring)
+            for name, value in (
+                ("real_peak_mib", stats.get("real_peak_bytes")),
+                ("predicted_peak_mib", stats.get("predicted_peak_bytes")),
+                ("retain_all_predicted_mib", retain_all),
+                ("budget_mib", engine.budget or (engine.plan.budget if engine.plan else None)),
+            ):
+                if value:
+                    mib[name] = value / _MIB
             for name, value in {**totals, **mib}.items():
                 # float64: byte counts stay exact (float32 rounds above 16 MiB).
                 pl_module.log(
@@ -415,6 +457,8 @@ class ReplayCallback(Callback):
             if plan_changed or (trainer.global_step % max(trainer.log_every_n_steps, 1) == 0):
                 w.flush_records(step)
             if plan_changed:
+                # "min" resolves to bytes only once the first plan is made
+                w.log_config({**self.settings(), "budget_bytes": _resolved_budget(engine)})
                 w.log_plan(
                     plan_rows(engine.plan_version, engine.plan.choices, engine.summary()), step
                 )
@@ -444,18 +488,34 @@ class ReplayCallback(Callback):
 
     # ------------------------------------------------------------------ telemetry, summary
     def _retain_all(self, engine: Any) -> int | None:
-        """Predicted peak with every segment retained, by the measured costs (cached per plan
-        version: costs change when the plan does)."""
+        """Predicted peak with every segment retained, by the measured costs and on the plan's
+        own base (:attr:`~lightning_replay.engine.ReplayEngine.real_base_memory`), so that it
+        compares with the plan's predicted peak; the same in the accountant's terms is kept
+        for the accounted telemetry."""
         costs = engine.costs if engine.plan is not None else None
         if not costs:
             return self._retain_all_peak
+        retain = {c.name: "retain" for c in costs}
         try:
-            self._retain_all_peak = _planner.predicted_peak(
-                costs, {c.name: "retain" for c in costs}, engine.base_memory
-            )
+            self._retain_all_peak = _planner.predicted_peak(costs, retain, engine.real_base_memory)
+            self._retain_all_accounted = _planner.predicted_peak(costs, retain, engine.base_memory)
         except (KeyError, ValueError):  # a segment without a measured retain option
             pass
         return self._retain_all_peak
+
+    def _note_real_peak(self, engine: Any, stats: Mapping[str, Any], checked: bool) -> None:
+        """Keep the largest real peak of a step run with a plan in force and no check (the
+        allocator's for this step on GPU; on CPU the profiler's, for the step it measured)."""
+        if self._settled_at is None:
+            return
+        if engine.peak_is_allocator:
+            step, real = (None if checked else engine.step), stats.get("peak_bytes")
+        else:
+            step, real = stats.get("real_peak_step"), stats.get("real_peak_bytes")
+        if step is None or not real or step < self._settled_at:
+            return
+        if self._real_peak is None or real > self._real_peak[1]:
+            self._real_peak = (int(step), int(real))
 
     def _write_telemetry(
         self,
@@ -486,7 +546,11 @@ class ReplayCallback(Callback):
             "accounted_peak_bytes": stats.get("accounted_peak_bytes"),
             "predicted_peak_bytes": (engine.plan.peak_memory if engine.plan is not None else None),
             "retain_all_peak_bytes": retain_all,
+            # the real peak of the last step measured (allocator on GPU: this step's)
+            "real_peak_bytes": stats.get("real_peak_bytes"),
+            "real_peak_step": stats.get("real_peak_step"),
             "budget": engine.budget,
+            "plan_budget": _resolved_budget(engine),  # "min" resolved: the lowest plan's
             "plan_version": engine.plan_version,
             "plan": plan,
             "replays": replays,
@@ -524,8 +588,14 @@ class ReplayCallback(Callback):
                 }
                 for n, s in summary.items()
             },
-            "peak_bytes": self._steady_peak,
+            "real_peak_bytes": self._real_peak[1] if self._real_peak else None,
+            "real_peak_step": self._real_peak[0] if self._real_peak else None,
+            "real_peak_source": "allocator" if engine.peak_is_allocator else "profiler",
+            "predicted_peak_bytes": engine.plan.peak_memory if engine.plan is not None else None,
             "retain_all_peak_bytes": self._retain_all_peak,
+            "lowest_plan_bytes": _lowest_plan(engine),
+            "accounted_peak_bytes": self._steady_peak,
+            "retain_all_accounted_bytes": self._retain_all_accounted,
             "replays": int(sum(s.get("replays", 0) for s in summary.values())),
             "checked_steps": self._checked_steps,
             "check_every_n_steps": self.check_every_n_steps,
@@ -533,6 +603,7 @@ class ReplayCallback(Callback):
             "divergences": int(m.get("divergences", 0)),
             "rejections": int(m.get("rejections", 0)),
             "checks_skipped": int(m.get("checks_skipped", 0)),
+            "checks_skipped_reason": getattr(engine, "checks_skipped_reason", None),
             "records_path": engine.records.path,
             "telemetry_path": self.telemetry_path,
             "root_dir": trainer.default_root_dir,
@@ -588,19 +659,26 @@ class ReplayCallback(Callback):
 def format_fit_summary(s: Mapping[str, Any]) -> str:
     """The end-of-fit block :class:`ReplayCallback` prints (from :attr:`~ReplayCallback.fit_summary`).
 
+    Memory is said in four terms, each compared only with its like: the real peak with the
+    budget it is held to, the plan's predicted peak with retaining every segment (predicted
+    alike). A saving below zero is said as "more".
+
     Example:
+        >>> MiB = 2**20
         >>> print(format_fit_summary({"run_id": "ab12", "steps": 48, "plan_version": 1,
-        ...     "planner": "joint", "budget": None,
+        ...     "planner": "joint", "budget": 12 * MiB,
         ...     "segments": {"blocks.0": {"option": "regions", "contract_version": 1,
         ...                               "replays": 47}},
-        ...     "peak_bytes": 7 * 2**20, "retain_all_peak_bytes": 10 * 2**20, "replays": 47,
-        ...     "checked_steps": 1, "check_every_n_steps": 50, "matches": 2,
+        ...     "real_peak_bytes": 8 * MiB, "real_peak_step": 3, "real_peak_source": "profiler",
+        ...     "predicted_peak_bytes": 9 * MiB, "retain_all_peak_bytes": 12 * MiB,
+        ...     "replays": 47, "checked_steps": 1, "check_every_n_steps": 50, "matches": 2,
         ...     "divergences": 0, "rejections": 0, "checks_skipped": 0,
         ...     "records_path": "runs/replay/records.sqlite", "root_dir": "runs"}))
-        lightning_replay: 48 steps, run ab12, plan v1 (joint, lowest-memory plan)
+        lightning_replay: 48 steps, run ab12, plan v1 (joint, budget 12.00 MiB)
           blocks.0  regions  contract v1  47 replays
-          peak 7.00 MiB vs 10.00 MiB retaining every segment: 3.00 MiB (30%) saved
-          replays 47; checks on 1 step (first settled step, then every 50): 2 matched, 0 diverged, 0 skipped; 0 rejections
+          real peak 8.00 MiB (budget 12.00 MiB; profiler, step 3)
+          predicted peak 9.00 MiB vs 12.00 MiB retaining every segment (predicted): 3.00 MiB (25%) saved
+          replays 47; checks on 1 step (first settled step, then every 50): 2 matched, 0 diverged; 0 rejections
           records runs/replay/records.sqlite (lightning-replay records runs --summary; report: lightning-replay report runs)
     """
     budget = s.get("budget")
@@ -617,26 +695,21 @@ def format_fit_summary(s: Mapping[str, Any]) -> str:
             f"  {name.ljust(width)}  {str(d['option']).ljust(owidth)}  contract "
             f"v{d['contract_version']}  {d['replays']} replays"
         )
-    peak, full = s.get("peak_bytes"), s.get("retain_all_peak_bytes")
-    if peak and full:
-        saved = full - peak
-        lines.append(
-            f"  peak {format_bytes(peak)} vs {format_bytes(full)} retaining every "
-            f"segment: {format_bytes(abs(saved))} ({abs(saved) / full:.0%}) "
-            f"{'saved' if saved >= 0 else 'more'}"
-        )
-    elif peak:
-        lines.append(f"  peak {format_bytes(peak)} (no measured costs to compare with)")
-    else:
-        lines.append("  peak: n/a (no step ran with a plan in force)")
+    lines.extend(_memory_lines(s))
     n = s.get("check_every_n_steps")
     cadence = f"first settled step, then every {n}" if n else "checks off"
     step_word = "step" if s["checked_steps"] == 1 else "steps"
     lines.append(
         f"  replays {s['replays']}; checks on {s['checked_steps']} {step_word} "
-        f"({cadence}): {s['matches']} matched, {s['divergences']} diverged, "
-        f"{s['checks_skipped']} skipped; {s['rejections']} rejections"
+        f"({cadence}): {s['matches']} matched, {s['divergences']} diverged; "
+        f"{s['rejections']} rejections"
     )
+    skipped = int(s.get("checks_skipped") or 0)
+    if skipped:
+        reason = s.get("checks_skipped_reason") or "did not fit the budget"
+        lines.append(
+            f"  {skipped} derivative check{'s' if skipped != 1 else ''} skipped ({reason})"
+        )
     where = s.get("records_path")
     root = s.get("root_dir")
     if where:
@@ -649,6 +722,121 @@ def format_fit_summary(s: Mapping[str, Any]) -> str:
             "  records kept in memory (pass ReplayCallback(records_path=...) to keep them)"
         )
     return "\n".join(lines)
+
+
+def _memory_lines(s: Mapping[str, Any]) -> list[str]:
+    """The summary's memory lines: real peak beside the budget; predicted beside predicted."""
+    lines = []
+    budget = s.get("budget")
+    real = s.get("real_peak_bytes")
+    source = s.get("real_peak_source") or "measured"
+    limit = f"budget {format_bytes(budget)}" if budget else "no budget: lowest-memory plan"
+    if real:
+        at = f", step {s['real_peak_step']}" if s.get("real_peak_step") is not None else ""
+        over = " - above the budget" if budget and real > budget else ""
+        lines.append(f"  real peak {format_bytes(real)} ({limit}; {source}{at}){over}")
+    else:
+        lines.append(f"  real peak: not measured on a step with a plan in force ({limit})")
+    predicted, full = s.get("predicted_peak_bytes"), s.get("retain_all_peak_bytes")
+    if predicted and full:
+        lines.append(
+            f"  predicted peak {format_bytes(predicted)} vs {format_bytes(full)} retaining "
+            f"every segment (predicted): {_saving(full - predicted, full)}"
+        )
+    elif predicted:
+        lines.append(f"  predicted peak {format_bytes(predicted)}")
+    else:
+        lines.append("  predicted peak: n/a (no plan was made)")
+    options = [str(d.get("option")) for d in (s.get("segments") or {}).values()]
+    if options and all(o == "retain" for o in options) and budget:
+        lowest = s.get("lowest_plan_bytes")
+        lowest_text = f" (the lowest-memory plan predicts {format_bytes(lowest)})" if lowest else ""
+        lines.append(
+            f"  nothing is recomputed: the budget ({format_bytes(budget)}) holds every "
+            "segment's activations. To trade step time for memory set a lower budget, e.g. "
+            f'ReplayStrategy(budget="{_suggest_budget(lowest, predicted)}") or '
+            f'budget="min"{lowest_text}.'
+        )
+    return lines
+
+
+def _saving(saved: int, of: int) -> str:
+    """``'3.00 MiB (25%) saved'``, or ``'... more'`` below zero: never a bare negative."""
+    return f"{format_bytes(abs(saved))} ({abs(saved) / of:.0%}) {'saved' if saved >= 0 else 'more'}"
+
+
+def _suggest_budget(lowest: int | None, predicted: int | None) -> str:
+    """A budget between the lowest-memory plan and retaining everything, rounded up to a
+    whole KiB, MiB or GiB as its size reads best.
+
+    Example:
+        >>> _suggest_budget(100 * 2**10, 112 * 2**10), _suggest_budget(7 * 2**20, 11 * 2**20)
+        ('106KiB', '9MiB')
+    """
+    if lowest and predicted and predicted > lowest:
+        target = (lowest + predicted) // 2
+    else:
+        target = lowest or 512 * _MIB
+    for unit, size in (("GiB", 2**30), ("MiB", _MIB), ("KiB", 2**10)):
+        if target >= size or unit == "KiB":
+            return f"{-(-target // size)}{unit}"
+    return f"{target}B"  # pragma: no cover
+
+
+def _lowest_plan(engine: Any) -> int | None:
+    """The lowest-memory plan's predicted peak for the measured costs (None before costs)."""
+    costs = engine.costs if engine.plan is not None else None
+    if not costs:
+        return None
+    try:
+        return int(_planner.min_feasible_budget(costs, engine.real_base_memory, engine.planner))
+    except (KeyError, ValueError, _planner.InfeasibleBudget):
+        return None
+
+
+def progress_bar_metrics(
+    real_peak: int | None, predicted: int | None, retain_all: int | None
+) -> dict[str, float]:
+    """What ``ReplayCallback(progress_bar=True)`` shows, in MiB: the real peak, the predicted
+    peak, and the prediction's saving against retaining every segment (predicted alike) as
+    ``saved_MiB``, or ``more_MiB`` when the plan is predicted to hold more; never negative.
+
+    Example:
+        >>> progress_bar_metrics(8 * 2**20, 9 * 2**20, 12 * 2**20)
+        {'replay/real_peak_MiB': 8.0, 'replay/predicted_MiB': 9.0, 'replay/saved_MiB': 3.0}
+        >>> progress_bar_metrics(None, 2 * 2**20, 2**20)
+        {'replay/predicted_MiB': 2.0, 'replay/more_MiB': 1.0}
+    """
+    bar: dict[str, float] = {}
+    if real_peak:
+        bar["replay/real_peak_MiB"] = real_peak / _MIB
+    if predicted:
+        bar["replay/predicted_MiB"] = predicted / _MIB
+        if retain_all:
+            saved = retain_all - predicted
+            bar["replay/saved_MiB" if saved >= 0 else "replay/more_MiB"] = abs(saved) / _MIB
+    return bar
+
+
+def _budget_text(strategy: Any) -> str:
+    """The budget as the strategy takes it: ``'1.00 GiB'``, ``'0.5 of device memory'``,
+    ``'min'``; no budget is the default, said as what it means on this device."""
+    budget = strategy.budget
+    if getattr(budget, "is_none", False):
+        on_gpu = strategy.root_device.type == "cuda"
+        return "default: 0.9 of device memory" if on_gpu else "default: min"
+    return str(budget)
+
+
+def _resolved_budget(engine: Any) -> int | None:
+    """The budget in bytes the plan is held to: the resolved budget, or for ``"min"`` the
+    lowest-memory plan's own (None until that plan is made)."""
+    if engine is None:
+        return None
+    if engine.budget:
+        return int(engine.budget)
+    plan = engine.plan
+    return int(plan.budget) if plan is not None and plan.budget else None
 
 
 def _count(records: Iterable[Record]) -> dict[str, int]:

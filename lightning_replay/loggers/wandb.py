@@ -36,6 +36,11 @@ METRICS: dict[str, str] = {
     "replay/divergences": "last",
     "replay/plan_version": "last",
     "replay/checks_skipped": "last",
+    # the four memory terms (ReplayCallback's docstring): each compared only with its like
+    "replay/real_peak_mib": "max",
+    "replay/predicted_peak_mib": "last",
+    "replay/retain_all_predicted_mib": "last",
+    "replay/budget_mib": "last",
 }
 
 #: The run-config section holding the strategy's and the callback's settings.
@@ -199,9 +204,18 @@ def build_workspace(
         name="Replay: memory and time",
         is_open=True,
         panels=[
-            line("replay/peak_memory_mib", "Peak memory (MiB)"),
+            line("replay/real_peak_mib", "Real peak (MiB; allocator on GPU, profiler on CPU)"),
+            line("replay/budget_mib", "Budget (MiB)"),
+            line("replay/predicted_peak_mib", "Predicted peak (MiB)"),
+            line(
+                "replay/retain_all_predicted_mib",
+                "Retaining every segment, predicted (MiB)",
+            ),
+            line("replay/peak_memory_mib", "Step peak (MiB; allocator on GPU, accounted on CPU)"),
             line("replay/preserved_mib", "Preserved state (MiB)"),
-            line("replay/peak_memory_bytes", "Peak memory (bytes, exact)"),
+            line(
+                "replay/peak_memory_bytes", "Step peak (bytes; allocator on GPU, accounted on CPU)"
+            ),
             line("replay/preserved_bytes", "Preserved state (bytes, exact)"),
             line("replay/step_time_ms", "Step time (ms)"),
             line("replay/replays", "Replays per step"),

@@ -113,8 +113,14 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         calibration_steps: steps each option is timed before the first plan.
         start_method: ``"popen"`` (a script launches its ranks), ``"spawn"``, ``"fork"`` or
             ``"forkserver"`` (child processes of this one; notebooks and tests).
-        data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
-        process_group_backend, timeout: as for ``ModelParallelStrategy``.
+        data_parallel_size, tensor_parallel_size: the device mesh. Unlike
+            ``ModelParallelStrategy`` (whose ``"auto"`` makes every device of a node
+            tensor-parallel), ``"auto"`` here shards over the data-parallel dimension, as FSDP
+            does: ``data_parallel_size`` = every device (nodes x devices),
+            ``tensor_parallel_size=1``; with one of them given, the other is what is left of
+            the devices.
+        save_distributed_checkpoint, process_group_backend, timeout: as for
+            ``ModelParallelStrategy``.
 
     Raises:
         ReplayConfigError: a bad argument; at setup, a model that ``configure_model`` did not
@@ -237,6 +243,11 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
                 "deadlocks. Use start_method='spawn' or 'popen' to keep threads."
             )
             torch.set_num_threads(1)
+        self._data_parallel_size, self._tensor_parallel_size = fsdp_mesh(
+            self._data_parallel_size,
+            self._tensor_parallel_size,
+            self.num_nodes * self.num_processes,
+        )
         super().setup_environment()
 
     @override
@@ -494,6 +505,25 @@ def _fsdp_units(model: nn.Module, segments: list[str]) -> dict[str, str]:
             )
         out[seg] = max(owner, key=len)
     return out
+
+
+def fsdp_mesh(
+    data_parallel: int | str, tensor_parallel: int | str, devices: int
+) -> tuple[int | str, int | str]:
+    """The mesh ``"auto"`` means for a strategy named FSDP: shard over the data-parallel
+    dimension (every device), no tensor parallelism; a size given stays as given.
+
+    Example:
+        >>> fsdp_mesh("auto", "auto", 2), fsdp_mesh("auto", 2, 4), fsdp_mesh(1, "auto", 2)
+        ((2, 1), (2, 2), (1, 2))
+    """
+    if data_parallel == "auto" and tensor_parallel == "auto":
+        return devices, 1
+    if data_parallel == "auto":
+        return max(devices // int(tensor_parallel), 1), tensor_parallel
+    if tensor_parallel == "auto":
+        return data_parallel, max(devices // int(data_parallel), 1)
+    return data_parallel, tensor_parallel
 
 
 def register(registry: Any = StrategyRegistry) -> None:

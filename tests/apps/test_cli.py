@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import base64
 import os
 import re
 import sqlite3
@@ -77,16 +78,20 @@ def test_report_of_a_fit_run_has_its_images(fit_dir, capsys):
     assert cli.main(["report", str(fit_dir)]) == 0
     assert "report.html" in capsys.readouterr().out
     html = (fit_dir / "report.html").read_text()
-    images = re.findall(r"<img src='([^']+)'", html)
-    assert {os.path.basename(i) for i in images} == {
+    # embedded as data URIs (the page shows its plots wherever it is opened or sent), and
+    # written beside it as files too
+    images = re.findall(r"<img src='data:image/png;base64,([^']+)' data-file='([^']+)'", html)
+    assert {os.path.basename(f) for _, f in images} == {
         "memory.png",
         "step_time.png",
         "plans.png",
         "records.png",
     }
-    for src in images:
-        data = (fit_dir / src).read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    for data, src in images:
+        png = base64.b64decode(data)
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+        assert (fit_dir / src).read_bytes() == png
+    assert "src='plots/" not in html
 
 
 def test_records_queries(fit_dir, capsys):
@@ -209,6 +214,19 @@ def test_help_is_useful(capsys):
         assert expect in capsys.readouterr().out, argv
 
 
+def test_help_is_plain_text_for_users(capsys):
+    """No reStructuredText markup and no notes for developers in the console help; the
+    records help lists every record kind its --check filter takes."""
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out and "It is long" not in out, out
+    with pytest.raises(SystemExit):
+        cli.main(["records", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "grad, bytes, probe, replay, version (checks); contract, plan (events)" in out
+
+
 def test_study_args_from_config_and_overrides(tmp_path):
     cfg = cli.parse_study_args(
         [
@@ -285,7 +303,12 @@ def test_report_of_a_readme_style_run(readme_runs, monkeypatch, capsys):
     seen: dict[str, list[tuple[str, int, float]]] = {}
     save = report._save
 
+    legends: dict[str, list[str]] = {}
+
     def spy(fig, path):
+        legends[path.name] = [
+            t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()
+        ]
         seen[path.name] = [
             (
                 ax.get_title(),
@@ -310,9 +333,22 @@ def test_report_of_a_readme_style_run(readme_runs, monkeypatch, capsys):
     tel = [json.loads(x) for x in (root / "replay" / "telemetry.jsonl").read_text().splitlines()]
     mine = [t for t in tel if t["run_id"] == latest]
     assert len(mine) == 12 and len(tel) == 18
-    steady = cb.fit_summary["peak_bytes"]
-    assert f"Peak memory over those steps {cli_format_bytes(steady)}" in page
-    assert max(t["peak_bytes"] for t in mine) > steady
+    real = cb.fit_summary["real_peak_bytes"]
+    assert f"Real peak over those steps {cli_format_bytes(real)}" in page
+    predicted, full = (
+        cb.fit_summary["predicted_peak_bytes"],
+        cb.fit_summary["retain_all_peak_bytes"],
+    )
+    assert (
+        f"Predicted peak {cli_format_bytes(predicted)} vs {cli_format_bytes(full)} retaining "
+        "every segment (predicted)" in page
+    )
+    # the memory plot names each term in its legend (no run hash), the budget among them
+    names = legends["memory.png"]
+    assert {"real peak (measured)", "predicted peak (plan)"} <= set(names), names
+    assert "retaining every segment (predicted)" in names
+    assert any(n.startswith("budget ") for n in names), names
+    assert not any(latest in n for n in names), names
     # record charts count this run's checks only
     checks = query(root / "replay" / "records.sqlite", run_id=latest, kind="check")
     by_outcome = seen["records.png"][0]

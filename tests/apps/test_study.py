@@ -105,8 +105,8 @@ def test_result_files(study):
     assert data["identical"] is True and len(data["rows"]) == len(METHODS)
     assert "costs" in data["budget"] and data["budget"]["costs"]["segments"]
     html = (out / "report.html").read_text()
-    images = re.findall(r"<img src='([^']+)'", html)
-    assert len(images) == 4
+    images = re.findall(r"<img src='data:image/png;base64,[^']+' data-file='([^']+)'", html)
+    assert len(images) == 4  # embedded, and written beside the page
     for src in images:
         assert (out / src).stat().st_size > 1000
     # accounted and live peaks side by side, methods explained, top-1 as a percentage

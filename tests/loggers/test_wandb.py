@@ -108,6 +108,7 @@ def test_run_config_holds_the_replay_settings(tmp_path, monkeypatch):
         wandb.finish()
     config = read_run(find_run_file(tmp_path)).config
     assert config["replay"] == {
+        "budget": "1.00 GiB",
         "budget_bytes": 2**30,
         "planner": "eager_whole",
         "preservation": "whole",
@@ -121,6 +122,29 @@ def test_run_config_holds_the_replay_settings(tmp_path, monkeypatch):
         "memory_headroom": 0.25,
     }
     assert set(cb.settings()) == set(config["replay"])
+
+
+def test_run_config_holds_the_resolved_budget_of_a_default_cpu_run(tmp_path, monkeypatch):
+    """No budget on CPU is the lowest-memory plan: the config says so, and holds the bytes
+    that plan was made for once it is made (not null)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="replay-test", save_dir=str(tmp_path))
+    cb = ReplayCallback(check_every_n_steps=None)
+    t = trainer(
+        tmp_path,
+        strategy=ReplayStrategy(calibration_steps=1),
+        max_steps=6,
+        callbacks=[cb],
+        logger=logger,
+    )
+    try:
+        t.fit(HazardNet(), loader(16))
+    finally:
+        wandb.finish()
+    config = read_run(find_run_file(tmp_path)).config["replay"]
+    assert config["budget"] == "default: min"
+    assert config["budget_bytes"] == t.strategy.engine.plan.budget > 0
 
 
 def test_writer_without_a_run_file(monkeypatch):

@@ -813,3 +813,30 @@ def test_the_replay_fsdp_config_trains_through_the_console_script(tmp_path):
             "blocks.3",
         }
     assert [row for row in rows if row[3] == "divergence"] == []
+
+
+class _SaveMesh(L.Callback):
+    def __init__(self, out_dir: Any) -> None:
+        self.out_dir = str(out_dir)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            mesh = trainer.strategy.device_mesh
+            out = {
+                "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
+                "batch": batch[0].clone(),
+                "sharded": pl_module.blocks[0].fc.weight.to_local().shape[0],
+            }
+            torch.save(out, os.path.join(self.out_dir, f"mesh{trainer.global_rank}.pt"))
+
+
+def test_default_mesh_shards_over_the_data_parallel_dimension(tmp_path):
+    """What ``strategy="replay_fsdp"`` builds (no mesh arguments): every device data-parallel,
+    as FSDP's name promises (ModelParallelStrategy's "auto" would make them tensor-parallel,
+    leave a ``fully_shard``-only model unsharded and feed both ranks the same batches)."""
+    strategy = ReplayFSDPStrategy(start_method="spawn", segments="blocks.*")
+    fit(tmp_path, strategy, FSDPNet(), steps=1, callbacks=[_SaveMesh(tmp_path)])
+    ranks = [torch.load(tmp_path / f"mesh{r}.pt", weights_only=False) for r in (0, 1)]
+    assert all(r["mesh"] == {"data_parallel": 2, "tensor_parallel": 1} for r in ranks), ranks
+    assert ranks[0]["sharded"] == ranks[1]["sharded"] == DIM // 2  # each rank holds half
+    assert not torch.equal(ranks[0]["batch"], ranks[1]["batch"])  # each rank its own data

@@ -1,0 +1,231 @@
+"""Which saved values a kernel does not reproduce by itself: not evidence of state.
+
+A replayed probe compares the tensors its replay saves for backward with the forward's (see
+:mod:`~lightning_replay.probe_replay`). Some kernels save values that are not a function of
+their inputs, and differ from one run to the next whatever the state:
+
+- the integer RNG seed and offset outputs of fused attention (``philox_seed``,
+  ``philox_offset``; flash attention's ``rng_state`` and ``unused``). With ``dropout_p == 0``
+  they draw nothing and the kernel allocates them without writing them (torch's cuDNN path
+  allocates them with ``at::empty``), so their bytes are whatever the allocator's block held;
+  the backward never reads them then;
+- any other auxiliary output the kernel leaves unwritten or computes nondeterministically (a
+  workspace, a padded statistic).
+
+:class:`ProducerLog` watches the replay's aten ops and remembers which op produced each
+storage with more than one output. When a saved tensor differs from the forward's while the
+replay's outputs match bit for bit, :meth:`ProducerLog.unreproduced` says whether the kernel
+itself is the cause: an RNG output of an op that drew nothing, or a value that a second run of
+the same op on the same arguments does not reproduce either. A value that the op reproduces on
+its own arguments but that differs from the forward's is evidence of state, and stays a
+divergence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator
+
+import torch
+
+from lightning_replay._compat import TorchDispatchMode
+from lightning_replay.host_rng import global_rngs, states
+from lightning_replay.preservation import write_args
+from lightning_replay.state import StorageKey, digests, storage_bytes, storage_key
+
+#: names torch gives the RNG outputs of its fused attention ops
+RNG_OUTPUT_NAMES = frozenset(
+    {"philox_seed", "philox_offset", "rng_state", "unused", "seed", "offset"}
+)
+#: the argument that says whether such an op draws random numbers at all
+DROPOUT_ARGUMENT = "dropout_p"
+
+
+@dataclasses.dataclass
+class _Produced:
+    """One output of a multi-output op of the replay: enough to run the op again."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    index: int  # position among the op's tensor outputs
+    offset: int  # the output's storage offset (a saved view of it is read through it)
+    draws: bool  # whether the op may draw random numbers (seeded, dropout not 0)
+    rng_output: bool  # an RNG output (by name) of an op that drew nothing
+    rngs: tuple  # the global generators' states before it ran (see _rng_snapshot)
+
+
+def _dropout(func: Any, args: tuple, kwargs: dict) -> float | None:
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == DROPOUT_ARGUMENT:
+            v = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+            return float(v) if isinstance(v, (int, float)) else None
+    return None
+
+
+def _rng_outputs(func: Any, args: tuple, kwargs: dict) -> set[int]:
+    """Indices (among the schema's returns) of integer RNG outputs of an op that draws
+    nothing: named as torch's attention ops name them, with ``dropout_p == 0``."""
+    if _dropout(func, args, kwargs) != 0.0:
+        return set()
+    return {i for i, r in enumerate(func._schema.returns) if r.name in RNG_OUTPUT_NAMES}
+
+
+class ProducerLog(TorchDispatchMode):
+    """Remembers the ops of a replay that produce more than one tensor (the outputs a kernel
+    saves beside its result: statistics, RNG state, workspaces), with their arguments.
+
+    The arguments are held until :meth:`clear`: a replay's saved tensors are alive until its
+    backward anyway, and these ops' arguments are, as a rule, among them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.produced: dict[StorageKey, _Produced] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rngs = _rng_snapshot() if _several_outputs(func) else ()
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        tensors = [(i, t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor)]
+        if len(tensors) > 1:
+            rng = _rng_outputs(func, args, kwargs)
+            seeded = torch.Tag.nondeterministic_seeded in func.tags
+            draws = seeded and _dropout(func, args, kwargs) != 0.0
+            for n, (i, t) in enumerate(tensors):
+                key = storage_key(t)
+                if key is not None and key not in self.produced:
+                    self.produced[key] = _Produced(
+                        func, args, kwargs, n, t.storage_offset(), draws, i in rng, rngs
+                    )
+        return out
+
+    def unreproduced(self, saved: torch.Tensor) -> str | None:
+        """Why ``saved`` (a tensor the replay saved) is a value its kernel does not reproduce,
+        or None (it is, or it cannot be told: then a difference is evidence of state)."""
+        p = self.produced.get(storage_key(saved))
+        if p is None:
+            return None
+        name = str(p.func)
+        if p.rng_output and not saved.is_floating_point():
+            return f"an RNG output of {name}, which drew no random numbers (dropout_p=0)"
+        if p.draws:
+            return None  # a second run would draw again: not a measure of the kernel alone
+        try:
+            again = _run_again(p)
+        except Exception:  # noqa: BLE001 - an op that cannot run again proves nothing
+            return None
+        if again is None:
+            return None
+        if (
+            again.dtype != saved.dtype
+            or again.untyped_storage().nbytes() < saved.untyped_storage().nbytes()
+        ):
+            return None
+        try:
+            view = again.as_strided(
+                saved.shape,
+                saved.stride(),
+                again.storage_offset() + saved.storage_offset() - p.offset,
+            )
+        except RuntimeError:
+            return None
+        if digests([view]) != digests([saved]):
+            return (
+                f"an auxiliary output of {name} that differs between two runs on the same arguments"
+            )
+        return None
+
+    def clear(self) -> None:
+        self.produced = {}
+
+
+def _tensor_arguments(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    out = []
+    for v in [*args, *kwargs.values()]:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
+
+
+def _several_outputs(func: Any) -> bool:
+    returns = func._schema.returns
+    return len(returns) > 1 or (len(returns) == 1 and str(returns[0].type).startswith("List"))
+
+
+def _rng_snapshot() -> tuple:
+    """The states of the generators a kernel might draw from without saying so: Python's and
+    numpy's global ones, torch's CPU default and the current CUDA device's default."""
+    hosts = global_rngs()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return hosts, states(hosts), torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _drawing_from(snapshot: tuple) -> Iterator[None]:
+    """Generators as in ``snapshot`` inside the block, as they were before it after."""
+    if not snapshot:
+        yield
+        return
+    hosts, host_states, cpu, cuda = snapshot
+    now = _rng_snapshot()
+    for r, st in zip(hosts, host_states):
+        r.set_state(st)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    try:
+        yield
+    finally:
+        for r, st in zip(now[0], now[1]):
+            r.set_state(st)
+        torch.set_rng_state(now[2])
+        if now[3] is not None:
+            torch.cuda.set_rng_state(now[3])
+
+
+def _run_again(p: _Produced) -> torch.Tensor | None:
+    """The op's output ``p.index`` from a second run on the same arguments, from the same
+    generator states (a kernel drawing from a host generator reproduces its draw: a value it
+    drew is evidence, not noise), outside autograd and autocast (the first ran below both: its
+    arguments are as the kernel received them). None where the op writes: one its schema says
+    writes is not run again; one that wrote an argument all the same (eager CPU batch norm's
+    running statistics) has its bytes put back."""
+    if write_args(p.func):
+        return None
+    inputs: dict = {}
+    for t in _tensor_arguments(p.args, p.kwargs):
+        key = storage_key(t)
+        if key is not None and key not in inputs:
+            inputs[key] = (t, storage_bytes(t).clone())
+    with torch.no_grad(), _no_autocast(), _drawing_from(p.rngs):
+        out = p.func(*p.args, **p.kwargs)
+        wrote = False
+        for t, before in inputs.values():
+            live = storage_bytes(t)
+            if not torch.equal(live, before):
+                live.copy_(before)
+                wrote = True
+    if wrote:
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+    return tensors[p.index] if p.index < len(tensors) else None
+
+
+class _no_autocast:
+    def __enter__(self) -> None:
+        self._stack = []
+        for dev in ("cpu", "cuda"):
+            if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+                ctx = torch.autocast(dev, enabled=False)
+                ctx.__enter__()
+                self._stack.append(ctx)
+
+    def __exit__(self, *exc: Any) -> None:
+        for ctx in reversed(self._stack):
+            ctx.__exit__(*exc)
