@@ -55,7 +55,7 @@ from lightning_replay.replan import ReplanPolicy, input_shapes
 from lightning_replay.restore import _Invocation
 from lightning_replay import installation as _installation
 from lightning_replay.installation import _new_plain  # noqa: F401  (named by older pickles)
-from lightning_replay.runtime import SegmentRuntime
+from lightning_replay.runtime import NOT_CALLED, SegmentRuntime, idle_message
 from lightning_replay.state import (
     StateIndex,
     storage_key,
@@ -151,6 +151,7 @@ class ReplayEngine:
             self.track_memory(True)
         self._external: list[Any] = []
         self._pending_probes: set[SegmentRuntime] = set()
+        self._idle_warned: set[str] = set()  # segments named as not replaying (see runtime)
         self._held_bytes = 0
         self._replays_this_step = 0
         self._truth: StepPeak | None = None  # measuring a step's real peak (CPU)
@@ -677,6 +678,8 @@ class ReplayEngine:
             return
         for rt in list(self._pending_probes):
             rt.finish_stale_probes()
+        if self.step >= 1:
+            self._name_idle_segments()
         if self._capture_timed and self._capture_ops:
             self.meter.capture_ops.append(self._capture_ops)
         self._capture_ops = 0
@@ -1076,6 +1079,8 @@ class ReplayEngine:
             )
         ):
             return
+        if all(rt.contract is None for rt in self.runtimes.values()):
+            return  # no segment replays (see _name_idle_segments): nothing to plan
         if self.plan is None and not self._calibration:
             offered = {
                 o
@@ -1206,7 +1211,38 @@ class ReplayEngine:
         (a frozen teacher under ``torch.no_grad``, a branch not taken): it holds no activations
         to plan for, and the other segments are planned without it. Should it run with
         autograd later, it is probed then, and joins the next plan."""
-        return rt.forwards == 0 and rt.contract is None and self.step >= 2
+        return rt.idle_reason() is not None or (
+            rt.forwards == 0 and rt.contract is None and self.step >= 2
+        )
+
+    def _name_idle_segments(self) -> None:
+        """Once per segment, after the first windows: a segment that will not replay is named,
+        with why (:meth:`SegmentRuntime.idle_reason`). One never called in the model's forward
+        is a configuration error under ``on_violation="raise"``."""
+        warned = self._idle_warned
+        fresh = [rt for rt in self.runtimes.values() if rt.name not in warned and rt.idle_reason()]
+        if not fresh:
+            return
+        # (one skipped at random, its list's other items called, is warned about, never
+        # stopped: plain PyTorch trains it)
+        uncalled = [rt for rt in fresh if rt.idle_reason() == NOT_CALLED and not rt.skipped()]
+        if uncalled and self.on_violation == "raise":
+            raise ReplayConfigError(
+                "; ".join(idle_message(rt) for rt in uncalled)
+                + " (on_violation='raise': stopped here)."
+            )
+        for rt in fresh:
+            warned.add(rt.name)
+            reason = rt.idle_reason()
+            self.records.append(
+                step=self.step,
+                segment=rt.name,
+                contract_version=0,
+                check="probe",
+                outcome="rejection",
+                detail={"seen": reason, "action": "planned without it"},
+            )
+            warnings.warn(idle_message(rt) + ".", RuntimeWarning, stacklevel=4)
 
     def _select_checked(self, requested: list[str] | None) -> frozenset:
         """The segments to derivative-check this window (see :meth:`request_check`)."""
