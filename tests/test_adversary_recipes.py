@@ -741,7 +741,8 @@ def test_counting_hooks_gradients_and_counts() -> None:
     got = _run(model, make_step("replay"), "sgd")
     eng.uninstall()
     assert _diff(expected, got) == []
-    assert counts["replay"] > 0 and counts["plain"] > 0, counts
+    # measured: 116 packs over 4 steps in both (the replay's happen in backward instead)
+    assert counts["replay"] == counts["plain"] > 0, counts
 
 
 @pytest.mark.xfail(
@@ -1023,6 +1024,70 @@ def test_compile_after_install_is_exact() -> None:
                 m.zero_grad(set_to_none=True)
                 m(torch.randn(B, D, generator=g)).pow(2).sum().backward()
             assert _diff([_grads(ref)], [_grads(model)]) == []
+        # not detected: dynamo runs the original forwards, nothing is replayed
+        assert eng.summary()["blocks.0"].get("replays", 0) == 0, eng.summary()
     finally:
         eng.uninstall()
         torch._dynamo.reset()
+
+
+# ============================================================ neighbours: state not registered
+GLOBAL_GAIN = torch.linspace(0.5, 1.5, D)
+
+
+class AttrBlock(Blk):
+    """Reads a plain (unregistered) tensor attribute and a module-level tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = torch.linspace(1.0, 2.0, D)  # not a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (super().forward(x) + self.mask * GLOBAL_GAIN).tanh()
+
+
+class AttrNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([AttrBlock(), AttrBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x))
+
+
+@pytest.mark.parametrize("what", ["attribute", "global"])
+def test_unregistered_tensor_state_written_after_forward(what: str) -> None:
+    def after(m: nn.Module, _: Any) -> None:
+        if what == "attribute":
+            for b in m.blocks:
+                b.mask.mul_(1.5)
+        else:
+            GLOBAL_GAIN.mul_(1.01)
+
+    saved = GLOBAL_GAIN.clone()
+    inner = _loss_step(lambda m, x: (m(x), None), after)
+
+    def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
+        if s == 0:  # each run starts from the same global
+            GLOBAL_GAIN.copy_(saved)
+        inner(model, g, s)
+
+    try:
+        _check(AttrNet, step, PRES)
+    finally:
+        GLOBAL_GAIN.copy_(saved)
+
+
+def test_hf_model_output_argument() -> None:
+    mo = pytest.importorskip("transformers.modeling_outputs")
+
+    def fwd(model: nn.Module, x: torch.Tensor) -> Any:
+        a = mo.BaseModelOutput(last_hidden_state=x.clone(), hidden_states=(x * 2,))
+        return model(a), a
+
+    def after(m: nn.Module, a: Any) -> None:
+        a.last_hidden_state.mul_(0.5)
+        a.hidden_states[0].add_(1.0)
+
+    make = lambda: ObjNet(lambda b, kw: b.last_hidden_state * b.hidden_states[0])  # noqa: E731
+    _check(make, _loss_step(fwd, after), PRES)
