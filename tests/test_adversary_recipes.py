@@ -230,6 +230,12 @@ OBJ_CASES = {
         lambda t, kw: (t * 2 if isinstance(t, Tagged) else t).as_subclass(torch.Tensor),
         lambda t: t.add_(1.0),
     ),
+    # a torch.distributions object (lazy properties cached in its __dict__), loc written
+    "distribution_inplace": (
+        lambda x: torch.distributions.Normal(x.clone(), torch.ones(B, D) * 0.5),
+        lambda d, kw: d.loc * d.stddev + d.variance,
+        lambda d: (d.loc.mul_(2.0), d.scale.add_(1.0)),
+    ),
     # a set holding tensors (not walked) written after the forward
     "frozenset_inplace": (
         lambda x: frozenset([x]),
