@@ -364,17 +364,55 @@ class MutatingNet(nn.Module):
         return self.blocks[1](b)
 
 
-def test_segment_that_writes_a_tensor_of_its_argument_object_is_refused() -> None:
-    """The segment adds into a tensor field of its argument in place during its forward: a
-    clear refusal at the first call, naming the segment and the argument."""
-    torch.manual_seed(0)
-    model = MutatingNet()
-    eng = lr.install(model, "blocks.*")
-    b = Bag([])
-    b.x, b.acc = torch.randn(B, D), torch.zeros(D)
-    with pytest.raises(lr.ReplayConfigError, match=r"'blocks.0' changed its argument 0 \(a Bag"):
-        model(b)
-    eng.uninstall()
+class DirectMutatingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        acc.add_(x.detach().sum(0))  # the segment writes its tensor argument in place
+        return self.lin(x * acc.tanh()).tanh()
+
+
+class DirectMutatingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([DirectMutatingBlock(), DirectMutatingBlock()])
+
+    def forward(self, x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x, acc), acc)
+
+
+def test_segment_that_writes_its_tensor_argument_in_place() -> None:
+    """The direct-tensor form of the next test: exact, and ``acc`` after backward as plain."""
+
+    def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
+        acc = torch.zeros(D)
+        model(torch.randn(B, D, generator=g), acc).pow(2).mean().backward()
+        return {"acc": acc}
+
+    _check(DirectMutatingNet, step, PRES)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="measured: ReplayConfigError \"segment 'blocks.0' changed its argument 0 (a Bag "
+    'object) in its forward" at the first call, though the same write on a tensor passed '
+    "directly is exact (test_segment_that_writes_its_tensor_argument_in_place): probe.py "
+    "_object_token check predates the class-1 walk, refuses wrongly",
+)
+def test_segment_that_writes_a_tensor_of_its_argument_object() -> None:
+    """Gradients equal, and the live object after backward equals plain PyTorch's (the replay
+    must not add to ``acc`` a second time)."""
+
+    def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
+        b = Bag([])
+        b.x = torch.randn(B, D, generator=g)
+        b.acc = torch.zeros(D)
+        model(b).pow(2).mean().backward()
+        return {"acc": b.acc}
+
+    _check(MutatingNet, step, PRES)
 
 
 class StoringBlock(nn.Module):
