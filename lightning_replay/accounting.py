@@ -163,7 +163,11 @@ class Saved:
     __slots__ = ("t", "version", "where", "namer")
 
     def __init__(self, t: torch.Tensor, where: str, namer: Any = None) -> None:
-        self.t = t
+        # Detached (same storage, same version counter): a saved output held with its grad_fn
+        # would make a reference cycle through the graph's node, which only running that node
+        # breaks; a node a backward never reaches (``backward(inputs=head_params)``) would
+        # then keep its graph alive for good. Autograd re-attaches the graph at unpack.
+        self.t = t.detach()
         self.version = t._version
         self.where = where
         self.namer = namer  # tensor -> the model's name for it, or None

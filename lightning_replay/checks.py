@@ -20,7 +20,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from lightning_replay._compat import top_saved_tensors_hooks, tree_map
+from lightning_replay._compat import (
+    graph_task_keeps_graph,
+    top_saved_tensors_hooks,
+    tree_map,
+)
 from lightning_replay.arguments import call_tensors, unflatten_call
 from lightning_replay.accounting import Saved
 from lightning_replay.costs import clock
@@ -412,14 +416,13 @@ class _CheckTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         box = ctx.box
-        ctx.box = None
         if box is None or box.saved is None:
-            raise ReplayError(
-                "a derivative-checked segment's backward ran a second time (backward with "
-                "retain_graph=True?). Checked steps check once and let go of the check's state "
-                "after the first backward; use preservation='retain' for segments whose graph "
-                "is reused."
-            )
+            # A second backward through the checked call (after one that kept the graph: a
+            # gradient penalty, R1, retain_graph=True): checked once, at the first; training
+            # differentiates the segment's own graph, which plain PyTorch would.
+            return (None, *grads)
+        if not graph_task_keeps_graph():
+            ctx.box = None
         box.rt._compare_grads(box, list(grads))
         return (None, *grads)
 

@@ -108,6 +108,12 @@ class _Probe:
         self.outside: list | None = None  # outside attributes read, as at forward (replayed)
         self.saved_tokens: list = []  # digest tokens of the tensors its forward saved (replayed)
         self.saved_state: dict = {}  # storage key -> (alias, version) of saved state (replayed)
+        #: while its forward runs: a backward inside it (``torch.autograd.grad`` of an energy,
+        #: forces = -dE/dx) unpacks saved tensors, which is not the replay point; a replayed
+        #: probe's handles hold their tensors until the forward ends, so that such a backward
+        #: reads them instead of making checkpoint recompute the forward from inside itself
+        self.running = False
+        self.direct: list[_ProbeHandle] = []
         self.changed_inputs: list[int] = []  # argument leaves the window changes
         self.written_inputs: list[int] = []  # ... that the segment itself writes
         self.start_index: StateIndex | None = None  # the model's state names at its start
@@ -253,7 +259,7 @@ class _ProbeHandle:
     replay the segment, so the probe's window ends there: writes made in backward before it
     (a gradient hook on the segment's output) belong to the window."""
 
-    __slots__ = ("inner", "unpack_fn", "probe", "rt")
+    __slots__ = ("inner", "unpack_fn", "probe", "rt", "tensor")
 
     def __init__(
         self, inner: Any, unpack_fn: Callable, probe: _Probe, rt: "SegmentRuntime"
@@ -262,9 +268,14 @@ class _ProbeHandle:
         self.unpack_fn = unpack_fn
         self.probe = probe
         self.rt = rt
+        self.tensor: torch.Tensor | None = None  # held while the forward runs (replayed)
         probe.live += 1
 
     def unpack(self) -> torch.Tensor:
+        if self.probe.running:  # a backward inside the segment's own forward
+            if self.tensor is not None:
+                return self.tensor
+            return self.unpack_fn(self.inner)
         if self.probe.observations is None:
             self.rt._observe(self.probe)
         if not self.probe.replayed:
@@ -529,7 +540,11 @@ class SegmentProbe:
                     # (its storage lives on anyway), to refuse a backward plain PyTorch refuses
                     probe.saved_state[key] = (t.detach(), t._version)
             inner = outer_pack(t) if outer_pack is not None else Saved(t, where, eng.state_name)
-            return _ProbeHandle(inner, unpack_fn, probe, self)
+            handle = _ProbeHandle(inner, unpack_fn, probe, self)
+            if replayed:
+                handle.tensor = t
+                probe.direct.append(handle)
+            return handle
 
         ids = {id(m) for m in self.modules}
         outside = OutsideReads([m for m in eng.model.modules() if id(m) not in ids])
@@ -547,6 +562,7 @@ class SegmentProbe:
             (mod, name, _at_forward(mod.__dict__[name])) for mod, name in globals_read(self.modules)
         ]
         eng._segment_depth += 1
+        probe.running = True
         try:
             with (
                 torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack),
@@ -562,6 +578,10 @@ class SegmentProbe:
                 out = self.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
+            probe.running = False
+            for h in probe.direct:
+                h.tensor = None
+            probe.direct = []
         if compared:  # numbers read from module attributes that gated a branch
             first = {(id(d), n): v for d, n, v in own.first + outside.first}
             self.guard.add_predicates(_predicates(compared, eng.model, first))

@@ -20,6 +20,9 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_replay._compat import (
     checkpoint_frame_forward,
+    checkpoint_frame_recomputing,
+    in_reentrant_checkpoint_backward,
+    tree_leaves,
     under_functorch,
 )
 from lightning_replay.accounting import checkpoint_rng_bytes
@@ -39,6 +42,40 @@ from lightning_replay.state import unique_bytes as _unique_bytes
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.engine import ReplayEngine
+
+
+#: :meth:`SegmentRuntime.idle_reason`: never called in the model's forward (a spare module, a
+#: misnamed segment), or called only without autograd (under ``torch.no_grad``, with nothing
+#: requiring grad, or inside a backward): nothing to replay, it runs plain
+NOT_CALLED = "not called"
+PLAIN = "plain"
+#: windows after which a segment whose siblings ran, never called itself, is named
+SKIPPED_WINDOWS = 32
+
+
+def idle_message(rt: "SegmentRuntime") -> str:
+    """Why ``rt`` does not replay, for a warning or an error."""
+    if rt.idle_reason() == NOT_CALLED:
+        windows = "window" if rt.engine.step == 1 else f"{rt.engine.step} windows"
+        return (
+            f"segment {rt.name!r} was never called in the model's forward in the first "
+            f"{windows}: it cannot replay (a spare module, or a segment named by mistake). "
+            "The other segments are planned and checked without it; remove it from "
+            "`segments`, or, for a module the forward calls only sometimes, install with "
+            "on_violation='record' to be warned instead of stopped"
+        )
+    where = []
+    if rt.backward_calls:
+        where.append("inside a backward (a custom autograd.Function re-running it)")
+    where.append(
+        "without autograd (under torch.no_grad, or with no parameter or argument requiring grad)"
+    )
+    return (
+        f"segment {rt.name!r} has run only {' or '.join(where)} in the first "
+        f"{rt.engine.step} windows: it records nothing for backward, so there is nothing to "
+        "replay and it runs plain, as in plain PyTorch. The other segments are planned without "
+        "it; should it run with autograd later, it is probed then"
+    )
 
 
 def _checkpointed_around(name: str) -> ReplayConfigError:
@@ -86,6 +123,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.generators: list[tuple[str, torch.Generator]] = []
         self.probes: list[_Probe] = []
         self.forwards = 0
+        self.calls = 0  # every call of its forward, with autograd or not
+        self.backward_calls = 0  # ... of them made while a backward ran (see __call__)
         self.replays = 0
         self.violations = 0
         self.checks = 0
@@ -130,11 +169,13 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         eng = self.engine
+        self.calls += 1
         if (
-            not (self.module.training and torch.is_grad_enabled())
+            not torch.is_grad_enabled()
             or eng._suspended
             or eng._segment_depth
             or under_functorch()
+            or not (self.module.training or _needs_grad(self.module, args, kwargs))
         ):
             # A segment called inside another segment's forward or replay is part of it: the
             # outer segment's contract covers its state and the outer replay re-runs it.
@@ -142,8 +183,18 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             # the segment runs plain: the transform differentiates its own graph, and refuses
             # the saved-tensor hooks a replay needs.
             return self.orig_forward(*args, **kwargs)
-        if torch._C._current_graph_task_id() != -1 or checkpoint_frame_forward() is not None:
+        if checkpoint_frame_forward() is not None:
             raise _checkpointed_around(self.name)
+        if torch._C._current_graph_task_id() != -1:
+            # Called while a backward runs: a reentrant checkpoint recomputing the model's
+            # own blocks is refused (one recomputation cannot run inside another); any other
+            # caller (a reversible block's custom Function re-running F and G in its backward,
+            # a hook) differentiates this call at once, within that backward: it runs plain,
+            # as in plain PyTorch, and has no activations to drop.
+            if in_reentrant_checkpoint_backward() or checkpoint_frame_recomputing() is not None:
+                raise _checkpointed_around(self.name)
+            self.backward_calls += 1
+            return self.orig_forward(*args, **kwargs)
         self.forwards += 1
         if self.order < 0:
             self.order = eng._next_order()
@@ -278,6 +329,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 if rng:
                     acct.hold(("rng", id(inv)), rng, self.name)
                     inv.held.append(("rng", id(inv)))
+        inv.watch()
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
         inv.t_prep = clock(eng._cuda) - t0
@@ -322,6 +374,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             if timed:
                 inner[1] = checkpoint_frame_forward()
                 t_in = _timed_clock(eng)
+            inv.in_forward = True
             try:
                 with (
                     sac.forward if sac is not None else contextlib.nullcontext(),
@@ -335,6 +388,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                         with sample:
                             out = forward(*a, **kw)
             finally:
+                inv.in_forward = False
                 eng._segment_depth -= 1
             if timed:
                 inner[0] = _timed_clock(eng) - t_in
@@ -434,13 +488,38 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         eng._contracts_changed()
 
     # ---------------------------------------------------------------- reporting
+    def idle_reason(self) -> str | None:
+        """Why this segment has not replayed, once the engine can tell (after the first
+        window: never called; after two: called only where nothing is recorded for backward),
+        or None."""
+        if self.contract is not None or self.forwards:
+            return None
+        step = self.engine.step
+        if self.calls == 0:
+            # one of a list whose other items ran (LayerDrop skips layers at random) is only
+            # called "not called" once it has stayed so for a long while
+            return NOT_CALLED if step >= (SKIPPED_WINDOWS if self.skipped() else 1) else None
+        if step >= 2:
+            return PLAIN
+        return None
+
+    def skipped(self) -> bool:
+        """Whether another segment of the same parent module (an item of the same list) has
+        been called: this one may be skipped at random (LayerDrop, stochastic depth over a
+        list), not missing from the forward."""
+        parent = self.name.rpartition(".")[0]
+        return any(
+            rt.calls and rt is not self and rt.name.rpartition(".")[0] == parent
+            for rt in self.engine.runtimes.values()
+        )
+
     def summary(self) -> dict[str, Any]:
         c = self.contract
+        idle = self.idle_reason()
+        status = self.status if idle is None else idle
         return {
-            "mode": (
-                c.option if c is not None and self.status in ("active", "retain") else self.status
-            ),
-            "status": self.status,
+            "mode": (c.option if c is not None and self.status in ("active", "retain") else status),
+            "status": status,
             "forwards": self.forwards,
             "replays": self.replays,
             "contract_version": c.version if c else 0,
@@ -452,6 +531,16 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             "changing_state": [s.name for s in c.changing] if c else [],
             "options": c.available_options() if c else [],
         }
+
+
+def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of ``module`` builds a graph: a parameter or a tensor argument requires
+    grad. A segment in ``eval()`` whose weights train (a frozen-BatchNorm backbone, a
+    linear probe's encoder) replays like one in training mode; one that builds no graph (a
+    teacher evaluated with grad mode on) has nothing to drop and runs plain."""
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
 
 
 def _replay_input(saved: torch.Tensor, requires_grad: bool) -> torch.Tensor:

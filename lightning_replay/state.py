@@ -70,6 +70,17 @@ def swap_(a: torch.Tensor, b: torch.Tensor) -> None:
 _DIGEST_CHUNK = 1 << 22  # int64 words per reduction on accelerators: 32 MiB of temporaries
 
 
+def host_reads_free(t: torch.Tensor) -> bool:
+    """Whether the host can read ``t``'s values without waiting for a device: a CPU tensor.
+
+    The one place the engine asks before it decides anything from tensor values. On an
+    accelerator every such read (``.item()``, ``bool()``, ``torch.equal``, ``.tolist()``, a copy
+    to the host) synchronizes the stream, so a decision taken on every step does without them
+    there (it reads them on checked steps only, or asynchronously). Tests run the accelerator
+    branches on CPU by making this say False."""
+    return t.device.type == "cpu"
+
+
 def digest(t: torch.Tensor) -> int:
     """A 64-bit checksum of a tensor's bytes, order-sensitive, without big temporaries.
 
@@ -83,7 +94,7 @@ def digest(t: torch.Tensor) -> int:
         n = b.numel()
         if n == 0:
             return 0
-        if b.device.type == "cpu":
+        if host_reads_free(b):
             return zlib.crc32(_host_view(b)) ^ (n << 32)
         return _word_digest(b)
 
@@ -149,7 +160,7 @@ def _host_view(b: torch.Tensor) -> Any:
 
 
 def _on_host(b: torch.Tensor) -> bool:
-    return b.device.type == "cpu"
+    return host_reads_free(b)
 
 
 def _mix(h1: int, h2: int, h3: int, n: int) -> int:
