@@ -573,20 +573,7 @@ def _substituted_params_step(model: nn.Module, g: torch.Generator, s: int) -> An
 
 
 @pytest.mark.parametrize(
-    "step",
-    [
-        _substituted_params_step,
-        pytest.param(
-            _fast_weights_step,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason='measured (class 5, not in this fix set): ReplayError "segment '
-                "'blocks.1' is being replayed a second time for the step 3 (backward with "
-                'retain_graph=True?)" on a MAML outer backward through create_graph grads',
-            ),
-        ),
-    ],
-    ids=["substituted", "maml"],
+    "step", [_substituted_params_step, _fast_weights_step], ids=["substituted", "maml"]
 )
 def test_functional_call_with_substituted_parameters(step: Callable) -> None:
     _check(FcNet, step, PRES)
