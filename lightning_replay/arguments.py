@@ -214,10 +214,15 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
 
     root = _Node("seq", tuple)
     pos = _Node("seq", tuple)
-    pos.children = [walk(a, 1, f"argument {i}") for i, a in enumerate(args)]
     named = _Node("dict", dict)
     named.keys = list(kwargs)
-    named.children = [walk(v, 1, f"argument {k!r}") for k, v in kwargs.items()]
+    try:
+        pos.children = [walk(a, 1, f"argument {i}") for i, a in enumerate(args)]
+        named.children = [walk(v, 1, f"argument {k!r}") for k, v in kwargs.items()]
+    finally:
+        # a recursive closure is a reference cycle (its cell holds it), and it holds ``flat``:
+        # the call's tensors would wait for the cyclic collector (issue 31)
+        walk = None  # type: ignore[assignment]  (empties the cell: no cycle left)
     root.children = [pos, named]
     spec = CallSpec(root, objects)
     spec.too_deep = deep
@@ -272,7 +277,10 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
         built[id(node)] = out
         return out
 
-    args, kwargs = build(spec.root)
+    try:
+        args, kwargs = build(spec.root)
+    finally:
+        build = None  # type: ignore[assignment]  (a recursive closure's cycle, broken)
     return args, kwargs
 
 
