@@ -31,6 +31,8 @@ __all__ = [
     "checkpoint_frame_recomputing",
     "dict_version",
     "distributed_is_initialized",
+    "graph_task_keeps_graph",
+    "in_reentrant_checkpoint_backward",
     "logger_connector",
     "op_arguments",
     "precision_plugin",
@@ -56,6 +58,48 @@ def set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
     byte back as it was)."""
     if tensors:
         torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+
+
+def under_functorch() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev``, ``jvp``, ...) is
+    running: its tensors are wrapped per level, and ``grad``/``vjp`` refuse saved-tensor
+    hooks, which checkpoint and the probe need."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def graph_task_keeps_graph() -> bool:
+    """Whether the backward running now keeps its graph (``retain_graph=True``, or
+    ``create_graph=True``, which implies it): a later backward can differentiate the same
+    forward again. True where it cannot be told (no backward running, or torch moved it): the
+    caller then keeps what a second backward would need."""
+    if torch._C._current_graph_task_id() == -1:
+        return True
+    read = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if read is None else bool(read())
+
+
+def in_reentrant_checkpoint_backward(depth: int = 64) -> bool:
+    """Whether a reentrant ``torch.utils.checkpoint`` (``use_reentrant=True``) is recomputing
+    its function now: its ``CheckpointFunction.backward`` is on the Python stack (within
+    ``depth`` frames). Asked only while a backward runs: any other custom Function's backward
+    that calls a module (a reversible block re-running its F and G) is not a checkpoint."""
+    import sys
+
+    from torch.utils import checkpoint as _ckpt
+
+    fn = getattr(getattr(_ckpt, "CheckpointFunction", None), "backward", None)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:

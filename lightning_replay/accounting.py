@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
+from lightning_replay._compat import top_saved_tensors_hooks
 from lightning_replay.errors import SavedTensorModified
 from lightning_replay.state import storage_key
 
@@ -138,12 +139,16 @@ class MemoryAccountant:
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks that count every tensor autograd saves while they are active."""
         acct = self
+        # the user's own hooks these are pushed over (a bf16 rounding, save_on_cpu): what
+        # backward reads is still what they make of each tensor, as in plain training
+        below = top_saved_tensors_hooks()
 
         def pack(t: torch.Tensor) -> Any:
             return _Held(t, acct)
 
         def unpack(h: Any) -> torch.Tensor:
-            return h.unpack()
+            t = h.unpack()
+            return t if below is None else below[1](below[0](t))
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -158,7 +163,11 @@ class Saved:
     __slots__ = ("t", "version", "where", "namer")
 
     def __init__(self, t: torch.Tensor, where: str, namer: Any = None) -> None:
-        self.t = t
+        # Detached (same storage, same version counter): a saved output held with its grad_fn
+        # would make a reference cycle through the graph's node, which only running that node
+        # breaks; a node a backward never reaches (``backward(inputs=head_params)``) would
+        # then keep its graph alive for good. Autograd re-attaches the graph at unpack.
+        self.t = t.detach()
         self.version = t._version
         self.where = where
         self.namer = namer  # tensor -> the model's name for it, or None

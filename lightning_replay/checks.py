@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from lightning_replay._compat import top_saved_tensors_hooks, tree_map, tree_unflatten
+from lightning_replay._compat import (
+    graph_task_keeps_graph,
+    top_saved_tensors_hooks,
+    tree_map,
+)
+from lightning_replay.arguments import call_tensors, unflatten_call
 from lightning_replay.accounting import Saved
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
@@ -411,14 +416,13 @@ class _CheckTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         box = ctx.box
-        ctx.box = None
         if box is None or box.saved is None:
-            raise ReplayError(
-                "a derivative-checked segment's backward ran a second time (backward with "
-                "retain_graph=True?). Checked steps check once and let go of the check's state "
-                "after the first backward; use preservation='retain' for segments whose graph "
-                "is reused."
-            )
+            # A second backward through the checked call (after one that kept the graph: a
+            # gradient penalty, R1, retain_graph=True): checked once, at the first; training
+            # differentiates the segment's own graph, which plain PyTorch would.
+            return (None, *grads)
+        if not graph_task_keeps_graph():
+            ctx.box = None
         box.rt._compare_grads(box, list(grads))
         return (None, *grads)
 
@@ -444,7 +448,7 @@ class SegmentChecks:
         change). ``record`` gets the tensors it saves, in order (see :func:`_saving_counted`)."""
         eng = self.engine
         saved: dict = {}
-        exclude = self.state_keys | {storage_key(t) for t in tensor_leaves((args, kwargs))}
+        exclude = self.state_keys | {storage_key(t) for t in call_tensors(args, kwargs)}
         eng._segment_depth += 1
         try:
             with _saving_counted(
@@ -477,7 +481,7 @@ class SegmentChecks:
         saved: list[torch.Tensor] = []
         out = self._measured_call(args, kwargs, saved)
         outs = _grad_outputs(out)
-        tapped = _tappable(outs, tensor_leaves((args, kwargs)))
+        tapped = _tappable(outs, call_tensors(args, kwargs))
         if not tapped:
             inv.release()
             return out
@@ -544,7 +548,7 @@ class SegmentChecks:
                     with torch.enable_grad():  # backward runs without grad mode
                         views[j] = leaves[j].view_as(leaves[j])
                 flat[i] = views[j]
-        args, kwargs = (flat, {}) if box.spec is None else tree_unflatten(flat, box.spec)
+        args, kwargs = (flat, {}) if box.spec is None else unflatten_call(flat, box.spec)
         wrt = leaves + box.params
         timed = eng.measure_costs and (eng._sync or not eng._cuda)
         pairing = _Pairing(fwd, self.name, (lambda: _clock(eng)) if timed else None)

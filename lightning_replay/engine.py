@@ -33,7 +33,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_replay import planner as _planner
-from lightning_replay._compat import at_backward_end, tree_leaves
+from lightning_replay._compat import at_backward_end, top_saved_tensors_hooks, tree_leaves
 from lightning_replay.accounting import MemoryAccountant
 from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.config import PIN_OPTIONS
@@ -42,7 +42,12 @@ from lightning_replay.contract import OPTIONS, ReplayContract
 from lightning_replay.costs import CostMeter
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.host_rng import HostWatch
-from lightning_replay.memory import StepPeak, live_model_bytes, profiler_busy
+from lightning_replay.memory import (
+    StepPeak,
+    live_model_bytes,
+    process_tensor_bytes,
+    profiler_busy,
+)
 from lightning_replay.planner import InfeasibleBudget
 from lightning_replay.preservation import CaptureMode, RegionLog, idle_capture_mode
 from lightning_replay.records import RecordStore
@@ -50,7 +55,7 @@ from lightning_replay.replan import ReplanPolicy, input_shapes
 from lightning_replay.restore import _Invocation
 from lightning_replay import installation as _installation
 from lightning_replay.installation import _new_plain  # noqa: F401  (named by older pickles)
-from lightning_replay.runtime import SegmentRuntime
+from lightning_replay.runtime import NOT_CALLED, SegmentRuntime, idle_message
 from lightning_replay.state import (
     StateIndex,
     storage_key,
@@ -146,6 +151,7 @@ class ReplayEngine:
             self.track_memory(True)
         self._external: list[Any] = []
         self._pending_probes: set[SegmentRuntime] = set()
+        self._idle_warned: set[str] = set()  # segments named as not replaying (see runtime)
         self._held_bytes = 0
         self._replays_this_step = 0
         self._truth: StepPeak | None = None  # measuring a step's real peak (CPU)
@@ -158,6 +164,7 @@ class ReplayEngine:
         self._truth_gap = self.TRUTH_EVERY[0]
         self._truth_plan: _planner.Plan | None = None  # the plan the measured step ran
         self._truth_opt = 0  # bytes the measured step began with beyond the model and batch
+        self._truth_held = 0  # ... as the process walk found them when it began
         self._truth_checked = False  # whether the last step began was derivative-checked
         self._truth_inputs = 0  # bytes of the measured step's inputs, made before it began
         self._truth_size: int | None = None  # the largest input (elements) measured at
@@ -671,6 +678,8 @@ class ReplayEngine:
             return
         for rt in list(self._pending_probes):
             rt.finish_stale_probes()
+        if self.step >= 1:
+            self._name_idle_segments()
         if self._capture_timed and self._capture_ops:
             self.meter.capture_ops.append(self._capture_ops)
         self._capture_ops = 0
@@ -757,6 +766,8 @@ class ReplayEngine:
                 storage_key(t) for t in list(self.model.parameters()) + list(self.model.buffers())
             }
             acct.reset_peak()
+            # (the user's hooks below it still apply to what replays save: runtime.py)
+            self._hooks_below_accountant = top_saved_tensors_hooks()
             self._acct_hooks = acct.saved_tensors_hooks()
             self._acct_hooks.__enter__()
         # pending invocations armed under an earlier plan still need their writes logged
@@ -937,6 +948,9 @@ class ReplayEngine:
             self._truth_off = True
             return
         self._truth = truth
+        # what the process held beyond the model's own tensors (gradients that exist now
+        # included) and the batch: optimizer state and whatever anyone keeps between steps
+        self._truth_held = truth.base - live_model_bytes(self.model) - self._truth_inputs
         # Stop right after the step's optimizer step (its temporaries and state included),
         # so the profiler does not span the caller's code between steps; else when the next
         # window begins. Not from inside backward: autograd restores the thread's profiler
@@ -958,9 +972,7 @@ class ReplayEngine:
             self._truth_peak = truth.stop()
             # held between steps, not growing with the input: the optimizer's state and
             # whatever else the process kept beyond the model's own tensors and the batch
-            self._truth_opt = max(
-                self._optimizer_bytes(), truth.base - self._static_bytes() - self._truth_inputs
-            )
+            self._truth_opt = max(self._optimizer_bytes(), self._truth_held)
 
     def _adopt_optimizer(self, optimizer: Any) -> bool:
         """Track an optimizer seen stepping this model's parameters (one ``track_optimizer``
@@ -1067,6 +1079,8 @@ class ReplayEngine:
             )
         ):
             return
+        if all(rt.contract is None for rt in self.runtimes.values()):
+            return  # no segment replays (see _name_idle_segments): nothing to plan
         if self.plan is None and not self._calibration:
             offered = {
                 o
@@ -1129,9 +1143,10 @@ class ReplayEngine:
         for rt in self.runtimes.values():
             rt.planned_option = None  # calibration is not a plan
 
-    def _calibration_peak(self, choices: Mapping[str, str]) -> int:
+    def _calibration_peak(self, choices: Mapping[str, str], base: int) -> int:
         """A calibration step's peak by the probe's figures, as the planner predicts a plan's:
-        the real base, each segment's inputs and preserved state under its calibration option
+        ``base`` (:meth:`_calibration_base`), each segment's inputs and preserved state under its
+        calibration option
         (its activations where it keeps them), and each replay's activations on top."""
         costs, picks = [], {}
         for name in self.segments:
@@ -1149,7 +1164,21 @@ class ReplayEngine:
                 _planner.SegmentCost(name, c.activation_bytes, {o: _planner.Option(held, 0.0)})
             )
             picks[name] = o
-        return _planner.predicted_peak(costs, picks, self.real_base_memory)
+        return _planner.predicted_peak(costs, picks, base)
+
+    def _calibration_base(self) -> int:
+        """The base a calibration step is predicted with: the real base, or, where larger (no
+        step measured yet, or more held since), what the process holds as this step begins
+        (CPU: every live tensor storage; CUDA: the allocator's count), plus the gradients still
+        to be made and what is saved outside segments."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = _unique_bytes([p for p in params if p.grad is None])
+        if self._cuda:
+            dev = _model_cuda_device(self.model)
+            held = int(torch.cuda.memory_allocated(dev))
+        else:
+            held = process_tensor_bytes()
+        return max(self.real_base_memory, held + grads + self._base_saved)
 
     def _fit_calibration(self, choices: dict[str, str], allowed: Mapping[str, list]) -> None:
         """Under a byte budget, calibrate only options that fit: where a whole snapshot would
@@ -1159,7 +1188,8 @@ class ReplayEngine:
         choose is left untimed; it stays out of the cost table (never measured)."""
         if self.budget is None:
             return
-        while self._calibration_peak(choices) > self.budget:
+        base = self._calibration_base()  # a walk of the process: once per phase step
+        while self._calibration_peak(choices, base) > self.budget:
             swaps = []
             for name, o in choices.items():
                 c = self.runtimes[name].contract
@@ -1181,7 +1211,38 @@ class ReplayEngine:
         (a frozen teacher under ``torch.no_grad``, a branch not taken): it holds no activations
         to plan for, and the other segments are planned without it. Should it run with
         autograd later, it is probed then, and joins the next plan."""
-        return rt.forwards == 0 and rt.contract is None and self.step >= 2
+        return rt.idle_reason() is not None or (
+            rt.forwards == 0 and rt.contract is None and self.step >= 2
+        )
+
+    def _name_idle_segments(self) -> None:
+        """Once per segment, after the first windows: a segment that will not replay is named,
+        with why (:meth:`SegmentRuntime.idle_reason`). One never called in the model's forward
+        is a configuration error under ``on_violation="raise"``."""
+        warned = self._idle_warned
+        fresh = [rt for rt in self.runtimes.values() if rt.name not in warned and rt.idle_reason()]
+        if not fresh:
+            return
+        # (one skipped at random, its list's other items called, is warned about, never
+        # stopped: plain PyTorch trains it)
+        uncalled = [rt for rt in fresh if rt.idle_reason() == NOT_CALLED and not rt.skipped()]
+        if uncalled and self.on_violation == "raise":
+            raise ReplayConfigError(
+                "; ".join(idle_message(rt) for rt in uncalled)
+                + " (on_violation='raise': stopped here)."
+            )
+        for rt in fresh:
+            warned.add(rt.name)
+            reason = rt.idle_reason()
+            self.records.append(
+                step=self.step,
+                segment=rt.name,
+                contract_version=0,
+                check="probe",
+                outcome="rejection",
+                detail={"seen": reason, "action": "planned without it"},
+            )
+            warnings.warn(idle_message(rt) + ".", RuntimeWarning, stacklevel=4)
 
     def _select_checked(self, requested: list[str] | None) -> frozenset:
         """The segments to derivative-check this window (see :meth:`request_check`)."""

@@ -21,10 +21,12 @@ import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from lightning_replay._compat import under_functorch
 from lightning_replay.config import ReplanSettings, ReplayConfig
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.records import RecordStore
-from lightning_replay.segments import SegmentSpec, resolve_segments
+from lightning_replay.errors import SegmentError
+from lightning_replay.segments import SegmentSpec, _is_compiled, resolve_segments
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_replay.engine import ReplayEngine
@@ -91,7 +93,7 @@ def _root_class(cls: type) -> type:
 
     def forward(self, *args, **kwargs):
         eng = _ROOTS.get(self)
-        if eng is None:
+        if eng is None or under_functorch():  # (a torch.func transform: no window, see runtime)
             return cls.forward(self, *args, **kwargs)
         eng._explicit_windows += 1
         eng.begin_window(continuation=not torch.is_grad_enabled(), inputs=(args, kwargs))
@@ -288,13 +290,57 @@ def install_config(model: nn.Module, config: ReplayConfig) -> ReplayEngine:
                 f"model already has lightning_replay installed (segment "
                 f"{_RUNTIMES[mod].name!r}); call engine.uninstall() before installing again"
             )
+    _refuse_compiled(model)
     resolved = resolve_segments(model, config.segments)
+    _refuse_compiled_around(model, resolved)
     _refuse_own_checkpointing(model, resolved)
     config.pins(resolved)
     from lightning_replay.engine import ReplayEngine, _resolve_budget
 
     _resolve_budget(config, model)  # a fraction that cannot resolve fails before any change
     return ReplayEngine(model, resolved, config, config.make_records(rank=_rank()))
+
+
+def _refuse_compiled(model: nn.Module) -> None:
+    """A model compiled as a whole (``torch.compile(model)``, ``model.compile()``): its
+    forward, the window, would be traced with the segments' runtimes inside it."""
+    how = _is_compiled(model)
+    if how is not None:
+        raise ReplayConfigError(
+            f"model is compiled as a whole ({how}): its forward would trace lightning_replay's "
+            "own code into the compiled graph, which cannot probe or replay a segment "
+            "(torch.compile is not supported, see the README's Out of scope). Install replay "
+            "on the eager model (for torch.compile(model): its ._orig_mod) and do not compile "
+            "it; compile only modules that hold no segment."
+        )
+
+
+def _refuse_compiled_around(model: nn.Module, segments: Mapping[str, nn.Module]) -> None:
+    """A compiled module that holds a segment, or lies inside one: the same reason as
+    :func:`_refuse_compiled` (a compiled module apart from every segment may stay)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.jit.ScriptModule):
+            raise SegmentError(
+                f"module {name!r} is a TorchScript module (torch.jit.script or "
+                "torch.jit.trace): its state lives in the TorchScript interpreter, where "
+                "lightning_replay can neither watch it nor put it back for a replay (TorchScript "
+                "is not supported, see the README's Out of scope). Keep the module eager while "
+                "training with replay (script or trace it for deployment afterwards)."
+            )
+        how = _is_compiled(mod)
+        if how is None:
+            continue
+        for seg in segments:
+            if seg.startswith(name + ".") or name.startswith(seg + "."):
+                where = "holds" if seg.startswith(name + ".") else "lies inside"
+                raise SegmentError(
+                    f"module {name!r} is compiled ({how}) and {where} segment {seg!r}: a "
+                    "compiled forward runs as one graph, which the probe cannot watch and a "
+                    "replay cannot re-run with the state it saw (torch.compile is not "
+                    "supported, see the README's Out of scope). Do not compile the segments "
+                    "or the modules around them; modules that hold no segment may stay "
+                    "compiled."
+                )
 
 
 def _refuse_own_checkpointing(model: nn.Module, segments: Mapping[str, nn.Module]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_replay._compat import TorchDispatchMode, op_arguments
+from lightning_replay import state as _state
 from lightning_replay.costs import clock
 from lightning_replay.state import _SWAP_CHUNK, StorageKey, storage_bytes, storage_key, swap_
 
@@ -131,6 +132,10 @@ class RegionLog:
         self.after: dict[StorageKey, int] = {}
         self.broken: set[StorageKey] = set()
         self.nbytes = 0
+        # > 0 while a replay runs: its writes (the swaps in and out, the replayed forward's
+        # own, undone by its sandbox) are not the window's, even where backward runs inside a
+        # manual window with the capture mode still on
+        self.paused = 0
 
     def arm(self, key: StorageKey, owner: torch.Tensor | None = None) -> int:
         """Start (or keep) logging writes to ``key``; returns the position to undo back to."""
@@ -203,7 +208,7 @@ class CaptureMode(TorchDispatchMode):
             self._settle()
         armed = log.armed
         written = None
-        if armed:
+        if armed and not log.paused:
             for pos, name in write_args(func):
                 v = arg_value(func, args, kwargs, pos, name)
                 # a Tensor(a!)[] argument (the _foreach_ ops) writes each of its tensors
@@ -375,8 +380,13 @@ class WholeSnapshot:
         self.snaps = snaps
         self.nbytes = sum(sizes)
 
-    def swap_in(self) -> None:
-        """Put the snapshot's bytes into the live storages; the snapshot keeps the live ones."""
+    def swap_in(self, keep: bool = False) -> None:
+        """Put the snapshot's bytes into the live storages; the snapshot keeps the live ones,
+        or, with ``keep`` (another replay may follow: a backward that keeps its graph), the
+        forward's bytes stay in it and the live ones wait in a temporary."""
+        if keep:
+            self._swap_kept()
+            return
         pool = self._pool
         if (
             pool is not None
@@ -427,6 +437,27 @@ class WholeSnapshot:
             if batch[0]:
                 self._swap_batch(*batch)
 
+    def _swap_kept(self) -> None:
+        # the live bytes into temporaries, the snapshot copied in: swap_out copies them back
+        # and the snapshot still holds the forward's bytes for the next replay
+        moved = self._moved
+        with torch.no_grad():
+            for t, view, snap, meta in zip(self.tensors, self.views, self.snaps, self.metas):
+                st = t.untyped_storage()
+                if (
+                    st.nbytes() == snap.numel()
+                    and (t.storage_offset(), t.shape, t.stride()) == meta
+                ):
+                    if view.untyped_storage()._cdata != st._cdata:
+                        view = storage_bytes(t)
+                    tmp = view.clone()
+                    view.copy_(snap)
+                    self._batches.append(([view], [tmp]))
+                else:
+                    moved.append((t, (st, t.storage_offset(), t.shape, t.stride())))
+                    t.set_(snap.clone().untyped_storage(), *meta)
+        self._spent = "kept"
+
     def _swap_pooled(self, pool: SnapshotPool) -> None:
         # the live bytes into a spare buffer, the snapshot into the live storages
         spare = pool.buffer()
@@ -455,6 +486,9 @@ class WholeSnapshot:
         self._batches = []
         self._moved = []
         pool = self._pool
+        if self._spent == "kept":  # the snapshot is intact (see _swap_kept)
+            self._spent = None
+            return
         if self._spent is not None and pool is not None and pool.views is self.views:
             pool.spare = [self._spent, self.buffers[0]]  # both spent: the next call's buffers
         self._spent = None
@@ -495,7 +529,7 @@ class SharedWhole:
         return (
             self.snap is not None
             and not self.spoiled
-            and self.snap.device.type == "cpu"
+            and _state.host_reads_free(self.snap)
             and t._version == self.version
             and storage_key(t) == self.key
             and t.untyped_storage().nbytes() == self.nbytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 import re
 import random
 import sys
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch.utils.checkpoint import CheckpointError, checkpoint, set_checkpoint_early_stop
 
@@ -27,6 +29,13 @@ from lightning_replay._compat import (
     tree_flatten,
 )
 from lightning_replay.accounting import Saved
+from lightning_replay.arguments import (
+    MAX_DEPTH,
+    call_tensors,
+    check_rebuild,
+    flatten_call,
+    unflatten_call,
+)
 from lightning_replay.contract import SELECTIVE, ReplayContract, StateEntry
 from lightning_replay.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.probe_replay import _ProbeReplay
@@ -39,7 +48,7 @@ from lightning_replay.host_rng import (
     is_host_rng,
     states,
 )
-from lightning_replay.restore import _Bound
+from lightning_replay.restore import _Bound, user_saved_hooks
 from lightning_replay.module_globals import describe, globals_read
 from lightning_replay.guards import _attrs as _guard_attrs
 from lightning_replay.guards import _contents as _guard_contents
@@ -65,6 +74,7 @@ from lightning_replay.state import (
     digest_token,
     digests,
     find_generator_name,
+    iter_named_state,
     storage_key,
     tensor_leaves,
     unique_generators,
@@ -98,10 +108,17 @@ class _Probe:
         self.outside: list | None = None  # outside attributes read, as at forward (replayed)
         self.saved_tokens: list = []  # digest tokens of the tensors its forward saved (replayed)
         self.saved_state: dict = {}  # storage key -> (alias, version) of saved state (replayed)
+        #: while its forward runs: a backward inside it (``torch.autograd.grad`` of an energy,
+        #: forces = -dE/dx) unpacks saved tensors, which is not the replay point; a replayed
+        #: probe's handles hold their tensors until the forward ends, so that such a backward
+        #: reads them instead of making checkpoint recompute the forward from inside itself
+        self.running = False
+        self.direct: list[_ProbeHandle] = []
         self.changed_inputs: list[int] = []  # argument leaves the window changes
         self.written_inputs: list[int] = []  # ... that the segment itself writes
         self.start_index: StateIndex | None = None  # the model's state names at its start
         self.host: list = []  # (HostRNG, state at its start) of those its forward drew from
+        self.sparse_reads: list[str] = []  # the model's sparse tensors its forward read
         self.replay_done = False  # (replayed) its replay has run: nothing more needs its data
 
     def release(self) -> None:
@@ -124,6 +141,80 @@ class _Probe:
         self.start_index = None
         self.host = []
         self.created = []
+
+
+class _HostReads:
+    """While a probe's forward runs: state read straight into host memory, where no dispatch
+    mode sees it (``t.tolist()``, ``t.numpy()``, ``np.asarray(t)``), is watched like state the
+    mode sees read (``.item()``, ``float(t)`` and ``int(t)`` dispatch
+    ``aten::_local_scalar_dense``, which it does see). A tensor the segment made is ignored
+    by the mode's own rule (produced storage)."""
+
+    _NAMES = ("tolist", "numpy", "__array__")
+
+    def __init__(self, mode: DiscoveryMode) -> None:
+        self.mode = mode
+        self._saved: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> "_HostReads":
+        for name in self._NAMES:
+            orig = torch.Tensor.__dict__.get(name, _MISSING)
+            self._saved.append((name, orig))
+            setattr(torch.Tensor, name, self._watch(getattr(torch.Tensor, name)))
+        return self
+
+    def _watch(self, fn: Callable) -> Callable:
+        mode = self.mode
+
+        def watched(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
+                mode.touch_all([t])
+            return fn(t, *args, **kwargs)
+
+        return watched
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, orig in reversed(self._saved):
+            if orig is _MISSING:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, orig)
+        self._saved = []
+
+
+class _SparseStateReads(TorchDispatchMode):
+    """While a probe's forward runs: which of the model's sparse tensors (a sparse COO or CSR
+    buffer or attribute) its ops read. A sparse tensor has no strided storage to snapshot or
+    log, and an in-place op on one reallocates its values: the segment is kept retained
+    (exact, no replay) instead."""
+
+    def __init__(self, sparse: dict[int, str]) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.read: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in list(args) + list(kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor) and id(t) in self.sparse:
+                    self.read.add(self.sparse[id(t)])
+        return func(*args, **kwargs)
+
+
+def _sparse_state(model: nn.Module, own: list[nn.Module]) -> dict[int, str]:
+    """The model's tensors with no strided storage (sparse layouts) outside the modules
+    ``own``, by id: name. (A segment's own sparse buffers and attributes are copied with its
+    slots at each forward and put back for the replay: slots.ModuleSlots.)"""
+    mine = {id(m) for m in own}
+    refs = [(ref, ref.get()) for ref in iter_named_state(model)]
+    sparse = [(ref, t) for ref, t in refs if t is not None and t.layout != torch.strided]
+    held = {id(t) for ref, t in sparse if id(ref.module) in mine}
+    out: dict[int, str] = {}
+    for ref, t in sparse:
+        if id(t) not in held:
+            out.setdefault(id(t), ref.name)
+    return out
 
 
 class _GlobalStateReads:
@@ -168,7 +259,7 @@ class _ProbeHandle:
     replay the segment, so the probe's window ends there: writes made in backward before it
     (a gradient hook on the segment's output) belong to the window."""
 
-    __slots__ = ("inner", "unpack_fn", "probe", "rt")
+    __slots__ = ("inner", "unpack_fn", "probe", "rt", "tensor")
 
     def __init__(
         self, inner: Any, unpack_fn: Callable, probe: _Probe, rt: "SegmentRuntime"
@@ -177,9 +268,14 @@ class _ProbeHandle:
         self.unpack_fn = unpack_fn
         self.probe = probe
         self.rt = rt
+        self.tensor: torch.Tensor | None = None  # held while the forward runs (replayed)
         probe.live += 1
 
     def unpack(self) -> torch.Tensor:
+        if self.probe.running:  # a backward inside the segment's own forward
+            if self.tensor is not None:
+                return self.tensor
+            return self.unpack_fn(self.inner)
         if self.probe.observations is None:
             self.rt._observe(self.probe)
         if not self.probe.replayed:
@@ -384,7 +480,30 @@ class SegmentProbe:
         eng = self.engine
         self.status = "probing"
         self.guard.accept()  # this forward's preconditions are what the probe will cover
-        leaves = tensor_leaves((args, kwargs))
+        # every tensor the call reaches, inside argument objects too (arguments.py)
+        flat_call, call_spec = flatten_call(args, kwargs)
+        if call_spec.objects:
+            why = check_rebuild(flat_call, call_spec)
+            if why is not None:
+                self.status = "probe"
+                raise ReplayConfigError(
+                    f"segment {self.name!r} is called with an argument object its replay "
+                    f"cannot rebuild as the forward saw it: {why}. Pass the segment its "
+                    "tensors (or a dataclass, namedtuple, dict or list of them), or leave this "
+                    "segment out of `segments`."
+                )
+        if call_spec.too_deep and not getattr(self, "_warned_deep", False):
+            self._warned_deep = True
+            warnings.warn(
+                f"segment {self.name!r} is called with tensors inside argument objects more "
+                f"than {MAX_DEPTH} levels deep ({', '.join(call_spec.too_deep[:4])}): they "
+                "reach its replay as the live objects, so a field rebound or a tensor written "
+                "in place there after the forward would be read new. Pass the segment those "
+                "tensors (or a shallower object).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        leaves = [x for x in flat_call if isinstance(x, torch.Tensor)]
         leaf_keys = [storage_key(t) for t in leaves]
         input_keys = {k for k in leaf_keys if k}
         params = {k for k in (storage_key(p) for p in eng.model.parameters()) if k is not None}
@@ -421,7 +540,11 @@ class SegmentProbe:
                     # (its storage lives on anyway), to refuse a backward plain PyTorch refuses
                     probe.saved_state[key] = (t.detach(), t._version)
             inner = outer_pack(t) if outer_pack is not None else Saved(t, where, eng.state_name)
-            return _ProbeHandle(inner, unpack_fn, probe, self)
+            handle = _ProbeHandle(inner, unpack_fn, probe, self)
+            if replayed:
+                handle.tensor = t
+                probe.direct.append(handle)
+            return handle
 
         ids = {id(m) for m in self.modules}
         outside = OutsideReads([m for m in eng.model.modules() if id(m) not in ids])
@@ -432,11 +555,14 @@ class SegmentProbe:
         passed = [as_host_rng(x) for x in tree_flatten((args, kwargs))[0] if is_host_rng(x)]
         host_before = states(hosts + passed)
         peeked = _GlobalStateReads()
+        sparse = _sparse_state(eng.model, self.modules)
+        sparse_reads = _SparseStateReads(sparse) if sparse else contextlib.nullcontext()
         # module-level plain values the segment's code names, as before its forward
         glob = [
             (mod, name, _at_forward(mod.__dict__[name])) for mod, name in globals_read(self.modules)
         ]
         eng._segment_depth += 1
+        probe.running = True
         try:
             with (
                 torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack),
@@ -445,11 +571,17 @@ class SegmentProbe:
                 own,
                 held,
                 peeked,
+                _HostReads(mode),
+                sparse_reads,
                 comparisons() as compared,
             ):
                 out = self.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
+            probe.running = False
+            for h in probe.direct:
+                h.tensor = None
+            probe.direct = []
         if compared:  # numbers read from module attributes that gated a branch
             first = {(id(d), n): v for d, n, v in own.first + outside.first}
             self.guard.add_predicates(_predicates(compared, eng.model, first))
@@ -489,6 +621,8 @@ class SegmentProbe:
         )
         self.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
         self.input_bytes = _unique_bytes(leaves)
+        if sparse and sparse_reads.read:
+            probe.sparse_reads = sorted(sparse_reads.read)
         self.probes.append(probe)
         if box is not None:
             box["probe"] = probe
@@ -513,6 +647,10 @@ class SegmentProbe:
         """
         box: dict[str, Any] = {}
         eng = self.engine
+        # the call as the forward saw it: argument objects' fields rebound later are not read
+        flat_call, call_spec = flatten_call(args, kwargs)
+        # the user's saved-tensor hooks: applied to what the replay saves (runtime.py)
+        user = user_saved_hooks(eng)
 
         # The arguments reach the replay through this closure, not as checkpoint's inputs:
         # checkpoint would save them and refuse one written in place since (a view of state
@@ -538,12 +676,14 @@ class SegmentProbe:
                 # parameters are the base's (refilled since the forward, maybe elsewhere)
                 if key is not None and not (acct is not None and acct.elsewhere(t)):
                     replay.saved_bytes[key] = t.untyped_storage().nbytes()
-                return pack_next(t)
+                return pack_next(t if user is None else user[1](user[0](t)))
 
             eng._segment_depth += 1
             try:
+                # the call as at the forward: its containers' and objects' fields then
+                a, kw = unflatten_call(flat_call, call_spec)
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next), replay.producers:
-                    out = self.orig_forward(*args, **kwargs)
+                    out = self.orig_forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
             replay.compare(out)
@@ -552,7 +692,7 @@ class SegmentProbe:
         # Checkpoint preserves the RNG of the devices of its inputs: an empty tensor on the
         # accelerator the segment runs on names it (its arguments do not reach checkpoint).
         dev = next(
-            (t.device for t in tensor_leaves((args, kwargs)) if t.device.type != "cpu"),
+            (t.device for t in call_tensors(args, kwargs) if t.device.type != "cpu"),
             eng._cuda_device,
         )
         device = (torch.empty(0, device=dev),) if dev is not None else ()
@@ -696,6 +836,8 @@ class SegmentProbe:
             act = max(act, p.activation_bytes)
             self.state_keys.update(p.mode.touched)
             uses_rng |= p.mode.uses_global_rng
+            if p.sparse_reads and not self.demoted:
+                self._keep_for_sparse(p)
             gens.update(p.mode.generators)
             host.update((id(r.obj), r) for r, _ in p.host)
             changed_attrs.update(p.changed_attrs)
@@ -777,6 +919,29 @@ class SegmentProbe:
             check="contract",
             outcome="match",
             detail=_contract_detail(c),
+        )
+
+    def _keep_for_sparse(self, probe: _Probe) -> None:
+        """The probe's forward read sparse model state, which no option can preserve: the
+        segment keeps its activations from now on (exact), recorded and warned once."""
+        eng = self.engine
+        self.demoted = True
+        names = ", ".join(probe.sparse_reads)
+        eng.records.append(
+            step=probe.step,
+            segment=self.name,
+            contract_version=self.version + 1,
+            check="probe",
+            outcome="rejection",
+            detail={"what": f"reads sparse state {names}", "action": "retain"},
+        )
+        warnings.warn(
+            f"segment {self.name!r} reads sparse model state ({names}): a sparse tensor has no "
+            "strided storage to preserve, and an in-place op on it reallocates its values, so "
+            "the segment keeps its activations (retain, exact) instead of replaying. Keep the "
+            "sparse tensor dense, or pass it to the segment as an argument, to replay it.",
+            RuntimeWarning,
+            stacklevel=2,
         )
 
     def _outside_names(self) -> list[str]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_replay._compat import set_versions
+from lightning_replay._compat import graph_task_keeps_graph, set_versions
 from lightning_replay.errors import ReplayError, SavedTensorModified
 from lightning_replay.kernel_noise import ProducerLog
 from lightning_replay.preservation import redo, undo
@@ -61,6 +61,7 @@ class _ProbeReplay:
         self.saved: list[torch.Tensor] = []  # what the replay saved (tokens' order), until compared
         self.saved_bytes: dict = {}  # storage key -> bytes of what the replay saved
         self.params: set = set()
+        self.keep = False
         #: the replay's multi-output ops: which of its saved values the kernel does not reproduce
         self.producers = ProducerLog()
 
@@ -86,6 +87,9 @@ class _ProbeReplay:
         self.swapped = []
         self.undone = []
         self.repointed = []
+        # a backward that keeps its graph (create_graph: a gradient penalty) may be followed by
+        # another that replays again: the first-touch copies then stay intact for it
+        self.keep = graph_task_keeps_graph()
         with torch.no_grad():
             for ob in probe.observations:
                 t = ob.touch
@@ -114,6 +118,10 @@ class _ProbeReplay:
                 live = storage_bytes(t.tensor)
                 if live.numel() != t.snapshot.numel():
                     continue  # resized since: the output comparison says if it mattered
+                if self.keep:
+                    self.swapped.append((t.tensor, live.clone(), t.tensor._version))
+                    live.copy_(t.snapshot)
+                    continue
                 self.swapped.append((t.tensor, t.snapshot, t.tensor._version))
                 swap_(live, t.snapshot)
         self.slots = swap_slots(probe.slots)
@@ -284,7 +292,8 @@ class _ProbeReplay:
                 src.set_(*live)
         set_versions([src for src, _, _ in self.repointed], [v for _, _, v in self.repointed])
         set_versions([t for t, _, _ in self.swapped], [v for _, _, v in self.swapped])
-        probe = self.box.get("probe")
+        # kept whole for the replay a backward that keeps its graph is followed by (see keep)
+        probe = self.box.get("probe") if not self.keep else None
         self.swapped = []
         self.undone = []
         self.repointed = []

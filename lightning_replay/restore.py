@@ -18,7 +18,12 @@ import torch
 import torch.utils.checkpoint as _checkpoint_module
 from torch.utils.checkpoint import CheckpointError
 
-from lightning_replay._compat import checkpoint_frame_recomputing, set_versions
+from lightning_replay._compat import (
+    checkpoint_frame_recomputing,
+    graph_task_keeps_graph,
+    set_versions,
+    top_saved_tensors_hooks,
+)
 from lightning_replay.contract import SELECTIVE, StateEntry
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
@@ -101,6 +106,7 @@ class _Invocation:
         "kept",
         "outside",
         "replaying",
+        "in_forward",
         "changing",
         "__weakref__",
     )
@@ -135,6 +141,7 @@ class _Invocation:
         self.done = False
         self.kept = False  # holds preserved bytes that the first replay releases
         self.replaying = False
+        self.in_forward = False  # its forward runs (a backward inside it may replay it)
         self._token = {"done": False}
         log = eng.log
         capturing = eng._capturing
@@ -193,17 +200,6 @@ class _Invocation:
         finally:
             torch._C._set_grad_enabled(prev)
         self.kept = bool(whole or self.regions or self.shared)
-        if self.regions or self.shared:
-            # Dropped without replay (graph freed, backward never called): disarm anyway.
-            weakref.finalize(
-                self,
-                _dropped,
-                log,
-                [k for k, _ in self.regions],
-                eng,
-                [sw for sw, _ in self.shared],
-                self._token,
-            )
         g = rt.guard
         if len(g.captures) != len(rt.modules):
             g.captures = [MISSING] * len(rt.modules)
@@ -242,6 +238,25 @@ class _Invocation:
             mine.append((sw, t))
         self.shared = mine
 
+    def watch(self) -> None:
+        """Once the call's preserved state is complete (the runtime's ``_prepare``): should
+        this object die before :meth:`release` (its graph freed without a backward reaching
+        it, a detached output, a graph kept for a second backward and then dropped), give
+        back all the same what it holds: region-log arms, shared copies, held bytes."""
+        if self.done or not (self.kept or self.held or self.preserved_bytes):
+            return
+        eng = self.rt.engine
+        self._token["held"] = (eng.accountant, self.held, self.preserved_bytes)
+        weakref.finalize(
+            self,
+            _dropped,
+            eng.log,
+            [k for k, _ in self.regions],
+            eng,
+            [sw for sw, _ in self.shared],
+            self._token,
+        )
+
     def release(self) -> None:
         if self.done:
             return
@@ -257,7 +272,7 @@ class _Invocation:
         if acct is not None:
             for key in self.held:
                 acct.drop(key)
-        self.held = []
+        self.held.clear()
 
 
 def _entry_plan(rt: "SegmentRuntime") -> list[tuple]:
@@ -316,6 +331,13 @@ def _dropped(log: RegionLog, keys: list, eng: Any, sws: list[SharedWhole], token
         for key in keys:
             log.release(key)
         _free_shared(eng, sws)
+        held = token.get("held")
+        if held is not None:  # (see _Invocation.watch)
+            acct, keys_held, nbytes = held
+            eng._held_bytes -= nbytes
+            if acct is not None:
+                for key in keys_held:
+                    acct.drop(key)
 
 
 class _ReplayContext:
@@ -338,12 +360,23 @@ class _ReplayContext:
         "_recompute",
         "_suspects",
         "_checked_after",
+        "_user_hooks",
+        "_pushed",
+        "_paused",
+        "_keep",
     )
 
-    def __init__(self, inv: _Invocation, recompute: bool = False) -> None:
+    def __init__(
+        self, inv: _Invocation, recompute: bool = False, user_hooks: tuple | None = None
+    ) -> None:
         self.inv = inv
         self._stage = 0
+        self._paused = False
+        self._keep = False
         self._checked_after = False
+        # the user's saved-tensor hooks (pack, unpack) active at the forward (see __enter__)
+        self._user_hooks = user_hooks
+        self._pushed = None
         # checkpoint's recomputation (it checks saved tensors): None, else whether it stops
         # early (checkpoint reads that at the forward, when this context is made)
         self._recompute = _early_stop() if recompute else None
@@ -354,10 +387,31 @@ class _ReplayContext:
         eng = rt.engine
         if inv.done and inv.kept:
             raise ReplayError(
-                f"segment {rt.name!r} is being replayed a second time for the step {inv.step} "
-                "(backward with retain_graph=True?). Its preserved state is gone after the first "
-                "replay. Use preservation='retain' for segments whose graph is reused."
+                f"segment {rt.name!r} is being replayed again for the step {inv.step}, by a "
+                "backward after one that freed its graph (retain_graph=False): its preserved "
+                "state went with that graph. Pass retain_graph=True to the earlier backward "
+                "(as plain PyTorch needs where the two share nodes), or use "
+                f"preservation={{{rt.name!r}: 'retain'}}."
             )
+        # A checkpoint's recomputation runs once per backward that reaches it: one that keeps
+        # its graph (retain_graph, create_graph: a gradient penalty, R1, second-order MAML) can
+        # be followed by another, which must replay from the same preserved state. It is then
+        # kept, intact, until a backward that frees the graph has replayed, or the graph dies.
+        # A backward run inside the segment's own forward (torch.autograd.grad of an energy)
+        # makes checkpoint recompute it there: the step's own backward replays it once more.
+        self._keep = self._recompute is not None and (inv.in_forward or graph_task_keeps_graph())
+        # Nothing from here to the end of _undo is the window's write: where backward runs
+        # inside a manual window, its capture mode is still on and must not log the swaps or
+        # the replayed forward's writes (a later replay would expect their versions).
+        eng.log.paused += 1
+        self._paused = True
+        try:
+            self._enter(inv, rt, eng)
+        except BaseException:
+            self._undo(self._stage)
+            raise
+
+    def _enter(self, inv: _Invocation, rt: "SegmentRuntime", eng: Any) -> None:
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
         self._t0 = clock(eng._cuda)
@@ -389,7 +443,7 @@ class _ReplayContext:
                     )
                     t.set_(st, *meta)
             if inv.whole is not None:
-                inv.whole.swap_in()
+                inv.whole.swap_in(keep=self._keep)
             for i, (sw, t) in enumerate(inv.shared):
                 sw.swap_in(t, writes=bool(inv.shared_writes and inv.shared_writes[i]))
             regions = [eng.log.since(key, mark) for key, mark in inv.regions] if inv.regions else ()
@@ -429,6 +483,10 @@ class _ReplayContext:
         self._checked_after = (
             _refusals_name_the_segment(inv) if self._recompute is not None else False
         )
+        if self._user_hooks is not None and self._recompute is not None:
+            self._pushed = _through_user_hooks(self._user_hooks)
+            if self._pushed is not None:
+                self._pushed.__enter__()
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
@@ -452,6 +510,9 @@ class _ReplayContext:
         inv = self.inv
         self._stage = 0
         if stage >= 4:
+            if self._pushed is not None:
+                self._pushed.__exit__(None, None, None)
+                self._pushed = None
             inv.replaying = False
             inv.rt.engine._segment_depth -= 1
             if self._suspects is not None:
@@ -483,7 +544,11 @@ class _ReplayContext:
             tensors = [t for _, t in inv.tensors]
             if [t._version for t in tensors] != self._versions:
                 _reset_versions(tensors, self._versions)
-            inv.release()
+            if not self._keep:
+                inv.release()
+            # else kept for the next backward's replay, and given back when it releases, or
+            # when the graph that can reach it dies: checkpoint's frame holds this context,
+            # which holds ``inv`` (see _Invocation.watch)
             eng = inv.rt.engine
             if eng.measure_costs and stage >= 4 and (eng._sync or not eng._cuda):
                 if eng._sync:
@@ -497,6 +562,9 @@ class _ReplayContext:
                     inv.t_pending = (seconds, now)
                 else:
                     eng._record_replay_time(inv, seconds)
+        if self._paused:
+            self._paused = False
+            self.inv.rt.engine.log.paused -= 1
 
     def _check_versions(self) -> None:
         inv = self.inv
@@ -527,6 +595,35 @@ class _ReplayContext:
                     f"replay, expected {expected})",
                     inv,
                 )
+
+
+def user_saved_hooks(eng: Any) -> tuple | None:
+    """The user's saved-tensor hooks (pack, unpack) active now, or None: the innermost ones,
+    unless those are the engine's own memory accountant's (then the ones it was pushed over)."""
+    top = top_saved_tensors_hooks()
+    acct = getattr(eng, "_acct_hooks", None)
+    if top is not None and acct is not None and top[0] is acct.pack_hook:
+        return getattr(eng, "_hooks_below_accountant", None)
+    return top
+
+
+def _through_user_hooks(user: tuple) -> Any:
+    """Hooks over checkpoint's recomputation hook that pass each tensor the replay saves
+    through the user's own saved-tensor hooks first (``unpack(pack(t))``), or None.
+
+    In plain training the user's hooks (a ``saved_tensors_hooks`` around the step: rounding
+    to bf16, ``save_on_cpu``) transform what backward reads; a replay's tensors are saved by
+    checkpoint's own hook, innermost, and would reach backward untransformed."""
+    top = top_saved_tensors_hooks()  # checkpoint's recomputation hook
+    if top is None:
+        return None
+    ck_pack, ck_unpack = top
+    u_pack, u_unpack = user
+
+    def pack(t: torch.Tensor) -> Any:
+        return ck_pack(u_unpack(u_pack(t)))
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, ck_unpack)
 
 
 def _drew_uncaptured(inv: _Invocation, rngs: list, before: list) -> None:

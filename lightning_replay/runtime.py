@@ -18,8 +18,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_replay._compat import checkpoint_frame_forward, tree_flatten, tree_unflatten
+from lightning_replay._compat import (
+    checkpoint_frame_forward,
+    checkpoint_frame_recomputing,
+    in_reentrant_checkpoint_backward,
+    tree_leaves,
+    under_functorch,
+)
 from lightning_replay.accounting import checkpoint_rng_bytes
+from lightning_replay.arguments import flatten_call, unflatten_call
 from lightning_replay.checks import SegmentChecks
 from lightning_replay.contract import SELECTIVE, ReplayContract
 from lightning_replay.costs import clock, saved_tensor_overhead
@@ -27,16 +34,48 @@ from lightning_replay.errors import ContractViolation, ReplayConfigError
 from lightning_replay.guards import OUTSIDE, Guard
 from lightning_replay.host_rng import as_host_rng, is_host_rng
 from lightning_replay.probe import SegmentProbe, _Probe
-from lightning_replay.restore import _Bound, _Invocation, _ReplayContext
+from lightning_replay.restore import _Bound, _Invocation, _ReplayContext, user_saved_hooks
 from lightning_replay.selective import SelectiveFrame
 from lightning_replay.slots import capture_generators
-from lightning_replay.state import (
-    storage_key,
-)
+from lightning_replay.state import storage_key, strided_copy
 from lightning_replay.state import unique_bytes as _unique_bytes
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.engine import ReplayEngine
+
+
+#: :meth:`SegmentRuntime.idle_reason`: never called in the model's forward (a spare module, a
+#: misnamed segment), or called only without autograd (under ``torch.no_grad``, with nothing
+#: requiring grad, or inside a backward): nothing to replay, it runs plain
+NOT_CALLED = "not called"
+PLAIN = "plain"
+#: windows after which a segment whose siblings ran, never called itself, is named
+SKIPPED_WINDOWS = 32
+
+
+def idle_message(rt: "SegmentRuntime") -> str:
+    """Why ``rt`` does not replay, for a warning or an error."""
+    if rt.idle_reason() == NOT_CALLED:
+        windows = "window" if rt.engine.step == 1 else f"{rt.engine.step} windows"
+        return (
+            f"segment {rt.name!r} was never called in the model's forward in the first "
+            f"{windows}: it cannot replay (a spare module, or a segment named by mistake). "
+            "The other segments are planned and checked without it; remove it from "
+            "`segments`, or, for a module the forward calls only sometimes, install with "
+            "on_violation='record' to be warned instead of stopped"
+        )
+    where = []
+    if rt.backward_calls:
+        where.append("inside a backward (a custom autograd.Function re-running it)")
+    where.append(
+        "without autograd (under torch.no_grad, or with no parameter or argument requiring grad)"
+    )
+    return (
+        f"segment {rt.name!r} has run only {' or '.join(where)} in the first "
+        f"{rt.engine.step} windows: it records nothing for backward, so there is nothing to "
+        "replay and it runs plain, as in plain PyTorch. The other segments are planned without "
+        "it; should it run with autograd later, it is probed then"
+    )
 
 
 def _checkpointed_around(name: str) -> ReplayConfigError:
@@ -84,6 +123,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.generators: list[tuple[str, torch.Generator]] = []
         self.probes: list[_Probe] = []
         self.forwards = 0
+        self.calls = 0  # every call of its forward, with autograd or not
+        self.backward_calls = 0  # ... of them made while a backward ran (see __call__)
         self.replays = 0
         self.violations = 0
         self.checks = 0
@@ -128,16 +169,32 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         eng = self.engine
+        self.calls += 1
         if (
-            not (self.module.training and torch.is_grad_enabled())
+            not torch.is_grad_enabled()
             or eng._suspended
             or eng._segment_depth
+            or under_functorch()
+            or not (self.module.training or _needs_grad(self.module, args, kwargs))
         ):
             # A segment called inside another segment's forward or replay is part of it: the
             # outer segment's contract covers its state and the outer replay re-runs it.
+            # Under a torch.func transform (per-sample gradients: vmap(grad(functional_call)))
+            # the segment runs plain: the transform differentiates its own graph, and refuses
+            # the saved-tensor hooks a replay needs.
             return self.orig_forward(*args, **kwargs)
-        if torch._C._current_graph_task_id() != -1 or checkpoint_frame_forward() is not None:
+        if checkpoint_frame_forward() is not None:
             raise _checkpointed_around(self.name)
+        if torch._C._current_graph_task_id() != -1:
+            # Called while a backward runs: a reentrant checkpoint recomputing the model's
+            # own blocks is refused (one recomputation cannot run inside another); any other
+            # caller (a reversible block's custom Function re-running F and G in its backward,
+            # a hook) differentiates this call at once, within that backward: it runs plain,
+            # as in plain PyTorch, and has no activations to drop.
+            if in_reentrant_checkpoint_backward() or checkpoint_frame_recomputing() is not None:
+                raise _checkpointed_around(self.name)
+            self.backward_calls += 1
+            return self.orig_forward(*args, **kwargs)
         self.forwards += 1
         if self.order < 0:
             self.order = eng._next_order()
@@ -225,7 +282,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             flat, spec = list(args), None  # the common call: tensors only, nothing to flatten
         else:
-            flat, spec = tree_flatten((args, kwargs))
+            # tensors inside argument objects (a dataclass batch) too: see arguments.py
+            flat, spec = flatten_call(args, kwargs)
             hosts = [as_host_rng(x) for x in flat if is_host_rng(x)]
             if hosts:  # a generator outside torch passed in: its state at this call
                 inv.gens = inv.gens + capture_generators(hosts)
@@ -244,7 +302,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                         continue
                     j += 1
                     if j in written or (changing and storage_key(x) in changing):
-                        snap = x.detach().clone()
+                        snap = strided_copy(x)  # as laid out at the forward (its strides)
                         inv.subs[i] = (x, snap)
                         inv.preserved_bytes += snap.untyped_storage().nbytes()
                         eng._held_bytes += snap.untyped_storage().nbytes()
@@ -271,6 +329,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 if rng:
                     acct.hold(("rng", id(inv)), rng, self.name)
                     inv.held.append(("rng", id(inv)))
+        inv.watch()
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
         inv.t_prep = clock(eng._cuda) - t0
@@ -296,16 +355,17 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 flat = list(flat)
                 for i, (live, _) in inv.subs.items():
                     if inv.replaying:  # a fresh copy of the forward bytes (writable)
-                        x = flat[i].detach()
-                        flat[i] = (x.requires_grad_() if live.requires_grad else x).clone()
+                        flat[i] = _replay_input(flat[i], live.requires_grad)
                     else:
                         flat[i] = live
-            a, kw = (flat, {}) if spec is None else tree_unflatten(list(flat), spec)
             if inv.replaying:
+                # the call as at the forward: argument objects rebuilt with their fields then
+                a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
                 if sac is not None:  # the kept outputs stand in for their ops
                     with sac.recompute:
                         return forward(*a, **kw)
                 return forward(*a, **kw)
+            a, kw = (flat, {}) if spec is None else (args, kwargs)  # the live objects
             eng._segment_depth += 1
             # a calibration step may run this forward under a capture mode of its own, to
             # measure what the mode costs per op in place (see CostMeter.capture_time)
@@ -314,6 +374,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             if timed:
                 inner[1] = checkpoint_frame_forward()
                 t_in = _timed_clock(eng)
+            inv.in_forward = True
             try:
                 with (
                     sac.forward if sac is not None else contextlib.nullcontext(),
@@ -327,6 +388,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                         with sample:
                             out = forward(*a, **kw)
             finally:
+                inv.in_forward = False
                 eng._segment_depth -= 1
             if timed:
                 inner[0] = _timed_clock(eng) - t_in
@@ -340,28 +402,33 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 inv.shared_writes = [t._version != sw.version for sw, t in inv.shared]
             return out
 
-        context_fn = _full_replay(inv)
+        # The user's saved-tensor hooks around the step apply to what the replay saves, as
+        # plain training applies them to what the forward saves (restore._through_user_hooks)
+        user = user_saved_hooks(eng)
+        context_fn = _full_replay(inv, user)
+        # ... but not to the inputs checkpoint saves for its replay: the replay starts from
+        # the forward's arguments, not from what the user's hooks make of them (a bf16
+        # rounding). In plain training no hook sees them as such.
+        plain_inputs = (
+            torch.autograd.graph.saved_tensors_hooks(_same, _same)
+            if user is not None
+            else contextlib.nullcontext()
+        )
         # The global RNG is always preserved (torch's default): a segment may draw from it
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
         if not timed:
-            out = checkpoint(
-                fn,
-                *call,
-                use_reentrant=False,
-                preserve_rng_state=True,
-                context_fn=context_fn,
-            )
+            with plain_inputs:
+                out = checkpoint(
+                    fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
+                )
             if sac is not None and (eng.accountant is not None or eng.measure_costs):
                 self._charge_kept(inv, sac)
             return out
         t0 = _timed_clock(eng)
-        out = checkpoint(
-            fn,
-            *call,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=context_fn,
-        )
+        with plain_inputs:
+            out = checkpoint(
+                fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
+            )
         inv.t_prep += _timed_clock(eng) - t0 - inner[0]
         if sac is not None:
             self._charge_kept(inv, sac)
@@ -421,13 +488,38 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         eng._contracts_changed()
 
     # ---------------------------------------------------------------- reporting
+    def idle_reason(self) -> str | None:
+        """Why this segment has not replayed, once the engine can tell (after the first
+        window: never called; after two: called only where nothing is recorded for backward),
+        or None."""
+        if self.contract is not None or self.forwards:
+            return None
+        step = self.engine.step
+        if self.calls == 0:
+            # one of a list whose other items ran (LayerDrop skips layers at random) is only
+            # called "not called" once it has stayed so for a long while
+            return NOT_CALLED if step >= (SKIPPED_WINDOWS if self.skipped() else 1) else None
+        if step >= 2:
+            return PLAIN
+        return None
+
+    def skipped(self) -> bool:
+        """Whether another segment of the same parent module (an item of the same list) has
+        been called: this one may be skipped at random (LayerDrop, stochastic depth over a
+        list), not missing from the forward."""
+        parent = self.name.rpartition(".")[0]
+        return any(
+            rt.calls and rt is not self and rt.name.rpartition(".")[0] == parent
+            for rt in self.engine.runtimes.values()
+        )
+
     def summary(self) -> dict[str, Any]:
         c = self.contract
+        idle = self.idle_reason()
+        status = self.status if idle is None else idle
         return {
-            "mode": (
-                c.option if c is not None and self.status in ("active", "retain") else self.status
-            ),
-            "status": self.status,
+            "mode": (c.option if c is not None and self.status in ("active", "retain") else status),
+            "status": status,
             "forwards": self.forwards,
             "replays": self.replays,
             "contract_version": c.version if c else 0,
@@ -441,10 +533,40 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         }
 
 
-def _full_replay(inv: _Invocation):
+def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of ``module`` builds a graph: a parameter or a tensor argument requires
+    grad. A segment in ``eval()`` whose weights train (a frozen-BatchNorm backbone, a
+    linear probe's encoder) replays like one in training mode; one that builds no graph (a
+    teacher evaluated with grad mode on) has nothing to drop and runs plain."""
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
+
+
+def _replay_input(saved: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A writable copy of an argument's forward bytes for its replay, laid out as at the
+    forward (:func:`~lightning_replay.state.strided_copy`); where it required grad, no leaf
+    (a copy of a leaf that requires grad, as a ``clone`` would be), so that the segment's
+    in-place ops on it run as in the forward."""
+    x = strided_copy(saved)
+    if not requires_grad:
+        return x
+    src = saved.detach().requires_grad_()
+    try:
+        with torch.enable_grad():
+            return x.copy_(src)
+    except RuntimeError:  # an expanded (overlapping) layout cannot be written: a view
+        return src.view_as(src)
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _full_replay(inv: _Invocation, user: tuple | None = None):
     """``context_fn`` of a full replay: nothing around the forward, the contract's replay
     context around the recomputation."""
-    return lambda: (contextlib.nullcontext(), _ReplayContext(inv, recompute=True))
+    return lambda: (contextlib.nullcontext(), _ReplayContext(inv, True, user))
 
 
 def _timed_clock(eng: "ReplayEngine") -> float:

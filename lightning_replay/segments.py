@@ -7,6 +7,7 @@ import difflib
 import fnmatch
 from typing import Callable, Iterable, Union
 
+import torch
 from torch import nn
 
 from lightning_replay.errors import SegmentError
@@ -62,6 +63,9 @@ def resolve_segments(
     names = sorted(chosen, key=order.__getitem__)
     for name in names:
         mod = chosen[name]
+        why = opaque_reason(mod)
+        if why is not None:
+            raise SegmentError(f"segment {name!r} {why}")
         if not _has_forward(mod):
             raise SegmentError(
                 f"segment {name!r} is a {type(mod).__name__}, which has no forward of its own: "
@@ -152,7 +156,47 @@ def default_segments(model: nn.Module) -> tuple[list[str], list[str]]:
 def _has_forward(module: nn.Module) -> bool:
     """Whether calling ``module`` runs a forward of its own (a ``ModuleList``, a
     ``ModuleDict`` or a bare ``nn.Module`` has none: calling one raises)."""
+    if isinstance(module, torch.jit.ScriptModule):
+        return True  # (its class's ``forward`` is a descriptor that fails on the class)
     return type(module).forward is not nn.Module.forward
+
+
+def _is_compiled(module: nn.Module) -> str | None:
+    """How ``module`` is compiled by ``torch.compile``, or None."""
+    if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+        return "torch.compile"
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "module.compile()"
+    return None
+
+
+def opaque_reason(module: nn.Module) -> str | None:
+    """Why ``module`` cannot be a segment (its forward runs where the engine cannot follow
+    it), as the rest of a sentence that starts with the segment's name; None if it can.
+
+    >>> opaque_reason(nn.Linear(2, 2)) is None
+    True
+    >>> print(opaque_reason(torch.jit.script(nn.Linear(2, 2))).split(":")[0])
+    is a TorchScript module (torch.jit.script or torch.jit.trace)
+    """
+    if isinstance(module, torch.jit.ScriptModule):
+        return (
+            "is a TorchScript module (torch.jit.script or torch.jit.trace): its forward runs in "
+            "the TorchScript interpreter, where lightning_replay can neither see the state it "
+            "reads and writes nor put it back for a replay. Name the eager module (before "
+            "scripting) as the segment, or leave this module out of `segments` (it then runs "
+            "as in plain PyTorch)."
+        )
+    how = _is_compiled(module)
+    if how is not None:
+        return (
+            f"is compiled ({how}): a compiled forward runs as one graph, which the probe "
+            "cannot watch and a replay cannot re-run with the state it saw (torch.compile is "
+            "not supported, see the README's Out of scope). Install replay on the eager "
+            "module and do not compile the segments or the modules around them, or leave "
+            "this module out of `segments`; modules that hold no segment may stay compiled."
+        )
+    return None
 
 
 def _callable_blocks(name: str, mod: nn.Module) -> list[tuple[str, nn.Module]]:

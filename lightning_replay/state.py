@@ -70,6 +70,17 @@ def swap_(a: torch.Tensor, b: torch.Tensor) -> None:
 _DIGEST_CHUNK = 1 << 22  # int64 words per reduction on accelerators: 32 MiB of temporaries
 
 
+def host_reads_free(t: torch.Tensor) -> bool:
+    """Whether the host can read ``t``'s values without waiting for a device: a CPU tensor.
+
+    The one place the engine asks before it decides anything from tensor values. On an
+    accelerator every such read (``.item()``, ``bool()``, ``torch.equal``, ``.tolist()``, a copy
+    to the host) synchronizes the stream, so a decision taken on every step does without them
+    there (it reads them on checked steps only, or asynchronously). Tests run the accelerator
+    branches on CPU by making this say False."""
+    return t.device.type == "cpu"
+
+
 def digest(t: torch.Tensor) -> int:
     """A 64-bit checksum of a tensor's bytes, order-sensitive, without big temporaries.
 
@@ -83,7 +94,7 @@ def digest(t: torch.Tensor) -> int:
         n = b.numel()
         if n == 0:
             return 0
-        if b.device.type == "cpu":
+        if host_reads_free(b):
             return zlib.crc32(_host_view(b)) ^ (n << 32)
         return _word_digest(b)
 
@@ -149,7 +160,7 @@ def _host_view(b: torch.Tensor) -> Any:
 
 
 def _on_host(b: torch.Tensor) -> bool:
-    return b.device.type == "cpu"
+    return host_reads_free(b)
 
 
 def _mix(h1: int, h2: int, h3: int, n: int) -> int:
@@ -287,3 +298,45 @@ def unique_bytes(tensors: list[torch.Tensor]) -> int:
         if key is not None:
             seen[key] = t.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+#: bytes of address alignment a stand-in copy reproduces (wider than any vector unit's)
+_ALIGN = 64
+
+
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s bytes laid out as ``t`` is: the same shape, strides (0 for an
+    expanded dimension) and address alignment, on a storage of its own.
+
+    ``clone`` makes a strided slice, an expanded or overlapping view contiguous, and starts
+    every copy at an aligned address: a kernel that reads the copy may then reduce in another
+    order or take another vector path than on ``t`` and differ in the last bits. The copy spans
+    the storage region ``t`` reaches (for ``x[:, ::3]`` the skipped elements too, as
+    ``empty_strided`` would allocate).
+
+    >>> wide = torch.arange(24.0).reshape(4, 6)
+    >>> for v in (wide[:, ::3], wide.t(), wide[1:, 2:], wide[:1].expand(5, 6)):
+    ...     c = strided_copy(v)
+    ...     assert c.stride() == v.stride() and torch.equal(c, v)
+    ...     assert c.data_ptr() % 64 == v.data_ptr() % 64 and c.data_ptr() != v.data_ptr()
+    """
+    t = t.detach()
+    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+        return t.clone()
+    size = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    item = t.element_size()
+    try:
+        misalign = t.data_ptr() % _ALIGN
+    except RuntimeError:  # a wrapper without data
+        return t.clone()
+    lead = misalign // item if misalign % item == 0 else 0
+    with torch.no_grad():
+        region = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), (size,), (1,)
+        )
+        buf = torch.empty(lead + size, dtype=t.dtype, device=t.device)
+        buf[lead:].copy_(region)
+        # (set_, not as_strided: a tensor of its own, no view, so it can become a leaf)
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            buf.untyped_storage(), lead, t.shape, t.stride()
+        )

@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 import lightning_replay as lr
 from lightning_replay.budget import format_bytes
 from lightning_replay.planner import InfeasibleBudget
-from tests.helpers.torch_memory import allocation_peak, live_bytes
+from tests.helpers.torch_memory import allocation_peak, live_bytes, process_tensor_bytes
 
 STEPS_TO_PLAN = 1 + 2 * 3 + 1  # probe, two calibration phases (warm-up + 2 steps), the plan
 SETTLE = 4  # planned steps the engine measures itself (the referee stays off on them)
@@ -517,6 +517,12 @@ CASES = [
         _half_x,
         "blocks.*",
         micro_batches=2,
+        xfail={
+            # judged step by step with the process's base (issue 31)
+            "budget?": "calibration steps 2-3 and planned steps 9-10 held 27.68 MiB against a "
+            "budget of 26.88 MiB (1.037 x), with no warning about them: two micro-batches per "
+            "step, each its own window",
+        },
     ),
     Case(
         "no_grad_teacher",
@@ -574,15 +580,31 @@ def train(
         opt.zero_grad(set_to_none=True)
         step = _step_fn(case, model, opt, xs)
         if referee:
-            live = held_bytes(model, opt, xs)
+            # the base is the process's (every live storage: the engine's too), not rebuilt
+            live = process_tensor_bytes()
             peaks.append(live + allocation_peak(step))
         else:
             step()
     return peaks
 
 
+_INSTALLED: list = []  # engines of the test in progress, uninstalled when it ends
+
+
+@pytest.fixture(autouse=True)
+def _nothing_outlives_its_test():
+    """The referee counts every live storage of the process: an engine (and its model) of an
+    earlier test would count in this one's steps. Each test's engines are uninstalled at its
+    end, and its garbage collected."""
+    yield
+    while _INSTALLED:
+        _INSTALLED.pop().uninstall()
+    gc.collect()
+
+
 def _install(case: Case, model: nn.Module, opt: torch.optim.Optimizer, **kw: Any):
     e = lr.install(model, case.segments, **{**case.install_kwargs, **kw})
+    _INSTALLED.append(e)
     if case.track_optimizer:
         e.track_optimizer(opt)
     return e
@@ -595,7 +617,8 @@ class Figures:
     predicted: int  # the min plan's predicted peak
     real: int  # the min plan's real peak
     exact: list  # names whose values differ from the plain model's after training
-    engine: Any
+    measured: bool  # the engine measured the min plan's real peak itself
+    unaccounted: int  # the engine's unaccounted_bytes under the min plan
 
 
 _FIGURES: dict[str, Figures] = {}
@@ -610,29 +633,38 @@ def figures(case: Case) -> Figures:
         return _FIGURES[case.name]
     from lightning_replay.verify import diff_state, snapshot_state
 
-    base = case.build()
-    plain = copy.deepcopy(base)
+    # the referee counts every live storage of the process: nothing of one run may outlive it
+    # (the base model is rebuilt, each run's model and engine go before the next measures)
+    plain = case.build()
     popt = case.optimizer(plain)
     plain_probe = train(case, plain, popt, range(1), referee=True)[0]
     train(case, plain, popt, range(1, LATE.start))
     plain_late = train(case, plain, popt, LATE, referee=True)
 
-    model = copy.deepcopy(base)
+    plain_state, plain_opt = snapshot_state(plain), copy.deepcopy(popt.state_dict())
+    del plain, popt
+    gc.collect()
+    model = case.build()
     opt = case.optimizer(model)
     e = _install(case, model, opt, budget="min")
     train(case, model, opt, range(LATE.start))
     real = train(case, model, opt, LATE, referee=True)
     predicted = e.window_stats()["predicted_peak_bytes"]
+    measured, unaccounted = e.last_real_peak is not None, e.unaccounted_bytes
     e.uninstall()
-    exact = diff_state(snapshot_state(plain), snapshot_state(model))
-    exact += [f"optimizer {k}" for k in _opt_diff(popt, opt)]
-    f = Figures(max(plain_late), plain_probe, predicted, max(real), exact, e)
+    _INSTALLED.remove(e)
+    exact = diff_state(plain_state, snapshot_state(model))
+    exact += [f"optimizer {k}" for k in _opt_diff(plain_opt, opt.state_dict())]
+    del plain_state, plain_opt, model, opt, e
+    gc.collect()
+    f = Figures(max(plain_late), plain_probe, predicted, max(real), exact, measured, unaccounted)
     _FIGURES[case.name] = f
     return f
 
 
-def _opt_diff(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> list:
-    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+def _opt_diff(a: dict, b: dict) -> list:
+    """Optimizer state entries that differ between two ``state_dict()``s."""
+    sa, sb = a["state"], b["state"]
     bad = []
     for k in sa.keys() | sb.keys():
         for n in sa.get(k, {}).keys() | sb.get(k, {}).keys():
@@ -673,7 +705,7 @@ def test_training_is_bit_identical_to_plain(case: Case) -> None:
 def test_min_plan_predicts_its_real_peak_within_10_percent(case: Case) -> None:
     f = figures(case)
     assert f.predicted is not None, f"{case.name}: no plan after {LATE.start} steps"
-    assert f.engine.last_real_peak is not None, f"{case.name}: the plan was never measured"
+    assert f.measured, f"{case.name}: the plan was never measured"
     print(
         f"{case.name}: plain {_mib(f.plain)} min plan predicted {_mib(f.predicted)} "
         f"real {_mib(f.real)} ratio {f.predicted / f.real:.3f}"
@@ -717,46 +749,85 @@ def _engine_figure(e: Any, figures: dict) -> None:
         figures[step] = nbytes
 
 
+def _excused(seen: list, budget: int, at: int, engine_steps: range) -> list[str]:
+    """Warnings that excuse one step's overrun, judged on its own: one naming the budget's
+    figure that says the budget cannot hold (the lowest plan runs instead), issued at or before
+    the step (``at``: the index of ``seen`` after the step), or one that names this very step
+    (the engine's ``step N held ...``, issued when it measured it: ``engine_steps``, the
+    engine's numbers for the step's windows). A warning about another step, or one that only
+    names the budget (a skipped check), excuses nothing."""
+    out = []
+    figure = format_bytes(budget)
+    for i, w in enumerate(seen):
+        msg = str(w.message)
+        if not issubclass(w.category, RuntimeWarning) or figure not in msg:
+            continue
+        if "cannot hold" in msg and i < at:
+            out.append(msg)
+        elif any(f"step {n} held" in msg for n in engine_steps):
+            out.append(msg)
+    return out
+
+
 @pytest.mark.parametrize("case", _params("budget"))
 def test_every_step_holds_a_budget_a_plain_step_does_not(case: Case) -> None:
-    """The budget sits halfway between the min plan's real peak and a plain step's. The probe
-    and calibration steps are refereed; the steps the engine measures with its own profiler
-    (the first steps of each plan) are judged by the engine's figure (same profiler events;
-    its base is parameters, buffers, gradients and tracked optimizer state, which is no more
-    than the referee's); the planned steps after those are refereed."""
+    """The budget sits halfway between the min plan's real peak and a plain step's. Every step
+    is judged on its own: the probe and calibration steps and the planned steps after the
+    engine's own measurements are refereed (the process's live storages at the step's start +
+    the profiler's net peak); the steps the engine measures with its own profiler (the first
+    steps of each plan) are judged by the engine's figure, the same measure. A step over the
+    budget is excused only by a warning about that step, or one, before it, saying the budget
+    cannot hold."""
     f = figures(case)
     budget = (f.real + f.plain) // 2
     model = case.build()
     opt = case.optimizer(model)
-    measured: dict = {}
+    steps: list = []  # (step, peak, who, index of `seen` after it, the engine's step numbers)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         try:
             e = _install(case, model, opt, budget=budget, **case.budget_kwargs)
-            early = train(case, model, opt, range(1), referee=True)
+
+            def run(s: int, referee: bool) -> None:
+                first = e.step
+                peaks = train(case, model, opt, range(s, s + 1), referee=referee)
+                if referee:
+                    # the engine numbers a window by its count once begun (step_stats)
+                    windows = range(first + 1, e.step + 1)
+                    steps.append((s, peaks[0], "referee", len(seen), windows))
+
+            run(0, True)
             first_plan = e.steps_to_first_plan  # known once the segments are probed
-            early += train(case, model, opt, range(1, first_plan - 1), referee=True)
+            for s in range(1, first_plan - 1):
+                run(s, True)
+            by_engine: dict = {}  # the engine's step number -> (bytes, len(seen) before it)
+            before: dict = {}
             for s in range(first_plan - 1, first_plan - 1 + SETTLE + 1):
-                train(case, model, opt, range(s, s + 1))
-                _engine_figure(e, measured)
+                before[e.step + 1] = len(seen)
+                run(s, False)
+                _engine_figure(e, by_engine)  # the step before, settled as this one began
             start = first_plan + SETTLE
-            late = train(case, model, opt, range(start, start + REFEREED), referee=True)
+            for s in range(start, start + REFEREED):
+                run(s, True)
+                _engine_figure(e, by_engine)
         except InfeasibleBudget as exc:
             pytest.fail(
                 f"{case.name}: InfeasibleBudget at {_mib(budget)}, between the min "
                 f"plan's real {_mib(f.real)} and plain {_mib(f.plain)}: {exc}"
             )
-    said = _named(seen, budget)
-    by_engine = sorted(measured.items())
-    worst = max(early + late + [b for _, b in by_engine])
+    for n, nbytes in sorted(by_engine.items()):
+        if n in before:  # a step the referee left to the engine
+            steps.append((n, nbytes, "engine", before[n], range(n, n + 1)))
+    over = []
+    for s, nbytes, who, at, engine_steps in steps:
+        if nbytes > budget + SLACK and not _excused(seen, budget, at, engine_steps):
+            over.append((s, who, _mib(nbytes), f"{nbytes / budget:.3f} x"))
     report = (
-        f"{case.name}: budget {_mib(budget)}; probe and calibration (referee) "
-        f"{[_mib(p) for p in early]}; first planned steps (engine) "
-        f"{[(s, _mib(b)) for s, b in by_engine]}; later planned steps (referee) "
-        f"{[_mib(p) for p in late]}; plain {_mib(f.plain)}, min plan's real {_mib(f.real)}"
+        f"{case.name}: budget {_mib(budget)}; steps {[(s, w, _mib(b)) for s, b, w, *_ in steps]}"
+        f"; plain {_mib(f.plain)}, min plan's real {_mib(f.real)}"
     )
-    print(report, said, f"worst - budget = {worst - budget} B")
-    assert worst <= budget + SLACK or said, f"silent overrun: {report}"
+    print(report, f"silent overruns: {over}")
+    assert not over, f"silent overruns {over}: {report}"
 
 
 # --------------------------------------------------------------------------- growth
@@ -825,8 +896,7 @@ def test_a_budget_only_the_accountant_meets_is_refused_or_warned() -> None:
     plan (the backward temporaries the accountant does not count make up the difference)."""
     case = CASES[0]  # softmax over long rows: large backward temporaries
     f = figures(case)
-    e = f.engine
-    accounted_min = f.predicted - e.unaccounted_bytes  # the min plan before the real figure
+    accounted_min = f.predicted - f.unaccounted  # the min plan before the real figure
     budget = (accounted_min + f.real) // 2
     assert accounted_min < budget < f.real, (accounted_min, budget, f.real)
     model = case.build()
@@ -880,7 +950,7 @@ def _lightning_classes():
             gc.collect()  # as train() does
             step = trainer.global_step
             if step in self.steps if isinstance(self.steps, range) else self.steps(engine, step):
-                self._live = held_bytes(pl_module, trainer.optimizers[0], batch)
+                self._live = process_tensor_bytes()  # the process's, the engine's too
                 self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
                 self._prof.__enter__()
 

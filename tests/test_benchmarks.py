@@ -161,6 +161,76 @@ def test_median_se_measures_the_spread_of_a_median():
     assert 0 < narrow < wide
 
 
+def _run_without_wandb(script: str, *args: str, timeout: int = 900):
+    """Run a benchmark script in a fresh interpreter where ``import wandb`` fails, as on the
+    device machine (which has no wandb)."""
+    import subprocess
+
+    shim = (
+        "import runpy, sys; sys.modules['wandb'] = None; "
+        f"sys.argv = [{script!r}] + sys.argv[1:]; "
+        f"runpy.run_path({script!r}, run_name='__main__')"
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.join(BENCH, os.pardir))
+    return subprocess.run(
+        [sys.executable, "-c", shim, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=os.path.join(BENCH, os.pardir),
+    )
+
+
+def test_gpu_suite_smoke_writes_every_arm_without_wandb(tmp_path):
+    """benchmarks/gpu_suite.py --smoke on CPU: every model and arm measured, every step's peak
+    against the budget kept from the first step, syncs counted, the JSON written; nothing on
+    its import path needs wandb."""
+    out = tmp_path / "gpu.json"
+    proc = _run_without_wandb(os.path.join(BENCH, "gpu_suite.py"), "--smoke", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert set(r["models"]) == {"gpt2", "llama", "vit", "resnet50"}
+    assert not r["failures"] and not r["skipped"]
+    for name, res in r["models"].items():
+        arms = res["arms"]
+        assert set(arms) == {"plain", "torch_checkpoint", "replay", "replay_budget"}, name
+        for arm, a in arms.items():
+            assert a["peak_bytes"] > 0 and a["step_time_s"] > 0, (name, arm)
+            assert a["syncs_per_step"] > 0 and a["steps"][0]["step"] == 0
+        b = arms["replay_budget"]
+        assert (
+            b["budget_bytes"]
+            == (arms["plain"]["peak_bytes"] + arms["torch_checkpoint"]["peak_bytes"]) // 2
+        )
+        assert all("peak" in s for s in b["steps"]) and b["max_peak_over_budget"] > 0
+        assert res["ratios"]["replay_vs_torch_checkpoint_peak"] > 0
+        # a steady unchecked step asks for plain training's host reads (CPU count)
+        assert all(res["ratios"]["syncs_equal_plain"].values()), (name, res["ratios"])
+    assert "replay / torch checkpoint" in proc.stdout
+
+
+def test_gpu_check_smoke_runs_every_check_on_cpu(tmp_path):
+    """benchmarks/gpu_check.py --smoke on CPU: every check runs and passes (CUDA-only figures
+    are None), the JSON holds each one."""
+    out = tmp_path / "check.json"
+    proc = _run_without_wandb(
+        os.path.join(BENCH, "gpu_check.py"), "--smoke", "--device", "cpu", "--json", str(out)
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    for name in (
+        "exact_dropout_checked",
+        "budgeted_probe",
+        "bf16_autocast_checked",
+        "budget_vs_allocator",
+        "syncs_per_step",
+    ):
+        assert r[name]["pass"] is True, (name, r[name])
+    counts = r["syncs_per_step"]["dispatch_count"]
+    assert counts["plain"] == counts["replay"] == counts["replay_min"] > 0
+
+
 def test_frontier_writes_every_documented_key(smoke, tmp_path):
     """benchmarks/frontier.py (the quick suite's ``frontier`` section): budgets from the
     lowest-memory plan's peak to plain training's, three arms each, measured peaks, the plot."""

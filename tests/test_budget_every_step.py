@@ -135,18 +135,7 @@ def referee():
     r.close()
 
 
-#: resnet18's replayed steps hold 4.7 MiB more than torch checkpoint's between steps (the
-#: probe's observations, kept alive by its segments: issue 31's lifetime part), which puts the
-#: real minimum above this budget: the engine refuses it at the first plan (InfeasibleBudget
-#: with the real figure). Non-strict until the leftovers are dropped.
-_LEAK = pytest.mark.xfail(
-    strict=False, reason="the probe's leftovers outlive their step (issue 31, lifetime)"
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[_LEAK] if n == "resnet18" else []) for n in sorted(MODELS)]
-)
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_step_holds_a_budget_halfway_between_checkpoint_and_plain(name, referee):
     build = MODELS[name]
     plain = max(p for p, _ in _run(build, "plain", 3, referee)[1:])

@@ -125,3 +125,42 @@ def test_lightning_accessors(tmp_path):
     assert _compat.start_method(ddp) == "spawn"
     assert _compat.precision_plugin(trainer.strategy) is not None
     assert _compat.distributed_is_initialized() is False
+
+
+def test_graph_task_keeps_graph_tells_retain_and_create_graph_apart():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(_compat.graph_task_keeps_graph())
+            return g
+
+    x = torch.ones(3, requires_grad=True)
+    y = Probe.apply(x).sum()
+    y.backward(retain_graph=True)
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    y.backward()
+    assert seen == [True, True, False]
+    assert _compat.graph_task_keeps_graph()  # no backward running: keep (the safe answer)
+
+
+def test_in_reentrant_checkpoint_backward_only_inside_its_recomputation():
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+
+    def fn(x):
+        if torch._C._current_graph_task_id() != -1:
+            seen.append(_compat.in_reentrant_checkpoint_backward())
+        return x.sin()
+
+    x = torch.ones(3, requires_grad=True)
+    checkpoint(fn, x, use_reentrant=True).sum().backward()
+    checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert seen == [True, False]
+    assert not _compat.in_reentrant_checkpoint_backward()

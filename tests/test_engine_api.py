@@ -92,16 +92,22 @@ def test_cpu_bf16_autocast(hazard):
     assert_same_state(snapshot_state(ref), snapshot_state(model))
 
 
-def test_eval_and_no_grad_run_plain():
+def test_no_grad_and_graphless_eval_run_plain_and_eval_with_trained_weights_is_probed():
+    """No graph, nothing to replay: under no_grad, or in eval() with nothing requiring grad (a
+    frozen teacher). A segment in eval() whose weights train (a frozen-BatchNorm backbone)
+    builds a graph like one in training mode, and is probed (then replayed) like one."""
     h = HAZARDS["batch_norm"]()
     engine = lr.install(h.model, h.segments)
-    h.model.eval()
-    h.model(h.make_input(0)).sum().backward()
-    h.model.train()
     with torch.no_grad():
         h.model(h.make_input(0))
+    h.model.eval()
+    h.model.requires_grad_(False)
+    h.model(h.make_input(0))
     s = engine.summary()["blocks.0"]
-    assert s["forwards"] == 0 and s["mode"] == "probe"
+    assert s["forwards"] == 0 and s["mode"] == "plain"  # two windows, no graph: named so
+    h.model.requires_grad_(True)
+    h.model(h.make_input(0)).sum().backward()
+    assert engine.summary()["blocks.0"]["forwards"] == 1
 
 
 def test_state_dict_keys_and_uninstall():
@@ -676,17 +682,24 @@ def test_checked_calls_keep_structure_and_gradients_of_odd_segments():
     assert not any(o == "divergence" for _, o in outcomes)
 
 
-def test_checked_step_backward_twice_is_a_clear_error():
+def test_checked_step_backward_twice_matches_plain():
+    """A checked step differentiated twice (retain_graph=True): checked at the first
+    backward, the second runs on the segment's own graph, as plain PyTorch's does."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    plain = copy.deepcopy(model)
     engine = lr.install(model, ["0"])
     x = torch.randn(3, 4)
-    model(x).sum().backward()
+    for m in (plain, model):
+        m(x).sum().backward()
     engine.request_check()
-    loss = model(x).sum()
-    loss.backward(retain_graph=True)
-    with pytest.raises(lr.ReplayError, match="second time"):
+    for m in (plain, model):
+        loss = m(x).sum()
+        loss.backward(retain_graph=True)
         loss.backward()
+    for (n, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    assert [r.outcome for r in engine.records.read(check="grad")] == ["match"]
 
 
 class _NoisyBackwardLinear(torch.autograd.Function):

@@ -94,11 +94,6 @@ def _real_peak(m, step):
     return whole_step_peak(lambda: m(x).pow(2).mean().backward())
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the referee's base is the process's now: the engine keeps 32 KiB of probe leftovers "
-    "between steps (issue 31, lifetime), 0.5 % of the savings this test asks for",
-)
 def test_budget_savings_are_real_allocator_bytes(measured):
     """Refereed by torch.profiler's allocation events, which share no code with the engine.
 

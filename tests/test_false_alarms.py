@@ -908,19 +908,20 @@ class StatefulBackwardTwice(Stack):
         super().__init__([nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D)), Mix()])
 
 
-def test_backward_twice_through_stateful_replay_names_segment_and_fix():
-    torch.manual_seed(0)
-    model = StatefulBackwardTwice()
-    engine = lr.install(model, _names(2))
-    for step in range(2):
-        _mse_step(model, step)  # probe, then a replayed step
-    assert engine.summary()["blocks.0"]["mode"] in ("whole", "regions")
-    loss = (model(_x(5)) ** 2).mean()
-    loss.backward(retain_graph=True)
-    with pytest.raises(lr.ReplayError) as info:
+@pytest.mark.parametrize("preservation", PRESERVATIONS)
+def test_backward_twice_through_stateful_replay_matches_plain(preservation):
+    """retain_graph=True then a second backward: the second replay swaps in the same
+    preserved state (kept until the backward that frees the graph), as plain PyTorch's graph
+    keeps the forward's activations."""
+
+    def step_fn(model, step):
+        loss = (model(_x(step)) ** 2).mean()
+        loss.backward(retain_graph=True)
         loss.backward()
-    msg = str(info.value)
-    assert "'blocks.0'" in msg and "retain_graph" in msg and "preservation='retain'" in msg
+
+    engine = _replays_exactly(StatefulBackwardTwice, _names(2), step_fn, preservation=preservation)
+    assert _replayed(engine, "blocks.0") >= 10
+    assert engine.preserved_bytes == 0  # nothing kept past the graph
 
 
 def test_backward_twice_through_stateless_replay_matches_plain():

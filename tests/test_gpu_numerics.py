@@ -536,3 +536,29 @@ def test_running_a_kernel_again_never_writes_what_it_read():
     assert not torch.equal(after[0], torch.zeros(3))  # the first run wrote them
     assert log.unreproduced(save_mean) is None
     assert torch.equal(mean, after[0]) and torch.equal(var, after[1])
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    ],
+)
+def test_torch_attention_ops_rng_outputs_are_known_by_their_schema(op):
+    """The rule the probe applies to the GPU kernels themselves (no CUDA needed to read their
+    schemas): with dropout_p=0 their seed/offset (or rng_state/unused) outputs are no evidence;
+    with dropout they are."""
+    from lightning_replay.kernel_noise import _rng_outputs
+
+    func = getattr(torch.ops.aten, op).default
+
+    def args(p):
+        return tuple(p if a.name == "dropout_p" else None for a in func._schema.arguments)
+
+    names = {func._schema.returns[i].name for i in _rng_outputs(func, args(0.0), {})}
+    assert names in ({"philox_seed", "philox_offset"}, {"rng_state", "unused"})
+    assert _rng_outputs(func, args(0.1), {}) == set()

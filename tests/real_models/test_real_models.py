@@ -25,6 +25,10 @@ pytest.importorskip("timm")
 pytest.importorskip("torchvision")
 
 STEPS = 4
+#: Lightning runs: past the first plan (GPT-2's comes at step 5, ResNet-18's at step 8: a
+#: probe, two calibration phases of a warm-up and two timed steps each) and four steps more.
+TRAINER_STEPS = 12
+PLANNED_STEPS = 4
 SPECS = list(MODELS.values())
 
 
@@ -89,15 +93,30 @@ def _fit(spec: RealModel, root, steps: int = STEPS, **kwargs) -> tuple[L.Trainer
     return trainer, module
 
 
+class _PlannedSteps(L.Callback):
+    """The steps that ran with a plan in force (the plan is applied as a window begins)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.strategy.engine.window_stats()["plan_version"] > 0:
+            self.steps.append(trainer.global_step)
+
+
 def _assert_trainer_matches(spec: RealModel, tmp_path, **kwargs) -> L.Trainer:
-    _, ref = _fit(spec, tmp_path / "plain", **kwargs)
+    _, ref = _fit(spec, tmp_path / "plain", steps=TRAINER_STEPS, **kwargs)
+    planned = _PlannedSteps()
     t, model = _fit(
         spec,
         tmp_path / "replay",
+        steps=TRAINER_STEPS,
         strategy="replay",
-        callbacks=[ReplayCallback(check_every_n_steps=2)],
+        callbacks=[ReplayCallback(check_every_n_steps=2), planned],
         **kwargs,
     )
+    # the comparison covers steps trained under the plan, not only the probe and calibration
+    assert len(planned.steps) >= PLANNED_STEPS, (planned.steps, t.strategy.engine.plan)
     assert _differing(state(ref), state(model)) == []
     summary = t.strategy.engine.summary()
     assert all(s["replays"] >= 1 for s in summary.values()), summary

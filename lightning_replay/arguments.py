@@ -1,0 +1,310 @@
+"""A segment call's arguments as a flat list and the structure that rebuilds them.
+
+Checkpoint keeps, and version-checks, only the tensors it is passed; anything else reaches the
+replay as the live object. A batch object (a ``@dataclass``, torchvision's ``ImageList``, an
+HF ``BatchEncoding``, a namedtuple, an object with tensor attributes or ``__slots__``) is no
+pytree: read live at replay, a field rebound or written in place after the forward would be
+read new. :func:`flatten_call` therefore walks into such objects (to :data:`MAX_DEPTH` levels)
+and lists every tensor it reaches, so that the engine captures, guards and preserves them as
+arguments; :func:`unflatten_call` rebuilds the call for the replay from those tensors, with
+shallow copies of the objects that hold them (fields as they were at the forward, the live
+objects untouched).
+
+Only objects that hold a tensor somewhere are copied; everything else passes as it is.
+Modules, generators, classes and functions are never walked into.
+
+Example:
+    >>> import dataclasses, torch
+    >>> @dataclasses.dataclass
+    ... class Batch:
+    ...     x: torch.Tensor
+    ...     n: int
+    >>> b = Batch(torch.ones(2), 3)
+    >>> flat, spec = flatten_call((b,), {})
+    >>> [type(v).__name__ for v in flat]
+    ['Tensor', 'int']
+    >>> b.x = torch.zeros(2)  # rebound after the forward
+    >>> (a,), kw = unflatten_call(flat, spec)
+    >>> a.x.tolist(), a is b
+    ([1.0, 1.0], False)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import types
+from typing import Any
+
+import torch
+import torch.utils._pytree as _pytree
+from torch import nn
+
+#: how deep :func:`flatten_call` walks into argument objects
+MAX_DEPTH = 6
+#: at most this many objects and containers per call are walked (a huge list stays opaque)
+MAX_NODES = 2048
+
+_OPAQUE = (
+    nn.Module,
+    torch.Generator,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    enum.Enum,
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    range,
+    slice,
+)
+
+
+class ArgumentError(TypeError):
+    """An argument object that cannot be rebuilt for a replay (:func:`check_rebuild`)."""
+
+
+class _Node:
+    """How one object of the call is rebuilt: ``kind`` is ``leaf`` (one flat item), ``seq``
+    (a list or tuple), ``named`` (a namedtuple), ``dict`` (a plain dict), ``obj`` (a copy of
+    ``template`` with ``attrs`` and, for a mapping, ``items`` set) or ``ref`` (an object
+    already rebuilt: ``target``)."""
+
+    __slots__ = ("kind", "type", "children", "keys", "template", "slots", "target", "name")
+
+    def __init__(self, kind: str, typ: type | None = None) -> None:
+        self.kind = kind
+        self.type = typ
+        self.children: list[_Node] = []
+        self.keys: list = []
+        self.template: Any = None
+        self.slots: list[bool] = []  # per attribute child: set through a slot descriptor
+        self.target: _Node | None = None
+        self.name = ""
+
+
+_LEAF = _Node("leaf")
+
+
+class CallSpec:
+    """The structure of one call's ``(args, kwargs)``: :func:`unflatten_call` rebuilds it."""
+
+    __slots__ = ("root", "objects", "too_deep")
+
+    def __init__(self, root: _Node, objects: list[tuple[str, Any]]) -> None:
+        self.root = root
+        #: (where in the call, object) of each argument object walked into
+        self.objects = objects
+        #: where objects holding tensors lie deeper than MAX_DEPTH (passed live)
+        self.too_deep: list[str] = []
+
+
+def _holds_tensor(obj: Any, depth: int, budget: list[int], limit: int = MAX_DEPTH) -> bool:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > limit:
+        return False
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, _OPAQUE) or callable(obj) and not dataclasses.is_dataclass(obj):
+        return False
+    spec = _pytree.SUPPORTED_NODES.get(type(obj))
+    if spec is not None and type(obj) not in (list, tuple, dict):
+        return any(_holds_tensor(x, depth + 1, budget, limit) for x in spec.flatten_fn(obj)[0])
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(x, depth + 1, budget, limit) for x in obj)
+    if isinstance(obj, dict):
+        if any(_holds_tensor(x, depth + 1, budget, limit) for x in obj.values()):
+            return True
+    if isinstance(obj, (set, frozenset)):
+        return False
+    return any(_holds_tensor(v, depth + 1, budget, limit) for _, v, _ in _fields(obj))
+
+
+def _fields(obj: Any) -> list[tuple[str, Any, bool]]:
+    """(name, value, through a slot) of an object's own attributes."""
+    out = []
+    d = getattr(obj, "__dict__", None)
+    if isinstance(d, dict):
+        out += [(k, v, False) for k, v in d.items()]
+    for cls in type(obj).__mro__:
+        for s in cls.__dict__.get("__slots__", ()) if "__slots__" in cls.__dict__ else ():
+            if isinstance(s, str) and s not in ("__dict__", "__weakref__"):
+                try:
+                    out.append((s, object.__getattribute__(obj, s), True))
+                except AttributeError:
+                    pass
+    return out
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
+    """The call's leaves in order (tensors, and every value that is not walked into) and the
+    spec that rebuilds it."""
+    flat: list = []
+    objects: list[tuple[str, Any]] = []
+    deep: list[str] = []
+    seen: dict[int, _Node] = {}
+    budget = [MAX_NODES]
+
+    def walk(obj: Any, depth: int, where: str) -> _Node:
+        if isinstance(obj, (torch.Tensor, *_OPAQUE)):
+            flat.append(obj)
+            return _LEAF
+        prev = seen.get(id(obj))
+        if prev is not None:
+            node = _Node("ref")
+            node.target = prev
+            return node
+        if depth > MAX_DEPTH or not _holds_tensor(obj, depth, [budget[0]]):
+            if _holds_tensor(obj, depth, [256], 3 * MAX_DEPTH):  # a tensor past the walk's depth
+                deep.append(where)  # passed live: said at the probe (see too_deep)
+            flat.append(obj)
+            return _LEAF
+        budget[0] -= 1
+        t = type(obj)
+        if t in (list, tuple):
+            node = _Node("seq", t)
+            seen[id(obj)] = node
+            node.children = [walk(x, depth + 1, f"{where}[{i}]") for i, x in enumerate(obj)]
+            return node
+        if isinstance(obj, tuple) and hasattr(t, "_fields") and hasattr(t, "_make"):
+            node = _Node("named", t)
+            seen[id(obj)] = node
+            node.children = [walk(x, depth + 1, f"{where}.{f}") for f, x in zip(t._fields, obj)]
+            return node
+        spec = _pytree.SUPPORTED_NODES.get(t)
+        if spec is not None and t not in (list, tuple, dict):
+            # a registered pytree node (OrderedDict, defaultdict, deque, HF's ModelOutput, a
+            # user's): flattened and rebuilt by its own registration, as pytree does
+            children, context = spec.flatten_fn(obj)
+            node = _Node("pytree", t)
+            node.template = (spec.unflatten_fn, context)
+            seen[id(obj)] = node
+            node.children = [walk(x, depth + 1, f"{where}[{i}]") for i, x in enumerate(children)]
+            return node
+        if t is dict:
+            node = _Node("dict", t)
+            seen[id(obj)] = node
+            node.keys = list(obj.keys())
+            node.children = [walk(obj[k], depth + 1, f"{where}[{k!r}]") for k in node.keys]
+            return node
+        # an object: its attributes (and a dict subclass's items), rebuilt on a shallow copy
+        node = _Node("obj", t)
+        node.template = obj
+        node.name = where
+        seen[id(obj)] = node
+        objects.append((where, obj))
+        if isinstance(obj, dict):
+            node.keys = [("item", k) for k in obj.keys()]
+            node.children = [walk(v, depth + 1, f"{where}[{k!r}]") for k, v in obj.items()]
+        for name, v, slot in _fields(obj):
+            node.keys.append(("attr", name))
+            node.slots.append(slot)
+            node.children.append(walk(v, depth + 1, f"{where}.{name}"))
+        return node
+
+    root = _Node("seq", tuple)
+    pos = _Node("seq", tuple)
+    named = _Node("dict", dict)
+    named.keys = list(kwargs)
+    try:
+        pos.children = [walk(a, 1, f"argument {i}") for i, a in enumerate(args)]
+        named.children = [walk(v, 1, f"argument {k!r}") for k, v in kwargs.items()]
+    finally:
+        # a recursive closure is a reference cycle (its cell holds it), and it holds ``flat``:
+        # the call's tensors would wait for the cyclic collector (issue 31)
+        walk = None  # type: ignore[assignment]  (empties the cell: no cycle left)
+    root.children = [pos, named]
+    spec = CallSpec(root, objects)
+    spec.too_deep = deep
+    return flat, spec
+
+
+def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` rebuilt from ``flat`` (as :func:`flatten_call` listed it, with any
+    tensor replaced): containers and objects that hold tensors are new shallow copies whose
+    fields are as they were when the call was flattened."""
+    it = iter(flat)
+    built: dict[int, Any] = {}
+
+    def build(node: _Node) -> Any:
+        kind = node.kind
+        if kind == "leaf":
+            return next(it)
+        if kind == "ref":
+            return built[id(node.target)]
+        if kind == "seq":
+            if node.type is list:
+                out: Any = []
+                built[id(node)] = out
+                out.extend(build(c) for c in node.children)
+                return out
+            out = tuple(build(c) for c in node.children)
+        elif kind == "named":
+            out = node.type._make(build(c) for c in node.children)
+        elif kind == "pytree":
+            unflatten, context = node.template
+            out = unflatten([build(c) for c in node.children], context)
+        elif kind == "dict":
+            out = {}
+            built[id(node)] = out
+            for k, c in zip(node.keys, node.children):
+                out[k] = build(c)
+            return out
+        else:
+            out = copy.copy(node.template)
+            built[id(node)] = out
+            slots = iter(node.slots)
+            d = getattr(out, "__dict__", None)
+            for (where, k), c in zip(node.keys, node.children):
+                v = build(c)
+                if where == "item":
+                    dict.__setitem__(out, k, v)
+                elif next(slots) or not isinstance(d, dict):
+                    object.__setattr__(out, k, v)
+                else:
+                    d[k] = v
+            return out
+        built[id(node)] = out
+        return out
+
+    try:
+        args, kwargs = build(spec.root)
+    finally:
+        build = None  # type: ignore[assignment]  (a recursive closure's cycle, broken)
+    return args, kwargs
+
+
+def check_rebuild(flat: list, spec: CallSpec) -> str | None:
+    """Why the call cannot be rebuilt for a replay (an object whose shallow copy fails or
+    differs in type), or None."""
+    for where, obj in spec.objects:
+        try:
+            c = copy.copy(obj)
+        except Exception as exc:  # noqa: BLE001 (any failure of a user's __copy__/__reduce__)
+            return f"{where} (a {type(obj).__name__}) cannot be copied: {exc}"
+        if type(c) is not type(obj):
+            return (
+                f"{where} (a {type(obj).__name__}) copies as a {type(c).__name__}: its "
+                "fields cannot be rebuilt as they were"
+            )
+    try:
+        unflatten_call(flat, spec)
+    except Exception as exc:  # noqa: BLE001
+        return f"the arguments cannot be rebuilt: {type(exc).__name__}: {exc}"
+    return None
+
+
+def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Every tensor :func:`flatten_call` reaches in a call, in its order."""
+    flat, _ = flatten_call(args, kwargs)
+    return [x for x in flat if isinstance(x, torch.Tensor)]
