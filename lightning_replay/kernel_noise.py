@@ -32,7 +32,14 @@ import torch
 from lightning_replay._compat import TorchDispatchMode
 from lightning_replay.host_rng import global_rngs, states
 from lightning_replay.preservation import write_args
-from lightning_replay.state import StorageKey, digests, storage_bytes, storage_key
+from lightning_replay.state import (
+    StorageKey,
+    digest_token,
+    digests,
+    resolve_tokens,
+    storage_bytes,
+    storage_key,
+)
 
 #: names torch gives the RNG outputs of its fused attention ops
 RNG_OUTPUT_NAMES = frozenset(
@@ -40,6 +47,21 @@ RNG_OUTPUT_NAMES = frozenset(
 )
 #: the argument that says whether such an op draws random numbers at all
 DROPOUT_ARGUMENT = "dropout_p"
+#: ops whose output is uninitialized memory (their tensor argument, if any, gives its shape only)
+UNINITIALIZED_OPS = frozenset(
+    {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
+)
+#: ops that wrap a tensor just made from host (Python) data (``torch.tensor``, ``as_tensor``)
+LIFT_OPS = frozenset({"lift_fresh", "lift_fresh_copy", "lift"})
+
+
+@dataclasses.dataclass
+class _Fresh:
+    """A single-output tensor of the replay that no tensor's value went into."""
+
+    func: Any
+    uninitialized: bool  # torch.empty and kin; otherwise made from host values
+    token: Any  # digest_token of its storage's bytes when it was made
 
 
 @dataclasses.dataclass
@@ -83,6 +105,9 @@ class ProducerLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.produced: dict[StorageKey, _Produced] = {}
+        self.fresh: dict[StorageKey, _Fresh] = {}
+        self.written: set[StorageKey] = set()  # storages written after they were produced
+        self.host_read = False  # a tensor's value was read to the host (.item()) in the replay
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,6 +115,12 @@ class ProducerLog(TorchDispatchMode):
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         tensors = [(i, t) for i, t in enumerate(outs) if isinstance(t, torch.Tensor)]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.host_read = True
+        self._note_writes(func, args, kwargs)
+        self._forget_reused(func, outs)
+        if len(tensors) == 1:
+            self._note_fresh(func, args, kwargs, tensors[0][1])
         if len(tensors) > 1:
             rng = _rng_outputs(func, args, kwargs)
             seeded = torch.Tag.nondeterministic_seeded in func.tags
@@ -102,10 +133,78 @@ class ProducerLog(TorchDispatchMode):
                     )
         return out
 
+    def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Storages this op wrote (per its schema) that an earlier op produced: their value is
+        no longer the producer's."""
+        if not (self.produced or self.fresh):
+            return
+        for pos, name in write_args(func):
+            v = args[pos] if pos < len(args) else kwargs.get(name)
+            for t in v if isinstance(v, (list, tuple)) else (v,):
+                key = storage_key(t) if isinstance(t, torch.Tensor) else None
+                if key is not None and (key in self.produced or key in self.fresh):
+                    self.written.add(key)
+
+    def _forget_reused(self, func: Any, outs: tuple | list) -> None:
+        """An output in new storage (its return aliases no argument) at an address an earlier,
+        since freed, output had: the earlier entry is stale."""
+        returns = func._schema.returns
+        if len(returns) != len(outs):
+            return
+        for r, t in zip(returns, outs):
+            if isinstance(t, torch.Tensor) and r.alias_info is None:
+                key = storage_key(t)
+                if key is not None:
+                    self.produced.pop(key, None)
+                    self.fresh.pop(key, None)
+                    self.written.discard(key)
+
+    def _note_fresh(self, func: Any, args: tuple, kwargs: dict, t: torch.Tensor) -> None:
+        name = func.overloadpacket.__name__
+        uninitialized = name in UNINITIALIZED_OPS
+        if not uninitialized:
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                return  # a draw: a value that differs is RNG state
+            if t.is_floating_point() or t.is_complex():
+                return
+            if name not in LIFT_OPS and _tensor_arguments(args, kwargs):
+                return  # reads a tensor
+            if self.host_read:
+                return  # a host value read from a tensor (.item()) may have gone into it
+        key = storage_key(t)
+        if key is None:
+            return
+        # lift_fresh's argument is a tensor torch.tensor just made (outside the dispatcher,
+        # perhaps at a freed storage's address): whatever was known of that address is stale
+        self.produced.pop(key, None)
+        self.written.discard(key)
+        self.fresh[key] = _Fresh(func, uninitialized, digest_token(storage_bytes(t)))
+
+    def _unreproduced_fresh(self, saved: torch.Tensor, key: StorageKey) -> str | None:
+        f = self.fresh[key]
+        if resolve_tokens([f.token]) != digests([storage_bytes(saved)]):
+            return None  # written since it was made, by a path the dispatcher did not see
+        if f.uninitialized:
+            return (
+                f"uninitialized memory from {f.func}, never written since: its bytes are "
+                "whatever the allocator held"
+            )
+        if saved.is_floating_point() or saved.is_complex():
+            return None
+        return (
+            f"an integer value made by {f.func} from host (Python) values only, reading no "
+            "tensor: a moving host counter, not tensor state"
+        )
+
     def unreproduced(self, saved: torch.Tensor) -> str | None:
         """Why ``saved`` (a tensor the replay saved) is a value its kernel does not reproduce,
         or None (it is, or it cannot be told: then a difference is evidence of state)."""
-        p = self.produced.get(storage_key(saved))
+        key = storage_key(saved)
+        if key is None or key in self.written:
+            return None  # written after it was produced: its producer no longer tells
+        if key in self.fresh:
+            return self._unreproduced_fresh(saved, key)
+        p = self.produced.get(key)
         if p is None:
             return None
         name = str(p.func)
@@ -140,6 +239,9 @@ class ProducerLog(TorchDispatchMode):
 
     def clear(self) -> None:
         self.produced = {}
+        self.fresh = {}
+        self.written = set()
+        self.host_read = False
 
 
 def _tensor_arguments(args: tuple, kwargs: dict) -> list[torch.Tensor]:

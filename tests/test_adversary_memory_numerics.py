@@ -743,16 +743,7 @@ NUM_CASES = {
     "noisy_custom_op_outside_segments": ("exact", torch.float32, "noisy", None, 0),
     "noisy_custom_op_outside_min_replayed": ("exact", torch.float32, "noisy", "min", 1),
 }
-_NUM_XFAIL: dict[str, str] = {
-    "empty_and_int_aux_min_replayed_probe": (
-        "measured: 2 probe divergences at step 1 (blocks.0, blocks.1), 'differing_saved_tensors':"
-        " [3], 'next probe retained'. An autograd.Function saving a torch.empty workspace alone,"
-        " or an int64 counter alone (not named seed/offset), gives the same. The replayed"
-        " probe excuses only aux values of multi-output ops (kernel_noise.ProducerLog), not a"
-        " single-output producer (aten::empty, torch.tensor) saved by a Function whose outputs"
-        " match bitwise"
-    )
-}
+_NUM_XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(
