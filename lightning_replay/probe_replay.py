@@ -62,7 +62,7 @@ class _ProbeReplay:
         self.saved_bytes: dict = {}  # storage key -> bytes of what the replay saved
         self.params: set = set()
         self.keep = False
-        #: the replay's multi-output ops: which of its saved values the kernel does not reproduce
+        #: the replay's ops: which of its saved values no kernel reproduces (or no tensor went into)
         self.producers = ProducerLog()
 
     def __enter__(self) -> None:
