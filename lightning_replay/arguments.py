@@ -261,7 +261,7 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
                 out[k] = build(c)
             return out
         else:
-            out = copy.copy(node.template)
+            out = _shallow_copy(node.template)
             built[id(node)] = out
             slots = iter(node.slots)
             d = getattr(out, "__dict__", None)
@@ -284,14 +284,45 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+def _shallow_copy(obj: Any) -> Any:
+    """``copy.copy(obj)``; where that returns ``obj`` itself (a ``__copy__`` returning
+    ``self``, as 'immutable' value classes do), a new instance of its type built without
+    ``__init__`` (``__new__``) with the same ``__dict__``/slots and items: the replay must
+    never write the user's live object. Returns ``obj`` only where neither works."""
+    c = copy.copy(obj)
+    if c is not obj:
+        return c
+    cls = type(obj)
+    try:
+        c = object.__new__(cls) if cls.__new__ is object.__new__ else cls.__new__(cls)
+    except Exception:  # noqa: BLE001 (a __new__ that needs arguments: refused by the caller)
+        return obj
+    d = getattr(obj, "__dict__", None)
+    if isinstance(d, dict):
+        vars(c).update(d)
+    for name, v, slot in _fields(obj):
+        if slot:
+            object.__setattr__(c, name, v)
+    if isinstance(obj, dict):
+        dict.update(c, obj)
+    elif isinstance(obj, list):
+        list.extend(c, obj)
+    return c
+
+
 def check_rebuild(flat: list, spec: CallSpec) -> str | None:
     """Why the call cannot be rebuilt for a replay (an object whose shallow copy fails or
     differs in type), or None."""
     for where, obj in spec.objects:
         try:
-            c = copy.copy(obj)
+            c = _shallow_copy(obj)
         except Exception as exc:  # noqa: BLE001 (any failure of a user's __copy__/__reduce__)
             return f"{where} (a {type(obj).__name__}) cannot be copied: {exc}"
+        if c is obj:
+            return (
+                f"{where} (a {type(obj).__name__}) copies as itself and cannot be rebuilt "
+                "another way: the replay would write the live object's fields"
+            )
         if type(c) is not type(obj):
             return (
                 f"{where} (a {type(obj).__name__}) copies as a {type(c).__name__}: its "

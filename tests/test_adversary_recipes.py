@@ -266,9 +266,6 @@ OBJ_XFAIL = {
     "1.5e-8): a functools.partial is callable, never walked, its bound tensor read live",
     "lambda_closure_inplace": "measured: silent, 10/16 gradients differ from step 1 (max "
     "0.06): a closure's captured tensor is never walked and read live by the replay",
-    "tensor_subclass_inplace": "measured: silent, 10/16 gradients differ from step 1 (max "
-    "0.04): the replay's stand-in copy of a written input is a plain Tensor, the segment's "
-    "isinstance(t, Tagged) branch flips",
 }
 
 
@@ -304,12 +301,6 @@ def test_kw_only_dataclass_as_keyword_argument() -> None:
     _check(make, _loss_step(fwd, after), PRES, opt="adamw")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: gradients exact, but after backward the live object's field rebound by "
-    "the user is the forward's tensor again: copy.copy returned the object itself and "
-    "arguments.unflatten_call wrote the forward's fields into it during the replay",
-)
 def test_self_copying_object_is_not_written_by_the_replay() -> None:
     """The field the user rebinds after the forward must stay rebound after backward."""
     torch.manual_seed(0)
