@@ -273,6 +273,14 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
                     object.__setattr__(out, k, v)
                 else:
                     d[k] = v
+            # a field or item the forward added to the live object (``b.features = y``) was
+            # not there when the call was made
+            if isinstance(d, dict):
+                for k in [k for k in d if ("attr", k) not in node.keys]:
+                    del d[k]
+            if isinstance(out, dict):
+                for k in [k for k in out if ("item", k) not in node.keys]:
+                    dict.__delitem__(out, k)
             return out
         built[id(node)] = out
         return out

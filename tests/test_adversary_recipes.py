@@ -400,13 +400,6 @@ def test_segment_that_writes_its_tensor_argument_in_place() -> None:
     _check(DirectMutatingNet, step, PRES)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: ReplayConfigError \"segment 'blocks.0' changed its argument 0 (a Bag "
-    'object) in its forward" at the first call, though the same write on a tensor passed '
-    "directly is exact (test_segment_that_writes_its_tensor_argument_in_place): probe.py "
-    "_object_token check predates the class-1 walk, refuses wrongly",
-)
 def test_segment_that_writes_a_tensor_of_its_argument_object() -> None:
     """Gradients equal, and the live object after backward equals plain PyTorch's (the replay
     must not add to ``acc`` a second time)."""
@@ -441,13 +434,6 @@ class StoringNet(MutatingNet):
         self.blocks = nn.ModuleList([StoringBlock(), StoringBlock()])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: ReplayConfigError \"segment 'blocks.0' changed its argument 0 (a Bag "
-    'object) in its forward ... would change the object a second time" at the first call, '
-    "though the replay now runs on a shallow copy (a rebound field cannot reach the live "
-    "object): probe.py _object_token check, refuses wrongly",
-)
 def test_segment_that_rebinds_a_field_of_its_argument_object() -> None:
     def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
         b = Bag([])
@@ -456,6 +442,80 @@ def test_segment_that_rebinds_a_field_of_its_argument_object() -> None:
         return {"x": b.x}
 
     _check(StoringNet, step, PRES)
+
+
+class FilledCache:
+    """A KV-cache-like object already holding a tensor: the segment appends to its list."""
+
+    def __init__(self, k: torch.Tensor) -> None:
+        self.keys = [k]
+
+
+class CacheBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, cache: FilledCache) -> torch.Tensor:
+        cache.keys.append(x)
+        # the segment branches on a field the forward adds: the replay must not see it
+        scale = 2.0 if hasattr(cache, "seen") else 1.0
+        cache.seen = True
+        return self.lin(torch.stack(cache.keys).mean(0) * scale).tanh()
+
+
+class CacheNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([CacheBlock(), CacheBlock()])
+
+    def forward(self, x: torch.Tensor, cache: FilledCache) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x, cache), cache)
+
+
+def test_segment_that_appends_to_a_list_of_tensors_in_its_argument_object() -> None:
+    """The list holds a tensor, so it is rebuilt for the replay: the forward's append and
+    its added field stay in the live object (as in plain PyTorch) and the replay sees the
+    object as the forward did."""
+
+    def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
+        c = FilledCache(torch.randn(B, D, generator=g))
+        model(torch.randn(B, D, generator=g), c).pow(2).mean().backward()
+        return {"n": torch.tensor(len(c.keys)), "seen": torch.tensor(c.seen)}
+
+    _check(CacheNet, step, WITH_BUDGET)
+
+
+class Counter:
+    """Holds no tensor: passed to the replay live."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+
+class CountingBlock(nn.Linear):
+    def forward(self, x: torch.Tensor, c: Counter) -> torch.Tensor:
+        c.calls.append(1)
+        return super().forward(x) * len(c.calls)
+
+
+class CountingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([CountingBlock(D, D)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x, Counter())
+
+
+def test_segment_that_changes_a_tensor_free_argument_object_is_refused_by_name() -> None:
+    model = CountingNet()
+    eng = lr.install(model, "blocks.*")
+    try:
+        with pytest.raises(lr.ReplayConfigError, match="'blocks.0'.*argument 1.*Counter"):
+            model(torch.randn(B, D)).sum().backward()
+    finally:
+        eng.uninstall()
 
 
 class ParamViewNet(nn.Module):
