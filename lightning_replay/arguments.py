@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 import types
 from typing import Any
 
@@ -115,6 +116,11 @@ def _holds_tensor(obj: Any, depth: int, budget: list[int], limit: int = MAX_DEPT
         return False
     if isinstance(obj, torch.Tensor):
         return True
+    inner = _callable_parts(obj)
+    if inner is not None:
+        return any(_holds_tensor(x, depth + 1, budget, limit) for x in inner)
+    if isinstance(obj, (set, frozenset)):
+        return any(_holds_tensor(x, depth + 1, budget, limit) for x in obj)
     if isinstance(obj, _OPAQUE) or callable(obj) and not dataclasses.is_dataclass(obj):
         return False
     spec = _pytree.SUPPORTED_NODES.get(type(obj))
@@ -125,9 +131,22 @@ def _holds_tensor(obj: Any, depth: int, budget: list[int], limit: int = MAX_DEPT
     if isinstance(obj, dict):
         if any(_holds_tensor(x, depth + 1, budget, limit) for x in obj.values()):
             return True
-    if isinstance(obj, (set, frozenset)):
-        return False
     return any(_holds_tensor(v, depth + 1, budget, limit) for _, v, _ in _fields(obj))
+
+
+def _callable_parts(obj: Any) -> list | None:
+    """What a callable argument carries that a replay would read live: a
+    ``functools.partial``'s function, arguments and keywords, or a Python function's closure
+    cells and defaults; None for anything else (or a function with an empty cell)."""
+    if type(obj) is functools.partial:
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if type(obj) is types.FunctionType and (obj.__closure__ or obj.__defaults__):
+        try:
+            cells = [c.cell_contents for c in obj.__closure__ or ()]
+        except ValueError:  # an empty cell (a name not bound yet)
+            return None
+        return cells + list(obj.__defaults__ or ())
+    return None
 
 
 def _fields(obj: Any) -> list[tuple[str, Any, bool]]:
@@ -156,7 +175,7 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
     budget = [MAX_NODES]
 
     def walk(obj: Any, depth: int, where: str) -> _Node:
-        if isinstance(obj, (torch.Tensor, *_OPAQUE)):
+        if isinstance(obj, (torch.Tensor, *_OPAQUE)) and _callable_parts(obj) is None:
             flat.append(obj)
             return _LEAF
         prev = seen.get(id(obj))
@@ -171,6 +190,21 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
             return _LEAF
         budget[0] -= 1
         t = type(obj)
+        if t in (set, frozenset):
+            node = _Node("set", t)
+            seen[id(obj)] = node
+            node.children = [walk(x, depth + 1, f"{where} element") for x in obj]
+            return node
+        if _callable_parts(obj) is not None:
+            # a partial or a closure: rebuilt with its arguments/cells as at the forward
+            node = _Node("call", t)
+            node.template = obj
+            seen[id(obj)] = node
+            node.children = [
+                walk(x, depth + 1, f"{where} (captured by {getattr(obj, '__name__', t.__name__)})")
+                for x in _callable_parts(obj) or ()
+            ]
+            return node
         if t in (list, tuple):
             node = _Node("seq", t)
             seen[id(obj)] = node
@@ -249,6 +283,10 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
                 out.extend(build(c) for c in node.children)
                 return out
             out = tuple(build(c) for c in node.children)
+        elif kind == "set":
+            out = node.type(build(c) for c in node.children)
+        elif kind == "call":
+            out = _rebuild_callable(node.template, [build(c) for c in node.children])
         elif kind == "named":
             out = node.type._make(build(c) for c in node.children)
         elif kind == "pytree":
@@ -290,6 +328,22 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
     finally:
         build = None  # type: ignore[assignment]  (a recursive closure's cycle, broken)
     return args, kwargs
+
+
+def _rebuild_callable(fn: Any, parts: list) -> Any:
+    """``fn`` (a partial or a function) carrying ``parts`` (:func:`_callable_parts`)."""
+    if type(fn) is functools.partial:
+        n = len(fn.args)
+        kw = dict(zip(fn.keywords, parts[1 + n :]))
+        return functools.partial(parts[0], *parts[1 : 1 + n], **kw)
+    ncell = len(fn.__closure__ or ())
+    cells = tuple(types.CellType(v) for v in parts[:ncell]) if fn.__closure__ else None
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, None, cells)
+    out.__defaults__ = tuple(parts[ncell:]) if fn.__defaults__ else None
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__dict__.update(fn.__dict__)
+    out.__qualname__ = fn.__qualname__
+    return out
 
 
 def _shallow_copy(obj: Any) -> Any:

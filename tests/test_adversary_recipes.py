@@ -254,18 +254,30 @@ OBJ_CASES = {
         lambda s, kw: next(iter(s)),
         lambda s: next(iter(s)).add_(1.0),
     ),
+    # a mutable set holding a tensor, and a list beside it
+    "set_inplace": (
+        lambda x: [{x.clone()}, x],
+        lambda s, kw: next(iter(s[0])) * s[1],
+        lambda s: next(iter(s[0])).mul_(0.5),
+    ),
+    # a partial binding its tensor as a keyword
+    "partial_keyword_inplace": (
+        lambda x: functools.partial(torch.add, alpha=1.0, other=x.clone()),
+        lambda f, kw: f(torch.ones(B, D)),
+        lambda f: f.keywords["other"].add_(1.0),
+    ),
+    # a function whose default argument is the tensor
+    "default_arg_inplace": (
+        lambda x: lambda m=x.clone(): m * 2,
+        lambda f, kw: f(),
+        lambda f: f.__defaults__[0].add_(1.0),
+    ),
 }
 
 OBJ_XFAIL = {
     "class_attribute_inplace": "measured: silent, 6/16 gradients differ from step 1 (max "
     "7.5e-9): arguments._fields walks only an object's own __dict__/slots; a tensor reached "
     "through its class attribute is read live by the replay",
-    "frozenset_inplace": "measured: silent, 6/16 gradients differ from step 1 (max 7.5e-9): "
-    "a set is not walked (arguments._holds_tensor returns False), its tensor read live",
-    "partial_closure_inplace": "measured: silent, 10/16 gradients differ from step 1 (max "
-    "1.5e-8): a functools.partial is callable, never walked, its bound tensor read live",
-    "lambda_closure_inplace": "measured: silent, 10/16 gradients differ from step 1 (max "
-    "0.06): a closure's captured tensor is never walked and read live by the replay",
 }
 
 
