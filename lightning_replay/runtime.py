@@ -23,6 +23,7 @@ from lightning_replay._compat import (
     checkpoint_frame_recomputing,
     in_reentrant_checkpoint_backward,
     tree_leaves,
+    saved_tensors_hooks_disabled,
     under_functorch,
 )
 from lightning_replay.accounting import checkpoint_rng_bytes
@@ -182,6 +183,21 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             # Under a torch.func transform (per-sample gradients: vmap(grad(functional_call)))
             # the segment runs plain: the transform differentiates its own graph, and refuses
             # the saved-tensor hooks a replay needs.
+            return self.orig_forward(*args, **kwargs)
+        if saved_tensors_hooks_disabled():
+            # Saved-tensor hooks are switched off around this call: neither the probe nor
+            # checkpoint can run. The segment runs plain (exact, keeps its activations).
+            if not getattr(eng, "_warned_hooks_off", False):  # once per engine
+                eng._warned_hooks_off = True
+                warnings.warn(
+                    f"segment {self.name!r} (and every segment called there) runs without "
+                    "replay, keeping its activations: "
+                    "it is called under torch.autograd.graph.disable_saved_tensors_hooks, "
+                    "which forbids the saved-tensor hooks a replay needs. Call the model "
+                    "outside that context to save its memory.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return self.orig_forward(*args, **kwargs)
         if checkpoint_frame_forward() is not None:
             raise _checkpointed_around(self.name)

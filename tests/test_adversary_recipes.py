@@ -854,12 +854,6 @@ def test_counting_hooks_gradients_and_counts() -> None:
     assert counts["replay"] == counts["plain"] > 0, counts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: deep crash, torch's RuntimeError('no hooks here') from the probe's "
-    "saved_tensors_hooks (probe.py _probe_forward); no check of "
-    "torch._C._autograd._saved_tensors_hooks_is_enabled()",
-)
 def test_disable_saved_tensors_hooks_around_the_step() -> None:
     """``disable_saved_tensors_hooks`` (as functorch and some libraries use): plain training
     runs; replay must run plain or refuse by name, not raise torch's error deep."""
@@ -875,11 +869,12 @@ def test_disable_saved_tensors_hooks_around_the_step() -> None:
     model = copy.deepcopy(ref)
     eng = lr.install(model, "blocks.*")
     try:
-        got = _run(model, step, "sgd")
-    except lr.ReplayConfigError as exc:  # a refusal is fine if it names the segment
-        assert "blocks." in str(exc)
-    else:
-        assert _diff(expected, got) == []
+        with pytest.warns(RuntimeWarning, match="'blocks.0'.*disable_saved_tensors_hooks"):
+            got = _run(model, step, "sgd")
+        assert _diff(expected, got) == []  # the segments ran plain
+        # and ordinary steps after it still replay
+        _run(model, lambda m, g, s: m(torch.randn(16, D, generator=g)).sum().backward(), "sgd")
+        assert eng.summary()["blocks.0"]["replays"] > 0
     finally:
         eng.uninstall()
 
