@@ -131,7 +131,24 @@ def _holds_tensor(obj: Any, depth: int, budget: list[int], limit: int = MAX_DEPT
     if isinstance(obj, dict):
         if any(_holds_tensor(x, depth + 1, budget, limit) for x in obj.values()):
             return True
+    if _class_tensors(obj):
+        return True
     return any(_holds_tensor(v, depth + 1, budget, limit) for _, v, _ in _fields(obj))
+
+
+def _class_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the tensors an object reaches through its class (``type(b).m``, or
+    ``b.m`` where the instance has no ``m`` of its own): read live by a replay unless captured."""
+    own = getattr(obj, "__dict__", None)
+    own = own if isinstance(own, dict) else {}
+    out: dict[str, torch.Tensor] = {}
+    for cls in type(obj).__mro__:
+        if cls is object or cls.__module__ == "builtins":
+            continue
+        for name, v in vars(cls).items():
+            if isinstance(v, torch.Tensor) and name not in own and name not in out:
+                out[name] = v
+    return list(out.items())
 
 
 def _callable_parts(obj: Any) -> list | None:
@@ -244,6 +261,9 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
             node.keys.append(("attr", name))
             node.slots.append(slot)
             node.children.append(walk(v, depth + 1, f"{where}.{name}"))
+        for name, v in _class_tensors(obj):  # served by a subclass made for the replay
+            node.keys.append(("cls", name))
+            node.children.append(walk(v, depth + 1, f"{where}.{name} (a class attribute)"))
         return node
 
     root = _Node("seq", tuple)
@@ -303,9 +323,12 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
             built[id(node)] = out
             slots = iter(node.slots)
             d = getattr(out, "__dict__", None)
+            on_class: dict[str, Any] = {}
             for (where, k), c in zip(node.keys, node.children):
                 v = build(c)
-                if where == "item":
+                if where == "cls":
+                    on_class[k] = v
+                elif where == "item":
                     dict.__setitem__(out, k, v)
                 elif next(slots) or not isinstance(d, dict):
                     object.__setattr__(out, k, v)
@@ -319,6 +342,14 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
             if isinstance(out, dict):
                 for k in [k for k in out if ("item", k) not in node.keys]:
                     dict.__delitem__(out, k)
+            if on_class:
+                # tensors the object reaches through its class: a subclass of its class made
+                # for this rebuild holds them as at the forward (no instance layout added)
+                cls = type(out)
+                sub = type(cls.__name__, (cls,), {**on_class, "__slots__": ()})
+                sub.__qualname__ = cls.__qualname__
+                sub.__module__ = cls.__module__
+                out.__class__ = sub
             return out
         built[id(node)] = out
         return out

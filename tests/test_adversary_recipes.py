@@ -242,6 +242,12 @@ OBJ_CASES = {
         lambda c, kw: type(c).m,
         lambda c: type(c).m.add_(1.0),
     ),
+    # ... read through the instance (``c.m``), inherited from a base class, rebound after
+    "class_attribute_inherited_rebind": (
+        lambda x: type("Derived", (type("Base", (), {"m": x.clone()}),), {"k": 2.0})(),
+        lambda c, kw: c.m * c.k,
+        lambda c: setattr(type(c).__mro__[1], "m", type(c).m * 3),
+    ),
     # a tensor and a strided view of it passed together; the base is written after
     "aliased_views_inplace": (
         lambda x: (lambda w: (w, w[:, ::2]))(x.clone()),
@@ -274,11 +280,7 @@ OBJ_CASES = {
     ),
 }
 
-OBJ_XFAIL = {
-    "class_attribute_inplace": "measured: silent, 6/16 gradients differ from step 1 (max "
-    "7.5e-9): arguments._fields walks only an object's own __dict__/slots; a tensor reached "
-    "through its class attribute is read live by the replay",
-}
+OBJ_XFAIL = {}
 
 
 @pytest.mark.parametrize(
