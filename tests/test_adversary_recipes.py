@@ -1103,14 +1103,6 @@ class ScriptFnNet(nn.Module):
         return self.blocks[1](self.blocks[0](x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: deep crash in backward, RuntimeError('The following operation failed "
-    "in the TorchScript interpreter ... RuntimeError:') from the replay (runtime.py "
-    "checkpoint call): checkpoint's early-stop exception is raised inside a scripted "
-    "function and the interpreter rewraps it; plain torch checkpoint fails the same, "
-    "set_checkpoint_early_stop(False) works",
-)
 def test_scripted_function_inside_a_segment() -> None:
     _check(ScriptFnNet, _loss_step(lambda m, x: (m(x), None)), PRES)
 
