@@ -332,6 +332,23 @@ def test_self_copying_object_is_not_written_by_the_replay() -> None:
         eng.uninstall()
 
 
+class SelfCopyNeedsArgs(SelfCopy):
+    """Copies as itself, and ``__new__`` needs its argument: cannot be rebuilt another way."""
+
+    def __new__(cls, x: torch.Tensor) -> "SelfCopyNeedsArgs":
+        return super().__new__(cls)
+
+
+def test_self_copying_object_that_cannot_be_rebuilt_is_refused_by_name() -> None:
+    model = ObjNet(lambda b, kw: b.x)
+    eng = lr.install(model, "blocks.*")
+    try:
+        with pytest.raises(lr.ReplayConfigError, match="'blocks.0'.*copies as itself"):
+            model(SelfCopyNeedsArgs(torch.randn(B, D))).sum().backward()
+    finally:
+        eng.uninstall()
+
+
 class SharedNet(nn.Module):
     """One argument object passed to two segments; the root writes it between them."""
 
