@@ -68,6 +68,14 @@ def under_functorch() -> bool:
     return peek is not None and peek() is not None
 
 
+def saved_tensors_hooks_disabled() -> bool:
+    """Whether ``torch.autograd.graph.disable_saved_tensors_hooks`` is in force (as functorch
+    and some libraries enter it): registering a saved-tensor hook then raises, and the probe
+    and checkpoint need one. False where torch cannot tell."""
+    read = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return read is not None and not read()
+
+
 def graph_task_keeps_graph() -> bool:
     """Whether the backward running now keeps its graph (``retain_graph=True``, or
     ``create_graph=True``, which implies it): a later backward can differentiate the same

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 import types
 from typing import Any
 
@@ -115,6 +116,11 @@ def _holds_tensor(obj: Any, depth: int, budget: list[int], limit: int = MAX_DEPT
         return False
     if isinstance(obj, torch.Tensor):
         return True
+    inner = _callable_parts(obj)
+    if inner is not None:
+        return any(_holds_tensor(x, depth + 1, budget, limit) for x in inner)
+    if isinstance(obj, (set, frozenset)):
+        return any(_holds_tensor(x, depth + 1, budget, limit) for x in obj)
     if isinstance(obj, _OPAQUE) or callable(obj) and not dataclasses.is_dataclass(obj):
         return False
     spec = _pytree.SUPPORTED_NODES.get(type(obj))
@@ -125,9 +131,39 @@ def _holds_tensor(obj: Any, depth: int, budget: list[int], limit: int = MAX_DEPT
     if isinstance(obj, dict):
         if any(_holds_tensor(x, depth + 1, budget, limit) for x in obj.values()):
             return True
-    if isinstance(obj, (set, frozenset)):
-        return False
+    if _class_tensors(obj):
+        return True
     return any(_holds_tensor(v, depth + 1, budget, limit) for _, v, _ in _fields(obj))
+
+
+def _class_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the tensors an object reaches through its class (``type(b).m``, or
+    ``b.m`` where the instance has no ``m`` of its own): read live by a replay unless captured."""
+    own = getattr(obj, "__dict__", None)
+    own = own if isinstance(own, dict) else {}
+    out: dict[str, torch.Tensor] = {}
+    for cls in type(obj).__mro__:
+        if cls is object or cls.__module__ == "builtins":
+            continue
+        for name, v in vars(cls).items():
+            if isinstance(v, torch.Tensor) and name not in own and name not in out:
+                out[name] = v
+    return list(out.items())
+
+
+def _callable_parts(obj: Any) -> list | None:
+    """What a callable argument carries that a replay would read live: a
+    ``functools.partial``'s function, arguments and keywords, or a Python function's closure
+    cells and defaults; None for anything else (or a function with an empty cell)."""
+    if type(obj) is functools.partial:
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if type(obj) is types.FunctionType and (obj.__closure__ or obj.__defaults__):
+        try:
+            cells = [c.cell_contents for c in obj.__closure__ or ()]
+        except ValueError:  # an empty cell (a name not bound yet)
+            return None
+        return cells + list(obj.__defaults__ or ())
+    return None
 
 
 def _fields(obj: Any) -> list[tuple[str, Any, bool]]:
@@ -156,7 +192,7 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
     budget = [MAX_NODES]
 
     def walk(obj: Any, depth: int, where: str) -> _Node:
-        if isinstance(obj, (torch.Tensor, *_OPAQUE)):
+        if isinstance(obj, (torch.Tensor, *_OPAQUE)) and _callable_parts(obj) is None:
             flat.append(obj)
             return _LEAF
         prev = seen.get(id(obj))
@@ -171,6 +207,21 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
             return _LEAF
         budget[0] -= 1
         t = type(obj)
+        if t in (set, frozenset):
+            node = _Node("set", t)
+            seen[id(obj)] = node
+            node.children = [walk(x, depth + 1, f"{where} element") for x in obj]
+            return node
+        if _callable_parts(obj) is not None:
+            # a partial or a closure: rebuilt with its arguments/cells as at the forward
+            node = _Node("call", t)
+            node.template = obj
+            seen[id(obj)] = node
+            node.children = [
+                walk(x, depth + 1, f"{where} (captured by {getattr(obj, '__name__', t.__name__)})")
+                for x in _callable_parts(obj) or ()
+            ]
+            return node
         if t in (list, tuple):
             node = _Node("seq", t)
             seen[id(obj)] = node
@@ -210,6 +261,9 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, CallSpec]:
             node.keys.append(("attr", name))
             node.slots.append(slot)
             node.children.append(walk(v, depth + 1, f"{where}.{name}"))
+        for name, v in _class_tensors(obj):  # served by a subclass made for the replay
+            node.keys.append(("cls", name))
+            node.children.append(walk(v, depth + 1, f"{where}.{name} (a class attribute)"))
         return node
 
     root = _Node("seq", tuple)
@@ -249,6 +303,10 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
                 out.extend(build(c) for c in node.children)
                 return out
             out = tuple(build(c) for c in node.children)
+        elif kind == "set":
+            out = node.type(build(c) for c in node.children)
+        elif kind == "call":
+            out = _rebuild_callable(node.template, [build(c) for c in node.children])
         elif kind == "named":
             out = node.type._make(build(c) for c in node.children)
         elif kind == "pytree":
@@ -261,18 +319,37 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
                 out[k] = build(c)
             return out
         else:
-            out = copy.copy(node.template)
+            out = _shallow_copy(node.template)
             built[id(node)] = out
             slots = iter(node.slots)
             d = getattr(out, "__dict__", None)
+            on_class: dict[str, Any] = {}
             for (where, k), c in zip(node.keys, node.children):
                 v = build(c)
-                if where == "item":
+                if where == "cls":
+                    on_class[k] = v
+                elif where == "item":
                     dict.__setitem__(out, k, v)
                 elif next(slots) or not isinstance(d, dict):
                     object.__setattr__(out, k, v)
                 else:
                     d[k] = v
+            # a field or item the forward added to the live object (``b.features = y``) was
+            # not there when the call was made
+            if isinstance(d, dict):
+                for k in [k for k in d if ("attr", k) not in node.keys]:
+                    del d[k]
+            if isinstance(out, dict):
+                for k in [k for k in out if ("item", k) not in node.keys]:
+                    dict.__delitem__(out, k)
+            if on_class:
+                # tensors the object reaches through its class: a subclass of its class made
+                # for this rebuild holds them as at the forward (no instance layout added)
+                cls = type(out)
+                sub = type(cls.__name__, (cls,), {**on_class, "__slots__": ()})
+                sub.__qualname__ = cls.__qualname__
+                sub.__module__ = cls.__module__
+                out.__class__ = sub
             return out
         built[id(node)] = out
         return out
@@ -284,14 +361,61 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+def _rebuild_callable(fn: Any, parts: list) -> Any:
+    """``fn`` (a partial or a function) carrying ``parts`` (:func:`_callable_parts`)."""
+    if type(fn) is functools.partial:
+        n = len(fn.args)
+        kw = dict(zip(fn.keywords, parts[1 + n :]))
+        return functools.partial(parts[0], *parts[1 : 1 + n], **kw)
+    ncell = len(fn.__closure__ or ())
+    cells = tuple(types.CellType(v) for v in parts[:ncell]) if fn.__closure__ else None
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, None, cells)
+    out.__defaults__ = tuple(parts[ncell:]) if fn.__defaults__ else None
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__dict__.update(fn.__dict__)
+    out.__qualname__ = fn.__qualname__
+    return out
+
+
+def _shallow_copy(obj: Any) -> Any:
+    """``copy.copy(obj)``; where that returns ``obj`` itself (a ``__copy__`` returning
+    ``self``, as 'immutable' value classes do), a new instance of its type built without
+    ``__init__`` (``__new__``) with the same ``__dict__``/slots and items: the replay must
+    never write the user's live object. Returns ``obj`` only where neither works."""
+    c = copy.copy(obj)
+    if c is not obj:
+        return c
+    cls = type(obj)
+    try:
+        c = object.__new__(cls) if cls.__new__ is object.__new__ else cls.__new__(cls)
+    except Exception:  # noqa: BLE001 (a __new__ that needs arguments: refused by the caller)
+        return obj
+    d = getattr(obj, "__dict__", None)
+    if isinstance(d, dict):
+        vars(c).update(d)
+    for name, v, slot in _fields(obj):
+        if slot:
+            object.__setattr__(c, name, v)
+    if isinstance(obj, dict):
+        dict.update(c, obj)
+    elif isinstance(obj, list):
+        list.extend(c, obj)
+    return c
+
+
 def check_rebuild(flat: list, spec: CallSpec) -> str | None:
     """Why the call cannot be rebuilt for a replay (an object whose shallow copy fails or
     differs in type), or None."""
     for where, obj in spec.objects:
         try:
-            c = copy.copy(obj)
+            c = _shallow_copy(obj)
         except Exception as exc:  # noqa: BLE001 (any failure of a user's __copy__/__reduce__)
             return f"{where} (a {type(obj).__name__}) cannot be copied: {exc}"
+        if c is obj:
+            return (
+                f"{where} (a {type(obj).__name__}) copies as itself and cannot be rebuilt "
+                "another way: the replay would write the live object's fields"
+            )
         if type(c) is not type(obj):
             return (
                 f"{where} (a {type(obj).__name__}) copies as a {type(c).__name__}: its "

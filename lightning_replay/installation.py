@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from lightning_replay._compat import under_functorch
+from lightning_replay._compat import saved_tensors_hooks_disabled, under_functorch
 from lightning_replay.config import ReplanSettings, ReplayConfig
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.records import RecordStore
@@ -93,7 +93,9 @@ def _root_class(cls: type) -> type:
 
     def forward(self, *args, **kwargs):
         eng = _ROOTS.get(self)
-        if eng is None or under_functorch():  # (a torch.func transform: no window, see runtime)
+        if eng is None or under_functorch() or saved_tensors_hooks_disabled():
+            # (a torch.func transform, or saved-tensor hooks switched off: no window, the
+            # segments run plain, see runtime)
             return cls.forward(self, *args, **kwargs)
         eng._explicit_windows += 1
         eng.begin_window(continuation=not torch.is_grad_enabled(), inputs=(args, kwargs))

@@ -104,7 +104,11 @@ def process_tensor_bytes(device: str = "cpu") -> int:
     with warnings.catch_warnings():  # isinstance on some deprecated lazy objects warns
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
+            try:
+                is_tensor = isinstance(obj, torch.Tensor)
+            except ReferenceError:  # a dead weakref.proxy (isinstance reads its __class__)
+                continue
+            if is_tensor:
                 try:
                     on = obj.device.type == device
                 except (RuntimeError, AttributeError):

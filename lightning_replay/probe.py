@@ -306,6 +306,21 @@ def _argument_objects(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     return out
 
 
+def _live_parts(obj: Any) -> list:
+    """The parts of an argument that reach a replay as they are (not rebuilt by
+    :func:`~lightning_replay.arguments.unflatten_call`): the values :func:`flatten_call`
+    does not walk into, less tensors and plain values."""
+    flat, _ = flatten_call((obj,), {})
+    return [x for x in flat if not (isinstance(x, torch.Tensor) or is_scalar(x))]
+
+
+def _parts_token(parts: list) -> list:
+    out: list = []
+    for x in parts:
+        _object_token(x, 0, out)
+    return out
+
+
 def _object_token(obj: Any, depth: int = 0, out: list | None = None) -> list:
     """What an argument object holds, by identity, version and shape (no bytes)."""
     out = [] if out is None else out
@@ -514,8 +529,14 @@ class SegmentProbe:
         # State the dispatch mode may never see read (host reads such as .tolist(), reads
         # after a warm-up) is watched all the same: every buffer and tensor attribute.
         mode.touch_all([t for _, t in slot_tensors(slots)])
+        # what of the argument objects reaches a replay live (the parts that hold no tensor:
+        # a list a cache appends to, a counter object), by identity: a change the forward makes
+        # there would be made again by the replay. Objects that hold tensors are rebuilt as
+        # copies for the replay (a field rebound or added by the forward stays in the live
+        # object), and their tensors are arguments (in-place writes are copied for the replay)
         objects = _argument_objects(args, kwargs)
-        before = [_object_token(o) for _, o in objects]
+        live_parts = [_live_parts(o) for _, o in objects]
+        before = [_parts_token(parts) for parts in live_parts]
         probe = _Probe(mode, slots, leaf_keys, eng.step)
         probe.replayed = replayed
         if replayed:  # where the replay draws from (generators the mode meets are added)
@@ -609,8 +630,8 @@ class SegmentProbe:
                 [(d, n, _outside_label(m, k, names), v) for (m, k), (d, n, v) in zip(reads, first)]
             )
         mode.finish_segment()
-        for (argname, obj), tok in zip(objects, before):
-            if _object_token(obj) != tok:
+        for (argname, obj), parts, tok in zip(objects, live_parts, before):
+            if _parts_token(parts) != tok:
                 mode.release()
                 self.status = "probe"
                 raise ReplayConfigError(_mutable_argument_message(self.name, argname, obj))

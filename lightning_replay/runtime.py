@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from lightning_replay._compat import (
     checkpoint_frame_forward,
     checkpoint_frame_recomputing,
     in_reentrant_checkpoint_backward,
     tree_leaves,
+    saved_tensors_hooks_disabled,
     under_functorch,
 )
 from lightning_replay.accounting import checkpoint_rng_bytes
@@ -108,6 +110,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.orig_class = type(module)
         self.orig_forward = functools.partial(self.orig_class.forward, module)
         self.modules = list(module.modules())
+        self._calls_script: bool | None = None  # its forwards call a TorchScript function
         self.module_names = {
             id(m): (f"{name}.{n}" if n else name) for n, m in module.named_modules()
         }
@@ -182,6 +185,21 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             # Under a torch.func transform (per-sample gradients: vmap(grad(functional_call)))
             # the segment runs plain: the transform differentiates its own graph, and refuses
             # the saved-tensor hooks a replay needs.
+            return self.orig_forward(*args, **kwargs)
+        if saved_tensors_hooks_disabled():
+            # Saved-tensor hooks are switched off around this call: neither the probe nor
+            # checkpoint can run. The segment runs plain (exact, keeps its activations).
+            if not getattr(eng, "_warned_hooks_off", False):  # once per engine
+                eng._warned_hooks_off = True
+                warnings.warn(
+                    f"segment {self.name!r} (and every segment called there) runs without "
+                    "replay, keeping its activations: "
+                    "it is called under torch.autograd.graph.disable_saved_tensors_hooks, "
+                    "which forbids the saved-tensor hooks a replay needs. Call the model "
+                    "outside that context to save its memory.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return self.orig_forward(*args, **kwargs)
         if checkpoint_frame_forward() is not None:
             raise _checkpointed_around(self.name)
@@ -416,6 +434,13 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         )
         # The global RNG is always preserved (torch's default): a segment may draw from it
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
+        if getattr(self, "_calls_script", None) is None:
+            self._calls_script = _calls_script_function(self.modules)
+        if self._calls_script:
+            # checkpoint's early stop raises from its pack hook; inside a scripted function
+            # the TorchScript interpreter rewraps that exception and the replay fails: the
+            # replay of such a segment runs to its end
+            plain_inputs = _stacked(plain_inputs, set_checkpoint_early_stop(False))
         if not timed:
             with plain_inputs:
                 out = checkpoint(
@@ -557,6 +582,42 @@ def _replay_input(saved: torch.Tensor, requires_grad: bool) -> torch.Tensor:
             return x.copy_(src)
     except RuntimeError:  # an expanded (overlapping) layout cannot be written: a view
         return src.view_as(src)
+
+
+@contextlib.contextmanager
+def _stacked(*ctxs: Any) -> Any:
+    with contextlib.ExitStack() as stack:
+        for c in ctxs:
+            stack.enter_context(c)
+        yield
+
+
+def _calls_script_function(modules: list[nn.Module], depth: int = 2) -> bool:
+    """Whether the forwards of ``modules`` (or the Python functions they name, ``depth``
+    levels down) name a ``torch.jit.ScriptFunction`` in their globals."""
+    seen: set[int] = set()
+
+    def names(fn: Any, level: int) -> bool:
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is None or id(code) in seen or level > depth:
+            return False
+        seen.add(id(code))
+        glob = getattr(fn, "__globals__", {})
+        codes = [code]
+        while codes:
+            c = codes.pop()
+            codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+            for n in c.co_names:
+                g = glob.get(n)
+                if isinstance(g, torch.jit.ScriptFunction):
+                    return True
+                if isinstance(g, types.FunctionType) and names(g, level + 1):
+                    return True
+        return False
+
+    # (every class's own forward: the segment's class is swapped for a replaying subclass)
+    return any(names(vars(cls).get("forward"), 0) for m in modules for cls in type(m).__mro__)
 
 
 def _same(t: Any) -> Any:

@@ -320,7 +320,7 @@ def strided_copy(t: torch.Tensor) -> torch.Tensor:
     ...     assert c.stride() == v.stride() and torch.equal(c, v)
     ...     assert c.data_ptr() % 64 == v.data_ptr() % 64 and c.data_ptr() != v.data_ptr()
     """
-    t = t.detach()
+    orig, t = t, t.detach()
     if t.layout != torch.strided or t.is_meta or t.numel() == 0:
         return t.clone()
     size = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
@@ -337,6 +337,34 @@ def strided_copy(t: torch.Tensor) -> torch.Tensor:
         buf = torch.empty(lead + size, dtype=t.dtype, device=t.device)
         buf[lead:].copy_(region)
         # (set_, not as_strided: a tensor of its own, no view, so it can become a leaf)
-        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        out = torch.empty(0, dtype=t.dtype, device=t.device).set_(
             buf.untyped_storage(), lead, t.shape, t.stride()
         )
+    return _same_subclass(out, orig)
+
+
+def _same_subclass(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``out`` as an instance of ``t``'s tensor subclass, with ``t``'s Python attributes, so
+    that a segment's ``isinstance`` branch sees at replay the type it saw at the forward. Only
+    for a plain Python subclass (no ``__torch_dispatch__`` of its own: a wrapper tensor is
+    not rebuilt this way) and never a ``Parameter``/``Buffer``.
+
+    >>> class Tagged(torch.Tensor): pass
+    >>> t = torch.ones(2).as_subclass(Tagged); t.tag = 3
+    >>> c = strided_copy(t)
+    >>> type(c).__name__, c.tag, c.data_ptr() != t.data_ptr()
+    ('Tagged', 3, True)
+    """
+    cls = type(t)
+    if (
+        cls is torch.Tensor
+        or type(out) is cls
+        or isinstance(t, nn.Parameter)
+        or getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
+    ):
+        return out
+    out = out.as_subclass(cls)
+    d = getattr(t, "__dict__", None)
+    if d:
+        out.__dict__.update(d)
+    return out

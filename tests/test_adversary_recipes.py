@@ -242,6 +242,12 @@ OBJ_CASES = {
         lambda c, kw: type(c).m,
         lambda c: type(c).m.add_(1.0),
     ),
+    # ... read through the instance (``c.m``), inherited from a base class, rebound after
+    "class_attribute_inherited_rebind": (
+        lambda x: type("Derived", (type("Base", (), {"m": x.clone()}),), {"k": 2.0})(),
+        lambda c, kw: c.m * c.k,
+        lambda c: setattr(type(c).__mro__[1], "m", type(c).m * 3),
+    ),
     # a tensor and a strided view of it passed together; the base is written after
     "aliased_views_inplace": (
         lambda x: (lambda w: (w, w[:, ::2]))(x.clone()),
@@ -254,22 +260,27 @@ OBJ_CASES = {
         lambda s, kw: next(iter(s)),
         lambda s: next(iter(s)).add_(1.0),
     ),
+    # a mutable set holding a tensor, and a list beside it
+    "set_inplace": (
+        lambda x: [{x.clone()}, x],
+        lambda s, kw: next(iter(s[0])) * s[1],
+        lambda s: next(iter(s[0])).mul_(0.5),
+    ),
+    # a partial binding its tensor as a keyword
+    "partial_keyword_inplace": (
+        lambda x: functools.partial(torch.add, alpha=1.0, other=x.clone()),
+        lambda f, kw: f(torch.ones(B, D)),
+        lambda f: f.keywords["other"].add_(1.0),
+    ),
+    # a function whose default argument is the tensor
+    "default_arg_inplace": (
+        lambda x: lambda m=x.clone(): m * 2,
+        lambda f, kw: f(),
+        lambda f: f.__defaults__[0].add_(1.0),
+    ),
 }
 
-OBJ_XFAIL = {
-    "class_attribute_inplace": "measured: silent, 6/16 gradients differ from step 1 (max "
-    "7.5e-9): arguments._fields walks only an object's own __dict__/slots; a tensor reached "
-    "through its class attribute is read live by the replay",
-    "frozenset_inplace": "measured: silent, 6/16 gradients differ from step 1 (max 7.5e-9): "
-    "a set is not walked (arguments._holds_tensor returns False), its tensor read live",
-    "partial_closure_inplace": "measured: silent, 10/16 gradients differ from step 1 (max "
-    "1.5e-8): a functools.partial is callable, never walked, its bound tensor read live",
-    "lambda_closure_inplace": "measured: silent, 10/16 gradients differ from step 1 (max "
-    "0.06): a closure's captured tensor is never walked and read live by the replay",
-    "tensor_subclass_inplace": "measured: silent, 10/16 gradients differ from step 1 (max "
-    "0.04): the replay's stand-in copy of a written input is a plain Tensor, the segment's "
-    "isinstance(t, Tagged) branch flips",
-}
+OBJ_XFAIL = {}
 
 
 @pytest.mark.parametrize(
@@ -304,12 +315,6 @@ def test_kw_only_dataclass_as_keyword_argument() -> None:
     _check(make, _loss_step(fwd, after), PRES, opt="adamw")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: gradients exact, but after backward the live object's field rebound by "
-    "the user is the forward's tensor again: copy.copy returned the object itself and "
-    "arguments.unflatten_call wrote the forward's fields into it during the replay",
-)
 def test_self_copying_object_is_not_written_by_the_replay() -> None:
     """The field the user rebinds after the forward must stay rebound after backward."""
     torch.manual_seed(0)
@@ -323,6 +328,23 @@ def test_self_copying_object_is_not_written_by_the_replay() -> None:
             b.x = new
             loss.backward()
             assert b.x is new, "the replay wrote the forward's field back into the live object"
+    finally:
+        eng.uninstall()
+
+
+class SelfCopyNeedsArgs(SelfCopy):
+    """Copies as itself, and ``__new__`` needs its argument: cannot be rebuilt another way."""
+
+    def __new__(cls, x: torch.Tensor) -> "SelfCopyNeedsArgs":
+        return super().__new__(cls)
+
+
+def test_self_copying_object_that_cannot_be_rebuilt_is_refused_by_name() -> None:
+    model = ObjNet(lambda b, kw: b.x)
+    eng = lr.install(model, "blocks.*")
+    try:
+        with pytest.raises(lr.ReplayConfigError, match="'blocks.0'.*copies as itself"):
+            model(SelfCopyNeedsArgs(torch.randn(B, D))).sum().backward()
     finally:
         eng.uninstall()
 
@@ -409,13 +431,6 @@ def test_segment_that_writes_its_tensor_argument_in_place() -> None:
     _check(DirectMutatingNet, step, PRES)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: ReplayConfigError \"segment 'blocks.0' changed its argument 0 (a Bag "
-    'object) in its forward" at the first call, though the same write on a tensor passed '
-    "directly is exact (test_segment_that_writes_its_tensor_argument_in_place): probe.py "
-    "_object_token check predates the class-1 walk, refuses wrongly",
-)
 def test_segment_that_writes_a_tensor_of_its_argument_object() -> None:
     """Gradients equal, and the live object after backward equals plain PyTorch's (the replay
     must not add to ``acc`` a second time)."""
@@ -450,13 +465,6 @@ class StoringNet(MutatingNet):
         self.blocks = nn.ModuleList([StoringBlock(), StoringBlock()])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: ReplayConfigError \"segment 'blocks.0' changed its argument 0 (a Bag "
-    'object) in its forward ... would change the object a second time" at the first call, '
-    "though the replay now runs on a shallow copy (a rebound field cannot reach the live "
-    "object): probe.py _object_token check, refuses wrongly",
-)
 def test_segment_that_rebinds_a_field_of_its_argument_object() -> None:
     def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
         b = Bag([])
@@ -465,6 +473,80 @@ def test_segment_that_rebinds_a_field_of_its_argument_object() -> None:
         return {"x": b.x}
 
     _check(StoringNet, step, PRES)
+
+
+class FilledCache:
+    """A KV-cache-like object already holding a tensor: the segment appends to its list."""
+
+    def __init__(self, k: torch.Tensor) -> None:
+        self.keys = [k]
+
+
+class CacheBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, cache: FilledCache) -> torch.Tensor:
+        cache.keys.append(x)
+        # the segment branches on a field the forward adds: the replay must not see it
+        scale = 2.0 if hasattr(cache, "seen") else 1.0
+        cache.seen = True
+        return self.lin(torch.stack(cache.keys).mean(0) * scale).tanh()
+
+
+class CacheNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([CacheBlock(), CacheBlock()])
+
+    def forward(self, x: torch.Tensor, cache: FilledCache) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x, cache), cache)
+
+
+def test_segment_that_appends_to_a_list_of_tensors_in_its_argument_object() -> None:
+    """The list holds a tensor, so it is rebuilt for the replay: the forward's append and
+    its added field stay in the live object (as in plain PyTorch) and the replay sees the
+    object as the forward did."""
+
+    def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
+        c = FilledCache(torch.randn(B, D, generator=g))
+        model(torch.randn(B, D, generator=g), c).pow(2).mean().backward()
+        return {"n": torch.tensor(len(c.keys)), "seen": torch.tensor(c.seen)}
+
+    _check(CacheNet, step, WITH_BUDGET)
+
+
+class Counter:
+    """Holds no tensor: passed to the replay live."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+
+class CountingBlock(nn.Linear):
+    def forward(self, x: torch.Tensor, c: Counter) -> torch.Tensor:
+        c.calls.append(1)
+        return super().forward(x) * len(c.calls)
+
+
+class CountingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([CountingBlock(D, D)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x, Counter())
+
+
+def test_segment_that_changes_a_tensor_free_argument_object_is_refused_by_name() -> None:
+    model = CountingNet()
+    eng = lr.install(model, "blocks.*")
+    try:
+        with pytest.raises(lr.ReplayConfigError, match="'blocks.0'.*argument 1.*Counter"):
+            model(torch.randn(B, D)).sum().backward()
+    finally:
+        eng.uninstall()
 
 
 class ParamViewNet(nn.Module):
@@ -791,12 +873,6 @@ def test_counting_hooks_gradients_and_counts() -> None:
     assert counts["replay"] == counts["plain"] > 0, counts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: deep crash, torch's RuntimeError('no hooks here') from the probe's "
-    "saved_tensors_hooks (probe.py _probe_forward); no check of "
-    "torch._C._autograd._saved_tensors_hooks_is_enabled()",
-)
 def test_disable_saved_tensors_hooks_around_the_step() -> None:
     """``disable_saved_tensors_hooks`` (as functorch and some libraries use): plain training
     runs; replay must run plain or refuse by name, not raise torch's error deep."""
@@ -812,11 +888,12 @@ def test_disable_saved_tensors_hooks_around_the_step() -> None:
     model = copy.deepcopy(ref)
     eng = lr.install(model, "blocks.*")
     try:
-        got = _run(model, step, "sgd")
-    except lr.ReplayConfigError as exc:  # a refusal is fine if it names the segment
-        assert "blocks." in str(exc)
-    else:
-        assert _diff(expected, got) == []
+        with pytest.warns(RuntimeWarning, match="'blocks.0'.*disable_saved_tensors_hooks"):
+            got = _run(model, step, "sgd")
+        assert _diff(expected, got) == []  # the segments ran plain
+        # and ordinary steps after it still replay
+        _run(model, lambda m, g, s: m(torch.randn(16, D, generator=g)).sum().backward(), "sgd")
+        assert eng.summary()["blocks.0"]["replays"] > 0
     finally:
         eng.uninstall()
 
@@ -1043,15 +1120,22 @@ class ScriptFnNet(nn.Module):
         return self.blocks[1](self.blocks[0](x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured: deep crash in backward, RuntimeError('The following operation failed "
-    "in the TorchScript interpreter ... RuntimeError:') from the replay (runtime.py "
-    "checkpoint call): checkpoint's early-stop exception is raised inside a scripted "
-    "function and the interpreter rewraps it; plain torch checkpoint fails the same, "
-    "set_checkpoint_early_stop(False) works",
-)
 def test_scripted_function_inside_a_segment() -> None:
+    """Measured before the fix: a deep crash in backward (checkpoint's early-stop exception
+    rewrapped by the TorchScript interpreter). Exact with the JIT's optimising executor off;
+    with it on see the next test."""
+    with torch.jit.optimized_execution(False):
+        _check(ScriptFnNet, _loss_step(lambda m, x: (m(x), None)), PRES)
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="measured: no crash, but 19/32 gradients differ in the last bits (max 2.2e-7) "
+    "under preservation='auto': TorchScript's profiling executor optimises a function after "
+    "a number of calls, and a replay adds calls, so forward and replay may run differently "
+    "optimised graphs (exact under torch.jit.optimized_execution(False))",
+)
+def test_scripted_function_inside_a_segment_optimised_executor() -> None:
     _check(ScriptFnNet, _loss_step(lambda m, x: (m(x), None)), PRES)
 
 
