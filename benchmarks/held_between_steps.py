@@ -37,7 +37,11 @@ def live_bytes() -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_sparse:
+            if (
+                issubclass(type(obj), torch.Tensor)
+                and obj.device.type == "cpu"
+                and not obj.is_sparse
+            ):
                 try:
                     s = obj.untyped_storage()
                 except (RuntimeError, NotImplementedError):

@@ -101,14 +101,12 @@ def process_tensor_bytes(device: str = "cpu") -> int:
     import warnings
 
     seen: dict[int, int] = {}
-    with warnings.catch_warnings():  # isinstance on some deprecated lazy objects warns
+    with warnings.catch_warnings():  # reading a deprecated lazy object's device warns
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            try:
-                is_tensor = isinstance(obj, torch.Tensor)
-            except ReferenceError:  # a dead weakref.proxy (isinstance reads its __class__)
-                continue
-            if is_tensor:
+            # the type, not isinstance: isinstance reads __class__, which a dead weakref.proxy
+            # raises on and a lazy proxy resolves (a tensor's proxy is no tensor storage)
+            if issubclass(type(obj), torch.Tensor):
                 try:
                     on = obj.device.type == device
                 except (RuntimeError, AttributeError):

@@ -245,7 +245,7 @@ def _run_mem(case: str, arm: str, budget=None) -> dict[str, Any]:
     gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pre = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+        pre = {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor)}
     torch.manual_seed(0)
     model = Net(kind, **kw)
     opts = _opts(case, model)
@@ -279,7 +279,7 @@ def _run_mem(case: str, arm: str, budget=None) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for obj in gc.get_objects():
-                if isinstance(obj, torch.Tensor):
+                if issubclass(type(obj), torch.Tensor):
                     refs.append(weakref.ref(obj))
         engine.uninstall()
         del model, opts
@@ -320,7 +320,7 @@ def _baseline():
     gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _PRE.update(id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        _PRE.update(id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
     yield
 
 

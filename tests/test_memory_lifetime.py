@@ -165,7 +165,7 @@ def _objects(generation: int | None) -> list[torch.Tensor]:
     objs = gc.get_objects() if generation is None else gc.get_objects(generation)
     with warnings.catch_warnings():  # isinstance on a deprecated lazy object warns
         warnings.simplefilter("ignore")
-        return [o for o in objs if isinstance(o, torch.Tensor)]
+        return [o for o in objs if issubclass(type(o), torch.Tensor)]
 
 
 #: budget="min": the probe, calibration (a warm-up and a timed step per phase: replay,
@@ -192,7 +192,7 @@ def _live_tensors(exclude: set[int]) -> tuple[int, list[weakref.ref]]:
     with warnings.catch_warnings():  # isinstance on a deprecated lazy object warns
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
+            if issubclass(type(obj), torch.Tensor):
                 ptr = _storage_ptr(obj)
                 if ptr:
                     seen[ptr] = obj.untyped_storage().nbytes()

@@ -60,6 +60,7 @@ CHECKS = ("grad", "bytes")
 _SUM_KEYS = ("replays", "matches", "rejections", "divergences")
 _MAX_KEYS = (
     "peak_memory_bytes",
+    "real_peak_bytes",  # each rank measures its own process: the largest is logged
     "step_time_ms",
     "preserved_bytes",
     "plan_version",
@@ -355,6 +356,7 @@ class ReplayCallback(Callback):
             "replays": replays,
             **self.counters,
             "peak_memory_bytes": peak,
+            "real_peak_bytes": stats.get("real_peak_bytes") or 0,
             "step_time_ms": step_ms,
             "preserved_bytes": sum(s["preserved_bytes"] for s in summary.values()),
             "plan_version": engine.plan_version,
@@ -362,6 +364,7 @@ class ReplayCallback(Callback):
             "checks_skipped": engine.checks_skipped,
         }
         totals, votes = _reduce(strategy, local, [r in wants for r in REPLAN_ON])
+        real_peak = totals.pop("real_peak_bytes")  # logged in MiB with the other memory terms
         reasons = [r for r, v in zip(REPLAN_ON, votes) if v]
         if reasons:
             self._replan(trainer, strategy, reasons)
@@ -414,7 +417,7 @@ class ReplayCallback(Callback):
             }
             # the four memory terms, each under its own name (see the module docstring)
             for name, value in (
-                ("real_peak_mib", stats.get("real_peak_bytes")),
+                ("real_peak_mib", real_peak),
                 ("predicted_peak_mib", stats.get("predicted_peak_bytes")),
                 ("retain_all_predicted_mib", retain_all),
                 ("budget_mib", engine.budget or (engine.plan.budget if engine.plan else None)),

@@ -192,7 +192,7 @@ def build_workspace(
     Example:
         >>> ws = build_workspace("team", "proj")
         >>> ws.sections[0].panels[0].y
-        ['replay/peak_memory_mib']
+        ['replay/real_peak_mib']
     """
     import wandb_workspaces.reports.v2 as wr
     import wandb_workspaces.workspaces as ws

@@ -75,7 +75,7 @@ def process_tensor_storages(device: str = "cpu") -> dict[int, int]:
     with warnings.catch_warnings():  # isinstance on a deprecated lazy object warns
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == device:
+            if issubclass(type(obj), torch.Tensor) and obj.device.type == device:
                 s = _storage_of(obj)
                 if s is not None:
                     seen[s.data_ptr()] = s.nbytes()
@@ -139,7 +139,7 @@ def tensors_outside(keep: set[int]) -> list:
     with warnings.catch_warnings():  # isinstance on a deprecated lazy object warns
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":
                 s = _storage_of(obj)
                 if s is not None and s.data_ptr() not in keep:
                     out.append(weakref.ref(obj))
