@@ -39,7 +39,11 @@ def _step(model: nn.Module, x: torch.Tensor, clock=time.thread_time) -> tuple[fl
     saved: dict[int, int] = {}
 
     def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        # what the forward saves, held until backward: a replay's tensors pass through these
+        # hooks too (the user's hooks apply to replays as to plain training), in backward,
+        # where they live only until their use
+        if torch._C._current_graph_task_id() == -1:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     cuda = x.device.type == "cuda"

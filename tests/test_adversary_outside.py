@@ -1204,7 +1204,7 @@ def _median_step(kind: str, n: int) -> float:
             100_000,
             id="100,000 floats",
             marks=pytest.mark.xfail(
-                strict=True,
+                strict=False,  # a timing: it passes on a quiet machine
                 reason="at cc46c0f: measured 1.6 ms a step with 10 items, 61 ms with 100,000, 165 ms with "
                 "200,000, 480 ms with 1e6: slots.copy_plain charges its _CONTAINER_LIMIT budget "
                 "per container, not per scalar, so capture_outside (_at_forward) copies the "
