@@ -19,13 +19,13 @@ from lightning_replay._compat import graph_task_keeps_graph, set_versions
 from lightning_replay.errors import ReplayError, SavedTensorModified
 from lightning_replay.kernel_noise import ProducerLog
 from lightning_replay.preservation import redo, undo
-from lightning_replay.slots import (
-    MISSING,
+from lightning_replay.slot_restore import (
     restore_generators,
     restore_slots,
     swap_generators,
     swap_slots,
 )
+from lightning_replay.slots import MISSING
 from lightning_replay.state import (
     digests,
     resolve_tokens,

@@ -38,17 +38,19 @@ from lightning_replay.preservation import (
     redo,
     undo,
 )
+from lightning_replay.slot_restore import (
+    restore_generators,
+    restore_slots,
+    swap_generators,
+    swap_outside,
+    swap_slots,
+)
 from lightning_replay.slots import (
     MISSING,
     capture_generators,
     capture_outside,
     capture_slots,
-    restore_generators,
-    restore_slots,
     slot_generators,
-    swap_generators,
-    swap_outside,
-    swap_slots,
 )
 from lightning_replay.state import StateRef, digest, storage_bytes, storage_key
 

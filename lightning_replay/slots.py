@@ -6,9 +6,10 @@ often as they write it in place: ``self.h = h.detach()`` (a stateful RNN),
 an attribute re-pointed to a new view, parameters substituted by ``torch.func.functional_call``,
 a new ``torch.Generator`` each step, an annealed float, an enum mode. At each forward the engine
 takes :func:`capture_slots` of the segment's modules (C-level dict copies, plus copies of small
-containers of plain values); at replay :func:`swap_slots` puts every slot whose object or value
-differs back as it was and returns the live objects, which :func:`restore_slots` reinstates
-afterwards, so the replay's own rebinding never leaks either. The same holds for what steers
+containers of plain values); at replay :func:`~lightning_replay.slot_restore.swap_slots` puts
+every slot whose object or value differs back as it was and returns the live objects, which
+:func:`~lightning_replay.slot_restore.restore_slots` reinstates afterwards, so the replay's own
+rebinding never leaks either (the restore half lives in :mod:`~lightning_replay.slot_restore`). The same holds for what steers
 the forward besides the slots: the order of the parameter, buffer and submodule dicts, the
 submodules, the module hooks (and torch's global ones), and the attributes of plain holder
 objects the modules hold (a config, also one with ``__slots__``, and those found in container
@@ -353,7 +354,7 @@ def _capture_holder(module: nn.Module, name: Any, owner: Any) -> tuple:
     every container attribute the same contents (the objects are kept alive by that capture,
     so equal ids are the same objects; immutable values cannot have changed; containers are
     compared by value). Captures are never mutated: a replay gets fresh copies of the
-    containers (:func:`_swap_holder`)."""
+    containers (:func:`~lightning_replay.slot_restore._swap_holder`)."""
     d = _attrs_of(owner)
     cache = _HOLDERS.get(module)
     prev = cache.get(name) if cache is not None else None
@@ -429,35 +430,6 @@ def _capture_holders(
                 elif issubclass(type(x), (*_CONTAINERS, tuple)):
                     todo += [(f"{path}.{k}{p}", h, depth + 1) for p, h in holders_in(x, depth + 1)]
     return out
-
-
-def _swap_holder(entry: tuple, out: list) -> None:
-    """Put a holder's attributes back as captured, adding what it replaced to ``out`` (for
-    :func:`restore_slots`). A container attribute that still holds its forward object gets
-    its forward contents back in place (a fresh copy of them), and the live contents after:
-    a replay that mutates one must reach neither the live contents nor the capture, which
-    later calls may share. Where the contents are already the forward's, nothing is written
-    (a config's tag stays still for the guard), and the restore puts them back only if the
-    replay changed them."""
-    owner, saved, sig, containers = entry
-    d = _attrs_of(owner)
-    if _holder_same(d, sig):  # every attribute holds its forward object
-        for c in containers:
-            v, cur = saved[c], d[c]
-            if v is cur:  # (a set of objects, which _at_forward keeps as it is)
-                continue
-            if same_value(v, cur):
-                out.append((cur, _Refill(v, unless_equal=True)))
-            else:
-                out.append((cur, _Refill(copy.copy(cur))))
-                _refill(cur, _at_forward(v))
-        return
-    prev = _swap_dict(d, saved)
-    if prev:
-        for c in containers:
-            if c in prev and d.get(c, MISSING) is saved[c]:
-                d[c] = _at_forward(saved[c])
-        out.append((d, prev))
 
 
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -771,159 +743,6 @@ def _holders_current(entries: list[tuple] | None) -> bool:
     return True
 
 
-class _Refill:
-    """A container's contents, which :func:`restore_slots` puts back into it in place (where
-    ``unless_equal``: only if they differ, as a fresh copy of them)."""
-
-    __slots__ = ("items", "unless_equal")
-
-    def __init__(self, items: Any, unless_equal: bool = False) -> None:
-        self.items = items
-        self.unless_equal = unless_equal
-
-    def apply(self, c: Any) -> None:
-        if not self.unless_equal:
-            _refill(c, self.items)
-        elif not same_value(c, self.items):
-            _refill(c, _at_forward(self.items))
-
-
-def _refill(c: Any, items: Any) -> None:
-    """Make the contents of the list, dict or set ``c`` those of ``items``, in their order."""
-    if isinstance(c, list):
-        c[:] = items
-    else:
-        c.clear()
-        c.update(items)
-
-
-def _swap_dict(
-    live: Any,
-    saved: dict,
-    skip: frozenset = frozenset(),
-    copies: dict | None = None,
-    frozen: dict | None = None,
-    ordered: bool = False,
-) -> dict | _Refill | None:
-    """Put ``saved``'s objects back into ``live`` (a dict, or a holder's :class:`SlotView`);
-    returns the live values it replaced (``MISSING``: a key it added). ``ordered``: the order
-    of the keys is put back too (the parameter, buffer, submodule and hook dicts, whose order
-    a forward iterates), and where it differs the whole contents are replaced (and put back
-    whole by :func:`restore_slots`)."""
-    if ordered and tuple(live) != tuple(saved):
-        whole = _Refill(dict(live))
-        items = [(k, _forward_value(k, v, live.get(k, MISSING), frozen)) for k, v in saved.items()]
-        live.clear()
-        live.update(items)
-        return whole
-    out = None
-    for k, v in saved.items():
-        if k in skip:
-            continue
-        cur = live.get(k, MISSING)
-        if frozen is not None and k in frozen:
-            v = _forward_value(k, v, cur, frozen)
-            if v is cur:
-                continue
-        elif copies is not None and k in copies:
-            if cur is v and same_value(copies[k], v):
-                continue
-            v = copies[k]  # the contents at forward time (the object may have been mutated)
-        elif cur is v:
-            continue
-        elif is_scalar(v) and type(cur) is type(v) and same_value(cur, v):
-            continue
-        if out is None:
-            out = {}
-        out[k] = cur
-        live[k] = v
-    if len(live) != len(saved) or out:
-        for k in [k for k in live.keys() - saved.keys() if k not in skip]:
-            if out is None:
-                out = {}
-            out[k] = live.pop(k)
-    return out
-
-
-def _forward_value(k: str, v: Any, cur: Any, frozen: dict | None) -> Any:
-    """What the slot ``k`` held at forward (``v``), or the copy that stands in for a sparse
-    tensor written in place (or rebound) since."""
-    if frozen is not None and k in frozen:
-        version, copy = frozen[k]
-        if not (cur is v and v._version == version):
-            return copy
-    return v
-
-
-def _swap_hooks(live: tuple, saved: dict | None, names: tuple, out: list) -> None:
-    for name, h in zip(names, live):
-        was = saved.get(name, _EMPTY) if saved else _EMPTY
-        if h is not None and (h or was):
-            prev = _swap_dict(h, was, ordered=True)
-            if prev:
-                out.append((h, prev))
-
-
-def swap_slots(slots: list[ModuleSlots]) -> list[tuple[Any, dict]]:
-    """Put the captured objects and values back (and the global hooks, where ``slots`` is a
-    :class:`SlotCaptures`); returns what was live, for :func:`restore_slots`."""
-    out: list[tuple[Any, dict]] = []
-    glob = getattr(slots, "hooks", MISSING)
-    if glob is not MISSING:
-        dicts, flag = global_hooks()
-        if glob is not None or any(dicts) or flag is not None:
-            was, was_flag = glob if glob is not None else (None, None)
-            _swap_hooks(dicts, was, GLOBAL_HOOK_DICTS, out)
-            if flag is not was_flag:
-                out.append((_TORCH_MODULE_GLOBALS, {_GLOBAL_FLAG: flag}))
-                _TORCH_MODULE_GLOBALS[_GLOBAL_FLAG] = was_flag
-    for s in slots:
-        d = s.module.__dict__
-        token = slot_token(d)
-        same = (token == s.token and s.order is None) or same_slots(d, s, token)
-        if same and s.plain:
-            continue  # every slot holds the object it held at forward: nothing to swap
-        lay = s.layout
-        if not (same and lay is None and s.copies is None):
-            # (with the same objects in every slot and no sparse copies or container contents
-            # to compare, only the shallow containers and holders below can differ)
-            fb = {k: v for (w, k), v in lay.items() if w == "b"} if lay else None
-            fa = {k: v for (w, k), v in lay.items() if w == "a"} if lay else None
-            for live, saved, skip, copies, frozen, ordered in (
-                (d["_parameters"], s.params, frozenset(), None, None, True),
-                (d["_buffers"], s.buffers, frozenset(), None, fb, True),
-                (d["_modules"], s.submodules, frozenset(), None, None, True),
-                (d, s.attrs, MODULE_INTERNALS, s.copies, fa, False),
-            ):
-                prev = _swap_dict(live, saved, skip, copies, frozen, ordered)
-                if prev:
-                    out.append((live, prev))
-            if not same:
-                _swap_hooks(_hooks_of(d), s.hooks, HOOK_DICTS, out)
-        if s.shallow:
-            for k, saved in s.shallow.items():
-                cur = d.get(k, MISSING)
-                if type(cur) is type(saved) and not same_value(cur, saved):
-                    out.append((d, {k: cur}))
-                    d[k] = copy.copy(saved)  # the objects each item held at forward
-        if s.holder_entries:
-            for entry in s.holder_entries:
-                _swap_holder(entry, out)
-    return out
-
-
-def restore_slots(live: list[tuple[Any, dict]]) -> None:
-    for d, values in reversed(live):
-        if type(values) is _Refill:
-            values.apply(d)
-            continue
-        for k, v in values.items():
-            if v is MISSING:
-                d.pop(k, None)
-            else:
-                d[k] = v
-
-
 def _is_generator(x: Any) -> bool:
     return isinstance(x, torch.Generator) or is_host_rng(x)
 
@@ -956,21 +775,6 @@ def slot_generators(slots: list[ModuleSlots]) -> list[Any]:
 
 def capture_generators(gens: list[torch.Generator]) -> list[tuple[torch.Generator, torch.Tensor]]:
     return [(g, g.get_state()) for g in gens]
-
-
-def swap_generators(
-    saved: list[tuple[torch.Generator, torch.Tensor]],
-) -> list[tuple[torch.Generator, torch.Tensor]]:
-    live = []
-    for g, state in saved:
-        live.append((g, g.get_state()))
-        g.set_state(state)
-    return live
-
-
-def restore_generators(live: list[tuple[torch.Generator, torch.Tensor]]) -> None:
-    for g, state in reversed(live):
-        g.set_state(state)
 
 
 def slot_tensors(slots: list[ModuleSlots]) -> list[tuple[str, torch.Tensor]]:
@@ -1266,7 +1070,7 @@ def _at_forward(v: Any) -> Any:
 def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, Any]]:
     """What each attribute a segment read from outside its modules held now (``reads``: the
     module, or Python module, and the name; a buffer as ``(where, name)``), and the
-    attributes of the holder objects among them (a config on the root), as :func:`swap_outside`
+    attributes of the holder objects among them (a config on the root), as :func:`~lightning_replay.slot_restore.swap_outside`
     puts them back."""
     out: list[tuple[Any, Any, Any]] = []
     for m, name in reads:
@@ -1284,22 +1088,4 @@ def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, 
         seen: set[int] = set()
         for path, h in found:  # (after the attribute: swapped after it, restored before)
             out.append((None, path, _capture_holders(m, path, h, seen)))
-    return out
-
-
-def swap_outside(saved: list[tuple[Any, Any, Any]]) -> list[tuple[Any, Any]]:
-    out: list[tuple[Any, Any]] = []
-    for d, name, v in saved:
-        if d is None:  # the captures of a holder read there
-            for entry in v:
-                _swap_holder(entry, out)
-            continue
-        cur = d.get(name, MISSING)
-        if cur is v or same_value(cur, v):
-            continue
-        out.append((d, {name: cur}))
-        if v is MISSING:
-            d.pop(name, None)
-        else:
-            d[name] = v
     return out
