@@ -9,10 +9,17 @@ Example:
     ['0']
 """
 
-from lightning_replay.budget import Budget, format_bytes, parse_budget
-from lightning_replay.config import ReplanSettings, ReplayConfig
-from lightning_replay.contract import SCHEMA_VERSION, ReplayContract, StateEntry
-from lightning_replay.doctor import diagnose
+# Old module paths (``lightning_replay.engine``, ``lightning_replay.planner``, ...) import the
+# modules that moved into the layer folders (docs/architecture.md); first, so that every
+# import below may use them.
+from lightning_replay import _aliases
+
+_aliases.install()
+
+from lightning_replay.core.base.budget import Budget, format_bytes, parse_budget
+from lightning_replay.core.engine.config import ReplanSettings, ReplayConfig
+from lightning_replay.core.base.contract import SCHEMA_VERSION, ReplayContract, StateEntry
+from lightning_replay.tools.doctor import diagnose
 from lightning_replay.engine import ReplayEngine
 from lightning_replay.errors import (
     ContractSchemaError,
@@ -25,7 +32,7 @@ from lightning_replay.errors import (
 )
 from lightning_replay.installation import install, install_config
 from lightning_replay.planner import InfeasibleBudget
-from lightning_replay.records import Record, RecordStore
+from lightning_replay.core.base.records import Record, RecordStore
 
 __version__ = "0.1.0"
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_replay.errors import RecordsError, ReplayConfigError, ReplayError
-from lightning_replay.records import BYTES, EVENTS, GRAD, PROBE, REPLAY, VERSION
+from lightning_replay.core.base.records import BYTES, EVENTS, GRAD, PROBE, REPLAY, VERSION
 
 _CHECK_KINDS = (GRAD, BYTES, PROBE, REPLAY, VERSION)  # every kind that is not an event
 
@@ -76,7 +76,7 @@ def _cli_class():
             if os.environ.get("LOCAL_RANK") is not None:
                 return
             from lightning_replay.callbacks.replay import ReplayCallback
-            from lightning_replay.records import RecordStore, default_records_path
+            from lightning_replay.core.base.records import RecordStore, default_records_path
 
             for cb in self.trainer.callbacks:
                 if isinstance(cb, ReplayCallback):
@@ -302,7 +302,7 @@ def run_doctor_command(argv: Sequence[str]) -> int:
     import lightning as L
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
-    from lightning_replay.doctor import diagnose
+    from lightning_replay.tools.doctor import diagnose
 
     try:
         cli = parse_doctor_args(argv)
@@ -411,7 +411,7 @@ def _skipped_checks(run_dir: str) -> dict[str, int]:
             if r.get("run_id") and r.get("checks_skipped")
         }
     from lightning_replay.apps.telemetry import read_telemetry
-    from lightning_replay.records import RECORDS_DIR
+    from lightning_replay.core.base.records import RECORDS_DIR
 
     out: dict[str, int] = {}
     for t in read_telemetry(root / RECORDS_DIR):
@@ -451,7 +451,7 @@ def _print_rows(rows: list[dict[str, Any]], fmt: str, width: int = 60) -> None:
 
 
 def run_records(args: argparse.Namespace) -> int:
-    from lightning_replay import records as rec
+    from lightning_replay.core.base import records as rec
 
     db = rec.find_records(args.run_dir)
     labels = _run_labels(args.run_dir)

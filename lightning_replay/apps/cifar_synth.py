@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from lightning_replay.config import check_count
+from lightning_replay.core.engine.config import check_count
 from torchvision.datasets import CIFAR100
 from torchvision.datasets.utils import check_integrity
 

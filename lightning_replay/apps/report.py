@@ -53,16 +53,16 @@ from matplotlib.patches import Patch  # noqa: E402
 from lightning_replay.apps.study_config import METHOD_DESCRIPTIONS  # noqa: E402
 from lightning_replay.apps.study_output import format_top1  # noqa: E402
 from lightning_replay.apps.telemetry import read_telemetry  # noqa: E402
-from lightning_replay.budget import format_bytes  # noqa: E402
+from lightning_replay.core.base.budget import format_bytes  # noqa: E402
 from lightning_replay.errors import ReplayError  # noqa: E402
-from lightning_replay.records import (
+from lightning_replay.core.base.records import (
     OUTCOMES,
     RECORDS_DIR,
     Record,
     find_records,  # noqa: E402
     query,
 )
-from lightning_replay.records import runs as record_runs  # noqa: E402
+from lightning_replay.core.base.records import runs as record_runs  # noqa: E402
 
 __all__ = ["write_report", "load_runs", "ReportError"]
 

@@ -88,7 +88,7 @@ from lightning_replay.apps.study_run import (
     result_row,
     test_run,
 )
-from lightning_replay.budget import format_bytes
+from lightning_replay.core.base.budget import format_bytes
 
 __all__ = [
     "METHODS",

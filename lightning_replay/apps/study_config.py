@@ -24,9 +24,9 @@ from typing import Any, Mapping, NamedTuple
 
 import yaml
 
-from lightning_replay.config import check_count
+from lightning_replay.core.engine.config import check_count
 from lightning_replay.apps.dense_queue import DenseQueueDataModule, DenseQueueModule
-from lightning_replay.budget import parse_budget
+from lightning_replay.core.base.budget import parse_budget
 
 __all__ = [
     "METHODS",

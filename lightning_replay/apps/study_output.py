@@ -16,8 +16,8 @@ from pathlib import Path
 
 from lightning_replay.apps.study_compare import StudyResult
 from lightning_replay.apps.study_config import METHOD_DESCRIPTIONS
-from lightning_replay.budget import format_bytes
-from lightning_replay.records import OUTCOMES
+from lightning_replay.core.base.budget import format_bytes
+from lightning_replay.core.base.records import OUTCOMES
 
 __all__ = ["format_top1", "format_markdown", "write_results", "clean_outputs"]
 

@@ -39,7 +39,7 @@ from lightning_replay.apps.study_config import (
 )
 from lightning_replay.apps.telemetry import StepTelemetry
 from lightning_replay.callbacks.replay import ReplayCallback
-from lightning_replay.records import RecordStore
+from lightning_replay.core.base.records import RecordStore
 from lightning_replay.strategies.replay import ReplayStrategy
 
 __all__ = [

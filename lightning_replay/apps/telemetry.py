@@ -39,10 +39,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_replay.config import check_count
+from lightning_replay.core.engine.config import check_count
 from lightning_replay._compat import TorchDispatchMode, tree_leaves
 from lightning_replay.apps.torch_recompute import recompute_counts
-from lightning_replay.records import CHECKS, CONTRACT
+from lightning_replay.core.base.records import CHECKS, CONTRACT
 
 __all__ = ["LiveBytes", "StepTelemetry", "read_telemetry", "TELEMETRY_FILE"]
 

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lightning_replay.errors import ReplayConfigError
-from lightning_replay.segments import SegmentSpec, resolve_segments
+from lightning_replay.core.engine.segments import SegmentSpec, resolve_segments
 
 __all__ = [
     "METHODS",

@@ -45,13 +45,18 @@ from typing_extensions import override
 
 from lightning_replay._compat import logger_connector
 from lightning_replay import planner as _planner
-from lightning_replay.budget import format_bytes
-from lightning_replay.config import REPLAN_ON, ReplanSettings, check_choices, check_count
+from lightning_replay.core.base.budget import format_bytes
+from lightning_replay.core.engine.config import (
+    REPLAN_ON,
+    ReplanSettings,
+    check_choices,
+    check_count,
+)
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.loggers.wandb import WandbReplayWriter, plan_rows, wandb_runs
-from lightning_replay.records import CHECKS as _CHECK_KINDS
-from lightning_replay.records import CONTRACT, RECORDS_DIR, Record, default_records_path
-from lightning_replay.replan import ReplanPolicy, input_shapes, settled
+from lightning_replay.core.base.records import CHECKS as _CHECK_KINDS
+from lightning_replay.core.base.records import CONTRACT, RECORDS_DIR, Record, default_records_path
+from lightning_replay.core.engine.replan import ReplanPolicy, input_shapes, settled
 from lightning_replay.strategies.replay import ReplayStrategy
 from lightning_replay.strategies.replay_fsdp import ReplayFSDPStrategy
 

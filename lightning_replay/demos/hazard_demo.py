@@ -16,7 +16,7 @@ import torch
 
 import lightning_replay as lr
 from lightning_replay.demos.hazards import HAZARDS
-from lightning_replay.verify import (
+from lightning_replay.tools.verify import (
     diff_state,
     grad_diffs,
     max_relative_error,

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Mapping, Sequence
 
-from lightning_replay.records import COLUMNS as RECORD_COLUMNS
-from lightning_replay.records import Record
+from lightning_replay.core.base.records import COLUMNS as RECORD_COLUMNS
+from lightning_replay.core.base.records import Record
 
 #: Step metric Lightning's ``WandbLogger`` defines; every replay metric is plotted against it.
 STEP_METRIC = "trainer/global_step"

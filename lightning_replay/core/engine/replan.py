@@ -33,7 +33,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from lightning_replay._compat import tree_leaves
-from lightning_replay.config import REPLAN_ON, ReplanSettings
+from lightning_replay.core.engine.config import REPLAN_ON, ReplanSettings
 from lightning_replay.planner import InfeasibleBudget, Plan
 
 

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from lightning_replay._compat import dict_version
-from lightning_replay.host_rng import as_host_rng, is_host_rng
+from lightning_replay.core.mechanisms.host_rng import as_host_rng, is_host_rng
 
 #: Immutable values that are put back by value.
 SCALAR_TYPES = (

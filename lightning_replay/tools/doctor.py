@@ -47,9 +47,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_replay.config import check_count
-from lightning_replay.contract import ReplayContract
-from lightning_replay.doctor_report import (
+from lightning_replay.core.engine.config import check_count
+from lightning_replay.core.base.contract import ReplayContract
+from lightning_replay.tools.doctor_report import (
     CheckpointOutcome,
     DoctorReport,
     GradientDiff,
@@ -60,9 +60,9 @@ from lightning_replay.doctor_report import (
     plural,
 )
 from lightning_replay.errors import ReplayConfigError, ReplayError, SegmentError
-from lightning_replay.host_rng import HostRNG, as_host_rng, global_rngs, same_state
-from lightning_replay.segments import SegmentSpec, default_segments, resolve_segments
-from lightning_replay.state import PLAIN_TYPES
+from lightning_replay.core.mechanisms.host_rng import HostRNG, as_host_rng, global_rngs, same_state
+from lightning_replay.core.engine.segments import SegmentSpec, default_segments, resolve_segments
+from lightning_replay.core.base.state import PLAIN_TYPES
 
 __all__ = [
     "CheckpointOutcome",

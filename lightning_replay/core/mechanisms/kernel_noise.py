@@ -30,9 +30,9 @@ from typing import Any, Iterator
 import torch
 
 from lightning_replay._compat import TorchDispatchMode
-from lightning_replay.host_rng import global_rngs, states
-from lightning_replay.preservation import write_args
-from lightning_replay.state import (
+from lightning_replay.core.mechanisms.host_rng import global_rngs, states
+from lightning_replay.core.mechanisms.preservation import write_args
+from lightning_replay.core.base.state import (
     StorageKey,
     digest_token,
     digests,

@@ -22,8 +22,8 @@ from typing import Any, Collection
 import torch
 
 from lightning_replay._compat import TorchDispatchMode, op_arguments, tree_leaves
-from lightning_replay.preservation import RegionLog, redo, undo, write_args
-from lightning_replay.state import (
+from lightning_replay.core.mechanisms.preservation import RegionLog, redo, undo, write_args
+from lightning_replay.core.base.state import (
     StorageKey,
     same_generator,
     storage_bytes,

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from lightning_replay._compat import dict_version
-from lightning_replay.slots import (
+from lightning_replay.core.mechanisms.slots import (
     COMPARE_OPS,
     HOOK_DICTS,
     MISSING,

@@ -27,20 +27,25 @@ from lightning_replay._compat import (
     saved_tensors_hooks_disabled,
     under_functorch,
 )
-from lightning_replay.accounting import checkpoint_rng_bytes
+from lightning_replay.core.mechanisms.accounting import checkpoint_rng_bytes
 from lightning_replay.arguments import flatten_call, unflatten_call
 from lightning_replay.checks import SegmentChecks
-from lightning_replay.contract import SELECTIVE, ReplayContract
-from lightning_replay.costs import clock, saved_tensor_overhead
+from lightning_replay.core.base.contract import SELECTIVE, ReplayContract
+from lightning_replay.core.mechanisms.costs import clock, saved_tensor_overhead
 from lightning_replay.errors import ContractViolation, ReplayConfigError
-from lightning_replay.guards import OUTSIDE, Guard
-from lightning_replay.host_rng import as_host_rng, is_host_rng
+from lightning_replay.core.mechanisms.guards import OUTSIDE, Guard
+from lightning_replay.core.mechanisms.host_rng import as_host_rng, is_host_rng
 from lightning_replay.probe import SegmentProbe, _Probe
-from lightning_replay.restore import _Bound, _Invocation, _ReplayContext, user_saved_hooks
+from lightning_replay.core.replay.restore import (
+    _Bound,
+    _Invocation,
+    _ReplayContext,
+    user_saved_hooks,
+)
 from lightning_replay.selective import SelectiveFrame
-from lightning_replay.slots import capture_generators
-from lightning_replay.state import storage_key, strided_copy
-from lightning_replay.state import unique_bytes as _unique_bytes
+from lightning_replay.core.mechanisms.slots import capture_generators
+from lightning_replay.core.base.state import storage_key, strided_copy
+from lightning_replay.core.base.state import unique_bytes as _unique_bytes
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.engine import ReplayEngine

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lightning_replay.slots import (
+from lightning_replay.core.mechanisms.slots import (
     _EMPTY,
     _GLOBAL_FLAG,
     _TORCH_MODULE_GLOBALS,

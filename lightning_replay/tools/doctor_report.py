@@ -20,7 +20,7 @@ import html
 import math
 from typing import Any
 
-from lightning_replay.budget import format_bytes
+from lightning_replay.core.base.budget import format_bytes
 
 __all__ = [
     "CheckpointOutcome",

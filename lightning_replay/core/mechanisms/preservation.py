@@ -23,9 +23,15 @@ from typing import Any
 import torch
 
 from lightning_replay._compat import TorchDispatchMode, op_arguments
-from lightning_replay import state as _state
-from lightning_replay.costs import clock
-from lightning_replay.state import _SWAP_CHUNK, StorageKey, storage_bytes, storage_key, swap_
+from lightning_replay.core.base import state as _state
+from lightning_replay.core.mechanisms.costs import clock
+from lightning_replay.core.base.state import (
+    _SWAP_CHUNK,
+    StorageKey,
+    storage_bytes,
+    storage_key,
+    swap_,
+)
 
 _aten = torch.ops.aten
 _WRITE_ARGS: dict[Any, tuple[tuple[int, str], ...]] = {}

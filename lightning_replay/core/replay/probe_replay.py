@@ -17,16 +17,16 @@ import torch
 
 from lightning_replay._compat import graph_task_keeps_graph, set_versions
 from lightning_replay.errors import ReplayError, SavedTensorModified
-from lightning_replay.kernel_noise import ProducerLog
-from lightning_replay.preservation import redo, undo
-from lightning_replay.slot_restore import (
+from lightning_replay.core.mechanisms.kernel_noise import ProducerLog
+from lightning_replay.core.mechanisms.preservation import redo, undo
+from lightning_replay.core.mechanisms.slot_restore import (
     restore_generators,
     restore_slots,
     swap_generators,
     swap_slots,
 )
-from lightning_replay.slots import MISSING
-from lightning_replay.state import (
+from lightning_replay.core.mechanisms.slots import MISSING
+from lightning_replay.core.base.state import (
     digests,
     resolve_tokens,
     storage_bytes,
@@ -38,7 +38,7 @@ from lightning_replay.state import (
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
     from lightning_replay.probe import _Probe
-    from lightning_replay.runtime import SegmentRuntime
+    from lightning_replay.core.runtime import SegmentRuntime
 
 
 class _ProbeReplay:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_replay.slots import MISSING, MODULE_INTERNALS, copy_plain, same_value
+from lightning_replay.core.mechanisms.slots import MISSING, MODULE_INTERNALS, copy_plain, same_value
 
 
 def snapshot_state(model: nn.Module) -> dict[str, object]:

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from lightning_replay.slots import HOOK_DICTS, MISSING, copy_plain, is_scalar
+from lightning_replay.core.mechanisms.slots import HOOK_DICTS, MISSING, copy_plain, is_scalar
 
 #: Code from these packages keeps no training state at module level.
 _LIBRARY_ROOTS = ("torch", "numpy", "math", "builtins", "typing", "functools", "collections", "abc")

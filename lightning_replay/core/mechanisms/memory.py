@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from lightning_replay.state import storage_key
+from lightning_replay.core.base.state import storage_key
 
 
 _HELD_ITEMS = 4096  # items of a module's list or dict attribute looked at

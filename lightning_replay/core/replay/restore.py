@@ -24,12 +24,12 @@ from lightning_replay._compat import (
     set_versions,
     top_saved_tensors_hooks,
 )
-from lightning_replay.contract import SELECTIVE, StateEntry
-from lightning_replay.costs import clock
+from lightning_replay.core.base.contract import SELECTIVE, StateEntry
+from lightning_replay.core.mechanisms.costs import clock
 from lightning_replay.errors import ReplayError
-from lightning_replay.host_rng import fingerprints, moved
-from lightning_replay.records import REPLAY
-from lightning_replay.preservation import (
+from lightning_replay.core.mechanisms.host_rng import fingerprints, moved
+from lightning_replay.core.base.records import REPLAY
+from lightning_replay.core.mechanisms.preservation import (
     CaptureMode,
     RegionLog,
     SharedWhole,
@@ -38,24 +38,24 @@ from lightning_replay.preservation import (
     redo,
     undo,
 )
-from lightning_replay.slot_restore import (
+from lightning_replay.core.mechanisms.slot_restore import (
     restore_generators,
     restore_slots,
     swap_generators,
     swap_outside,
     swap_slots,
 )
-from lightning_replay.slots import (
+from lightning_replay.core.mechanisms.slots import (
     MISSING,
     capture_generators,
     capture_outside,
     capture_slots,
     slot_generators,
 )
-from lightning_replay.state import StateRef, digest, storage_bytes, storage_key
+from lightning_replay.core.base.state import StateRef, digest, storage_bytes, storage_key
 
 if TYPE_CHECKING:  # annotations only: these modules import this one
-    from lightning_replay.runtime import SegmentRuntime
+    from lightning_replay.core.runtime import SegmentRuntime
 
 
 # Per segment runtime: the views and spare buffers its small whole snapshots reuse.

@@ -25,7 +25,7 @@ import torch
 
 from lightning_replay._compat import top_saved_tensors_hooks
 from lightning_replay.errors import SavedTensorModified
-from lightning_replay.state import storage_key
+from lightning_replay.core.base.state import storage_key
 
 
 _HOST_RNG_BYTES: dict[str, int] = {}  # generator state bytes per device type (fixed sizes)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_replay.contract import SELECTIVE, base_option
+from lightning_replay.core.base.contract import SELECTIVE, base_option
 from lightning_replay.planner import CostTable, Option, SegmentCost
 
 if TYPE_CHECKING:
@@ -212,7 +212,9 @@ def dispatch_overhead() -> float:
     """
     global _DISPATCH_OVERHEAD
     if _DISPATCH_OVERHEAD is None:
-        from lightning_replay.preservation import idle_capture_mode  # (imports this one)
+        from lightning_replay.core.mechanisms.preservation import (
+            idle_capture_mode,
+        )  # (imports this one)
 
         gen = torch.Generator().manual_seed(0)
         x, w, b = (torch.randn(*s, generator=gen) for s in ((64, 64), (64, 64), (64,)))

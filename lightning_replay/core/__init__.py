@@ -1,0 +1,1 @@
+"""The functional core, in layers from bottom to top (docs/architecture.md). Never imports Lightning."""

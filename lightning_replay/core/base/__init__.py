@@ -1,0 +1,1 @@
+"""Layer 1: state and contract types, the records sink, the clock, the narrow interfaces (ports) lower layers take."""

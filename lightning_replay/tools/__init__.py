@@ -1,0 +1,1 @@
+"""Framework-free tools above the engine: ``lr.diagnose`` and the exactness helpers."""
