@@ -13,7 +13,7 @@ import functools
 import types
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,7 +31,9 @@ from lightning_replay.core.mechanisms.accounting import checkpoint_rng_bytes
 from lightning_replay.arguments import flatten_call, unflatten_call
 from lightning_replay.checks import SegmentChecks
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract
-from lightning_replay.core.mechanisms.costs import clock, saved_tensor_overhead
+from lightning_replay.core.base.clock import clock
+from lightning_replay.core.base.ports import CostSource, ReplayHost
+from lightning_replay.core.mechanisms.costs import saved_tensor_overhead
 from lightning_replay.errors import ContractViolation, ReplayConfigError
 from lightning_replay.core.mechanisms.guards import OUTSIDE, Guard
 from lightning_replay.core.mechanisms.host_rng import as_host_rng, is_host_rng
@@ -47,8 +49,29 @@ from lightning_replay.core.mechanisms.slots import capture_generators
 from lightning_replay.core.base.state import storage_key, strided_copy
 from lightning_replay.core.base.state import unique_bytes as _unique_bytes
 
-if TYPE_CHECKING:  # annotations only: these modules import this one
-    from lightning_replay.engine import ReplayEngine
+
+class RuntimeHost(ReplayHost, CostSource, Protocol):
+    """The engine as a segment's runtime sees it: what probe, restore and checks use
+    (:class:`~lightning_replay.core.base.ports.ReplayHost`), and the window and calibration
+    controls the runtime's dispatch reads. :class:`~lightning_replay.engine.ReplayEngine` is
+    one; the runtime never names it (it is the layer above)."""
+
+    budget: int | None
+    _suspended: bool
+    _window_depth: int
+    _check_grad: bool
+    _checked: Any
+    _warmup: bool
+
+    def _next_order(self) -> int: ...
+
+    def _implicit_window(self) -> Any: ...
+
+    def _tagged(self, name: str) -> Any: ...
+
+    def _capture_sampling(self) -> bool: ...
+
+    def _capture_sample(self, rt: Any) -> Any: ...
 
 
 #: :meth:`SegmentRuntime.idle_reason`: never called in the model's forward (a spare module, a
@@ -106,7 +129,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
     """Per-segment state: its contract, mode and counters. Called in place of its forward."""
 
     def __init__(
-        self, engine: "ReplayEngine", name: str, module: nn.Module, preservation: str
+        self, engine: "RuntimeHost", name: str, module: nn.Module, preservation: str
     ) -> None:
         self.engine = engine
         self.name = name
@@ -635,7 +658,7 @@ def _full_replay(inv: _Invocation, user: tuple | None = None):
     return lambda: (contextlib.nullcontext(), _ReplayContext(inv, True, user))
 
 
-def _timed_clock(eng: "ReplayEngine") -> float:
+def _timed_clock(eng: "RuntimeHost") -> float:
     if eng._sync:
         torch.cuda.synchronize(eng._cuda_device)
     return clock(eng._cuda)

@@ -14,7 +14,7 @@ table carries it once (:attr:`~lightning_replay.planner.CostTable.capture_time`:
 in a forward times :attr:`CostMeter.capture_op_seconds`, its cost per op timed in place), and
 the options that turn it on say so.
 
-Times are taken with :func:`clock`: on a CPU running one intra-op thread, this thread's CPU
+Times are taken with :func:`~lightning_replay.core.base.clock.clock`: on a CPU running one intra-op thread, this thread's CPU
 time (the calling thread does the whole step, and other processes' time slices on a shared
 machine are not counted); otherwise wall time.
 """
@@ -22,28 +22,18 @@ machine are not counted); otherwise wall time.
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict, deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from lightning_replay.core.base.clock import clock
 from lightning_replay.core.base.contract import SELECTIVE, base_option
+from lightning_replay.core.base.ports import CostSource
 from lightning_replay.planner import CostTable, Option, SegmentCost
 
-if TYPE_CHECKING:
-    from lightning_replay.engine import ReplayEngine
 
 _KEEP = 16  # samples kept per segment and option
-
-
-def clock(cuda: bool = False) -> float:
-    """Seconds for cost timing: this thread's CPU time on a CPU with one intra-op thread (the
-    step runs on the calling thread; a shared machine's load is not counted), else wall time
-    (several threads, or a device the CPU only waits for)."""
-    if not cuda and torch.get_num_threads() == 1:
-        return time.thread_time()
-    return time.perf_counter()
 
 
 class CostMeter:
@@ -139,7 +129,7 @@ class CostMeter:
             return 0.0
         return float(statistics.median(self.capture_ops)) * self.capture_op_seconds
 
-    def costs(self, engine: "ReplayEngine") -> CostTable:
+    def costs(self, engine: CostSource) -> CostTable:
         """One :class:`SegmentCost` per probed segment, in forward order, with every option
         that has been measured (``retain`` always is), and the capture mode's time."""
         out = []

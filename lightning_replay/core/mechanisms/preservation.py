@@ -24,7 +24,7 @@ import torch
 
 from lightning_replay._compat import TorchDispatchMode, op_arguments
 from lightning_replay.core.base import state as _state
-from lightning_replay.core.mechanisms.costs import clock
+from lightning_replay.core.base.clock import clock
 from lightning_replay.core.base.state import (
     _SWAP_CHUNK,
     StorageKey,

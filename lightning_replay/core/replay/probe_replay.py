@@ -11,13 +11,14 @@ tensors saved for backward). This is the probe's counterpart of
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lightning_replay._compat import graph_task_keeps_graph, set_versions
 from lightning_replay.errors import ReplayError, SavedTensorModified
 from lightning_replay.core.mechanisms.kernel_noise import ProducerLog
+from lightning_replay.core.base.ports import ReplaySegment
 from lightning_replay.core.mechanisms.preservation import redo, undo
 from lightning_replay.core.mechanisms.slot_restore import (
     restore_generators,
@@ -36,9 +37,9 @@ from lightning_replay.core.base.state import (
     tensor_leaves,
 )
 
-if TYPE_CHECKING:  # annotations only: these modules import this one
-    from lightning_replay.probe import _Probe
-    from lightning_replay.core.runtime import SegmentRuntime
+#: a probe (:class:`~lightning_replay.probe._Probe`: its forward's observations, slots and
+#: saved tensors); the probe module imports this one, so it is not named here
+_Probe = Any
 
 
 class _ProbeReplay:
@@ -54,7 +55,7 @@ class _ProbeReplay:
     comparison of outputs and saved tensors.
     """
 
-    def __init__(self, rt: "SegmentRuntime", box: dict[str, Any]) -> None:
+    def __init__(self, rt: "ReplaySegment", box: dict[str, Any]) -> None:
         self.rt = rt
         self.box = box
         self.saved_tokens: list = []

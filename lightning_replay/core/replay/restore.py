@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint as _checkpoint_module
@@ -25,7 +25,8 @@ from lightning_replay._compat import (
     top_saved_tensors_hooks,
 )
 from lightning_replay.core.base.contract import SELECTIVE, StateEntry
-from lightning_replay.core.mechanisms.costs import clock
+from lightning_replay.core.base.ports import ReplayHost, ReplaySegment
+from lightning_replay.core.base.clock import clock
 from lightning_replay.errors import ReplayError
 from lightning_replay.core.mechanisms.host_rng import fingerprints, moved
 from lightning_replay.core.base.records import REPLAY
@@ -54,12 +55,9 @@ from lightning_replay.core.mechanisms.slots import (
 )
 from lightning_replay.core.base.state import StateRef, digest, storage_bytes, storage_key
 
-if TYPE_CHECKING:  # annotations only: these modules import this one
-    from lightning_replay.core.runtime import SegmentRuntime
-
 
 # Per segment runtime: the views and spare buffers its small whole snapshots reuse.
-_POOLS: "weakref.WeakKeyDictionary[SegmentRuntime, SnapshotPool]" = weakref.WeakKeyDictionary()
+_POOLS: "weakref.WeakKeyDictionary[ReplaySegment, SnapshotPool]" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -113,7 +111,7 @@ class _Invocation:
         "__weakref__",
     )
 
-    def __init__(self, rt: "SegmentRuntime", check_bytes: bool) -> None:
+    def __init__(self, rt: "ReplaySegment", check_bytes: bool) -> None:
         eng = rt.engine
         c = rt.contract
         self.rt = rt
@@ -218,7 +216,7 @@ class _Invocation:
         self.digests = [digest(t) for _, t in self.tensors] if check_bytes else None
         eng._held_bytes += self.preserved_bytes
 
-    def _share(self, eng: Any, rt: "SegmentRuntime") -> None:
+    def _share(self, eng: ReplayHost, rt: "ReplaySegment") -> None:
         """Each read-only whole-preserved tensor's copy: the window's, while it serves this
         tensor's bytes, else a new one the window's later calls can share."""
         step, window = _SHARED.get(eng, (None, None))
@@ -277,7 +275,7 @@ class _Invocation:
         self.held.clear()
 
 
-def _entry_plan(rt: "SegmentRuntime") -> list[tuple]:
+def _entry_plan(rt: "ReplaySegment") -> list[tuple]:
     """Per bound state entry of ``rt``'s contract, what each forward reads of it: (entry,
     getter, preservation, is a parameter, written by the segment, changes in the window).
     Made once per contract and option (a re-probe binds a new list, a re-plan changes the
@@ -319,7 +317,7 @@ def _fast_get(get: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tens
 _SHARED: "weakref.WeakKeyDictionary[Any, tuple[int, dict]]" = weakref.WeakKeyDictionary()
 
 
-def _free_shared(eng: Any, sws: list[SharedWhole]) -> None:
+def _free_shared(eng: ReplayHost, sws: list[SharedWhole]) -> None:
     for sw in sws:
         if sw.release():
             eng._held_bytes -= sw.nbytes
@@ -327,7 +325,9 @@ def _free_shared(eng: Any, sws: list[SharedWhole]) -> None:
                 eng.accountant.drop(("shared", id(sw)))
 
 
-def _dropped(log: RegionLog, keys: list, eng: Any, sws: list[SharedWhole], token: dict) -> None:
+def _dropped(
+    log: RegionLog, keys: list, eng: ReplayHost, sws: list[SharedWhole], token: dict
+) -> None:
     if not token["done"]:  # dropped without replay (graph freed, backward never called)
         token["done"] = True
         for key in keys:
@@ -413,7 +413,7 @@ class _ReplayContext:
             self._undo(self._stage)
             raise
 
-    def _enter(self, inv: _Invocation, rt: "SegmentRuntime", eng: Any) -> None:
+    def _enter(self, inv: _Invocation, rt: "ReplaySegment", eng: ReplayHost) -> None:
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
         self._t0 = clock(eng._cuda)
@@ -599,7 +599,7 @@ class _ReplayContext:
                 )
 
 
-def user_saved_hooks(eng: Any) -> tuple | None:
+def user_saved_hooks(eng: ReplayHost) -> tuple | None:
     """The user's saved-tensor hooks (pack, unpack) active now, or None: the innermost ones,
     unless those are the engine's own memory accountant's (then the ones it was pushed over)."""
     top = top_saved_tensors_hooks()
@@ -720,7 +720,7 @@ def _refusals_name_the_segment(inv: _Invocation) -> bool:
     return True
 
 
-def replay_error_from(eng: Any, exc: BaseException) -> ReplayError | None:
+def replay_error_from(eng: ReplayHost, exc: BaseException) -> ReplayError | None:
     """A ``CheckpointError`` that reached the step's backward call, as the error of the
     segment whose replay it refused (its divergence record written), or None when it is not
     one of ours. The replay context converts the errors it sees; these are the ones it cannot
@@ -738,7 +738,7 @@ def replay_error_from(eng: Any, exc: BaseException) -> ReplayError | None:
 
 
 def departed_error(
-    rt: "SegmentRuntime", step: int, version: int, exc: BaseException | None
+    rt: "ReplaySegment", step: int, version: int, exc: BaseException | None
 ) -> ReplayError:
     """The error for a replay of ``rt`` (forward of ``step``, contract ``version``) that left
     its forward's path, after its divergence record. ``exc``: checkpoint's error, if any."""
