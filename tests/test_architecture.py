@@ -182,9 +182,10 @@ def upward_imports() -> set[tuple[str, str, str]]:
     }
 
 
-def core_cycles() -> list[list[str]]:
-    """The strongly connected components of more than one core module (Tarjan)."""
-    graph: dict[str, set[str]] = {m: set() for m in MODULES if _is_core(m)}
+def core_cycles(core_only: bool = True) -> list[list[str]]:
+    """The strongly connected components of more than one core module (of any module with
+    ``core_only=False``), by Tarjan's algorithm."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES if _is_core(m) or not core_only}
     for a, b in _edges():
         if a in graph and b in graph:
             graph[a].add(b)
@@ -233,6 +234,11 @@ def test_no_module_imports_a_layer_above_its_own():
 
 def test_no_cycle_among_core_modules():
     assert core_cycles() == KNOWN_CYCLES
+
+
+def test_no_cycle_anywhere_in_the_package():
+    # (the shells, tools and apps too: the public package imports the shells, never the reverse)
+    assert core_cycles(core_only=False) == KNOWN_CYCLES
 
 
 def test_the_core_never_imports_lightning():

@@ -51,7 +51,7 @@ import matplotlib.ticker  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from lightning_replay.apps.study_config import METHOD_DESCRIPTIONS  # noqa: E402
-from lightning_replay.apps.study_output import format_top1  # noqa: E402
+from lightning_replay.apps.study_compare import format_top1  # noqa: E402
 from lightning_replay.apps.telemetry import read_telemetry  # noqa: E402
 from lightning_replay.core.base.budget import format_bytes  # noqa: E402
 from lightning_replay.errors import ReplayError  # noqa: E402

@@ -20,6 +20,7 @@ import torch
 from lightning_replay.apps.study_config import StudySettings
 
 __all__ = [
+    "format_top1",
     "StudyResult",
     "describe_divergence",
     "divergence_text",
@@ -29,6 +30,17 @@ __all__ = [
     "steady_cutoff",
     "add_steady_figures",
 ]
+
+
+def format_top1(value: float | None) -> str:
+    """Test top-1 for people: ``0.0860000029206276`` -> ``'8.60 %'`` (results.json keeps the
+    exact float, which the byte-identity verdicts compare).
+
+    Example:
+        >>> format_top1(0.0860000029206276)
+        '8.60 %'
+    """
+    return "n/a" if value is None else f"{100 * value:.2f} %"
 
 
 @dataclasses.dataclass

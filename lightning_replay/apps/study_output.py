@@ -14,23 +14,12 @@ import json
 import shutil
 from pathlib import Path
 
-from lightning_replay.apps.study_compare import StudyResult
+from lightning_replay.apps.study_compare import StudyResult, format_top1
 from lightning_replay.apps.study_config import METHOD_DESCRIPTIONS
 from lightning_replay.core.base.budget import format_bytes
 from lightning_replay.core.base.records import OUTCOMES
 
 __all__ = ["format_top1", "format_markdown", "write_results", "clean_outputs"]
-
-
-def format_top1(value: float | None) -> str:
-    """Test top-1 for people: ``0.0860000029206276`` -> ``'8.60 %'`` (results.json keeps the
-    exact float, which the byte-identity verdicts compare).
-
-    Example:
-        >>> format_top1(0.0860000029206276)
-        '8.60 %'
-    """
-    return "n/a" if value is None else f"{100 * value:.2f} %"
 
 
 def _fmt_records(rec: dict[str, int] | None) -> str:
@@ -189,7 +178,7 @@ def write_results(result: StudyResult) -> None:
         "runs": str(out / "runs"),
     }
     if result.settings.report:
-        # imported here: the report module imports this one (format_top1)
+        # imported here: the report imports matplotlib, which results alone do not need
         from lightning_replay.apps.report import write_report
 
         result.paths["report"] = str(write_report(out, result=result.to_dict()))
