@@ -134,6 +134,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.divergences = 0
         self.reprobes = 0
         self.reactions = 0
+        # (op, call) pairs of a selective forward found written after their op: not kept
+        self.sac_skip: set[tuple[str, int]] = set()
         self.last_preserved_bytes = 0
         self.order = -1
         self.planned_option: str | None = None
@@ -365,7 +367,11 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         # checkpoint modes run around the segment's own forward and, at backward, around its
         # replay inside the contract's replay context, so the ops that run again see the entry
         # state the contract swapped in (the engine's own work around them is not cached).
-        sac = SelectiveFrame(eng.config.selective_policy) if inv.option in SELECTIVE else None
+        sac = (
+            SelectiveFrame(eng.config.selective_policy, verify=eng._check_bytes, skip=self.sac_skip)
+            if inv.option in SELECTIVE
+            else None
+        )
         inner = [0.0, None]  # the forward's own seconds, checkpoint's frame
 
         def fn(*flat: Any) -> Any:
@@ -380,8 +386,12 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                 # the call as at the forward: argument objects rebuilt with their fields then
                 a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
                 if sac is not None:  # the kept outputs stand in for their ops
-                    with sac.recompute:
-                        return forward(*a, **kw)
+                    try:
+                        with sac.recompute:
+                            return forward(*a, **kw)
+                    finally:  # (checkpoint's early stop leaves by an exception)
+                        if sac.events:  # kept outputs it could not use (see checks.py)
+                            self._kept_events(inv, sac.events, checked=False)
                 return forward(*a, **kw)
             a, kw = (flat, {}) if spec is None else (args, kwargs)  # the live objects
             eng._segment_depth += 1
