@@ -38,7 +38,7 @@ from lightning_replay.accounting import MemoryAccountant
 from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.config import PIN_OPTIONS
 from lightning_replay.config import ReplayConfig
-from lightning_replay.contract import OPTIONS, ReplayContract
+from lightning_replay.contract import OPTIONS, SELECTIVE, ReplayContract, base_option
 from lightning_replay.costs import CostMeter
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.host_rng import HostWatch
@@ -1155,16 +1155,30 @@ class ReplayEngine:
             if c is None:
                 continue
             o = choices.get(name, c.option)
-            held = (
-                c.activation_bytes + rt.input_saved_bytes
-                if o == "retain"
-                else rt.input_bytes + c.preserved_bytes(o)
-            )
+            held, replay = self._calibration_held(rt, o)
             costs.append(
-                _planner.SegmentCost(name, c.activation_bytes, {o: _planner.Option(held, 0.0)})
+                _planner.SegmentCost(
+                    name, c.activation_bytes, {o: _planner.Option(held, 0.0, replay=replay)}
+                )
             )
             picks[name] = o
         return _planner.predicted_peak(costs, picks, base)
+
+    def _calibration_held(self, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
+        """What segment ``rt`` holds from its forward to its backward under option ``o`` in a
+        calibration step, and what its replay re-materializes (``None``: its activations). A
+        selective option holds its kept outputs too (measured on a warm-up step before its
+        phase; until then, as many bytes as its activations), and its replay re-materializes
+        its activations less the kept ones autograd saves."""
+        c = rt.contract
+        if o == "retain":
+            return c.activation_bytes + rt.input_saved_bytes, None
+        held = rt.input_bytes + c.preserved_bytes(o)
+        if o not in SELECTIVE:
+            return held, None
+        kept = self.meter.selective_bytes.get(rt.name, c.activation_bytes)
+        saved = self.meter.selective_saved_bytes.get(rt.name, 0)
+        return held + kept, max(c.activation_bytes - saved, 0)
 
     def _calibration_base(self) -> int:
         """The base a calibration step is predicted with: the real base, or, where larger (no
@@ -1192,14 +1206,15 @@ class ReplayEngine:
         while self._calibration_peak(choices, base) > self.budget:
             swaps = []
             for name, o in choices.items():
-                c = self.runtimes[name].contract
+                rt = self.runtimes[name]
+                now = self._calibration_held(rt, o)[0]  # (a selective option: kept outputs)
                 cheaper = [
                     alt
-                    for alt in ("recompute", "regions")
-                    if alt in allowed[name] and c.preserved_bytes(alt) < c.preserved_bytes(o)
+                    for alt in dict.fromkeys(("recompute", "regions", base_option(o)))
+                    if alt in allowed[name] and self._calibration_held(rt, alt)[0] < now
                 ]
                 if cheaper:
-                    saved = c.preserved_bytes(o) - c.preserved_bytes(cheaper[0])
+                    saved = now - self._calibration_held(rt, cheaper[0])[0]
                     swaps.append((saved, name, cheaper[0]))
             if not swaps:
                 return  # the lowest options already: the first plan judges the budget

@@ -372,6 +372,14 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             if inv.option in SELECTIVE
             else None
         )
+        if sac is None and self._measures_kept():
+            # an untimed warm-up step of a full replay measures what a selective forward
+            # would keep, so that the calibration of the selective options is fitted to the
+            # budget with it (the frame is dropped after the forward: the replay is a full one)
+            sac = SelectiveFrame(eng.config.selective_policy)
+            sac_full = True
+        else:
+            sac_full = False
         inner = [0.0, None]  # the forward's own seconds, checkpoint's frame
 
         def fn(*flat: Any) -> Any:
@@ -385,7 +393,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             if inv.replaying:
                 # the call as at the forward: argument objects rebuilt with their fields then
                 a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
-                if sac is not None:  # the kept outputs stand in for their ops
+                if sac is not None and not sac_full:  # the kept outputs stand in for their ops
                     try:
                         with sac.recompute:
                             return forward(*a, **kw)
@@ -457,7 +465,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                     fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
                 )
             if sac is not None and (eng.accountant is not None or eng.measure_costs):
-                self._charge_kept(inv, sac)
+                self._charge_kept(inv, sac, held=not sac_full)
             return out
         t0 = _timed_clock(eng)
         with plain_inputs:
@@ -466,7 +474,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             )
         inv.t_prep += _timed_clock(eng) - t0 - inner[0]
         if sac is not None:
-            self._charge_kept(inv, sac)
+            self._charge_kept(inv, sac, held=not sac_full)
         frame, inner[1] = inner[1], None  # (fn, which the frame keeps, must not keep it)
         if frame is not None:
             # per saved tensor: its pack hook now and its unpack hook in backward, which no
@@ -481,14 +489,32 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             frame.recompute_fn = stamped
         return out
 
-    def _charge_kept(self, inv: _Invocation, frame: SelectiveFrame) -> None:
+    def _measures_kept(self) -> bool:
+        """Whether this call, a full replay on an untimed calibration step, measures what a
+        selective forward would keep (once, before the selective options are calibrated)."""
+        eng = self.engine
+        return (
+            eng.measure_costs
+            and eng._warmup
+            and eng.config.selective_policy is not None
+            and self.contract is not None
+            and self.contract.selective
+            and self.name not in eng.meter.selective_bytes
+        )
+
+    def _charge_kept(self, inv: _Invocation, frame: SelectiveFrame, held: bool = True) -> None:
         """The outputs a selective forward kept are held until its replay: the accountant
-        holds them for the invocation, the cost meter takes their bytes as the option's."""
+        holds them for the invocation, the cost meter takes their bytes as the option's.
+        ``held=False``: a measurement only (a full replay's forward ran under the frame), the
+        frame's cache is emptied now."""
         eng = self.engine
         kept = frame.kept_tensors()
         if eng.measure_costs:
             eng.meter.selective_bytes[self.name] = _unique_bytes(kept)
             eng.meter.selective_saved_bytes[self.name] = frame.kept_saved_bytes()
+        if not held:
+            frame.forward.storage.clear()
+            return
         acct = eng.accountant
         if acct is not None:
             for t in kept:
