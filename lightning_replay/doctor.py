@@ -14,7 +14,10 @@ reports:
   raises. A model that already checkpoints itself (HF ``gradient_checkpointing_enable()``, torch's
   or Lightning's ``checkpoint_wrapper``) is diagnosed as it stands against the same model with
   its checkpointing turned off;
-* what ``lightning_replay`` does on the same segments, measured the same way.
+* what ``lightning_replay`` does on the same segments, measured the same way;
+* with ``selective=`` (``"matmul"`` by default), torch's own selective checkpoint and
+  ``lightning_replay``'s selective option under that policy, measured the same way (the
+  report's methods table puts every run side by side).
 
 The report's types and its text, JSON and HTML forms are in :mod:`lightning_replay.doctor_report`
 (re-exported here). The core never imports Lightning; ``lightning-replay doctor --config`` is the
