@@ -131,7 +131,12 @@ class RegionEntry:
         (the region was written unlogged in between)."""
         t = self.target
         with torch.no_grad():
-            whole = torch.as_strided(before.view(t.dtype), t.shape, t.stride(), t.storage_offset())
+            try:
+                whole = torch.as_strided(
+                    before.view(t.dtype), t.shape, t.stride(), t.storage_offset()
+                )
+            except RuntimeError:  # the copy does not cover the region (a storage resized)
+                return False
             if self.kind == "view":
                 saved = whole.clone()
             elif self.kind == "index":
