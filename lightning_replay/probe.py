@@ -119,6 +119,7 @@ class _Probe:
         self.start_index: StateIndex | None = None  # the model's state names at its start
         self.host: list = []  # (HostRNG, state at its start) of those its forward drew from
         self.sparse_reads: list[str] = []  # the model's sparse tensors its forward read
+        self.script_calls: list[str] = []  # TorchScript functions its forward called
         self.replay_done = False  # (replayed) its replay has run: nothing more needs its data
 
     def release(self) -> None:
@@ -179,6 +180,43 @@ class _HostReads:
                 delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, orig)
+        self._saved = []
+
+
+class _ScriptCalls:
+    """While a probe's forward runs: the TorchScript functions and methods it calls
+    (``@torch.jit.script``/``torch.jit.trace`` functions, however reached: a global, an
+    attribute, an argument). TorchScript's optimising executor compiles a function anew after
+    a number of calls, and a replay adds calls: a replay may run another compiled graph than
+    the forward did, with other last bits (measured 2.2e-7). Such a segment is kept retained
+    (exact, no replay) instead."""
+
+    def __init__(self) -> None:
+        self.called: set[str] = set()
+        self._saved: list[tuple[type, Any]] = []
+
+    def __enter__(self) -> "_ScriptCalls":
+        for cls in (torch._C.ScriptFunction, torch._C.ScriptMethod):
+            orig = cls.__call__
+            self._saved.append((cls, orig))
+            cls.__call__ = self._watch(orig)
+        return self
+
+    def _watch(self, fn: Callable) -> Callable:
+        called = self.called
+
+        def watched(f: Any, *args: Any, **kwargs: Any) -> Any:
+            # (with the optimising executor off, ``torch.jit.optimized_execution(False)``,
+            # every call runs the same graph: a replay is exact)
+            if torch._C._get_graph_executor_optimize():
+                called.add(getattr(f, "qualified_name", None) or getattr(f, "name", "?"))
+            return fn(f, *args, **kwargs)
+
+        return watched
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, orig in reversed(self._saved):
+            cls.__call__ = orig
         self._saved = []
 
 
@@ -578,6 +616,7 @@ class SegmentProbe:
         peeked = _GlobalStateReads()
         sparse = _sparse_state(eng.model, self.modules)
         sparse_reads = _SparseStateReads(sparse) if sparse else contextlib.nullcontext()
+        scripts = _ScriptCalls()
         # module-level plain values the segment's code names, as before its forward
         glob = [
             (mod, name, _at_forward(mod.__dict__[name])) for mod, name in globals_read(self.modules)
@@ -594,6 +633,7 @@ class SegmentProbe:
                 peeked,
                 _HostReads(mode),
                 sparse_reads,
+                scripts,
                 comparisons() as compared,
             ):
                 out = self.orig_forward(*args, **kwargs)
@@ -644,6 +684,7 @@ class SegmentProbe:
         self.input_bytes = _unique_bytes(leaves)
         if sparse and sparse_reads.read:
             probe.sparse_reads = sorted(sparse_reads.read)
+        probe.script_calls = sorted(scripts.called)
         self.probes.append(probe)
         if box is not None:
             box["probe"] = probe
@@ -859,6 +900,8 @@ class SegmentProbe:
             uses_rng |= p.mode.uses_global_rng
             if p.sparse_reads and not self.demoted:
                 self._keep_for_sparse(p)
+            if p.script_calls and not self.demoted:
+                self._keep_for_script(p)
             gens.update(p.mode.generators)
             host.update((id(r.obj), r) for r, _ in p.host)
             changed_attrs.update(p.changed_attrs)
@@ -961,6 +1004,31 @@ class SegmentProbe:
             "strided storage to preserve, and an in-place op on it reallocates its values, so "
             "the segment keeps its activations (retain, exact) instead of replaying. Keep the "
             "sparse tensor dense, or pass it to the segment as an argument, to replay it.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _keep_for_script(self, probe: _Probe) -> None:
+        """The probe's forward called TorchScript functions, whose optimising executor may
+        run a replay through another compiled graph than the forward (the replay adds calls):
+        the segment keeps its activations from now on (exact), recorded and warned once."""
+        eng = self.engine
+        self.demoted = True
+        names = ", ".join(probe.script_calls[:4])
+        eng.records.append(
+            step=probe.step,
+            segment=self.name,
+            contract_version=self.version + 1,
+            check="probe",
+            outcome="rejection",
+            detail={"what": f"calls TorchScript {names}", "action": "retain"},
+        )
+        warnings.warn(
+            f"segment {self.name!r} calls TorchScript ({names}): TorchScript's optimising "
+            "executor compiles a function anew after a number of calls, and a replay adds "
+            "calls, so a replay may compute other last bits than the forward did. The segment "
+            "keeps its activations (retain, exact) instead of replaying. Call the eager Python "
+            "function inside segments (script it for deployment afterwards) to replay it.",
             RuntimeWarning,
             stacklevel=2,
         )

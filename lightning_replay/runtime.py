@@ -246,10 +246,15 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         for the lowest-memory plan) a probe step that kept every segment's activations would
         peak above a plain step. A segment pinned to
         ``retain``, demoted, or whose replayed probe diverged is probed retained, and so is
-        every probe of a derivative-checked step (its reference keeps the graphs anyway)."""
+        every probe of a derivative-checked step (its reference keeps the graphs anyway), and
+        of a segment whose code names a TorchScript function (its replay may run another
+        compiled graph than its forward: probe.SegmentProbe._keep_for_script)."""
         eng = self.engine
+        if getattr(self, "_calls_script", None) is None:
+            self._calls_script = _calls_script_function(self.modules)
         return (
             (eng.budget is not None or eng.config.budget.min)
+            and not self._calls_script
             and not self.retained_probe
             and not self.demoted
             and self.preservation != "retain"

@@ -1128,15 +1128,16 @@ def test_scripted_function_inside_a_segment() -> None:
         _check(ScriptFnNet, _loss_step(lambda m, x: (m(x), None)), PRES)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="measured: no crash, but 19/32 gradients differ in the last bits (max 2.2e-7) "
-    "under preservation='auto': TorchScript's profiling executor optimises a function after "
-    "a number of calls, and a replay adds calls, so forward and replay may run differently "
-    "optimised graphs (exact under torch.jit.optimized_execution(False))",
-)
 def test_scripted_function_inside_a_segment_optimised_executor() -> None:
-    _check(ScriptFnNet, _loss_step(lambda m, x: (m(x), None)), PRES)
+    """The xfail here measured 19/32 gradients off by 2.2e-7: that was plain PyTorch's own
+    difference between the first run of a scripted function in a process and later runs
+    (the executor's plan is made once per process), since the reference ran first. With the
+    executor warmed both runs are comparable; a fresh-process referee that sees replay's own
+    difference is in test_adversary_recipes2.py. The probe keeps such segments retained."""
+    step = _loss_step(lambda m, x: (m(x), None))
+    _run(ScriptFnNet(), step, "sgd")  # warm the executor: plain is then reproducible
+    with pytest.warns(RuntimeWarning, match=r"segment 'blocks.0' calls TorchScript"):
+        _check(ScriptFnNet, step, PRES, replays=False)
 
 
 def test_compile_after_install_is_exact() -> None:
