@@ -561,7 +561,17 @@ class SegmentProbe:
         input_keys = {k for k in leaf_keys if k}
         params = {k for k in (storage_key(p) for p in eng.model.parameters()) if k is not None}
         start_index = StateIndex(eng.model)  # who held each storage when it began
-        uncopied = {k for k in input_keys if not start_index.lookup(k)} if replayed else ()
+        # A replayed probe does not copy the arguments that are no model state (the window's
+        # activations, kept alive by the call anyway) ... except those made outside autograd
+        # (a batch, a detached tensor): the step may write one in place before backward
+        # (``x.mul_(0.5)`` after the forward), where no capture sees it, and its replay must
+        # read the forward's bytes
+        fresh = {storage_key(t) for t in leaves if t.grad_fn is None}
+        uncopied = (
+            {k for k in input_keys if not start_index.lookup(k) and k not in fresh}
+            if replayed
+            else ()
+        )
         mode = DiscoveryMode(eng.log, input_keys, params - input_keys, uncopied)
         slots = capture_slots(self.modules)
         # State the dispatch mode may never see read (host reads such as .tolist(), reads
