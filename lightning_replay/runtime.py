@@ -248,13 +248,16 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         ``retain``, demoted, or whose replayed probe diverged is probed retained, and so is
         every probe of a derivative-checked step (its reference keeps the graphs anyway), and
         of a segment whose code names a TorchScript function (its replay may run another
-        compiled graph than its forward: probe.SegmentProbe._keep_for_script)."""
+        compiled graph than its forward: probe.SegmentProbe._keep_for_script), or that runs
+        under a user's saved-tensor hook with state of its own (seen rebound only where the hook
+        packs in the forward: probe.SegmentProbe._keep_for_hook)."""
         eng = self.engine
         if getattr(self, "_calls_script", None) is None:
             self._calls_script = _calls_script_function(self.modules)
         return (
             (eng.budget is not None or eng.config.budget.min)
             and not self._calls_script
+            and not self._user_hooks_have_state()
             and not self.retained_probe
             and not self.demoted
             and self.preservation != "retain"

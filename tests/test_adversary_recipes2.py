@@ -619,3 +619,93 @@ def test_autocast_entered_inside_the_step_around_one_segment_only() -> None:
         lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward(),
         WITH_BUDGET,
     )
+
+
+# ============================================================ more call patterns
+def test_func_grad_as_the_whole_training_step() -> None:
+    """``torch.func.grad`` over ``functional_call`` computes the step's gradients (no
+    ``backward``); they are assigned to ``.grad`` by hand. The segments run plain inside the
+    transform; the BatchNorm statistics still move as in plain PyTorch."""
+    from torch.func import functional_call, grad
+
+    def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
+        x = torch.randn(B, D, generator=g)
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        gr = grad(lambda p: functional_call(model, p, (x,)).pow(2).mean())(params)
+        for k, v in model.named_parameters():
+            v.grad = gr[k]
+        return {"rm": model.blocks[0].ln.weight}
+
+    _check(LnNet, step, PRES, replays=False)
+
+
+class UnrolledNet(nn.Module):
+    """One segment applied in a loop (an unrolled recurrence): several calls per step with
+    different arguments, the state written between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Blk()])
+        self.register_buffer("h0", torch.zeros(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.h0.expand(B, D)
+        for t in range(3):
+            h = self.blocks[0](x * (t + 1) + h)
+        with torch.no_grad():
+            self.h0.add_(h.mean(0))
+        return h
+
+
+def test_one_segment_unrolled_three_times_per_step() -> None:
+    _check(
+        UnrolledNet,
+        lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward(),
+        WITH_BUDGET,
+    )
+
+
+class BwdHookNet(nn.Module):
+    """A full backward hook on the head calls a segment on the incoming gradient (no grad),
+    accumulating a diagnostic into a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([LnBlk(), LnBlk()])
+        self.head = nn.Linear(D, D)
+        self.register_buffer("diag", torch.zeros(()))
+        self.head.register_full_backward_hook(self._hook)
+
+    def _hook(self, mod: nn.Module, gin: tuple, gout: tuple) -> None:
+        with torch.no_grad():
+            self.diag += self.blocks[0](gout[0]).sum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks[1](self.blocks[0](x)))
+
+
+def test_full_backward_hook_calls_a_segment() -> None:
+    def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
+        model(torch.randn(B, D, generator=g)).pow(2).mean().backward()
+        return {"diag": model.diag}
+
+    _check(BwdHookNet, step, PRES)
+
+
+class DropAmpNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(D, D), nn.Dropout(0.3)), Blk()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.blocks[0](x)
+        return self.blocks[1](h.float())
+
+
+def test_dropout_segment_under_autocast() -> None:
+    _check(
+        DropAmpNet,
+        lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward(),
+        WITH_BUDGET,
+    )
