@@ -709,3 +709,86 @@ def test_dropout_segment_under_autocast() -> None:
         lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward(),
         WITH_BUDGET,
     )
+
+
+# ============================================================ stateful pack hooks (item 2)
+def _closure_scaled_hooks() -> tuple:
+    scale = 1.0
+
+    def pack(t: torch.Tensor) -> Any:
+        nonlocal scale
+        if not t.is_floating_point() or t.numel() == 0:
+            return t
+        scale = max(scale * 0.9, float(t.abs().max()) + 1e-3)
+        return ((t / scale).half(), scale)
+
+    def unpack(p: Any) -> torch.Tensor:
+        return p if isinstance(p, torch.Tensor) else p[0].float() * p[1]
+
+    return pack, unpack
+
+
+class CallablePacker:
+    """A callable object whose ``__call__`` rebinds a counter its rounding reads."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        self.n += 1
+        if not t.is_floating_point():
+            return t
+        return t.bfloat16() if self.n % 2 else t.half()
+
+
+class HNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Blk(), Blk(), Blk()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _callable_hooks() -> tuple:
+    return CallablePacker(), lambda p: p.float() if p.is_floating_point() else p
+
+
+@pytest.mark.parametrize("kw", WITH_BUDGET, ids=lambda kw: next(iter(kw.values())))
+@pytest.mark.parametrize("hooks", [_closure_scaled_hooks, _callable_hooks], ids=["closure", "obj"])
+def test_stateful_pack_hooks_keep_segments_retained(hooks: Callable, kw: dict) -> None:
+    """Before i33-rest: silent wrong gradients (the replay packs in backward, with the state
+    every later pack left). Now retained, exact, warned."""
+
+    def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
+        pack, unpack = hooks()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = model(torch.randn(16, D, generator=g) * (s + 1)).pow(2).sum()
+        loss.backward()
+
+    with pytest.warns(RuntimeWarning, match=r"segment 'blocks.0': the saved-tensor hook"):
+        _check(HNet, step, [kw], replays=False)
+
+
+def test_offloading_store_hook_still_replays() -> None:
+    """A pack that appends to a store and returns the index keeps no state its values depend
+    on (the store stays the same list): not flagged, the segments replay, exact."""
+
+    def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
+        store: list = []
+
+        def pack(t: torch.Tensor) -> int:
+            store.append(t.bfloat16() if t.is_floating_point() else t)
+            return len(store) - 1
+
+        def unpack(i: int) -> torch.Tensor:
+            t = store[i]
+            return t.float() if t.is_floating_point() else t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = model(torch.randn(16, D, generator=g)).pow(2).sum()
+        loss.backward()
+
+    _check(HNet, step, WITH_BUDGET)
