@@ -602,7 +602,8 @@ def _stacked(*ctxs: Any) -> Any:
 
 def _calls_script_function(modules: list[nn.Module], depth: int = 2) -> bool:
     """Whether the forwards of ``modules`` (or the Python functions they name, ``depth``
-    levels down) name a ``torch.jit.ScriptFunction`` in their globals."""
+    levels down) name a ``torch.jit.ScriptFunction`` in their globals, or the modules hold
+    one as an attribute."""
     seen: set[int] = set()
 
     def names(fn: Any, level: int) -> bool:
@@ -624,6 +625,9 @@ def _calls_script_function(modules: list[nn.Module], depth: int = 2) -> bool:
                     return True
         return False
 
+    # a scripted function kept as a module attribute (``self.act = torch.jit.script(fn)``)
+    if any(isinstance(v, torch.jit.ScriptFunction) for m in modules for v in vars(m).values()):
+        return True
     # (every class's own forward: the segment's class is swapped for a replaying subclass)
     return any(names(vars(cls).get("forward"), 0) for m in modules for cls in type(m).__mro__)
 

@@ -181,6 +181,7 @@ def _script_run(tmp_path: Any, reach: str, kw: dict | None) -> dict:
         ("global", {"preservation": "auto"}),
         ("global", {"budget": "min"}),
         ("attribute", {"preservation": "whole"}),
+        ("attribute", {"budget": "min"}),
     ],
 )
 def test_torchscript_function_in_a_segment_is_kept_retained_and_exact(
