@@ -1208,7 +1208,8 @@ class ReplayEngine:
         choose is left untimed; it stays out of the cost table (never measured). Under
         ``budget="min"`` only each segment's lowest option is timed: the plan picks no other."""
         if self.budget is None:
-            if self.config.budget.min:
+            if self.config.budget.min and self.config.planner != "selective_all":
+                # (selective_all plans each segment's lowest *selective* option: timed too)
                 # the lowest-memory plan: no segment's held bytes beyond its lowest option's
                 # are ever chosen, so no step times them (the probe's figures rank them)
                 self._fit_to(choices, allowed, lambda: True)
