@@ -14,7 +14,6 @@ an installed model is a plain model with no engine attached. Uninstalling puts t
 from __future__ import annotations
 
 import copyreg
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
@@ -32,9 +31,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from lightning_replay.engine import ReplayEngine
     from lightning_replay.runtime import SegmentRuntime
 
-# module -> its runtime. Weak, so a deepcopy or unpickled copy of a module is a plain module.
-_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, SegmentRuntime]" = weakref.WeakKeyDictionary()
-_REPLAY_CLASSES: dict[type, type] = {}
+# Each installed module gets a class of its own, which holds the module's runtime (the root's,
+# with window="root", holds the engine): the model keeps its engine alive, as a user who drops
+# the engine and keeps training expects, and nothing global does. A registry keyed weakly by
+# module with the runtime as value kept every model installed and never uninstalled alive for
+# the life of the process (the value held the engine, the engine the model, the model the key):
+# no collection could free it, and it held the tensors of later models too (issue 31). Now a
+# dropped model and its engine are one reference cycle the cyclic collector frees;
+# ``uninstall()`` frees them with no collector at all.
+_BOX = "_lightning_replay_box"
 
 
 def _new_plain(cls: type, *args: Any) -> Any:
@@ -42,27 +47,31 @@ def _new_plain(cls: type, *args: Any) -> Any:
     return cls.__new__(cls, *args)
 
 
-def _replay_class(cls: type) -> type:
-    """A subclass of ``cls`` whose forward goes through the segment runtime.
+def _installed(module: nn.Module) -> Any:
+    """The runtime (or, for a root, the engine) ``module``'s class routes through, or None."""
+    box = getattr(type(module), _BOX, None)  # (a probe's tracing subclass inherits it)
+    return box[0] if box is not None else None
+
+
+def _replay_class(cls: type, rt: "SegmentRuntime") -> type:
+    """A subclass of ``cls`` whose forward goes through the segment runtime ``rt`` (one class
+    per installed module: it holds ``rt``, see :data:`_BOX`).
 
     It keeps the name of ``cls`` (reprs and state_dict keys don't change) and pickles and
     deep-copies as ``cls``, so copies of an installed model are plain models.
     """
-    if cls in _REPLAY_CLASSES:
-        return _REPLAY_CLASSES[cls]
+    box = [rt]
 
     def forward(self, *args, **kwargs):
-        rt = _RUNTIMES.get(self)
+        rt = box[0]
         if rt is None:
             return cls.forward(self, *args, **kwargs)
         return rt(args, kwargs)
 
-    new = _swapped_class(cls, forward)
-    _REPLAY_CLASSES[cls] = new
-    return new
+    return _swapped_class(cls, forward, box)
 
 
-def _swapped_class(cls: type, forward: Callable) -> type:
+def _swapped_class(cls: type, forward: Callable, box: list) -> type:
     """A subclass of ``cls`` with ``forward``, the name of ``cls``, copied and pickled as
     ``cls``."""
     new = type(
@@ -74,25 +83,21 @@ def _swapped_class(cls: type, forward: Callable) -> type:
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "_lightning_replay_base": cls,
+            _BOX: box,
         },
     )
     return new
 
 
-_ROOTS: "weakref.WeakKeyDictionary[nn.Module, ReplayEngine]" = weakref.WeakKeyDictionary()
-_ROOT_CLASSES: dict[type, type] = {}
-
-
-def _root_class(cls: type) -> type:
-    """A subclass of ``cls`` whose forward is one engine window (``install(window="root")``).
+def _root_class(cls: type, eng: "ReplayEngine") -> type:
+    """A subclass of ``cls`` whose forward is one window of ``eng`` (``install(window="root")``).
 
     Like :func:`_replay_class`, it keeps the name of ``cls`` and copies as ``cls``.
     """
-    if cls in _ROOT_CLASSES:
-        return _ROOT_CLASSES[cls]
+    box = [eng]
 
     def forward(self, *args, **kwargs):
-        eng = _ROOTS.get(self)
+        eng = box[0]
         if eng is None or under_functorch() or saved_tensors_hooks_disabled():
             # (a torch.func transform, or saved-tensor hooks switched off: no window, the
             # segments run plain, see runtime)
@@ -104,9 +109,7 @@ def _root_class(cls: type) -> type:
         finally:
             eng.end_forward()
 
-    new = _swapped_class(cls, forward)
-    _ROOT_CLASSES[cls] = new
-    return new
+    return _swapped_class(cls, forward, box)
 
 
 def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
@@ -124,36 +127,41 @@ def attach(engine: "ReplayEngine") -> type | None:
     through it. Returns the root's own class (``None`` for manual windows), for
     :func:`detach`."""
     for rt in engine.runtimes.values():
-        _RUNTIMES[rt.module] = rt
-        rt.module.__class__ = _replay_class(rt.orig_class)
+        rt.module.__class__ = _replay_class(rt.orig_class, rt)
         become = getattr(rt.module, "cls_to_become", None)
         if isinstance(rt.module, LazyModuleMixin) and become is not None:
             # A lazy module turns into ``cls_to_become`` at its first forward: into the
             # replaying subclass of it, so it keeps replaying afterwards.
-            rt.module.cls_to_become = _replay_class(become)
+            rt.module.cls_to_become = _replay_class(become, rt)
     if engine.config.window != "root":
         return None
     # The root's forward opens the window through a class swap, not hooks: a copy (deepcopy,
     # pickle) of the model is then a plain model, with no engine attached.
     root_class = type(engine.model)
-    _ROOTS[engine.model] = engine
-    engine.model.__class__ = _root_class(root_class)
+    engine.model.__class__ = _root_class(root_class, engine)
     return root_class
+
+
+def _unbox(swapped: type, held: Any) -> None:
+    """Make ``swapped`` (a class of :func:`_swapped_class`) let go of ``held``: the class can
+    outlive the swap (a cycle, as every class is), and must not keep the engine meanwhile."""
+    box = getattr(swapped, _BOX, None)
+    if box is not None and box[0] is held:
+        box[0] = None
 
 
 def detach(engine: "ReplayEngine", root_class: type | None) -> None:
     """Undo :func:`attach`: every module gets its own class back."""
     if root_class is not None:
-        if _ROOTS.get(engine.model) is engine:
-            del _ROOTS[engine.model]
+        _unbox(type(engine.model), engine)
         engine.model.__class__ = root_class
     for rt in engine.runtimes.values():
-        if _RUNTIMES.get(rt.module) is rt:
-            del _RUNTIMES[rt.module]
+        _unbox(type(rt.module), rt)
         base = getattr(type(rt.module), "_lightning_replay_base", None)
         rt.module.__class__ = base if base is not None else rt.orig_class
         become = getattr(rt.module, "cls_to_become", None)
         if become is not None and getattr(become, "_lightning_replay_base", None):
+            _unbox(become, rt)
             if "cls_to_become" in rt.module.__dict__:
                 del rt.module.__dict__["cls_to_become"]
 
@@ -287,10 +295,11 @@ def install_config(model: nn.Module, config: ReplayConfig) -> ReplayEngine:
     if not isinstance(model, nn.Module):
         raise ReplayConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for mod in model.modules():
-        if mod in _RUNTIMES:
+        rt = _installed(mod)
+        if rt is not None and hasattr(rt, "name"):
             raise ReplayConfigError(
                 f"model already has lightning_replay installed (segment "
-                f"{_RUNTIMES[mod].name!r}); call engine.uninstall() before installing again"
+                f"{rt.name!r}); call engine.uninstall() before installing again"
             )
     _refuse_compiled(model)
     resolved = resolve_segments(model, config.segments)

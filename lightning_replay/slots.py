@@ -1080,8 +1080,13 @@ def comparisons():
 
 
 def _trace_class(cls: type) -> type:
-    """A subclass of ``cls`` that records which plain attributes are read (probe only)."""
-    new = _TRACE_CLASSES.get(cls)
+    """A subclass of ``cls`` that records which plain attributes are read (probe only).
+
+    Cached per class; the class of one installed module (``installation``'s, which holds its
+    runtime and so its engine) keeps its own, as an attribute: the global cache would keep the
+    class, its engine and its model alive for the life of the process."""
+    own = "_lightning_replay_box" in cls.__dict__
+    new = cls.__dict__.get("_lightning_replay_trace") if own else _TRACE_CLASSES.get(cls)
     if new is not None:
         return new
 
@@ -1123,9 +1128,11 @@ def _trace_class(cls: type) -> type:
                     reads[where, name] = value
         return value
 
-    new = _TRACE_CLASSES[cls] = _recording_subclass(
-        cls, __getattribute__=__getattribute__, __getattr__=__getattr__
-    )
+    new = _recording_subclass(cls, __getattribute__=__getattribute__, __getattr__=__getattr__)
+    if own:
+        type.__setattr__(cls, "_lightning_replay_trace", new)
+    else:
+        _TRACE_CLASSES[cls] = new
     return new
 
 
