@@ -48,9 +48,13 @@ def _new_plain(cls: type, *args: Any) -> Any:
 
 
 def _installed(module: nn.Module) -> Any:
-    """The runtime (or, for a root, the engine) ``module``'s class routes through, or None."""
-    box = getattr(type(module), _BOX, None)  # (a probe's tracing subclass inherits it)
-    return box[0] if box is not None else None
+    """The segment runtime ``module``'s class routes through, or None (a probe's tracing
+    subclass inherits the class; a root that is also a segment has two)."""
+    for c in type(module).__mro__:
+        box = c.__dict__.get(_BOX)
+        if box is not None and hasattr(box[0], "orig_forward"):
+            return box[0]
+    return None
 
 
 def _replay_class(cls: type, rt: "SegmentRuntime") -> type:
@@ -296,7 +300,7 @@ def install_config(model: nn.Module, config: ReplayConfig) -> ReplayEngine:
         raise ReplayConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for mod in model.modules():
         rt = _installed(mod)
-        if rt is not None and hasattr(rt, "name"):
+        if rt is not None:
             raise ReplayConfigError(
                 f"model already has lightning_replay installed (segment "
                 f"{rt.name!r}); call engine.uninstall() before installing again"
