@@ -29,17 +29,26 @@ from lightning_replay.segments import SegmentSpec, _is_compiled, resolve_segment
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_replay.engine import ReplayEngine
-    from lightning_replay.runtime import SegmentRuntime
 
-# Each installed module gets a class of its own, which holds the module's runtime (the root's,
-# with window="root", holds the engine): the model keeps its engine alive, as a user who drops
-# the engine and keeps training expects, and nothing global does. A registry keyed weakly by
-# module with the runtime as value kept every model installed and never uninstalled alive for
-# the life of the process (the value held the engine, the engine the model, the model the key):
-# no collection could free it, and it held the tensors of later models too (issue 31). Now a
-# dropped model and its engine are one reference cycle the cyclic collector frees;
-# ``uninstall()`` frees them with no collector at all.
-_BOX = "_lightning_replay_box"
+# Each installed module holds its runtime (a root, with window="root", its engine) in its own
+# ``__dict__`` (under :data:`RUNTIME_KEY` / :data:`ENGINE_KEY`, which the walkers of a module's
+# attributes skip, see ``slots.MODULE_INTERNALS``, and copies and pickles leave out): the model
+# keeps its engine alive, as a user who drops the engine and keeps training expects, and
+# nothing global does. A registry keyed weakly by module, with the runtime as value, kept every
+# model installed and never uninstalled alive for the life of the process (the value held the
+# engine, the engine the model, the model the key): no collection could free it, and in the
+# test suite's order it kept later models' tensors alive after their own uninstall (issue 31).
+# Now a dropped model and its engine are one cycle the collector frees; ``uninstall()`` frees
+# them with no collector at all.
+RUNTIME_KEY = "_lightning_replay_runtime"
+ENGINE_KEY = "_lightning_replay_engine"
+_REPLAY_CLASSES: dict[type, type] = {}
+
+
+def _own(module: nn.Module, key: str) -> Any:
+    """What ``module`` holds under ``key`` (not through its class's ``__getattribute__``: a
+    probe's tracing subclass would count it as a read)."""
+    return object.__getattribute__(module, "__dict__").get(key)
 
 
 def _new_plain(cls: type, *args: Any) -> Any:
@@ -47,35 +56,27 @@ def _new_plain(cls: type, *args: Any) -> Any:
     return cls.__new__(cls, *args)
 
 
-def _installed(module: nn.Module) -> Any:
-    """The segment runtime ``module``'s class routes through, or None (a probe's tracing
-    subclass inherits the class; a root that is also a segment has two)."""
-    for c in type(module).__mro__:
-        box = c.__dict__.get(_BOX)
-        if box is not None and hasattr(box[0], "orig_forward"):
-            return box[0]
-    return None
-
-
-def _replay_class(cls: type, rt: "SegmentRuntime") -> type:
-    """A subclass of ``cls`` whose forward goes through the segment runtime ``rt`` (one class
-    per installed module: it holds ``rt``, see :data:`_BOX`).
+def _replay_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward goes through the segment runtime.
 
     It keeps the name of ``cls`` (reprs and state_dict keys don't change) and pickles and
     deep-copies as ``cls``, so copies of an installed model are plain models.
     """
-    box = [rt]
+    if cls in _REPLAY_CLASSES:
+        return _REPLAY_CLASSES[cls]
 
     def forward(self, *args, **kwargs):
-        rt = box[0]
+        rt = _own(self, RUNTIME_KEY)
         if rt is None:
             return cls.forward(self, *args, **kwargs)
         return rt(args, kwargs)
 
-    return _swapped_class(cls, forward, box)
+    new = _swapped_class(cls, forward)
+    _REPLAY_CLASSES[cls] = new
+    return new
 
 
-def _swapped_class(cls: type, forward: Callable, box: list) -> type:
+def _swapped_class(cls: type, forward: Callable) -> type:
     """A subclass of ``cls`` with ``forward``, the name of ``cls``, copied and pickled as
     ``cls``."""
     new = type(
@@ -87,21 +88,24 @@ def _swapped_class(cls: type, forward: Callable, box: list) -> type:
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "_lightning_replay_base": cls,
-            _BOX: box,
         },
     )
     return new
 
 
-def _root_class(cls: type, eng: "ReplayEngine") -> type:
-    """A subclass of ``cls`` whose forward is one window of ``eng`` (``install(window="root")``).
+_ROOT_CLASSES: dict[type, type] = {}
+
+
+def _root_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward is one engine window (``install(window="root")``).
 
     Like :func:`_replay_class`, it keeps the name of ``cls`` and copies as ``cls``.
     """
-    box = [eng]
+    if cls in _ROOT_CLASSES:
+        return _ROOT_CLASSES[cls]
 
     def forward(self, *args, **kwargs):
-        eng = box[0]
+        eng = _own(self, ENGINE_KEY)
         if eng is None or under_functorch() or saved_tensors_hooks_disabled():
             # (a torch.func transform, or saved-tensor hooks switched off: no window, the
             # segments run plain, see runtime)
@@ -113,7 +117,9 @@ def _root_class(cls: type, eng: "ReplayEngine") -> type:
         finally:
             eng.end_forward()
 
-    return _swapped_class(cls, forward, box)
+    new = _swapped_class(cls, forward)
+    _ROOT_CLASSES[cls] = new
+    return new
 
 
 def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
@@ -121,6 +127,10 @@ def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
         rv = cls.__reduce_ex__(self, protocol)
         if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and rv[1][0] is swapped():
             rv = (_new_plain, (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
+        if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+            if RUNTIME_KEY in rv[2] or ENGINE_KEY in rv[2]:  # a copy is a plain module
+                state = {k: v for k, v in rv[2].items() if k not in (RUNTIME_KEY, ENGINE_KEY)}
+                rv = rv[:2] + (state,) + rv[3:]
         return rv
 
     return __reduce_ex__
@@ -131,41 +141,36 @@ def attach(engine: "ReplayEngine") -> type | None:
     through it. Returns the root's own class (``None`` for manual windows), for
     :func:`detach`."""
     for rt in engine.runtimes.values():
-        rt.module.__class__ = _replay_class(rt.orig_class, rt)
+        rt.module.__dict__[RUNTIME_KEY] = rt
+        rt.module.__class__ = _replay_class(rt.orig_class)
         become = getattr(rt.module, "cls_to_become", None)
         if isinstance(rt.module, LazyModuleMixin) and become is not None:
             # A lazy module turns into ``cls_to_become`` at its first forward: into the
             # replaying subclass of it, so it keeps replaying afterwards.
-            rt.module.cls_to_become = _replay_class(become, rt)
+            rt.module.cls_to_become = _replay_class(become)
     if engine.config.window != "root":
         return None
     # The root's forward opens the window through a class swap, not hooks: a copy (deepcopy,
     # pickle) of the model is then a plain model, with no engine attached.
     root_class = type(engine.model)
-    engine.model.__class__ = _root_class(root_class, engine)
+    engine.model.__dict__[ENGINE_KEY] = engine
+    engine.model.__class__ = _root_class(root_class)
     return root_class
-
-
-def _unbox(swapped: type, held: Any) -> None:
-    """Make ``swapped`` (a class of :func:`_swapped_class`) let go of ``held``: the class can
-    outlive the swap (a cycle, as every class is), and must not keep the engine meanwhile."""
-    box = getattr(swapped, _BOX, None)
-    if box is not None and box[0] is held:
-        box[0] = None
 
 
 def detach(engine: "ReplayEngine", root_class: type | None) -> None:
     """Undo :func:`attach`: every module gets its own class back."""
     if root_class is not None:
-        _unbox(type(engine.model), engine)
+        if engine.model.__dict__.get(ENGINE_KEY) is engine:
+            del engine.model.__dict__[ENGINE_KEY]
         engine.model.__class__ = root_class
     for rt in engine.runtimes.values():
-        _unbox(type(rt.module), rt)
+        if rt.module.__dict__.get(RUNTIME_KEY) is rt:
+            del rt.module.__dict__[RUNTIME_KEY]
         base = getattr(type(rt.module), "_lightning_replay_base", None)
         rt.module.__class__ = base if base is not None else rt.orig_class
         become = getattr(rt.module, "cls_to_become", None)
         if become is not None and getattr(become, "_lightning_replay_base", None):
-            _unbox(become, rt)
             if "cls_to_become" in rt.module.__dict__:
                 del rt.module.__dict__["cls_to_become"]
 
@@ -299,7 +304,7 @@ def install_config(model: nn.Module, config: ReplayConfig) -> ReplayEngine:
     if not isinstance(model, nn.Module):
         raise ReplayConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for mod in model.modules():
-        rt = _installed(mod)
+        rt = _own(mod, RUNTIME_KEY)
         if rt is not None:
             raise ReplayConfigError(
                 f"model already has lightning_replay installed (segment "

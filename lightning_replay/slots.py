@@ -53,7 +53,10 @@ SCALAR_TYPES = (
 
 #: nn.Module's own bookkeeping in ``__dict__`` (the parameter, buffer and submodule dicts and
 #: the hook dicts below are handled separately).
-MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"} | {
+    "_lightning_replay_runtime",  # an installed module's runtime, see installation.RUNTIME_KEY
+    "_lightning_replay_engine",
+}
 
 #: A module's hook dicts that a forward (and so a replay) runs, or whose backward it builds
 HOOK_DICTS = (
@@ -1080,13 +1083,8 @@ def comparisons():
 
 
 def _trace_class(cls: type) -> type:
-    """A subclass of ``cls`` that records which plain attributes are read (probe only).
-
-    Cached per class; the class of one installed module (``installation``'s, which holds its
-    runtime and so its engine) keeps its own, as an attribute: the global cache would keep the
-    class, its engine and its model alive for the life of the process."""
-    own = "_lightning_replay_box" in cls.__dict__
-    new = cls.__dict__.get("_lightning_replay_trace") if own else _TRACE_CLASSES.get(cls)
+    """A subclass of ``cls`` that records which plain attributes are read (probe only)."""
+    new = _TRACE_CLASSES.get(cls)
     if new is not None:
         return new
 
@@ -1128,11 +1126,9 @@ def _trace_class(cls: type) -> type:
                     reads[where, name] = value
         return value
 
-    new = _recording_subclass(cls, __getattribute__=__getattribute__, __getattr__=__getattr__)
-    if own:
-        type.__setattr__(cls, "_lightning_replay_trace", new)
-    else:
-        _TRACE_CLASSES[cls] = new
+    new = _TRACE_CLASSES[cls] = _recording_subclass(
+        cls, __getattribute__=__getattribute__, __getattr__=__getattr__
+    )
     return new
 
 
