@@ -235,8 +235,15 @@ def _saving_counted(
         return outer_pack(t) if outer_pack is not None else Saved(t, where, namer)
 
     unpack = outer_unpack if outer_unpack is not None else Saved.unpack
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        # ``pack`` can outlive the block: autograd keeps it with what it packed, in a graph that
+        # a segment raising mid-step leaves to a cycle through C++ no collector sees. It must
+        # not keep the recorded tensors (the caller has them) nor the counts alive (issue 31).
+        record = None
+        saved = {}
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
