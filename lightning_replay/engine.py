@@ -320,8 +320,9 @@ class ReplayEngine:
         run one plan, the largest rank's (:meth:`agree_real_base`) where it is larger."""
         # the part that is not optimizer state (backward temporaries, the batch) grows with
         # the input, like the activations (see size_scale)
-        fixed = min(self._residual_fixed, self._residual)
-        grows = (self._residual - fixed) * self.size_scale(self._residual_size)
+        residual = self._scaled_residual()
+        fixed = min(self._residual_fixed, residual)
+        grows = (residual - fixed) * self.size_scale(self._residual_size)
         own = self.base_memory + fixed + int(grows)
         return own if self._ranks_base is None else max(own, self._ranks_base)
 
@@ -334,11 +335,12 @@ class ReplayEngine:
         beyond what its replays held over the formula (head and loss temporaries on top of
         the retained segments), and ``floor``, its optimizer phase's real peak (no plan goes
         under it). Both 0 until a step is measured."""
-        fixed = min(self._residual_fixed, self._residual)
+        residual = self._scaled_residual()
+        fixed = min(self._residual_fixed, residual)
         scale = self.size_scale(self._residual_size)
 
         def beyond(over: int) -> int:  # beyond the base's residual, grown with the input
-            return max(int((over - fixed) * scale) - int((self._residual - fixed) * scale), 0)
+            return max(int((over - fixed) * scale) - int((residual - fixed) * scale), 0)
 
         floor = self._floor
         if floor:
@@ -355,6 +357,18 @@ class ReplayEngine:
                 for n in self.segments
             }
         return args
+
+    def _scaled_residual(self) -> int:
+        """The residual held in the base: the least of the phases' (each phase's excess over
+        it is charged at its own moment), or, at inputs larger than any measured step, the
+        largest, at every moment: which phase's excess grows with the input (backward and loss
+        temporaries) and which does not (gradients made by a replay's moment) is not known."""
+        if self.size_scale(self._residual_size) > 1.0:
+            overs = [self._residual, *self._over_replay.values()]
+            if self._over_fwd is not None:
+                overs.append(self._over_fwd)
+            return max(overs)
+        return self._residual
 
     def agree_real_base(self, nbytes: int) -> None:
         """Plan with ``nbytes`` as the real base where it exceeds this rank's own: the largest
@@ -920,6 +934,7 @@ class ReplayEngine:
         if acct is None or not self.real_peak:
             return
         segments = dict(acct.phase_peaks)  # the accountant's figures per phase
+        accounted = self._static_bytes() + acct.peak
         if self._truth is not None:
             self._stop_truth(self._truth)
         measured = self._truth_peak is not None
@@ -938,7 +953,16 @@ class ReplayEngine:
         else:
             return
         self.last_real_peak = (self._last_step, real)
-        fwd, replays, floor = self._phase_residuals(real, phases, segments, plan)
+        size = self._truth_step_size if measured else self._window_size
+        if size <= self.probe_size or not self.probe_size:
+            fwd, replays, floor = self._phase_residuals(real, phases, segments, plan)
+        else:
+            # inputs larger than the costs were measured at: the formula's figures and the
+            # replays' (re-materialized bytes from the costs) are stale, the accountant's whole
+            # step is not: one residual against it, at every moment
+            fwd, replays, floor = real - accounted, {}, phases.get("optimizer", 0)
+            if size > self._residual_size:  # figures at smaller inputs are stale
+                self._over_fwd, self._over_replay = None, {}
         grew = self._over_fwd is None or fwd > self._over_fwd
         self._over_fwd = fwd if self._over_fwd is None else max(self._over_fwd, fwd)
         for name, over in replays.items():
@@ -946,9 +970,10 @@ class ReplayEngine:
                 self._over_replay[name] = over
                 grew = True
         if grew:
-            self._residual = min(self._over_fwd, *self._over_replay.values())
+            # (at least 0: the base never shrinks below the accountant's figures)
+            self._residual = max(min([self._over_fwd, *self._over_replay.values()]), 0)
             # the input size of the step measured (on CUDA, the step just trained)
-            self._residual_size = self._truth_step_size if measured else self._window_size
+            self._residual_size = size
             self._residual_fixed = (
                 self._truth_opt
                 if measured

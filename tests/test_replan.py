@@ -133,7 +133,9 @@ def test_a_memory_misfit_replans_and_the_new_plan_holds_the_budget():
         peaks[stats["step"]] = stats["peak_bytes"]
         if step == 7:
             assert engine.plan_version == 1 and set(engine.plan.choices.values()) == {"retain"}
-            lowered = min_feasible_budget(engine.costs, engine.real_base_memory)
+            lowered = min_feasible_budget(
+                engine.costs, engine.real_base_memory, **engine.phase_peak_args
+            )
             assert peaks[stats["step"]] > lowered  # the all-retained plan no longer fits
             engine.reconfigure(budget=lowered)
             at = stats["step"]

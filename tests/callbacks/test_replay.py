@@ -313,7 +313,9 @@ def test_a_lowered_budget_replans_and_the_measured_peak_holds_it(tmp_path):
         # halfway down to the lowest plan: the new plan's own measured step may hold a little
         # more beyond its prediction than the old plan's did (at the very lowest budget that
         # makes it infeasible, and the engine runs the lowest plan with a warning instead)
-        lowest = min_feasible_budget(engine.costs, engine.real_base_memory)
+        lowest = min_feasible_budget(
+            engine.costs, engine.real_base_memory, **engine.phase_peak_args
+        )
         budgets["new"] = (lowest + budgets["peak_before"]) // 2
         engine.reconfigure(budget=budgets["new"])
 
@@ -353,7 +355,11 @@ def test_checked_steps_stay_within_the_budget_and_trigger_no_memory_replan(tmp_p
 
     def lower(t):
         engine = t.strategy.engine
-        engine.reconfigure(budget=min_feasible_budget(engine.costs, engine.real_base_memory))
+        engine.reconfigure(
+            budget=min_feasible_budget(
+                engine.costs, engine.real_base_memory, **engine.phase_peak_args
+            )
+        )
 
     def record(t):
         engine = t.strategy.engine
