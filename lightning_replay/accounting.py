@@ -162,11 +162,19 @@ class MemoryAccountant:
         below = top_saved_tensors_hooks()
 
         def pack(t: torch.Tensor) -> Any:
-            return _Held(t, acct)
+            if below is None:
+                return _Held(t, acct)
+            # the user's pack runs now, in the forward's order, as in plain training (a pack
+            # hook with state, a running scale, packs each tensor with the state it had then);
+            # what it returns is what is held
+            p = below[0](t)
+            return (_Held(p, acct) if isinstance(p, torch.Tensor) else p,)
 
         def unpack(h: Any) -> torch.Tensor:
-            t = h.unpack()
-            return t if below is None else below[1](below[0](t))
+            if below is None:
+                return h.unpack()
+            p = h[0]
+            return below[1](p.unpack() if isinstance(p, _Held) else p)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

@@ -1316,6 +1316,12 @@ class ReplayEngine:
                 if o in opts:
                     choices[name] = o
                     break
+        if warm and self.budget is not None and not self._truth_rounds and not self._residual:
+            # Nothing real measured yet: what the step holds beyond the accountant's figures
+            # (backward and optimizer temporaries) is unknown, so no prediction bounds it. This
+            # untimed step runs every segment at its lowest option and measures it; the timed
+            # steps after it are fitted with that figure.
+            self._fit_to(choices, allowed, lambda: True)
         self._fit_calibration(choices, allowed)
         for name, o in choices.items():
             self.runtimes[name].set_option(o)
@@ -1364,11 +1370,21 @@ class ReplayEngine:
         take the step over the budget, the segment is timed with regions (or recompute) in this
         phase instead, largest snapshot first. An option that does not fit with every other
         segment at its calibration option fits in no plan either, so nothing the planner could
-        choose is left untimed; it stays out of the cost table (never measured)."""
+        choose is left untimed; it stays out of the cost table (never measured). Under
+        ``budget="min"`` only each segment's lowest option is timed: the plan picks no other."""
         if self.budget is None:
+            if self.config.budget.min:
+                # the lowest-memory plan: no segment's held bytes beyond its lowest option's
+                # are ever chosen, so no step times them (the probe's figures rank them)
+                self._fit_to(choices, allowed, lambda: True)
             return
         base = self._calibration_base()  # a walk of the process: once per phase step
-        while self._calibration_peak(choices, base) > self.budget:
+        self._fit_to(choices, allowed, lambda: self._calibration_peak(choices, base) > self.budget)
+
+    def _fit_to(self, choices: dict[str, str], allowed: Mapping[str, list], over) -> None:
+        """While ``over()``, time the segment whose option saves the most preserved bytes
+        with a cheaper one (recompute or regions) instead."""
+        while over():
             swaps = []
             for name, o in choices.items():
                 c = self.runtimes[name].contract

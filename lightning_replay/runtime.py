@@ -246,10 +246,18 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         for the lowest-memory plan) a probe step that kept every segment's activations would
         peak above a plain step. A segment pinned to
         ``retain``, demoted, or whose replayed probe diverged is probed retained, and so is
-        every probe of a derivative-checked step (its reference keeps the graphs anyway)."""
+        every probe of a derivative-checked step (its reference keeps the graphs anyway), and
+        of a segment whose code names a TorchScript function (its replay may run another
+        compiled graph than its forward: probe.SegmentProbe._keep_for_script), or that runs
+        under a user's saved-tensor hook with state of its own (seen rebound only where the hook
+        packs in the forward: probe.SegmentProbe._keep_for_hook)."""
         eng = self.engine
+        if getattr(self, "_calls_script", None) is None:
+            self._calls_script = _calls_script_function(self.modules)
         return (
             (eng.budget is not None or eng.config.budget.min)
+            and not self._calls_script
+            and not self._user_hooks_have_state()
             and not self.retained_probe
             and not self.demoted
             and self.preservation != "retain"
@@ -594,7 +602,8 @@ def _stacked(*ctxs: Any) -> Any:
 
 def _calls_script_function(modules: list[nn.Module], depth: int = 2) -> bool:
     """Whether the forwards of ``modules`` (or the Python functions they name, ``depth``
-    levels down) name a ``torch.jit.ScriptFunction`` in their globals."""
+    levels down) name a ``torch.jit.ScriptFunction`` in their globals, or the modules hold
+    one as an attribute."""
     seen: set[int] = set()
 
     def names(fn: Any, level: int) -> bool:
@@ -616,6 +625,9 @@ def _calls_script_function(modules: list[nn.Module], depth: int = 2) -> bool:
                     return True
         return False
 
+    # a scripted function kept as a module attribute (``self.act = torch.jit.script(fn)``)
+    if any(isinstance(v, torch.jit.ScriptFunction) for m in modules for v in vars(m).values()):
+        return True
     # (every class's own forward: the segment's class is swapped for a replaying subclass)
     return any(names(vars(cls).get("forward"), 0) for m in modules for cls in type(m).__mro__)
 
