@@ -152,8 +152,9 @@ def _measure_costs(proto, names, batch, clock, calibration_steps: int):
             _step(model, batch(step), clock)
             step += 1
     costs, base = list(engine.costs), engine.real_base_memory
+    phases = engine.phase_peak_args  # the forward end's and the optimizer's measured phases
     engine.uninstall()
-    return costs, base
+    return costs, base, phases
 
 
 def _without_selective(costs: list[SegmentCost]) -> list[SegmentCost]:
@@ -215,11 +216,11 @@ def frontier(
     proto.to(dev).train()
     make = _batches(size)
     batch = lambda s: make(s).to(dev)  # noqa: E731
-    costs, base = _measure_costs(proto, names, batch, clock, calibration_steps)
+    costs, base, phases = _measure_costs(proto, names, batch, clock, calibration_steps)
     plain_costs = _without_selective(costs)
-    low = min_feasible_budget(costs, base)
+    low = min_feasible_budget(costs, base, **phases)
     retain = {c.name: "retain" for c in costs}
-    high = predicted_peak(costs, retain, base)  # plain training: every activation kept
+    high = predicted_peak(costs, retain, base, **phases)  # plain training: every activation kept
     budgets = [int(low + (high - low) * i / (points - 1)) for i in range(points)]
     plans: dict[str, dict] = {}  # arm key -> plan
     rows = []
@@ -227,7 +228,7 @@ def frontier(
         row: dict[str, Any] = {"budget_bytes": b}
         for arm, table in (("joint_selective", costs), ("joint", plain_costs)):
             try:
-                p = plan(table, b, base)
+                p = plan(table, b, base, **phases)
             except InfeasibleBudget:
                 row[arm] = {"feasible": False, "step_s": None, "peak_bytes": None}
                 continue

@@ -494,9 +494,6 @@ def referee():
 
 
 _BUDGET_XFAIL: dict[str, str] = {
-    "one_huge_segment": "measured: InfeasibleBudget at the first plan (engine._maybe_plan -> replan -> planner): budget 5027416 B (the higher of plain's and torch checkpoint's whole-process peaks: both meet it; checkpointing saves nothing for this shape), the engine predicts its lowest plan at 5543512 B (1.103 x), while budget='min' really peaks at torch checkpoint's figure: the min-plan prediction overestimates",
-    "many_tiny_segments": "measured: InfeasibleBudget at the first plan (engine._maybe_plan -> replan -> planner): budget 11147692 B (the higher of plain's and torch checkpoint's whole-process peaks: both meet it; checkpointing saves nothing for this shape), the engine predicts its lowest plan at 11666924 B (1.047 x), while budget='min' really peaks at torch checkpoint's figure: the min-plan prediction overestimates",
-    "huge_input_tiny_activations": "measured: InfeasibleBudget at the first plan (engine._maybe_plan -> replan -> planner): budget 10483352 B (the higher of plain's and torch checkpoint's whole-process peaks: both meet it; checkpointing saves nothing for this shape), the engine predicts its lowest plan at 10511064 B (1.0026 x), while budget='min' really peaks at torch checkpoint's figure: the min-plan prediction overestimates",
     "big_preserved_state": (
         "measured (i31-probe): halfway budget 8301192 B (plain 8.91 MiB, torch checkpoint 6.92); "
         "only the probe step is over: 8.64 MiB (1.092 x; 10.14 MiB, 1.28 x, before the region log "

@@ -304,18 +304,7 @@ def test_uninstall_leaves_no_tensor_alive_without_the_cyclic_collector(name, arm
     assert rep["engine"].model is None
 
 
-_LOWEST_PLAN_OVER = pytest.mark.xfail(
-    strict=True,
-    reason="issue 31, the lowest plan (not what outlives a step): on this Llama the min plan "
-    "retains the last block, whose activations are then held through the LM head and the loss; "
-    "its planned step peaks 1.2 MiB (5 %) above torch checkpoint's, while the steps between "
-    "are equal to the byte",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_LOWEST_PLAN_OVER) if n == "llama" else n for n in MODELS]
-)
+@pytest.mark.parametrize("name", list(MODELS))
 def test_lowest_plan_peaks_as_torch_checkpoint(name):
     """(c) Under ``budget="min"``, a planned step's real whole-process peak (live storages at
     its start + the profiler's peak inside it) is at most 1.02 x torch checkpoint's plus the
