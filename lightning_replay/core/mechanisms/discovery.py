@@ -104,7 +104,7 @@ class DiscoveryMode(TorchDispatchMode):
                 key,
                 t.detach(),
                 snap,
-                self.log.arm(key),
+                self.log.arm(key, copied=snap is not None),
                 is_input=key in self.input_keys,
                 source=weakref.ref(t),
             )
@@ -119,8 +119,8 @@ class DiscoveryMode(TorchDispatchMode):
 
     def release(self) -> None:
         """Disarm the region log for a probe that will never be observed."""
-        for key in self.touched:
-            self.log.release(key)
+        for key, touch in self.touched.items():
+            self.log.release(key, copied=touch.snapshot is not None)
         self.touched = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -290,11 +290,17 @@ def observe_window(
             )
             regions_ok = False
             if changed and entries and live.numel() == touch.snapshot.numel():
-                undo(entries)
-                regions_ok = torch.equal(live, touch.snapshot)
-                redo(entries)
+                # entries that kept only a digest (the log's copied arms) take their old bytes
+                # from the first-touch copy, for this comparison only
+                light = [e for e in entries if e.saved is None]
+                if all(e.rebuild(touch.snapshot) for e in light):
+                    undo(entries)
+                    regions_ok = torch.equal(live, touch.snapshot)
+                    redo(entries)
+                for e in light:
+                    e.saved = None
             out.append(Observation(touch, changed, regions_ok, sum(e.nbytes for e in entries)))
-            log.release(key)
+            log.release(key, copied=True)
             if not (keep_changed and changed):
                 touch.snapshot = touch.snapshot.new_empty(0)  # the probe's copies go now
     return out

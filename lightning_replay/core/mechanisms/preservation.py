@@ -28,6 +28,7 @@ from lightning_replay.core.base.clock import clock
 from lightning_replay.core.base.state import (
     _SWAP_CHUNK,
     StorageKey,
+    digest,
     storage_bytes,
     storage_key,
     swap_,
@@ -75,10 +76,20 @@ _SCATTER_OPS = {
 }
 
 
+def _writes_whole_view(func: Any) -> bool:
+    """Whether ``func`` writes its target view whole (no index argument picks the elements)."""
+    return not (
+        func in _INDEX_OPS
+        or func in _SCATTER_OPS
+        or func is _aten.index_put_.default
+        or func is _aten._index_put_impl_.default
+    )
+
+
 class RegionEntry:
     """Old bytes of one written region, restorable by :meth:`swap`."""
 
-    __slots__ = ("target", "kind", "dim", "index", "saved", "nbytes")
+    __slots__ = ("target", "kind", "dim", "index", "saved", "nbytes", "digest")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict, target: torch.Tensor) -> None:
         self.target = target.detach()
@@ -101,6 +112,43 @@ class RegionEntry:
                 self.kind = "view"
                 self.saved = self.target.clone()
         self.nbytes = self.saved.numel() * self.saved.element_size()
+        self.digest: int | None = None
+
+    @property
+    def held(self) -> int:
+        """Bytes this entry holds (0 once :meth:`drop_bytes` let them go)."""
+        return self.nbytes if self.saved is not None else 0
+
+    def drop_bytes(self) -> None:
+        """Keep only the old bytes' digest: for a storage whose every reader holds a copy from
+        before the write (a probe's first-touch copy), which rebuilds them (:meth:`rebuild`)."""
+        self.digest = digest(self.saved)
+        self.saved = None
+
+    def rebuild(self, before: torch.Tensor) -> bool:
+        """Take the old bytes from ``before``, a flat uint8 copy of the whole storage made
+        before the write; False (nothing taken) where they are not what the write replaced
+        (the region was written unlogged in between)."""
+        t = self.target
+        with torch.no_grad():
+            try:
+                whole = torch.as_strided(
+                    before.view(t.dtype), t.shape, t.stride(), t.storage_offset()
+                )
+            except RuntimeError:  # the copy does not cover the region (a storage resized)
+                return False
+            if self.kind == "view":
+                saved = whole.clone()
+            elif self.kind == "index":
+                saved = whole.index_select(self.dim, self.index)
+            elif self.kind == "scatter":
+                saved = whole.gather(self.dim, self.index)
+            else:
+                saved = _aten.index.Tensor(whole, self.index)
+        if digest(saved) != self.digest:
+            return False
+        self.saved = saved
+        return True
 
     def swap(self) -> None:
         """Exchange the region's current bytes with the saved ones."""
@@ -137,19 +185,48 @@ class RegionLog:
         self.owners: dict[StorageKey, torch.Tensor] = {}
         self.after: dict[StorageKey, int] = {}
         self.broken: set[StorageKey] = set()
+        #: per storage, the log position of its latest arm: no reader undoes back to a point
+        #: after it (see :meth:`repeats`)
+        self.top: dict[StorageKey, int] = {}
+        #: per storage, how many of its arms hold a copy of it from before their mark
+        self.copied: dict[StorageKey, int] = {}
         self.nbytes = 0
         # > 0 while a replay runs: its writes (the swaps in and out, the replayed forward's
         # own, undone by its sandbox) are not the window's, even where backward runs inside a
         # manual window with the capture mode still on
         self.paused = 0
 
-    def arm(self, key: StorageKey, owner: torch.Tensor | None = None) -> int:
-        """Start (or keep) logging writes to ``key``; returns the position to undo back to."""
+    def arm(self, key: StorageKey, owner: torch.Tensor | None = None, copied: bool = False) -> int:
+        """Start (or keep) logging writes to ``key``; returns the position to undo back to.
+        ``copied``: this reader holds a copy of the storage from now (a probe's first touch),
+        so while every reader does, entries keep only a digest of the old bytes."""
         self.armed[key] = self.armed.get(key, 0) + 1
+        if copied:
+            self.copied[key] = self.copied.get(key, 0) + 1
         if owner is not None and key not in self.owners:
             self.owners[key] = owner
             self.after[key] = owner._version
-        return len(self.logs.setdefault(key, []))
+        mark = self.top[key] = len(self.logs.setdefault(key, []))
+        return mark
+
+    def repeats(self, key: StorageKey, target: torch.Tensor) -> bool:
+        """Whether a write to ``target`` needs no entry: the storage's last entry, logged since
+        its latest arm, saved the very same elements (an in-place chain on one view: ``mul_``
+        then ``add_``). Every reader undoes back to a mark at or before that entry, which puts
+        all of those elements back by itself, and :func:`redo` still ends at the live bytes,
+        so a second copy of the region would only hold memory."""
+        logs = self.logs.get(key)
+        if not logs or len(logs) - 1 < self.top.get(key, 0):
+            return False
+        last = logs[-1]
+        t = last.target
+        return (
+            last.kind == "view"
+            and t.dtype == target.dtype
+            and t.storage_offset() == target.storage_offset()
+            and t.shape == target.shape
+            and t.stride() == target.stride()
+        )
 
     def expected_version(
         self, key: StorageKey, t: torch.Tensor, mark: int, at_forward: int
@@ -164,7 +241,9 @@ class RegionLog:
             return None
         return self.after.get(key, at_forward)
 
-    def release(self, key: StorageKey) -> None:
+    def release(self, key: StorageKey, copied: bool = False) -> None:
+        if copied and self.copied.get(key, 0) > 0:
+            self.copied[key] -= 1
         n = self.armed.get(key, 0) - 1
         if n > 0:
             self.armed[key] = n
@@ -172,13 +251,20 @@ class RegionLog:
         self.armed.pop(key, None)
         self.owners.pop(key, None)
         self.after.pop(key, None)
+        self.top.pop(key, None)
+        self.copied.pop(key, None)
         self.broken.discard(key)
         for e in self.logs.pop(key, ()):
-            self.nbytes -= e.nbytes
+            self.nbytes -= e.held
 
     def record(self, key: StorageKey, entry: RegionEntry) -> None:
-        self.logs[key].append(entry)
-        self.nbytes += entry.nbytes
+        logs = self.logs[key]
+        if len(logs) <= self.top.get(key, 0) and self.copied.get(key, 0) >= self.armed[key]:
+            # the first write since the latest arm, and every reader holds a copy from before
+            # it: the old bytes are that copy's (a later write's may be an earlier one's result)
+            entry.drop_bytes()
+        logs.append(entry)
+        self.nbytes += entry.held
 
     def since(self, key: StorageKey, mark: int) -> list[RegionEntry]:
         return self.logs.get(key, [])[mark:]
@@ -188,6 +274,8 @@ class RegionLog:
         self.armed.clear()
         self.owners.clear()
         self.after.clear()
+        self.top.clear()
+        self.copied.clear()
         self.broken.clear()
         self.nbytes = 0
 
@@ -227,7 +315,8 @@ class CaptureMode(TorchDispatchMode):
                         owner = log.owners.get(key)
                         if owner is not None and owner._version != log.after.get(key):
                             log.broken.add(key)
-                        log.record(key, RegionEntry(func, args, kwargs, t))
+                        if not (_writes_whole_view(func) and log.repeats(key, t)):
+                            log.record(key, RegionEntry(func, args, kwargs, t))
                         self.entry_time[key] = self.entry_time.get(key, 0.0) + clock(t.is_cuda) - t0
                         written = [key] if written is None else written + [key]
         self._written = written
