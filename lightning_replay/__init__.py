@@ -20,7 +20,7 @@ from lightning_replay.core.base.budget import Budget, format_bytes, parse_budget
 from lightning_replay.core.engine.config import ReplanSettings, ReplayConfig
 from lightning_replay.core.base.contract import SCHEMA_VERSION, ReplayContract, StateEntry
 from lightning_replay.tools.doctor import diagnose
-from lightning_replay.engine import ReplayEngine
+from lightning_replay.core.engine.engine import ReplayEngine
 from lightning_replay.errors import (
     ContractSchemaError,
     ContractViolation,
@@ -30,8 +30,8 @@ from lightning_replay.errors import (
     SavedTensorModified,
     SegmentError,
 )
-from lightning_replay.installation import install, install_config
-from lightning_replay.planner import InfeasibleBudget
+from lightning_replay.core.engine.installation import install, install_config
+from lightning_replay.core.engine.planner import InfeasibleBudget
 from lightning_replay.core.base.records import Record, RecordStore
 
 __version__ = "0.1.0"

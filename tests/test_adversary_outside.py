@@ -1,7 +1,7 @@
 """Adversarial models for the guard's watch of what a segment reads from outside (cf23bf9).
 
 Two directions. **Misses**: a flag read from outside the segment's modules, by a path the
-probe's tracing (``slots.OutsideReads``) and the bytecode scan (``module_globals.globals_read``)
+probe's tracing (``outside_reads.OutsideReads``) and the bytecode scan (``module_globals.globals_read``)
 are meant not to see, flipped between steps. As in tests/test_outside_guard.py the flag gates
 a read of the root's ``bank``, which the step writes in place after the blocks: a contract
 learned with the flag off replays the bank's new bytes once it is on, so a flip the guard
@@ -857,7 +857,7 @@ CASES = {
 
 XFAIL: dict[str, str] = {
     "class attribute set on the class": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: the probe records a class default as MISSING in the instance's __dict__ (slots._trace_class.__getattribute__) and the guard watches only that dict, so Root.use_bank = True on the class moves nothing"
+        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: the probe records a class default as MISSING in the instance's __dict__ (outside_reads._trace_class.__getattribute__) and the guard watches only that dict, so Root.use_bank = True on the class moves nothing"
     ),
     "classmethod reads a class attribute": (
         "gradients differ from plain PyTorch at steps 3 and 4, no guard record: cls._use inside a classmethod of the root is a read on the class: no traced instance attribute, and globals_read scans only the segment's classes"

@@ -39,14 +39,6 @@ LAYERS = {
     "lightning_replay.cli": 8,
     "lightning_replay.apps": 8,
     "lightning_replay.demos": 8,
-    # not moved into their folders yet
-    "lightning_replay.arguments": 2,
-    "lightning_replay.selective": 2,
-    "lightning_replay.probe": 3,
-    "lightning_replay.checks": 3,
-    "lightning_replay.engine": 5,
-    "lightning_replay.installation": 5,
-    "lightning_replay.planner": 5,
 }
 NAMES = {
     0: "foundation",
@@ -62,22 +54,9 @@ NAMES = {
 
 #: Imports that break the map today, as (importer, imported, kind): each goes when the code
 #: is fixed, and the test fails if one listed no longer happens (so the list only shrinks).
-KNOWN: set[tuple[str, str, str]] = {
-    ("lightning_replay.checks", "lightning_replay.core.runtime", "type"),
-    ("lightning_replay.core.mechanisms.costs", "lightning_replay.planner", "top"),
-    ("lightning_replay.probe", "lightning_replay.core.runtime", "type"),
-    ("lightning_replay.probe", "lightning_replay.engine", "type"),
-}
+KNOWN: set[tuple[str, str, str]] = set()
 #: Cycles among core modules today (each a sorted list of modules); the same rule as KNOWN.
-KNOWN_CYCLES: list[list[str]] = [
-    [
-        "lightning_replay.checks",
-        "lightning_replay.core.runtime",
-        "lightning_replay.engine",
-        "lightning_replay.installation",
-        "lightning_replay.probe",
-    ]
-]
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def _module_name(path: Path) -> str:
@@ -271,11 +250,7 @@ def test_the_checker_sees_lazy_and_type_only_imports(tmp_path, monkeypatch):
 
 
 #: (module, annotated name) where a module below the runtime still takes the runtime or engine
-KNOWN_WIDE: set[tuple[str, str]] = {
-    ("lightning_replay.checks", "SegmentRuntime"),
-    ("lightning_replay.probe", "SegmentRuntime"),
-    ("lightning_replay.probe", "ReplayEngine"),
-}
+KNOWN_WIDE: set[tuple[str, str]] = set()
 
 
 def wide_arguments() -> set[tuple[str, str]]:

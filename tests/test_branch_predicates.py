@@ -6,7 +6,7 @@ forward compares it (``if step >= warmup``, ``if temp < 0.7``), the branch it op
 state the contract never learned; here the branch reads the root's ``bank``, which the step
 writes in place after the blocks, so a missed crossing replays the bank's new bytes. The probe
 traces the numbers it reads from module attributes as numbers whose comparisons are logged
-(``slots.comparisons``); the guard re-probes when one of those comparisons has an outcome no
+(``outside_reads.comparisons``); the guard re-probes when one of those comparisons has an outcome no
 probe saw (``Guard.add_predicates``).
 
 Every case trains under ``lr.install`` and in plain PyTorch and asserts bit-identical gradients
@@ -21,7 +21,7 @@ import pickle
 import pytest
 import torch
 
-from lightning_replay import slots
+from lightning_replay.core.mechanisms import outside_reads
 from tests.test_adversary_outside import Reader, Root, _run
 
 
@@ -177,9 +177,9 @@ def test_traced_numbers_are_plain_numbers_outside_the_probe():
     """What the probe's traced read returns: equal, hashed, pickled and copied as the plain
     number; its arithmetic gives plain numbers; it logs only inside ``comparisons()``."""
     d = {"n": 3}
-    with slots.comparisons() as log:
-        n = slots._tracked(3, d, "n")
-        x = slots._tracked(0.5, d, "x")
+    with outside_reads.comparisons() as log:
+        n = outside_reads._tracked(3, d, "n")
+        x = outside_reads._tracked(0.5, d, "x")
         assert (n >= 3, 2 < n, n == 3.0, x < 1, bool(n)) == (True, True, True, True, True)
         assert type(n + 1) is int and type(x * 2) is float
     assert [(op, other, res) for _, op, other, res, _, _ in log] == [
@@ -192,11 +192,11 @@ def test_traced_numbers_are_plain_numbers_outside_the_probe():
     assert n >= 3 and len(log) == 5  # out of the context: nothing logged
     assert hash(n) == hash(3) and {n: 1}[3] == 1
     assert type(pickle.loads(pickle.dumps(n))) is int and type(copy.deepcopy(x)) is float
-    assert slots._tracked(3, d, "n") == 3 and type(slots._tracked(3, d, "n")) is int
-    assert type(slots._tracked(True, d, "b")) is bool
+    assert outside_reads._tracked(3, d, "n") == 3 and type(outside_reads._tracked(3, d, "n")) is int
+    assert type(outside_reads._tracked(True, d, "b")) is bool
     t = torch.zeros(4)
-    with slots.comparisons():
-        k, p = slots._tracked(2, d, "k"), slots._tracked(0.25, d, "p")
+    with outside_reads.comparisons():
+        k, p = outside_reads._tracked(2, d, "k"), outside_reads._tracked(0.25, d, "p")
         assert t[:k].shape == (2,) and torch.full((k,), p).sum().item() == 0.5
 
 
@@ -207,7 +207,7 @@ class _Config:
 
 def test_a_number_in_a_config_the_block_holds_gating_a_branch(tokens):
     """The number read from a holder object the block holds (a config, as HF blocks hold
-    theirs), which the loop advances: traced by ``slots.HolderReads``, which returns it as a
+    theirs), which the loop advances: traced by ``outside_reads.HolderReads``, which returns it as a
     number that logs its comparisons too."""
 
     class ConfigReader(Reader):
@@ -233,7 +233,7 @@ def test_a_number_in_a_config_the_block_holds_gating_a_branch(tokens):
 @pytest.mark.xfail(
     strict=True,
     reason="gradients differ from plain PyTorch from step 3 on, no guard record: a holder "
-    "reached from outside the segment (the root's config) is not traced by slots.HolderReads "
+    "reached from outside the segment (the root's config) is not traced by outside_reads.HolderReads "
     "(only those the segment's modules hold), so its number's comparison is not logged",
 )
 def test_a_number_in_a_config_the_root_holds_gating_a_branch(tokens):

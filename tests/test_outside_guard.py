@@ -337,7 +337,7 @@ class _UnseenRoot(Stack):
 @pytest.mark.xfail(
     strict=True,
     reason="gradients differ from step 3 on, no guard record: vars(root)['use_bank'] reads "
-    "the dict past the tracing (slots._trace_class sees a read of __dict__, not of its item); "
+    "the dict past the tracing (outside_reads._trace_class sees a read of __dict__, not of its item); "
     "os.environ is no plain module-level value (module_globals._plain), so no guard watches it",
 )
 @pytest.mark.parametrize("how", ["vars", "environ"])

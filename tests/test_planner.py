@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import lightning_replay.budget as budget_module
 import lightning_replay.planner as planner
+from lightning_replay.core.engine import joint
 from lightning_replay.planner import (
     METHODS,
     CostTable,
@@ -199,7 +200,7 @@ def test_joint_stays_optimal_when_the_first_pass_is_narrow(data: st.DataObject) 
     base = data.draw(st.integers(0, 100))
     budgets = budgets_around(data.draw, [p for p, _, _ in all_plans(costs, base)], base)
     for width in (1, 2):
-        with mock.patch.object(planner, "_BEAM_WIDTH", width):
+        with mock.patch.object(joint, "_BEAM_WIDTH", width):
             check_joint_against_exhaustive(costs, base, budgets, exact=False)
 
 

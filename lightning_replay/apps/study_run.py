@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import WandbLogger
 
-from lightning_replay import planner as _planner
+from lightning_replay.core.engine import planner as _planner
 from lightning_replay.apps.dense_queue import weights_digest
 from lightning_replay.apps.study_config import (
     REPLAY_METHODS,

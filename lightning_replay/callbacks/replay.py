@@ -44,7 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_replay._compat import logger_connector
-from lightning_replay import planner as _planner
+from lightning_replay.core.engine import planner as _planner
 from lightning_replay.core.base.budget import format_bytes
 from lightning_replay.core.engine.config import (
     REPLAN_ON,

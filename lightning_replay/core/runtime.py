@@ -28,8 +28,8 @@ from lightning_replay._compat import (
     under_functorch,
 )
 from lightning_replay.core.mechanisms.accounting import checkpoint_rng_bytes
-from lightning_replay.arguments import flatten_call, unflatten_call
-from lightning_replay.checks import SegmentChecks
+from lightning_replay.core.mechanisms.arguments import flatten_call, unflatten_call
+from lightning_replay.core.replay.checks import SegmentChecks
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract
 from lightning_replay.core.base.clock import clock
 from lightning_replay.core.base.ports import CostSource, ReplayHost
@@ -37,14 +37,14 @@ from lightning_replay.core.mechanisms.costs import saved_tensor_overhead
 from lightning_replay.errors import ContractViolation, ReplayConfigError
 from lightning_replay.core.mechanisms.guards import OUTSIDE, Guard
 from lightning_replay.core.mechanisms.host_rng import as_host_rng, is_host_rng
-from lightning_replay.probe import SegmentProbe, _Probe
+from lightning_replay.core.replay.probe import SegmentProbe, _Probe
 from lightning_replay.core.replay.restore import (
     _Bound,
     _Invocation,
     _ReplayContext,
     user_saved_hooks,
 )
-from lightning_replay.selective import SelectiveFrame
+from lightning_replay.core.mechanisms.selective import SelectiveFrame
 from lightning_replay.core.mechanisms.slots import capture_generators
 from lightning_replay.core.base.state import storage_key, strided_copy
 from lightning_replay.core.base.state import unique_bytes as _unique_bytes

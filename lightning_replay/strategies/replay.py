@@ -51,11 +51,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_replay._compat import accelerator_connector, distributed_is_initialized
-from lightning_replay import planner as _planner
+from lightning_replay.core.engine import planner as _planner
 from lightning_replay.core.base.budget import Budget, format_bytes
 from lightning_replay.core.engine.config import ReplayConfig
-from lightning_replay.engine import ReplayEngine
-from lightning_replay.installation import install_config
+from lightning_replay.core.engine.engine import ReplayEngine
+from lightning_replay.core.engine.installation import install_config
 from lightning_replay.errors import ReplayConfigError, SegmentError
 from lightning_replay.core.base.records import RecordStore
 from lightning_replay.core.engine.segments import SegmentSpec, default_segments, resolve_segments

@@ -69,7 +69,7 @@ from typing_extensions import override
 
 from lightning_replay._compat import distributed_is_initialized
 from lightning_replay.core.base.budget import Budget
-from lightning_replay.engine import ReplayEngine
+from lightning_replay.core.engine.engine import ReplayEngine
 from lightning_replay.errors import ReplayConfigError, SegmentError
 from lightning_replay.core.mechanisms.memory import live_model_bytes
 from lightning_replay.core.base.records import RecordStore

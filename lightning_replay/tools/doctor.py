@@ -65,7 +65,11 @@ from lightning_replay.tools.doctor_report import (
 from lightning_replay.errors import ReplayConfigError, ReplayError, SegmentError
 from lightning_replay.core.mechanisms.host_rng import HostRNG, as_host_rng, global_rngs, same_state
 from lightning_replay.core.engine.segments import SegmentSpec, default_segments, resolve_segments
-from lightning_replay.selective import POLICIES, checkpoint_kwargs, torch_sac_context_fn
+from lightning_replay.core.mechanisms.selective import (
+    POLICIES,
+    checkpoint_kwargs,
+    torch_sac_context_fn,
+)
 from lightning_replay.core.base.state import PLAIN_TYPES
 
 __all__ = [
@@ -359,7 +363,7 @@ class _Runner:
     ) -> tuple[list[SegmentDiagnosis], list[str], CheckpointOutcome]:
         import warnings
 
-        from lightning_replay.engine import install
+        from lightning_replay.core.engine.installation import install
 
         engine = install(
             model,

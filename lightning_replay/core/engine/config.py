@@ -26,11 +26,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from lightning_replay import planner as _planner
+from lightning_replay.core.engine import planner as _planner
 from lightning_replay.core.base.budget import Budget
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.core.base.records import RecordStore
-from lightning_replay.selective import POLICIES
+from lightning_replay.core.mechanisms.selective import POLICIES
 
 #: What ``preservation=`` accepts, for all segments or per segment.
 PRESERVATIONS = ("auto", "whole", "regions", "retain", "selective")

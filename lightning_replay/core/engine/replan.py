@@ -34,7 +34,7 @@ import torch
 
 from lightning_replay._compat import tree_leaves
 from lightning_replay.core.engine.config import REPLAN_ON, ReplanSettings
-from lightning_replay.planner import InfeasibleBudget, Plan
+from lightning_replay.core.engine.planner import InfeasibleBudget, Plan
 
 
 class ReplanOutcome(NamedTuple):

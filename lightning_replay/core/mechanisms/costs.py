@@ -30,7 +30,7 @@ import torch
 from lightning_replay.core.base.clock import clock
 from lightning_replay.core.base.contract import SELECTIVE, base_option
 from lightning_replay.core.base.ports import CostSource
-from lightning_replay.planner import CostTable, Option, SegmentCost
+from lightning_replay.core.base.plan_types import CostTable, Option, SegmentCost
 
 
 _KEEP = 16  # samples kept per segment and option

@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from lightning_replay._compat import dict_version
+from lightning_replay.core.mechanisms.outside_reads import COMPARE_OPS
 from lightning_replay.core.mechanisms.slots import (
-    COMPARE_OPS,
     HOOK_DICTS,
     MISSING,
     MODULE_INTERNALS,

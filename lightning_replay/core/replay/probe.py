@@ -16,7 +16,7 @@ import re
 import random
 import sys
 import types
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -30,13 +30,14 @@ from lightning_replay._compat import (
     tree_flatten,
 )
 from lightning_replay.core.mechanisms.accounting import Saved
-from lightning_replay.arguments import (
+from lightning_replay.core.mechanisms.arguments import (
     MAX_DEPTH,
     call_tensors,
     check_rebuild,
     flatten_call,
     unflatten_call,
 )
+from lightning_replay.core.base.ports import ReplayHost, ReplaySegment
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract, StateEntry
 from lightning_replay.core.mechanisms.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.core.replay.probe_replay import _ProbeReplay
@@ -54,16 +55,14 @@ from lightning_replay.core.mechanisms.module_globals import describe, globals_re
 from lightning_replay.core.mechanisms.guards import _attrs as _guard_attrs
 from lightning_replay.core.mechanisms.guards import _contents as _guard_contents
 from lightning_replay.core.mechanisms.guards import _reachable, is_flag
+from lightning_replay.core.mechanisms.outside_reads import HolderReads, OutsideReads, comparisons
 from lightning_replay.core.mechanisms.slots import (
     MISSING,
     MODULE_INTERNALS,
-    HolderReads,
-    OutsideReads,
     SlotView,
     _at_forward,
     capture_generators,
     capture_slots,
-    comparisons,
     is_scalar,
     same_value,
     slot_generators,
@@ -81,10 +80,6 @@ from lightning_replay.core.base.state import (
     unique_generators,
 )
 from lightning_replay.core.base.state import unique_bytes as _unique_bytes
-
-if TYPE_CHECKING:  # annotations only: these modules import this one
-    from lightning_replay.engine import ReplayEngine
-    from lightning_replay.core.runtime import SegmentRuntime
 
 
 class _Probe:
@@ -338,9 +333,7 @@ class _ProbeHandle:
 
     __slots__ = ("inner", "unpack_fn", "probe", "rt", "tensor")
 
-    def __init__(
-        self, inner: Any, unpack_fn: Callable, probe: _Probe, rt: "SegmentRuntime"
-    ) -> None:
+    def __init__(self, inner: Any, unpack_fn: Callable, probe: _Probe, rt: "ReplaySegment") -> None:
         self.inner = inner
         self.unpack_fn = unpack_fn
         self.probe = probe
@@ -1128,7 +1121,7 @@ class SegmentProbe:
         names = {id(m): n for n, m in self.engine.model.named_modules()}
         return sorted(_outside_label(m, k, names) for m, k in self.outside)
 
-    def _entry_for(self, touch, refs: list[StateRef], eng: "ReplayEngine"):
+    def _entry_for(self, touch, refs: list[StateRef], eng: "ReplayHost"):
         t = touch.tensor
         nbytes = t.untyped_storage().nbytes()
         if refs:

@@ -35,7 +35,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from lightning_replay import planner as _planner
+from lightning_replay.core.engine import planner as _planner
 from lightning_replay._compat import at_backward_end, top_saved_tensors_hooks, tree_leaves
 from lightning_replay.core.mechanisms.accounting import MemoryAccountant
 from lightning_replay.core.base.budget import Budget, format_bytes
@@ -51,13 +51,13 @@ from lightning_replay.core.mechanisms.memory import (
     process_tensor_bytes,
     profiler_busy,
 )
-from lightning_replay.planner import InfeasibleBudget
+from lightning_replay.core.engine.planner import InfeasibleBudget
 from lightning_replay.core.mechanisms.preservation import CaptureMode, RegionLog, idle_capture_mode
 from lightning_replay.core.base.records import RecordStore
 from lightning_replay.core.engine.replan import ReplanPolicy, input_shapes
 from lightning_replay.core.replay.restore import _Invocation
-from lightning_replay import installation as _installation
-from lightning_replay.installation import _new_plain  # noqa: F401  (named by older pickles)
+from lightning_replay.core.engine import attach as _attach
+from lightning_replay.core.engine.attach import _new_plain  # noqa: F401  (named by older pickles)
 from lightning_replay.core.runtime import NOT_CALLED, SegmentRuntime, idle_message
 from lightning_replay.core.base.state import (
     StateIndex,
@@ -227,7 +227,7 @@ class ReplayEngine:
         self.runtimes: dict[str, SegmentRuntime] = {}
         for name, mod in segments.items():
             self.runtimes[name] = SegmentRuntime(self, name, mod, config.preservation_of(name))
-        self._root_class = _installation.attach(self)
+        self._root_class = _attach.attach(self)
         self.installed = True
 
     # ---------------------------------------------------------------- public
@@ -892,7 +892,7 @@ class ReplayEngine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        _installation.detach(self, self._root_class)
+        _attach.detach(self, self._root_class)
         self._root_class = None
         self.log.clear()
         self.installed = False
@@ -1677,6 +1677,7 @@ class ReplayEngine:
 def _release_caches(engine: ReplayEngine) -> None:
     """The module-level caches keyed by the engine or its runtimes (restore.py)."""
     from lightning_replay.core.replay import restore
+
     restore._SHARED.pop(engine, None)
     for rt in engine.runtimes.values():
         restore._POOLS.pop(rt, None)
@@ -1693,7 +1694,3 @@ def _resolve_budget(config: ReplayConfig, model: nn.Module) -> int | None:
         return config.budget.resolve(device)
     except ValueError as exc:
         raise ReplayConfigError(f"{config.caller}(budget={config.budget}): {exc}") from None
-
-
-# The entry points live with the class swaps they make; their old home still names them.
-from lightning_replay.installation import install, install_config  # noqa: E402,F401

@@ -16,22 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
+from lightning_replay.core.base.ports import ReplaySegment
 from lightning_replay._compat import (
     graph_task_keeps_graph,
     top_saved_tensors_hooks,
     tree_map,
 )
-from lightning_replay.arguments import call_tensors, unflatten_call
+from lightning_replay.core.mechanisms.arguments import call_tensors, unflatten_call
 from lightning_replay.core.mechanisms.accounting import Saved
 from lightning_replay.core.base.clock import clock
 from lightning_replay.errors import ReplayError
 from lightning_replay.core.base.contract import SELECTIVE
 from lightning_replay.core.replay.restore import _BytesSandbox, _Invocation, _ReplayContext
-from lightning_replay.selective import KeptEvent, SelectiveFrame
+from lightning_replay.core.mechanisms.selective import KeptEvent, SelectiveFrame
 from lightning_replay.core.mechanisms.slots import (
     capture_slots,
     slot_tensors,
@@ -41,9 +42,6 @@ from lightning_replay.core.base.state import (
     storage_key,
     tensor_leaves,
 )
-
-if TYPE_CHECKING:  # annotations only: these modules import this one
-    from lightning_replay.core.runtime import SegmentRuntime
 
 
 GRAD_RTOL = 1e-5
@@ -389,7 +387,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _CheckBox:
     """What the backward of one checked call needs; ``saved`` is None once it has run."""
 
-    rt: SegmentRuntime
+    rt: ReplaySegment
     inv: _Invocation
     call: list  # the call's flattened arguments at forward, tensors detached (see _prepare)
     spec: Any  # their tree spec, None for a call of tensors only

@@ -1,0 +1,163 @@
+"""How an engine reaches a model's forwards: class swaps, undone by :func:`detach`.
+
+:func:`attach` swaps each segment module's class for a subclass whose ``forward`` goes through
+the segment's :class:`~lightning_replay.core.runtime.SegmentRuntime` and, with
+``window="root"``, the root's class for one whose ``forward`` is one engine window; not hooks.
+The subclasses keep the original name (reprs and ``state_dict`` keys do not change) and pickle
+and deep-copy as the original class (:func:`_new_plain`), so a copy of an installed model is a
+plain model with no engine attached. The engine calls these; :func:`~lightning_replay.core.
+engine.installation.install` builds the engine, so this module is below both.
+"""
+
+from __future__ import annotations
+
+import copyreg
+from typing import Any, Callable
+import torch
+from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from lightning_replay._compat import saved_tensors_hooks_disabled, under_functorch
+
+# Each installed module holds its runtime (a root, with window="root", its engine) in its own
+# ``__dict__`` (under :data:`RUNTIME_KEY` / :data:`ENGINE_KEY`, which the walkers of a module's
+# attributes skip, see ``slots.MODULE_INTERNALS``, and copies and pickles leave out): the model
+# keeps its engine alive, as a user who drops the engine and keeps training expects, and
+# nothing global does. A registry keyed weakly by module, with the runtime as value, kept every
+# model installed and never uninstalled alive for the life of the process (the value held the
+# engine, the engine the model, the model the key): no collection could free it, and in the
+# test suite's order it kept later models' tensors alive after their own uninstall (issue 31).
+# Now a dropped model and its engine are one cycle the collector frees; ``uninstall()`` frees
+# them with no collector at all.
+RUNTIME_KEY = "_lightning_replay_runtime"
+ENGINE_KEY = "_lightning_replay_engine"
+_REPLAY_CLASSES: dict[type, type] = {}
+
+
+def _own(module: nn.Module, key: str) -> Any:
+    """What ``module`` holds under ``key`` (not through its class's ``__getattribute__``: a
+    probe's tracing subclass would count it as a read)."""
+    return object.__getattribute__(module, "__dict__").get(key)
+
+
+def _new_plain(cls: type, *args: Any) -> Any:
+    """Unpickle/deep-copy target: a plain instance of the original class."""
+    return cls.__new__(cls, *args)
+
+
+def _replay_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward goes through the segment runtime.
+
+    It keeps the name of ``cls`` (reprs and state_dict keys don't change) and pickles and
+    deep-copies as ``cls``, so copies of an installed model are plain models.
+    """
+    if cls in _REPLAY_CLASSES:
+        return _REPLAY_CLASSES[cls]
+
+    def forward(self, *args, **kwargs):
+        rt = _own(self, RUNTIME_KEY)
+        if rt is None:
+            return cls.forward(self, *args, **kwargs)
+        return rt(args, kwargs)
+
+    new = _swapped_class(cls, forward)
+    _REPLAY_CLASSES[cls] = new
+    return new
+
+
+def _swapped_class(cls: type, forward: Callable) -> type:
+    """A subclass of ``cls`` with ``forward``, the name of ``cls``, copied and pickled as
+    ``cls``."""
+    new = type(
+        cls.__name__,
+        (cls,),
+        {
+            "forward": forward,
+            "__reduce_ex__": _plain_reduce(cls, lambda: new),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_lightning_replay_base": cls,
+        },
+    )
+    return new
+
+
+_ROOT_CLASSES: dict[type, type] = {}
+
+
+def _root_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward is one engine window (``install(window="root")``).
+
+    Like :func:`_replay_class`, it keeps the name of ``cls`` and copies as ``cls``.
+    """
+    if cls in _ROOT_CLASSES:
+        return _ROOT_CLASSES[cls]
+
+    def forward(self, *args, **kwargs):
+        eng = _own(self, ENGINE_KEY)
+        if eng is None or under_functorch() or saved_tensors_hooks_disabled():
+            # (a torch.func transform, or saved-tensor hooks switched off: no window, the
+            # segments run plain, see runtime)
+            return cls.forward(self, *args, **kwargs)
+        eng._explicit_windows += 1
+        eng.begin_window(continuation=not torch.is_grad_enabled(), inputs=(args, kwargs))
+        try:
+            return cls.forward(self, *args, **kwargs)
+        finally:
+            eng.end_forward()
+
+    new = _swapped_class(cls, forward)
+    _ROOT_CLASSES[cls] = new
+    return new
+
+
+def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
+    def __reduce_ex__(self, protocol):
+        rv = cls.__reduce_ex__(self, protocol)
+        if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and rv[1][0] is swapped():
+            rv = (_new_plain, (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
+        if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+            if RUNTIME_KEY in rv[2] or ENGINE_KEY in rv[2]:  # a copy is a plain module
+                state = {k: v for k, v in rv[2].items() if k not in (RUNTIME_KEY, ENGINE_KEY)}
+                rv = rv[:2] + (state,) + rv[3:]
+        return rv
+
+    return __reduce_ex__
+
+
+def attach(engine: Any) -> type | None:
+    """Route the forwards of ``engine``'s segments (and, with ``window="root"``, of its model)
+    through it. Returns the root's own class (``None`` for manual windows), for
+    :func:`detach`."""
+    for rt in engine.runtimes.values():
+        rt.module.__dict__[RUNTIME_KEY] = rt
+        rt.module.__class__ = _replay_class(rt.orig_class)
+        become = getattr(rt.module, "cls_to_become", None)
+        if isinstance(rt.module, LazyModuleMixin) and become is not None:
+            # A lazy module turns into ``cls_to_become`` at its first forward: into the
+            # replaying subclass of it, so it keeps replaying afterwards.
+            rt.module.cls_to_become = _replay_class(become)
+    if engine.config.window != "root":
+        return None
+    # The root's forward opens the window through a class swap, not hooks: a copy (deepcopy,
+    # pickle) of the model is then a plain model, with no engine attached.
+    root_class = type(engine.model)
+    engine.model.__dict__[ENGINE_KEY] = engine
+    engine.model.__class__ = _root_class(root_class)
+    return root_class
+
+
+def detach(engine: Any, root_class: type | None) -> None:
+    """Undo :func:`attach`: every module gets its own class back."""
+    if root_class is not None:
+        if engine.model.__dict__.get(ENGINE_KEY) is engine:
+            del engine.model.__dict__[ENGINE_KEY]
+        engine.model.__class__ = root_class
+    for rt in engine.runtimes.values():
+        if rt.module.__dict__.get(RUNTIME_KEY) is rt:
+            del rt.module.__dict__[RUNTIME_KEY]
+        base = getattr(type(rt.module), "_lightning_replay_base", None)
+        rt.module.__class__ = base if base is not None else rt.orig_class
+        become = getattr(rt.module, "cls_to_become", None)
+        if become is not None and getattr(become, "_lightning_replay_base", None):
+            if "cls_to_become" in rt.module.__dict__:
+                del rt.module.__dict__["cls_to_become"]
