@@ -19,6 +19,7 @@ import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
 from lightning_replay.core.base.budget import format_bytes
 from lightning_replay.errors import ReplayError
 

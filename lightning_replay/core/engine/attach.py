@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import copyreg
 from typing import Any, Callable
+
 import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
+
 from lightning_replay._compat import saved_tensors_hooks_disabled, under_functorch
 
 # Each installed module holds its runtime (a root, with window="root", its engine) in its own

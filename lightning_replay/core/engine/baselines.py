@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+
 from lightning_replay.core.engine.peak import (
     _Seg,
     _peak,

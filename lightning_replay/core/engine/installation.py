@@ -1,14 +1,11 @@
-"""Installing replay on a model: :func:`install`, and how the model's forwards reach the engine.
+"""Installing replay on a model: :func:`install` (and :func:`install_config`).
 
-:func:`install` checks the arguments once (a :class:`~lightning_replay.config.ReplayConfig`),
-resolves the segments against the model and builds the
-:class:`~lightning_replay.engine.ReplayEngine`. The engine :func:`attach`-es itself through class
-swaps, not hooks: each segment module's class becomes a
-subclass whose ``forward`` goes through the segment's
-:class:`~lightning_replay.runtime.SegmentRuntime`, and, with ``window="root"``, the root's class
-for one whose ``forward`` is one engine window. The subclasses keep the original name (reprs and
-``state_dict`` keys do not change) and pickle and deep-copy as the original class, so a copy of
-an installed model is a plain model with no engine attached. Uninstalling puts the classes back.
+:func:`install` checks the arguments once (a
+:class:`~lightning_replay.core.engine.config.ReplayConfig`), refuses models it cannot replay (a
+compiled model, segments under the model's own checkpointing), resolves the segments against
+the model and builds the :class:`~lightning_replay.core.engine.engine.ReplayEngine`, which
+reaches the model's forwards through class swaps (:mod:`~lightning_replay.core.engine.attach`;
+their names stay importable from here, where older pickles name ``_new_plain``).
 """
 
 from __future__ import annotations

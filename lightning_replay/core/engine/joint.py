@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import numpy as np
+
 from lightning_replay.core.engine.peak import (
     _Seg,
     _extra_time,

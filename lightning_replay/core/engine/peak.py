@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
 from lightning_replay.core.base.plan_types import (
     SegmentCost,
     _check_int_bytes,

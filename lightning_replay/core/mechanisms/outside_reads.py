@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from typing import Any
+
 from torch import nn
 
 from lightning_replay.core.mechanisms.slots import MISSING, MODULE_INTERNALS, _at_forward, is_scalar
