@@ -483,9 +483,9 @@ def fit_refereed(root: Any, **kwargs: Any) -> list[dict]:
         root,
         replay_fsdp(calibration_steps=1, **kwargs),
         FSDPNet(),
-        # the engine measures the plan's first step and then every 2nd, 4th... step itself:
-        # 12 steps leave the referee at least 3 planned steps of its own
-        steps=12,
+        # the engine measures the plan's first step and then now and then itself (on a rank
+        # steps 6, 7, 9 and 11 once): 14 steps leave the referee at least 3 planned steps
+        steps=14,
         callbacks=[HeldAtBackward(root)],
     )
     return [torch.load(os.path.join(root, f"held{r}.pt"), weights_only=False) for r in (0, 1)]
