@@ -29,6 +29,8 @@ those over both models. ``plot(result, path)`` draws the frontier.
 from __future__ import annotations
 
 import copy
+import gc
+import io
 import os
 import statistics
 import sys
@@ -150,8 +152,9 @@ def _measure_costs(proto, names, batch, clock, calibration_steps: int):
             _step(model, batch(step), clock)
             step += 1
     costs, base = list(engine.costs), engine.real_base_memory
+    phases = engine.phase_peak_args  # the forward end's and the optimizer's measured phases
     engine.uninstall()
-    return costs, base
+    return costs, base, phases
 
 
 def _without_selective(costs: list[SegmentCost]) -> list[SegmentCost]:
@@ -176,6 +179,33 @@ def _peak(model: nn.Module, ids: torch.Tensor, dev: torch.device) -> int:
     return int(peak)
 
 
+def _alone_peak(proto_bytes, names, batch, dev, clock, choices) -> int:
+    """One arm's whole-process peak with nothing else of the benchmark alive: ``choices`` a
+    plan (lightning_replay with it in force), ``None`` torch SAC, ``"plain"`` plain training."""
+    gc.collect()
+    proto_bytes.seek(0)
+    m = torch.load(proto_bytes, weights_only=False)
+    engine = None
+    if choices == "plain":
+        pass
+    elif choices is None:
+        torch_sac(m, names)
+    else:
+        engine = lr.install(m, names, selective=POLICY, track_memory=dev.type == "cpu")
+        _step(m, batch(0), clock)  # the probe
+        engine.set_options(choices)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in range(2):
+            _step(m, batch(1 + s), clock)
+        peak = _peak(m, batch(0), dev)
+    if engine is not None:
+        engine.uninstall()
+    del m, engine
+    gc.collect()
+    return peak
+
+
 def frontier(
     name: str, size: dict, points: int, rounds: int, copies: int, calibration_steps: int
 ) -> dict:
@@ -186,11 +216,11 @@ def frontier(
     proto.to(dev).train()
     make = _batches(size)
     batch = lambda s: make(s).to(dev)  # noqa: E731
-    costs, base = _measure_costs(proto, names, batch, clock, calibration_steps)
+    costs, base, phases = _measure_costs(proto, names, batch, clock, calibration_steps)
     plain_costs = _without_selective(costs)
-    low = min_feasible_budget(costs, base)
+    low = min_feasible_budget(costs, base, **phases)
     retain = {c.name: "retain" for c in costs}
-    high = predicted_peak(costs, retain, base)  # plain training: every activation kept
+    high = predicted_peak(costs, retain, base, **phases)  # plain training: every activation kept
     budgets = [int(low + (high - low) * i / (points - 1)) for i in range(points)]
     plans: dict[str, dict] = {}  # arm key -> plan
     rows = []
@@ -198,7 +228,7 @@ def frontier(
         row: dict[str, Any] = {"budget_bytes": b}
         for arm, table in (("joint_selective", costs), ("joint", plain_costs)):
             try:
-                p = plan(table, b, base)
+                p = plan(table, b, base, **phases)
             except InfeasibleBudget:
                 row[arm] = {"feasible": False, "step_s": None, "peak_bytes": None}
                 continue
@@ -234,7 +264,19 @@ def frontier(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         times = arms_side_by_side(arms, lambda m, r: _step(m, batch(2 + r), clock), rounds)
-        peaks = [_peak(arm[0], batch(0), dev) for arm in arms]
+    # Peaks are whole-process (StepPeak walks every live tensor): each arm is measured alone,
+    # the other arms and the prototype gone (kept as bytes), as a user's process would run it
+    for e in engines:
+        e.uninstall()
+    # (the loops' last copies too: three GPT-2 models, 39 MiB, were counted in every peak)
+    engines = arms = copies_ = m = engine = None
+    proto_bytes = io.BytesIO()
+    torch.save(proto, proto_bytes)
+    del proto
+    peaks = [_alone_peak(proto_bytes, names, batch, dev, clock, plans[key].choices) for key in keys]
+    peaks.append(_alone_peak(proto_bytes, names, batch, dev, clock, None))
+    peaks.append(peaks[-1])
+    plain_peak = _alone_peak(proto_bytes, names, batch, dev, clock, "plain")
     step_s = [statistics.median(t) for t in times]
     by_key = {k: (step_s[i], peaks[i], times[i]) for i, k in enumerate(keys)}
     sac_step, sac_peak, sac_times = step_s[-2], peaks[-2], times[-2]
@@ -257,10 +299,6 @@ def frontier(
             worst = max(worst or 0.0, row["selective_vs_best_other"])
         else:
             row["selective_vs_best_other"] = None
-    for e in engines:
-        e.uninstall()
-    plain = copy.deepcopy(proto)
-    _step(plain, batch(0), clock)
     return {
         "size": size,
         "segments": len(names),
@@ -270,7 +308,7 @@ def frontier(
         "base_bytes": base,
         "lowest_plan_peak_bytes": low,
         "plain_predicted_peak_bytes": high,
-        "plain_peak_bytes": _peak(plain, batch(0), dev),
+        "plain_peak_bytes": plain_peak,
         "torch_sac_peak_bytes": sac_peak,
         "torch_vs_torch": paired_ratio(times[-1], sac_times),
         "points": rows,

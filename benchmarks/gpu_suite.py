@@ -37,6 +37,19 @@ otherwise; never less than the step's own. On CPU (``--smoke``) a stand-in repla
 step begins that the model and optimizer reach plus the profiler's net peak inside it (blind to
 what the engine keeps elsewhere: the smoke test's figures only show the script works).
 
+Selective recomputation (issue 30), for the models ``--selective`` names (the Llama by
+default), after their arms, kept under ``"selective"`` in the model's results:
+
+- ``torch_sac``: torch checkpoint with torch's selective checkpoint (torchtitan's op list:
+  matrix products, attention, convolutions kept) on every block;
+- ``replay_selective``: ``lr.install(model, blocks, budget=1.3 x torch_checkpoint's peak,
+  selective="matmul")``: the joint plan with the selective option; its step time over plain
+  training's is the issue's headline (goal <= 1.10; torch checkpoint 1.24). Then, on the same
+  engine (calibrated once), the sweep: 6 budgets from the lowest-memory plan's predicted peak to
+  plain training's peak, each planned with the selective options (``joint_selective``) and
+  without them (``joint``, the same cost table less the selective options) and timed for the
+  steady steps: step time, the allocator's peak, the plan.
+
 An arm that fails prints ``FAILED <model>/<arm>: <error>`` and the run goes on; the JSON is
 written after every arm, so a run cut short keeps what it measured. Nothing here imports
 wandb (the device machine has none).
@@ -73,6 +86,11 @@ from lightning_replay.verify import torch_checkpoint  # noqa: E402
 from sync_counter import SyncCounter  # noqa: E402
 
 ARMS = ("plain", "torch_checkpoint", "replay", "replay_budget")
+#: issue 30's arms (see the module docstring), for the models ``--selective`` names
+SELECTIVE_ARMS = ("torch_sac", "replay_selective")
+SELECTIVE_POLICY = "matmul"
+SELECTIVE_BUDGET = 1.3  # x torch checkpoint's peak: the issue's headline budget
+SWEEP_POINTS = 6
 GiB = 1 << 30
 
 
@@ -292,6 +310,72 @@ def train_step(model: nn.Module, opt: Any, spec: Spec, batch: tuple, device: tor
     opt.zero_grad(set_to_none=True)
 
 
+def torch_sac(model: nn.Module, names: list[str], policy: str = SELECTIVE_POLICY) -> None:
+    """torch checkpoint with torch's own selective checkpoint under ``policy`` on the blocks."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_replay.selective import checkpoint_kwargs, torch_sac_context_fn
+
+    extra = {"context_fn": torch_sac_context_fn(policy), **checkpoint_kwargs()}
+    for name in names:
+        mod = model.get_submodule(name)
+        fwd = mod.forward
+
+        def wrapped(*args: Any, _fwd: Callable = fwd, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _fwd(*args, **kwargs)
+            return checkpoint(_fwd, *args, use_reentrant=False, **extra, **kwargs)
+
+        mod.forward = wrapped
+
+
+def _without_selective(costs: list) -> list:
+    from lightning_replay.planner import SegmentCost
+
+    return [
+        SegmentCost(
+            c.name,
+            c.activation_bytes,
+            {o: opt for o, opt in c.options.items() if not o.startswith("selective")},
+        )
+        for c in costs
+    ]
+
+
+def selective_sweep(engine: Any, step: Callable[[], dict], steady: int, high: int) -> list[dict]:
+    """On an engine calibrated with the selective options: per budget from the lowest-memory
+    plan's predicted peak to ``high`` (plain training's peak), the joint plan with and without
+    the selective options, each timed for ``steady`` steps after its first."""
+    from lightning_replay.planner import InfeasibleBudget, min_feasible_budget, plan
+
+    costs, base = list(engine.costs), engine.real_base_memory
+    low = min_feasible_budget(costs, base)
+    high = max(high, low)
+    budgets = [int(low + (high - low) * i / (SWEEP_POINTS - 1)) for i in range(SWEEP_POINTS)]
+    tables = {"joint_selective": costs, "joint": _without_selective(costs)}
+    points = []
+    for b in budgets:
+        point: dict[str, Any] = {"budget_bytes": b}
+        for arm, table in tables.items():
+            try:
+                p = plan(table, b, base)
+            except InfeasibleBudget:
+                point[arm] = {"feasible": False}
+                continue
+            engine.set_options(p.choices)
+            step()  # the plan's first step
+            timed = [step() for _ in range(steady)]
+            point[arm] = {
+                "feasible": True,
+                "choices": p.choices,
+                "predicted_peak_bytes": p.peak_memory,
+                "step_time_s": statistics.median(r["time_s"] for r in timed),
+                "peak_bytes": max(r["peak"] for r in timed),
+            }
+        points.append(point)
+    return points
+
+
 def run_arm(
     spec: Spec,
     arm: str,
@@ -300,6 +384,7 @@ def run_arm(
     steady: int,
     budget: int | None = None,
     max_steps: int = 40,
+    sweep_high: int | None = None,
 ) -> dict:
     """One arm on a model built afresh: warm-up (the probe and, under a budget, calibration
     until the first plan), ``steady`` timed steps, one more counted for syncs."""
@@ -316,6 +401,10 @@ def run_arm(
         engine = lr.install(model, names)
     elif arm == "replay_budget":
         engine = lr.install(model, names, budget=budget)
+    elif arm == "torch_sac":
+        torch_sac(model, names)
+    elif arm == "replay_selective":
+        engine = lr.install(model, names, budget=budget, selective=SELECTIVE_POLICY)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     meter.holders = (model, opt)
     batch = spec.batch(device)
@@ -361,6 +450,9 @@ def run_arm(
             with SyncCounter(device) as syncs:
                 train_step(model, opt, spec, batch, device)
             meter.sync()
+            if engine is not None and sweep_high is not None:
+                out["plan_at_budget"] = engine.plan.choices if engine.plan else None
+                out["sweep"] = selective_sweep(engine, step, steady, sweep_high)
             caught = [f"{w.category.__name__}: {w.message}" for w in seen]
     finally:
         out["steps"] = steps
@@ -375,7 +467,7 @@ def run_arm(
         over = [(r["step"], r["peak"] / budget) for r in steps if r["peak"] > budget]
         out["steps_over_budget"] = [{"step": s, "peak_over_budget": round(x, 4)} for s, x in over]
         out["max_peak_over_budget"] = max(r["peak"] for r in steps) / budget
-    if engine is not None:
+    if engine is not None and "sweep" not in out:
         out["plan"] = engine.plan.choices if engine.plan is not None else None
         out["predicted_peak_bytes"] = engine.plan.peak_memory if engine.plan else None
         out["preserved_bytes"] = engine.window_stats()["preserved_bytes"]
@@ -437,6 +529,77 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def _selective_arms(
+    name: str,
+    spec: Spec,
+    res: dict,
+    results: dict,
+    device: torch.device,
+    steady: int,
+    t_run: float,
+    limit: float,
+) -> None:
+    """Issue 30's arms on one model (see the module docstring), into ``res["selective"]``."""
+    a = res["arms"]
+    sel = res["selective"] = {"policy": SELECTIVE_POLICY, "arms": {}}
+    need = [arm for arm in ("plain", "torch_checkpoint") if "peak_bytes" not in a.get(arm, {})]
+    if need:
+        results["skipped"].append(f"{name}/selective: needs {need}")
+        print(f"SKIPPED {name}/selective: no {need} peak", flush=True)
+        return
+    budget = int(SELECTIVE_BUDGET * a["torch_checkpoint"]["peak_bytes"])
+    for arm in SELECTIVE_ARMS:
+        elapsed = time.perf_counter() - t_run
+        if elapsed > limit:
+            results["skipped"].append(f"{name}/{arm}: time limit ({elapsed:.0f} s)")
+            print(f"SKIPPED {name}/{arm}: past the time limit", flush=True)
+            continue
+        try:
+            r = run_arm(
+                spec,
+                arm,
+                device,
+                Meter(device),
+                steady,
+                budget if arm == "replay_selective" else None,
+                sweep_high=a["plain"]["peak_bytes"] if arm == "replay_selective" else None,
+            )
+        except Exception as exc:  # noqa: BLE001 - a report: record, free and go on
+            msg = f"{type(exc).__name__}: {exc}"
+            sel["arms"][arm] = {
+                "error": msg,
+                "traceback": traceback.format_exc().splitlines()[-12:],
+            }
+            results["failures"].append(f"{name}/{arm}: {msg}")
+            print(f"FAILED {name}/{arm}: {msg}", flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        sel["arms"][arm] = r
+        print(
+            f"{name}/{arm}: {r['step_time_s'] * 1e3:.1f} ms/step, peak {_fmt(r['peak_bytes'])} "
+            f"GiB ({r['arm_seconds']} s)",
+            flush=True,
+        )
+    plain_t = a["plain"]["step_time_s"]
+    ratios = {"torch_checkpoint_vs_plain_time": a["torch_checkpoint"]["step_time_s"] / plain_t}
+    for arm in SELECTIVE_ARMS:
+        if "step_time_s" in sel["arms"].get(arm, {}):
+            ratios[f"{arm}_vs_plain_time"] = sel["arms"][arm]["step_time_s"] / plain_t
+    sweep = sel["arms"].get("replay_selective", {}).get("sweep", [])
+    worst = []
+    for p in sweep:
+        js, j = p.get("joint_selective", {}), p.get("joint", {})
+        if js.get("feasible") and j.get("feasible"):
+            p["joint_selective_vs_joint_time"] = js["step_time_s"] / j["step_time_s"]
+            worst.append(p["joint_selective_vs_joint_time"])
+    if worst:
+        ratios["sweep_worst_joint_selective_vs_joint_time"] = max(worst)
+    sel["budget_bytes"] = budget
+    sel["ratios"] = ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -447,6 +610,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="default benchmarks/results/gpu-<date>.json")
     ap.add_argument(
         "--time-limit", type=float, default=290.0, help="seconds: no arm starts after this"
+    )
+    ap.add_argument(
+        "--selective",
+        default="llama",
+        help="models that also run the selective arms and sweep (issue 30); '' for none",
     )
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -537,6 +705,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
             res["ratios"] = _ratios(res)
             save()
+        if name in [m for m in args.selective.split(",") if m]:
+            _selective_arms(name, spec, res, results, device, steady, t_run, args.time_limit)
+            save()
     save()
     print(table(results), flush=True)
     for name, res in results["models"].items():
@@ -546,6 +717,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name}: replay / torch checkpoint: peak "
                 f"{r['replay_vs_torch_checkpoint_peak']:.3f}, time "
                 f"{r['replay_vs_torch_checkpoint_time']:.3f}",
+                flush=True,
+            )
+    for name, res in results["models"].items():
+        r = res.get("selective", {}).get("ratios", {})
+        if "replay_selective_vs_plain_time" in r:
+            print(
+                f"{name}: at {SELECTIVE_BUDGET} x torch checkpoint's peak, joint with selective "
+                f"/ plain: time {r['replay_selective_vs_plain_time']:.3f} (torch checkpoint "
+                f"{r.get('torch_checkpoint_vs_plain_time', float('nan')):.3f}, torch SAC "
+                f"{r.get('torch_sac_vs_plain_time', float('nan')):.3f})",
                 flush=True,
             )
     if results["failures"]:

@@ -80,6 +80,12 @@ class MemoryAccountant:
         self.current = 0
         self.peak = 0
         self.replay_bytes = 0
+        #: the step's phase: "start" (forward, loss, backward until the first replay), then
+        #: one per segment's replay (see :meth:`begin_phase`)
+        self.phase = "start"
+        #: per phase, the peak of what the plan's formula charges per moment: everything but
+        #: the bytes saved outside segments (the formula holds those all step, in its base)
+        self.phase_peaks: dict[str, int] = {"start": 0}
         self.extra: Any = None  # callable returning bytes held elsewhere (the region log)
         self.namer: Any = None  # tensor -> the model's name for it (for error messages)
         #: ``None`` or a callable ``tensor -> bool``: saved tensors whose storage is counted
@@ -88,6 +94,15 @@ class MemoryAccountant:
 
     def reset_peak(self) -> None:
         self.peak = self.current + self.replay_bytes + (self.extra() if self.extra else 0)
+        self.phase = "start"
+        self.phase_peaks = {"start": self.peak - self.by_tag.get("base", 0)}
+
+    def begin_phase(self, label: str) -> None:
+        """A new phase of the step begins (a segment's replay): its peak is kept apart."""
+        self.phase = label
+        now = self.current + self.replay_bytes + (self.extra() if self.extra else 0)
+        now -= self.by_tag.get("base", 0)
+        self.phase_peaks[label] = max(self.phase_peaks.get(label, now), now)
 
     def hold(self, key: Hashable, nbytes: int, tag: str | None = None) -> None:
         entry = self._live.get(key)
@@ -135,6 +150,9 @@ class MemoryAccountant:
         now = self.current + self.replay_bytes + (self.extra() if self.extra else 0)
         if now > self.peak:
             self.peak = now
+        now -= self.by_tag.get("base", 0)
+        if now > self.phase_peaks.get(self.phase, 0):
+            self.phase_peaks[self.phase] = now
 
     def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks that count every tensor autograd saves while they are active."""
@@ -144,11 +162,19 @@ class MemoryAccountant:
         below = top_saved_tensors_hooks()
 
         def pack(t: torch.Tensor) -> Any:
-            return _Held(t, acct)
+            if below is None:
+                return _Held(t, acct)
+            # the user's pack runs now, in the forward's order, as in plain training (a pack
+            # hook with state, a running scale, packs each tensor with the state it had then);
+            # what it returns is what is held
+            p = below[0](t)
+            return (_Held(p, acct) if isinstance(p, torch.Tensor) else p,)
 
         def unpack(h: Any) -> torch.Tensor:
-            t = h.unpack()
-            return t if below is None else below[1](below[0](t))
+            if below is None:
+                return h.unpack()
+            p = h[0]
+            return below[1](p.unpack() if isinstance(p, _Held) else p)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

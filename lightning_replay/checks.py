@@ -29,7 +29,9 @@ from lightning_replay.arguments import call_tensors, unflatten_call
 from lightning_replay.accounting import Saved
 from lightning_replay.costs import clock
 from lightning_replay.errors import ReplayError
+from lightning_replay.contract import SELECTIVE
 from lightning_replay.restore import _BytesSandbox, _Invocation, _ReplayContext
+from lightning_replay.selective import KeptEvent, SelectiveFrame
 from lightning_replay.slots import (
     capture_slots,
     slot_tensors,
@@ -233,8 +235,15 @@ def _saving_counted(
         return outer_pack(t) if outer_pack is not None else Saved(t, where, namer)
 
     unpack = outer_unpack if outer_unpack is not None else Saved.unpack
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        # ``pack`` can outlive the block: autograd keeps it with what it packed, in a graph that
+        # a segment raising mid-step leaves to a cycle through C++ no collector sees. It must
+        # not keep the recorded tensors (the caller has them) nor the counts alive (issue 31).
+        record = None
+        saved = {}
 
 
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
@@ -395,6 +404,8 @@ class _CheckBox:
     out_digests: list[int] | None
     # the differentiable outputs' digests: what the grad check compares besides gradients
     grad_out_digests: list[int]
+    # a selective option's frame: the outputs the forward kept, which the check's replay uses
+    sac: SelectiveFrame | None = None
 
 
 class _CheckTap(torch.autograd.Function):
@@ -479,7 +490,15 @@ class SegmentChecks:
         rng = _rng_states(eng._cuda_device)
         autocast = _autocast_state()
         saved: list[torch.Tensor] = []
-        out = self._measured_call(args, kwargs, saved)
+        # A selective option is checked as it replays: the forward keeps the outputs its
+        # policy names (digested as each op runs), and the check's replay uses them
+        sac = (
+            SelectiveFrame(eng.config.selective_policy, verify=True, skip=self.sac_skip)
+            if inv.option in SELECTIVE
+            else None
+        )
+        with sac.forward if sac is not None else contextlib.nullcontext():
+            out = self._measured_call(args, kwargs, saved)
         outs = _grad_outputs(out)
         tapped = _tappable(outs, call_tensors(args, kwargs))
         if not tapped:
@@ -506,6 +525,7 @@ class SegmentChecks:
             autocast,
             digests(tensor_leaves(out)) if eng._check_bytes else None,
             digests(outs),
+            sac,
         )
         taps = _CheckTap.apply(box, *(outs[k] for k in tapped))
         by_id = {id(outs[k]): t for k, t in zip(tapped, taps)}
@@ -571,6 +591,8 @@ class SegmentChecks:
                             torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache)
                         )
                     ac.enter_context(pairing.hooks())
+                    if box.sac is not None:
+                        ac.enter_context(box.sac.recompute)
                     out2 = self.orig_forward(*args, **kwargs)
                 t0 = _clock(eng) if timed else 0.0
                 outs2 = _grad_outputs(out2)
@@ -636,6 +658,10 @@ class SegmentChecks:
                         bad.append(f"{n}: {diff}")
         if out_differ:
             bad.append("outputs: the replay's differ from the forward's (bytes)")
+        if box.sac is not None and box.sac.events:
+            # a kept output the replay could not use is a divergence of the selective replay,
+            # even where running its op again made the gradients agree
+            bad += self._kept_events(inv, box.sac.events, checked=True)
         self.checks += 1
         if bad:
             self.divergences += 1
@@ -669,6 +695,48 @@ class SegmentChecks:
             )
         if diverged:
             self._diverged(inv)
+
+    def _kept_events(self, inv: _Invocation, events: list[KeptEvent], checked: bool) -> list[str]:
+        """What a selective replay found wrong with its kept outputs (it ran their ops again
+        instead, see :class:`~lightning_replay.selective.SelectiveFrame`).
+
+        A kept output written in place after its op (version counter) is a rejection: the
+        replay was exact without it, and the call is not kept from now on. Any other (bytes
+        changed without a version bump, other arguments, calls out of order) is a divergence:
+        recorded here on a replay (``check="bytes"`` or ``"selective"``), returned to the
+        derivative check's record where ``checked``, and the segment reacts as to any other.
+        """
+        eng = self.engine
+        diverged: list[KeptEvent] = []
+        for ev in events:
+            if ev.kind == "written":
+                self.sac_skip.add((ev.op, ev.call))
+                eng.records.append(
+                    step=inv.step,
+                    segment=self.name,
+                    contract_version=inv.version,
+                    check="selective",
+                    outcome="rejection",
+                    detail={"kept": ev.describe(), "action": "recomputed; not kept from now on"},
+                )
+            else:
+                diverged.append(ev)
+        if diverged and not checked:
+            self.divergences += 1
+            eng.records.append(
+                step=inv.step,
+                segment=self.name,
+                contract_version=inv.version,
+                check="bytes" if all(ev.kind == "bytes" for ev in diverged) else "selective",
+                outcome="divergence",
+                detail={
+                    "what": "kept outputs",
+                    "differ": [ev.describe() for ev in diverged[:16]],
+                    "action": "recomputed",
+                },
+            )
+            self._diverged(inv)
+        return [ev.describe() for ev in diverged]
 
     def _diverged(self, inv: _Invocation) -> None:
         """A check saw a replay differ. The step itself trained on the segment's own graph

@@ -14,7 +14,10 @@ reports:
   raises. A model that already checkpoints itself (HF ``gradient_checkpointing_enable()``, torch's
   or Lightning's ``checkpoint_wrapper``) is diagnosed as it stands against the same model with
   its checkpointing turned off;
-* what ``lightning_replay`` does on the same segments, measured the same way.
+* what ``lightning_replay`` does on the same segments, measured the same way;
+* with ``selective=`` (``"matmul"`` by default), torch's own selective checkpoint and
+  ``lightning_replay``'s selective option under that policy, measured the same way (the
+  report's methods table puts every run side by side).
 
 The report's types and its text, JSON and HTML forms are in :mod:`lightning_replay.doctor_report`
 (re-exported here). The core never imports Lightning; ``lightning-replay doctor --config`` is the
@@ -62,6 +65,7 @@ from lightning_replay.doctor_report import (
 from lightning_replay.errors import ReplayConfigError, ReplayError, SegmentError
 from lightning_replay.host_rng import HostRNG, as_host_rng, global_rngs, same_state
 from lightning_replay.segments import SegmentSpec, default_segments, resolve_segments
+from lightning_replay.selective import POLICIES, checkpoint_kwargs, torch_sac_context_fn
 from lightning_replay.state import PLAIN_TYPES
 
 __all__ = [
@@ -95,6 +99,7 @@ def diagnose(
     *,
     seed: int = 0,
     lr: float = _LR,
+    selective: str | None = "matmul",
 ) -> DoctorReport:
     """Measure what activation checkpointing does to ``model``, on copies of it.
 
@@ -121,6 +126,11 @@ def diagnose(
         steps: training steps per run (at least 1; 2 shows state carried from step to step).
         seed: base seed of each step's RNG state.
         lr: SGD learning rate of the runs (only so that later steps see updated parameters).
+        selective: a selective policy (:data:`lightning_replay.selective.POLICIES`): two more
+            runs compare selective recomputation with plain training, torch's own selective
+            checkpoint (``create_selective_checkpoint_contexts`` with the same op list) and
+            ``lightning_replay``'s selective option (``preservation="selective"``). ``None``:
+            not run.
 
     Returns:
         A :class:`DoctorReport`.
@@ -153,6 +163,10 @@ def diagnose(
             f"(model, batch) -> loss, got {type(loss_fn).__name__}"
         )
     check_count("diagnose", "steps", steps)  # 2 shows state carried between steps
+    if selective is not None and selective not in POLICIES:
+        raise ReplayConfigError(
+            f"diagnose(selective={selective!r}) is not known; use one of {list(POLICIES)} or None"
+        )
 
     existing = _ExistingCheckpointing.find(model)
     names, origin = _choose_segments(model, segments, existing)
@@ -179,6 +193,20 @@ def diagnose(
         diagnoses, not_run, replay_outcome = run.replay(replay_model, names, ref_grads, ref_state)
         del replay_model
 
+        torch_sac = replay_sac = None
+        if selective is not None:
+            # the same segments and op list: torch's selective checkpoint (state-unaware),
+            # then lightning_replay's selective option
+            sac_model = run.plain_copy(model)
+            _wrap_torch_checkpoint(sac_model, names, selective)
+            torch_sac = run.compare(
+                f"torch selective checkpoint ({selective!r})", sac_model, ref_grads, ref_state
+            )
+            del sac_model
+            sac_model = run.plain_copy(model)
+            replay_sac = run.replay(sac_model, names, ref_grads, ref_state, selective=selective)[2]
+            del sac_model
+
     if not diagnoses and replay_outcome.error is None:
         raise SegmentError(
             f"none of the segments {names} ({origin}) of {type(model).__name__} ran in a "
@@ -195,6 +223,9 @@ def diagnose(
         torch_checkpoint=torch_outcome,
         replay=replay_outcome,
         not_run=not_run,
+        selective_policy=selective,
+        torch_selective=torch_sac,
+        replay_selective=replay_sac,
     )
 
 
@@ -319,20 +350,35 @@ class _Runner:
         return out
 
     def replay(
-        self, model: nn.Module, names: list[str], ref_grads: list[dict], ref_state: dict
+        self,
+        model: nn.Module,
+        names: list[str],
+        ref_grads: list[dict],
+        ref_state: dict,
+        selective: str | None = None,
     ) -> tuple[list[SegmentDiagnosis], list[str], CheckpointOutcome]:
         import warnings
 
         from lightning_replay.engine import install
 
-        engine = install(model, names, preservation="auto", on_violation="record", window="manual")
+        engine = install(
+            model,
+            names,
+            preservation="auto" if selective is None else "selective",
+            selective=selective,
+            on_violation="record",
+            window="manual",
+        )
+        method = (
+            "lightning_replay"
+            if selective is None
+            else f"lightning_replay selective ({selective!r})"
+        )
         try:
             with warnings.catch_warnings():
                 # Contract events are the report's subject, not warnings for the user here.
                 warnings.simplefilter("ignore")
-                outcome = self.compare(
-                    "lightning_replay", model, ref_grads, ref_state, window=engine.window
-                )
+                outcome = self.compare(method, model, ref_grads, ref_state, window=engine.window)
             contracts = engine.contracts
         finally:
             engine.uninstall()
@@ -361,8 +407,14 @@ def _default_loss(out: Any) -> Any:
     return out
 
 
-def _wrap_torch_checkpoint(model: nn.Module, names: list[str]) -> None:
-    """What a user writes: each segment's forward under non-reentrant torch checkpoint."""
+def _wrap_torch_checkpoint(
+    model: nn.Module, names: list[str], selective: str | None = None
+) -> None:
+    """What a user writes: each segment's forward under non-reentrant torch checkpoint (with
+    torch's selective checkpoint under ``selective``'s op list, where given)."""
+    extra: dict[str, Any] = {}
+    if selective is not None:
+        extra = {"context_fn": torch_sac_context_fn(selective), **checkpoint_kwargs()}
     for name in names:
         mod = model.get_submodule(name)
         fwd = mod.forward
@@ -370,7 +422,9 @@ def _wrap_torch_checkpoint(model: nn.Module, names: list[str]) -> None:
         def forward(*args, _fwd=fwd, **kwargs):
             if not torch.is_grad_enabled():
                 return _fwd(*args, **kwargs)
-            return checkpoint(_fwd, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            return checkpoint(
+                _fwd, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs
+            )
 
         mod.forward = forward
 

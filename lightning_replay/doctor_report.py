@@ -189,6 +189,11 @@ class DoctorReport:
         torch_checkpoint: torch checkpoint (or the model's own checkpointing) vs plain training.
         replay: ``lightning_replay`` (``preservation="auto"``) vs plain training.
         not_run: segments that never ran in a training step.
+        selective_policy: the selective policy the two selective runs used, or ``None``.
+        torch_selective: torch's selective checkpoint (same segments, same op list) vs plain
+            training, or ``None``.
+        replay_selective: ``lightning_replay``'s selective option (``preservation="selective"``)
+            vs plain training, or ``None``.
     """
 
     model: str
@@ -200,6 +205,38 @@ class DoctorReport:
     torch_checkpoint: CheckpointOutcome
     replay: CheckpointOutcome
     not_run: list[str] = dataclasses.field(default_factory=list)
+    selective_policy: str | None = None
+    torch_selective: CheckpointOutcome | None = None
+    replay_selective: CheckpointOutcome | None = None
+
+    def outcomes(self) -> list[tuple[str, CheckpointOutcome]]:
+        """Every compared run with its label, in the order of the methods table."""
+        out = [
+            (self.torch_checkpoint.method, self.torch_checkpoint),
+            ("lightning_replay (preservation='auto')", self.replay),
+        ]
+        if self.torch_selective is not None:
+            out.append((self.torch_selective.method, self.torch_selective))
+        if self.replay_selective is not None:
+            out.append((self.replay_selective.method, self.replay_selective))
+        return out
+
+    def methods_table(self) -> list[str]:
+        """One row per compared run: gradients that differ, state that differs, verdict."""
+        rows = [("method", "gradients differ", "state differs", "verdict")]
+        for label, o in self.outcomes():
+            if o.error is not None:
+                rows.append((label, "-", "-", f"raises {first_line(o.error, 80)}"))
+                continue
+            rows.append(
+                (
+                    label,
+                    f"{len(o.gradients)}/{o.parameters_compared}",
+                    str(len(o.state)),
+                    "exact" if o.exact else "silently differs",
+                )
+            )
+        return _columns(rows)
 
     @property
     def verdict(self) -> str:
@@ -223,6 +260,9 @@ class DoctorReport:
         out["replay_verdict"] = self.replay.summary("lightning_replay")
         out["torch_checkpoint"]["exact"] = self.torch_checkpoint.exact
         out["replay"]["exact"] = self.replay.exact
+        for key in ("torch_selective", "replay_selective"):
+            if getattr(self, key) is not None:
+                out[key]["exact"] = getattr(self, key).exact
         for d, dd in zip(self.diagnoses, out["diagnoses"]):
             dd["net_freed_bytes"] = d.net_freed_bytes
         return out
@@ -245,6 +285,8 @@ class DoctorReport:
             f"lightning_replay (preservation='auto'): {self.replay.phrase}",
             "",
         ]
+        if self.torch_selective is not None or self.replay_selective is not None:
+            lines += self.methods_table() + [""]
         rows = [("segment", "auto", "preserved", "activations freed", "state its replay needs")]
         for d in self.diagnoses:
             changing = [s for s in d.state if s.changes_in_window]
@@ -297,6 +339,10 @@ class DoctorReport:
         lines += _outcome_lines(self.torch_checkpoint)
         lines += ["", "lightning_replay vs plain training:"]
         lines += _outcome_lines(self.replay)
+        for o in (self.torch_selective, self.replay_selective):
+            if o is not None:
+                lines += ["", f"{o.method} vs plain training:"]
+                lines += _outcome_lines(o)
         return "\n".join(lines)
 
     def to_html(self) -> str:
@@ -335,9 +381,32 @@ class DoctorReport:
                 f"<td>{e(changing)}</td></tr>"
             )
         parts.append("</table>")
+        parts.append(
+            "<table><tr><th>method</th><th>gradients differ</th><th>state differs</th>"
+            "<th>verdict</th></tr>"
+        )
+        for label, o in self.outcomes():
+            cells = (
+                ("-", "-", f"raises {first_line(o.error, 80)}")
+                if o.error is not None
+                else (
+                    f"{len(o.gradients)}/{o.parameters_compared}",
+                    str(len(o.state)),
+                    "exact" if o.exact else "silently differs",
+                )
+            )
+            parts.append(
+                f"<tr><td>{e(label)}</td>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>"
+            )
+        parts.append("</table>")
         for title, outcome in (
             (f"{self.torch_checkpoint.method} vs plain training", self.torch_checkpoint),
             ("lightning_replay vs plain training", self.replay),
+            *(
+                (f"{o.method} vs plain training", o)
+                for o in (self.torch_selective, self.replay_selective)
+                if o is not None
+            ),
         ):
             parts.append(
                 f"<h3>{e(title)}</h3><pre>" + e("\n".join(_outcome_lines(outcome))) + "</pre>"

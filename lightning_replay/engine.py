@@ -30,7 +30,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from lightning_replay import planner as _planner
 from lightning_replay._compat import at_backward_end, top_saved_tensors_hooks, tree_leaves
@@ -38,7 +41,7 @@ from lightning_replay.accounting import MemoryAccountant
 from lightning_replay.budget import Budget, format_bytes
 from lightning_replay.config import PIN_OPTIONS
 from lightning_replay.config import ReplayConfig
-from lightning_replay.contract import OPTIONS, ReplayContract
+from lightning_replay.contract import OPTIONS, SELECTIVE, ReplayContract, base_option
 from lightning_replay.costs import CostMeter
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.host_rng import HostWatch
@@ -63,6 +66,7 @@ from lightning_replay.state import (
 from lightning_replay.state import unique_bytes as _unique_bytes
 
 _UNCHANGED = object()  # an argument left out: keep the current value
+_REPLAY = "replay:"  # a step's phase that begins at a segment's replay (then its name)
 
 
 def _input_bytes(inputs: Any) -> int:
@@ -177,6 +181,21 @@ class ReplayEngine:
         self._over_budget_warned = -1  # the plan version last warned for a real overrun
         self._optimizers: list[Any] = []
         self._residual = 0  # bytes a measured step held beyond the accountant's figures
+        # ... per phase (see _phase_residuals), the largest measured: the forward's end, loss
+        # and backward until the first replay; each segment's replay (backward from it on).
+        # The residual above is the least of them, held in the base; the rest is charged at
+        # its own moment (phase_peak_args)
+        self._over_fwd: int | None = None
+        self._over_replay: dict[str, int] = {}
+        self._floor = 0  # the real peak of a measured step's optimizer phase (its inputs' part
+        self._floor_inputs = 0  # grows with the input size: _floor_size)
+        self._floor_size = 0
+        self._truth_phases: dict[str, int] = {}  # the measured step's real peak per phase
+        self._truth_pre_hook: Any = None
+        # CUDA: the allocator's peak per phase of the step (read and reset as each begins)
+        self._cuda_phases: dict[str, int] = {}
+        self._cuda_label = "start"
+        self._plan_extras: tuple = ()  # (plan, phase figures) the plan's prediction was made with
         self._ranks_base: int | None = None  # the largest real base over the ranks (a strategy)
         self.host_watch = HostWatch()  # Python's and numpy's global RNGs across each forward
         self.last_replay: tuple | None = None  # (runtime, step, contract version) last replayed
@@ -301,10 +320,55 @@ class ReplayEngine:
         run one plan, the largest rank's (:meth:`agree_real_base`) where it is larger."""
         # the part that is not optimizer state (backward temporaries, the batch) grows with
         # the input, like the activations (see size_scale)
-        fixed = min(self._residual_fixed, self._residual)
-        grows = (self._residual - fixed) * self.size_scale(self._residual_size)
+        residual = self._scaled_residual()
+        fixed = min(self._residual_fixed, residual)
+        grows = (residual - fixed) * self.size_scale(self._residual_size)
         own = self.base_memory + fixed + int(grows)
         return own if self._ranks_base is None else max(own, self._ranks_base)
+
+    @property
+    def phase_peak_args(self) -> dict[str, int]:
+        """The measured phases of the step beyond :attr:`real_base_memory`, as the keyword
+        arguments of :func:`~lightning_replay.planner.predicted_peak`, :func:`~lightning_replay.planner.plan`
+        and :func:`~lightning_replay.planner.min_feasible_budget`: ``forward_extra``, what a
+        measured step held at its forward's end, loss and backward before the first replay
+        beyond what its replays held over the formula (head and loss temporaries on top of
+        the retained segments), and ``floor``, its optimizer phase's real peak (no plan goes
+        under it). Both 0 until a step is measured."""
+        residual = self._scaled_residual()
+        fixed = min(self._residual_fixed, residual)
+        scale = self.size_scale(self._residual_size)
+
+        def beyond(over: int) -> int:  # beyond the base's residual, grown with the input
+            return max(int((over - fixed) * scale) - int((residual - fixed) * scale), 0)
+
+        floor = self._floor
+        if floor:
+            floor += int(self._floor_inputs * (self.size_scale(self._floor_size) - 1))
+        args: dict[str, Any] = {
+            "forward_extra": beyond(self._over_fwd) if self._over_fwd is not None else 0,
+            "floor": floor,
+        }
+        if self._over_replay:
+            # a segment never measured replaying: the largest any replay held
+            most = beyond(max(self._over_replay.values()))
+            args["replay_extra"] = {
+                n: beyond(self._over_replay[n]) if n in self._over_replay else most
+                for n in self.segments
+            }
+        return args
+
+    def _scaled_residual(self) -> int:
+        """The residual held in the base: the least of the phases' (each phase's excess over
+        it is charged at its own moment), or, at inputs larger than any measured step, the
+        largest, at every moment: which phase's excess grows with the input (backward and loss
+        temporaries) and which does not (gradients made by a replay's moment) is not known."""
+        if self.size_scale(self._residual_size) > 1.0:
+            overs = [self._residual, *self._over_replay.values()]
+            if self._over_fwd is not None:
+                overs.append(self._over_fwd)
+            return max(overs)
+        return self._residual
 
     def agree_real_base(self, nbytes: int) -> None:
         """Plan with ``nbytes`` as the real base where it exceeds this rank's own: the largest
@@ -437,14 +501,20 @@ class ReplayEngine:
             if rt.preservation in PIN_OPTIONS and name in measured
         }
         base = self.real_base_memory
+        phases = self.phase_peak_args
         budget_bytes = self.budget
         try:
             if budget_bytes is None:  # the lowest-memory correct plan
                 budget_bytes = _planner.min_feasible_budget(
-                    costs, base, self.planner, allowed=allowed
+                    costs, base, self.planner, allowed=allowed, **phases
                 )
             p = _planner.plan(
-                costs, budget=budget_bytes, base_memory=base, method=self.planner, allowed=allowed
+                costs,
+                budget=budget_bytes,
+                base_memory=base,
+                method=self.planner,
+                allowed=allowed,
+                **phases,
             )
         except _planner.InfeasibleBudget as exc:
             if exc.pins or not allowed:
@@ -547,6 +617,11 @@ class ReplayEngine:
             "planner": self.planner,
             "run_id": self.records.run_id,
             "unaccounted_bytes": self._residual,
+            "unaccounted_phases": {
+                "forward": self._over_fwd,
+                "replays": dict(self._over_replay),
+                "optimizer": self._floor,
+            },
             "ranks_base_bytes": self._ranks_base,
             "segments": {
                 n: {
@@ -584,6 +659,12 @@ class ReplayEngine:
         # the measured real base (state dicts from before it was saved have none: measured
         # again, as then); the run's own measurements only raise it
         self._residual = max(self._residual, int(state.get("unaccounted_bytes") or 0))
+        phases = state.get("unaccounted_phases") or {}
+        if phases.get("forward") is not None:
+            self._over_fwd = max(self._over_fwd or phases["forward"], int(phases["forward"]))
+        for name, over in (phases.get("replays") or {}).items():
+            self._over_replay[name] = max(self._over_replay.get(name, over), int(over))
+        self._floor = max(self._floor, int(phases.get("optimizer") or 0))
         if state.get("ranks_base_bytes") is not None:
             self._ranks_base = max(self._ranks_base or 0, int(state["ranks_base_bytes"]))
         for n, d in state.get("segments", {}).items():
@@ -755,8 +836,11 @@ class ReplayEngine:
         acct = self.accountant
         if self._cuda:  # each window's allocator peak is its own
             dev = self._cuda_device
-            self._last_cuda_peak = torch.cuda.max_memory_allocated(dev)
+            self._last_cuda_peak = max(
+                torch.cuda.max_memory_allocated(dev), *self._cuda_phases.values(), 0
+            )
             torch.cuda.reset_peak_memory_stats(dev)
+            self._cuda_phases, self._cuda_label = {}, "start"
             # held as the step begins (host-side counter, no synchronization): the peak counts
             # it, and what of it is not the model's does not grow with the input
             self._cuda_held = int(torch.cuda.memory_allocated(dev))
@@ -849,6 +933,7 @@ class ReplayEngine:
         acct = self.accountant
         if acct is None or not self.real_peak:
             return
+        segments = dict(acct.phase_peaks)  # the accountant's figures per phase
         accounted = self._static_bytes() + acct.peak
         if self._truth is not None:
             self._stop_truth(self._truth)
@@ -856,28 +941,48 @@ class ReplayEngine:
         plan = self._truth_plan if measured else self.plan
         if measured:
             real, self._truth_peak = self._truth_peak, None
+            phases = self._truth_phases
         elif self.plan is not None and self._cuda and self._cuda_device is not None:
             real = int(torch.cuda.max_memory_allocated(self._cuda_device)) if self._last_step else 0
             if not real:
                 return
+            # each phase's peak was read (and the allocator's reset) as the next began
+            phases = dict(self._cuda_phases)
+            phases[self._cuda_label] = max(phases.get(self._cuda_label, 0), real)
+            real = max(phases.values())
         else:
             return
         self.last_real_peak = (self._last_step, real)
-        over = real - accounted
-        if plan is not None and not self._truth_checked:
-            # beyond the plan's own prediction too: costs can miss what a step holds (a
-            # segment called twice, backward temporaries of a replay), and the promise is
-            # that the prediction bounds the real peak
-            over = max(over, real - (self.base_memory + plan.peak_memory - plan.base_memory))
-        if over > self._residual:
-            self._residual = over
+        size = self._truth_step_size if measured else self._window_size
+        if size <= self.probe_size or not self.probe_size:
+            fwd, replays, floor = self._phase_residuals(real, phases, segments, plan)
+        else:
+            # inputs larger than the costs were measured at: the formula's figures and the
+            # replays' (re-materialized bytes from the costs) are stale, the accountant's whole
+            # step is not: one residual against it, at every moment
+            fwd, replays, floor = real - accounted, {}, phases.get("optimizer", 0)
+            if size > self._residual_size:  # figures at smaller inputs are stale
+                self._over_fwd, self._over_replay = None, {}
+        grew = self._over_fwd is None or fwd > self._over_fwd
+        self._over_fwd = fwd if self._over_fwd is None else max(self._over_fwd, fwd)
+        for name, over in replays.items():
+            if over > self._over_replay.get(name, over - 1):
+                self._over_replay[name] = over
+                grew = True
+        if grew:
+            # (at least 0: the base never shrinks below the accountant's figures)
+            self._residual = max(min([self._over_fwd, *self._over_replay.values()]), 0)
             # the input size of the step measured (on CUDA, the step just trained)
-            self._residual_size = self._truth_step_size if measured else self._window_size
+            self._residual_size = size
             self._residual_fixed = (
                 self._truth_opt
                 if measured
                 else max(self._optimizer_bytes(), self._cuda_held - self._static_bytes())
             )
+        if floor > self._floor:
+            self._floor = floor
+            self._floor_size = self._truth_step_size if measured else self._window_size
+            self._floor_inputs = self._truth_inputs if measured else 0
         if self.plan is None:
             return
         self._refit_plan()
@@ -898,22 +1003,85 @@ class ReplayEngine:
                 stacklevel=3,
             )
 
+    def _phase_residuals(
+        self,
+        real: int,
+        phases: Mapping[str, int],
+        segments: Mapping[str, int],
+        plan: _planner.Plan | None,
+    ) -> tuple[int, dict[str, int], int]:
+        """What a measured step held beyond the plan formula's figures, per phase: (the
+        forward's end, loss and backward until the first replay; per segment replayed, its
+        replay and backward until the next replay; the optimizer step's real peak, 0 where it
+        was not told apart).
+
+        Each phase's real peak is paired with the formula's own figure for that phase of the
+        step's choices: the base (what is saved outside segments held all step) plus what the
+        segments held at that phase's moments (the accountant's per-phase figures, or the plan's
+        cost formula where lower: costs can miss what a step holds). One residual paired with
+        one moment and added to every other would count twice what the base charges and the
+        step freed before its replays, or miss what the head and loss add on top of the
+        segments the forward retained; and the gradients made by each replay's moment differ
+        from one replay to the next (the formula charges them all step)."""
+        base = self.base_memory
+        figures = dict(segments)  # label -> the segments' bytes at that phase's peak
+        if plan is not None and not self._truth_checked:
+            costs = [c for c in self.costs or [] if plan.choices.get(c.name) in c.options]
+            if costs and len(costs) == len(plan.choices):
+                held, replays = _planner.peak_terms(
+                    costs, {c.name: plan.choices[c.name] for c in costs}
+                )
+                figures["start"] = min(figures.get("start", held), held)
+                for name, term in replays.items():
+                    label = _REPLAY + name
+                    if label in figures:
+                        figures[label] = min(figures[label], term)
+        if not phases:  # not told apart: the whole step at its first phase
+            phases = {"start": real}
+        start = phases.get("start", 0)
+        replays: dict[str, int] = {}
+        for label, peak in phases.items():
+            if label.startswith(_REPLAY) and label in figures:
+                replays[label[len(_REPLAY) :]] = peak - (base + figures[label])
+            elif label != "optimizer":  # nothing to pair it with: counted in the first
+                start = max(start, peak)
+        return start - (base + figures.get("start", 0)), replays, phases.get("optimizer", 0)
+
     def _refit_plan(self) -> None:
-        """The real base grew past the one the plan was made with: re-plan if the plan no
-        longer fits the budget, else only its prediction grows."""
+        """The real base grew past the one the plan was made with, or a measured phase holds
+        more than the plan was predicted with: re-plan if the plan no longer fits the budget,
+        else only its prediction grows."""
         plan = self.plan
-        grown = self.real_base_memory - plan.base_memory if plan is not None else 0
-        if grown <= 0:
+        if plan is None:
             return
-        if self.budget is not None and plan.peak_memory + grown > self.budget:
+        grown = self.real_base_memory - plan.base_memory
+        extras = self.phase_peak_args
+        if grown <= 0 and self._plan_extras == (plan, extras):
+            return
+        self._plan_extras = (plan, extras)
+        predicted = plan.peak_memory + max(grown, 0)
+        costs = [c for c in self.costs or [] if plan.choices.get(c.name) in c.options]
+        if costs and len(costs) == len(plan.choices):  # the formula, with every phase's figure
+            predicted = _planner.predicted_peak(
+                costs,
+                {c.name: plan.choices[c.name] for c in costs},
+                max(self.real_base_memory, plan.base_memory),
+                **extras,
+            )
+        if predicted <= plan.peak_memory:
+            return
+        if self.budget is not None and predicted > self.budget:
             try:
                 self.replan()  # the plan no longer fits once the real figure is known
             except InfeasibleBudget as exc:
                 self._lowest_plan_instead(exc)
         else:  # it still fits: only its prediction changes
             self.plan = dataclasses.replace(
-                plan, peak_memory=plan.peak_memory + grown, base_memory=plan.base_memory + grown
+                plan,
+                peak_memory=predicted,
+                base_memory=max(self.real_base_memory, plan.base_memory),
             )
+            self._plan_extras = (self.plan, extras)
 
     #: steps between the periodic measurements of the real peak (CPU): doubling from the first
     #: to the last, so that state that grows after a plan's first steps is seen early
@@ -958,6 +1126,10 @@ class ReplayEngine:
         self._truth_hook = register_optimizer_step_post_hook(
             lambda opt, *_: self._stop_truth(truth, opt)
         )
+        # the optimizer step is a phase of its own: its peak holds no activation
+        self._truth_pre_hook = register_optimizer_step_pre_hook(
+            lambda *_: truth.mark("optimizer") if self._truth is truth else None
+        )
 
     def _stop_truth(self, truth: StepPeak, optimizer: Any = None) -> None:
         if self._truth is truth:
@@ -965,11 +1137,15 @@ class ReplayEngine:
             if self._truth_hook is not None:
                 self._truth_hook.remove()
                 self._truth_hook = None
+            if self._truth_pre_hook is not None:
+                self._truth_pre_hook.remove()
+                self._truth_pre_hook = None
             if optimizer is not None:
                 self._adopt_optimizer(optimizer)
             # the process's live storages when the step began (parameters, optimizer state,
             # the batch, whatever anyone kept) + the step's net peak: nothing to add
             self._truth_peak = truth.stop()
+            self._truth_phases = dict(truth.phases)
             # held between steps, not growing with the input: the optimizer's state and
             # whatever else the process kept beyond the model's own tensors and the batch
             self._truth_opt = max(self._optimizer_bytes(), self._truth_held)
@@ -1017,7 +1193,10 @@ class ReplayEngine:
             return
         planned = [c for c in costs.values() if plan.choices.get(c.name) in c.options]
         predicted = _planner.predicted_peak(
-            planned, {c.name: plan.choices[c.name] for c in planned}, self.real_base_memory
+            planned,
+            {c.name: plan.choices[c.name] for c in planned},
+            self.real_base_memory,
+            **self.phase_peak_args,
         )
         if self.budget is not None and predicted > self.budget:
             try:
@@ -1161,16 +1340,30 @@ class ReplayEngine:
             if c is None:
                 continue
             o = choices.get(name, c.option)
-            held = (
-                c.activation_bytes + rt.input_saved_bytes
-                if o == "retain"
-                else rt.input_bytes + c.preserved_bytes(o)
-            )
+            held, replay = self._calibration_held(rt, o)
             costs.append(
-                _planner.SegmentCost(name, c.activation_bytes, {o: _planner.Option(held, 0.0)})
+                _planner.SegmentCost(
+                    name, c.activation_bytes, {o: _planner.Option(held, 0.0, replay=replay)}
+                )
             )
             picks[name] = o
-        return _planner.predicted_peak(costs, picks, base)
+        return _planner.predicted_peak(costs, picks, base, **self.phase_peak_args)
+
+    def _calibration_held(self, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
+        """What segment ``rt`` holds from its forward to its backward under option ``o`` in a
+        calibration step, and what its replay re-materializes (``None``: its activations). A
+        selective option holds its kept outputs too (measured on a warm-up step before its
+        phase; until then, as many bytes as its activations), and its replay re-materializes
+        its activations less the kept ones autograd saves."""
+        c = rt.contract
+        if o == "retain":
+            return c.activation_bytes + rt.input_saved_bytes, None
+        held = rt.input_bytes + c.preserved_bytes(o)
+        if o not in SELECTIVE:
+            return held, None
+        kept = self.meter.selective_bytes.get(rt.name, c.activation_bytes)
+        saved = self.meter.selective_saved_bytes.get(rt.name, 0)
+        return held + kept, max(c.activation_bytes - saved, 0)
 
     def _calibration_base(self) -> int:
         """The base a calibration step is predicted with: the real base, or, where larger (no
@@ -1194,7 +1387,8 @@ class ReplayEngine:
         choose is left untimed; it stays out of the cost table (never measured). Under
         ``budget="min"`` only each segment's lowest option is timed: the plan picks no other."""
         if self.budget is None:
-            if self.config.budget.min:
+            if self.config.budget.min and self.config.planner != "selective_all":
+                # (selective_all plans each segment's lowest *selective* option: timed too)
                 # the lowest-memory plan: no segment's held bytes beyond its lowest option's
                 # are ever chosen, so no step times them (the probe's figures rank them)
                 self._fit_to(choices, allowed, lambda: True)
@@ -1208,14 +1402,15 @@ class ReplayEngine:
         while over():
             swaps = []
             for name, o in choices.items():
-                c = self.runtimes[name].contract
+                rt = self.runtimes[name]
+                now = self._calibration_held(rt, o)[0]  # (a selective option: kept outputs)
                 cheaper = [
                     alt
-                    for alt in ("recompute", "regions")
-                    if alt in allowed[name] and c.preserved_bytes(alt) < c.preserved_bytes(o)
+                    for alt in dict.fromkeys(("recompute", "regions", base_option(o)))
+                    if alt in allowed[name] and self._calibration_held(rt, alt)[0] < now
                 ]
                 if cheaper:
-                    saved = c.preserved_bytes(o) - c.preserved_bytes(cheaper[0])
+                    saved = now - self._calibration_held(rt, cheaper[0])[0]
                     swaps.append((saved, name, cheaper[0]))
             if not swaps:
                 return  # the lowest options already: the first plan judges the budget
@@ -1349,6 +1544,7 @@ class ReplayEngine:
                 base_memory=self.real_base_memory,
                 method=self.planner,
                 allowed=allowed,
+                **self.phase_peak_args,
             )
         except (_planner.InfeasibleBudget, ValueError, KeyError):
             return None
@@ -1381,7 +1577,10 @@ class ReplayEngine:
                 )
             costs.append(c)
         return _planner.predicted_peak(
-            costs, {n: self.plan.choices[n] for n in by_name}, self.real_base_memory
+            costs,
+            {n: self.plan.choices[n] for n in by_name},
+            self.real_base_memory,
+            **self.phase_peak_args,
         )
 
     def _capture_sampling(self) -> bool:
@@ -1418,6 +1617,20 @@ class ReplayEngine:
         if acct.replay_bytes == 0:
             # the re-materialized activations are gone when this backward ends
             at_backward_end(lambda: acct.set_replay(0))
+        # each segment's replay begins a phase of the step: its real peak and the formula's
+        # figure are paired apart from the others'
+        label = _REPLAY + (self.last_replay[0].name if self.last_replay else "")
+        if acct.phase != label:
+            acct.begin_phase(label)
+            if self._truth is not None:
+                self._truth.mark(label)
+            elif self._cuda and self._cuda_device is not None and self.plan is not None:
+                dev = self._cuda_device  # host-side counters: no synchronization
+                last = self._cuda_label
+                peak = int(torch.cuda.max_memory_allocated(dev))
+                self._cuda_phases[last] = max(self._cuda_phases.get(last, 0), peak)
+                torch.cuda.reset_peak_memory_stats(dev)
+                self._cuda_label = label
         acct.set_replay(activation_bytes)
 
     @contextlib.contextmanager

@@ -14,7 +14,6 @@ an installed model is a plain model with no engine attached. Uninstalling puts t
 from __future__ import annotations
 
 import copyreg
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
@@ -30,11 +29,26 @@ from lightning_replay.segments import SegmentSpec, _is_compiled, resolve_segment
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_replay.engine import ReplayEngine
-    from lightning_replay.runtime import SegmentRuntime
 
-# module -> its runtime. Weak, so a deepcopy or unpickled copy of a module is a plain module.
-_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, SegmentRuntime]" = weakref.WeakKeyDictionary()
+# Each installed module holds its runtime (a root, with window="root", its engine) in its own
+# ``__dict__`` (under :data:`RUNTIME_KEY` / :data:`ENGINE_KEY`, which the walkers of a module's
+# attributes skip, see ``slots.MODULE_INTERNALS``, and copies and pickles leave out): the model
+# keeps its engine alive, as a user who drops the engine and keeps training expects, and
+# nothing global does. A registry keyed weakly by module, with the runtime as value, kept every
+# model installed and never uninstalled alive for the life of the process (the value held the
+# engine, the engine the model, the model the key): no collection could free it, and in the
+# test suite's order it kept later models' tensors alive after their own uninstall (issue 31).
+# Now a dropped model and its engine are one cycle the collector frees; ``uninstall()`` frees
+# them with no collector at all.
+RUNTIME_KEY = "_lightning_replay_runtime"
+ENGINE_KEY = "_lightning_replay_engine"
 _REPLAY_CLASSES: dict[type, type] = {}
+
+
+def _own(module: nn.Module, key: str) -> Any:
+    """What ``module`` holds under ``key`` (not through its class's ``__getattribute__``: a
+    probe's tracing subclass would count it as a read)."""
+    return object.__getattribute__(module, "__dict__").get(key)
 
 
 def _new_plain(cls: type, *args: Any) -> Any:
@@ -52,7 +66,7 @@ def _replay_class(cls: type) -> type:
         return _REPLAY_CLASSES[cls]
 
     def forward(self, *args, **kwargs):
-        rt = _RUNTIMES.get(self)
+        rt = _own(self, RUNTIME_KEY)
         if rt is None:
             return cls.forward(self, *args, **kwargs)
         return rt(args, kwargs)
@@ -79,7 +93,6 @@ def _swapped_class(cls: type, forward: Callable) -> type:
     return new
 
 
-_ROOTS: "weakref.WeakKeyDictionary[nn.Module, ReplayEngine]" = weakref.WeakKeyDictionary()
 _ROOT_CLASSES: dict[type, type] = {}
 
 
@@ -92,7 +105,7 @@ def _root_class(cls: type) -> type:
         return _ROOT_CLASSES[cls]
 
     def forward(self, *args, **kwargs):
-        eng = _ROOTS.get(self)
+        eng = _own(self, ENGINE_KEY)
         if eng is None or under_functorch() or saved_tensors_hooks_disabled():
             # (a torch.func transform, or saved-tensor hooks switched off: no window, the
             # segments run plain, see runtime)
@@ -114,6 +127,10 @@ def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
         rv = cls.__reduce_ex__(self, protocol)
         if isinstance(rv, tuple) and rv and rv[0] is copyreg.__newobj__ and rv[1][0] is swapped():
             rv = (_new_plain, (cls,) + tuple(rv[1][1:])) + tuple(rv[2:])
+        if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+            if RUNTIME_KEY in rv[2] or ENGINE_KEY in rv[2]:  # a copy is a plain module
+                state = {k: v for k, v in rv[2].items() if k not in (RUNTIME_KEY, ENGINE_KEY)}
+                rv = rv[:2] + (state,) + rv[3:]
         return rv
 
     return __reduce_ex__
@@ -124,7 +141,7 @@ def attach(engine: "ReplayEngine") -> type | None:
     through it. Returns the root's own class (``None`` for manual windows), for
     :func:`detach`."""
     for rt in engine.runtimes.values():
-        _RUNTIMES[rt.module] = rt
+        rt.module.__dict__[RUNTIME_KEY] = rt
         rt.module.__class__ = _replay_class(rt.orig_class)
         become = getattr(rt.module, "cls_to_become", None)
         if isinstance(rt.module, LazyModuleMixin) and become is not None:
@@ -136,7 +153,7 @@ def attach(engine: "ReplayEngine") -> type | None:
     # The root's forward opens the window through a class swap, not hooks: a copy (deepcopy,
     # pickle) of the model is then a plain model, with no engine attached.
     root_class = type(engine.model)
-    _ROOTS[engine.model] = engine
+    engine.model.__dict__[ENGINE_KEY] = engine
     engine.model.__class__ = _root_class(root_class)
     return root_class
 
@@ -144,12 +161,12 @@ def attach(engine: "ReplayEngine") -> type | None:
 def detach(engine: "ReplayEngine", root_class: type | None) -> None:
     """Undo :func:`attach`: every module gets its own class back."""
     if root_class is not None:
-        if _ROOTS.get(engine.model) is engine:
-            del _ROOTS[engine.model]
+        if engine.model.__dict__.get(ENGINE_KEY) is engine:
+            del engine.model.__dict__[ENGINE_KEY]
         engine.model.__class__ = root_class
     for rt in engine.runtimes.values():
-        if _RUNTIMES.get(rt.module) is rt:
-            del _RUNTIMES[rt.module]
+        if rt.module.__dict__.get(RUNTIME_KEY) is rt:
+            del rt.module.__dict__[RUNTIME_KEY]
         base = getattr(type(rt.module), "_lightning_replay_base", None)
         rt.module.__class__ = base if base is not None else rt.orig_class
         become = getattr(rt.module, "cls_to_become", None)
@@ -287,10 +304,11 @@ def install_config(model: nn.Module, config: ReplayConfig) -> ReplayEngine:
     if not isinstance(model, nn.Module):
         raise ReplayConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for mod in model.modules():
-        if mod in _RUNTIMES:
+        rt = _own(mod, RUNTIME_KEY)
+        if rt is not None:
             raise ReplayConfigError(
                 f"model already has lightning_replay installed (segment "
-                f"{_RUNTIMES[mod].name!r}); call engine.uninstall() before installing again"
+                f"{rt.name!r}); call engine.uninstall() before installing again"
             )
     _refuse_compiled(model)
     resolved = resolve_segments(model, config.segments)

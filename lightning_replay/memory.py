@@ -146,8 +146,14 @@ class StepPeak:
         self._prof: Any = None
         #: the bytes live when the step began (CPU: the process's tensor storages)
         self.base = 0
+        #: after :meth:`stop`: the real peak of each phase, by the label :meth:`mark` began it
+        #: with (``"start"`` for the first), in the order they ran
+        self.phases: dict[str, int] = {}
+        self._marks: list[str] = []
+        self._cuda_phases: list[int] = []
 
     def start(self) -> None:
+        self._marks, self._cuda_phases, self.phases = ["start"], [], {}
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
@@ -162,13 +168,35 @@ class StepPeak:
             self._prof.__enter__()
             del before
 
+    def mark(self, label: str) -> None:
+        """A new phase of the step begins here (the first replay, the optimizer step): its
+        peak is told apart in :attr:`phases`. CPU: a profiler annotation, whose timestamp
+        splits the running sum; CUDA: the allocator's peak so far is read and reset (host-side
+        counters, no synchronization)."""
+        if label in self._marks:
+            return
+        if self.device is not None and self.device.type == "cuda":
+            self._cuda_phases.append(int(torch.cuda.max_memory_allocated(self.device)))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._prof is None:
+            return
+        else:
+            with torch.profiler.record_function(_MARK + label):
+                pass
+        self._marks.append(label)
+
     def stop(self) -> int:
         if self.device is not None and self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
+            self._cuda_phases.append(int(torch.cuda.max_memory_allocated(self.device)))
+            self.phases = dict(zip(self._marks, self._cuda_phases))
+            return max(self._cuda_phases)
         prof, self._prof = self._prof, None
         with _native_noise_captured():
             prof.__exit__(None, None, None)
-        return self.base + net_peak(prof)
+        self.phases = {
+            label: self.base + peak for label, peak in phase_peaks(prof, self._marks).items()
+        }
+        return max(self.phases.values())
 
 
 # Lines libtorch and kineto write straight to file descriptor 2 when a CPU profiler starts and
@@ -220,16 +248,39 @@ def _native_noise_captured() -> Iterator[None]:
                 sys.stderr.write("".join(kept))
 
 
+_MARK = "lightning_replay::phase::"  # the profiler annotation StepPeak.mark leaves
+
+
 def net_peak(prof: Any) -> int:
     """Highest running sum of the CPU allocations and frees a profiler saw."""
-    events = [
+    return max(phase_peaks(prof, ["start"]).values())
+
+
+def phase_peaks(prof: Any, labels: list[str]) -> dict[str, int]:
+    """Highest running sum of the CPU allocations and frees a profiler saw, per phase: the
+    first phase (``labels[0]``) from the start, each later one from its :meth:`StepPeak.mark`
+    annotation on, counting what was held when it began. A phase whose mark the profiler did
+    not record is left out (its bytes count in the phase before)."""
+    events = prof.profiler.kineto_results.events()
+    marks = {e.name()[len(_MARK) :]: e.start_ns() for e in events if e.name().startswith(_MARK)}
+    starts = sorted((marks[x], x) for x in labels[1:] if x in marks)
+    memory = [
         e
-        for e in prof.profiler.kineto_results.events()
+        for e in events
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
     ]
-    events.sort(key=lambda e: e.start_ns())
-    run = peak = 0
-    for e in events:
+    memory.sort(key=lambda e: e.start_ns())
+    label = labels[0]
+    peaks = {label: 0}
+    run = 0
+    k = 0
+    for e in memory:
+        while k < len(starts) and e.start_ns() >= starts[k][0]:
+            label = starts[k][1]
+            peaks[label] = run
+            k += 1
         run += e.nbytes()
-        peak = max(peak, run)
-    return peak
+        peaks[label] = max(peaks[label], run)
+    for _, later in starts[k:]:  # nothing allocated after it: what it held when it began
+        peaks[later] = run
+    return peaks

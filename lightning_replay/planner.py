@@ -60,6 +60,7 @@ __all__ = [
     "Plan",
     "InfeasibleBudget",
     "predicted_peak",
+    "peak_terms",
     "plan",
     "min_feasible_budget",
     "costs_to_dict",
@@ -495,7 +496,9 @@ class _Seg:
         return min(pool, key=lambda k: (self.mem[k], self.time[k], k))
 
 
-def _table(costs: Sequence[SegmentCost]) -> list[_Seg]:
+def _table(
+    costs: Sequence[SegmentCost], replay_extra: Mapping[str, int] | None = None
+) -> list[_Seg]:
     if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence):
         raise TypeError(
             f"costs must be a sequence of SegmentCost in forward order, got {type(costs).__name__}"
@@ -511,6 +514,7 @@ def _table(costs: Sequence[SegmentCost]) -> list[_Seg]:
             )
         seen.add(seg.name)
         names = tuple(seg.options)
+        more = 0 if not replay_extra else int(replay_extra.get(seg.name, 0))
         table.append(
             _Seg(
                 name=seg.name,
@@ -518,10 +522,19 @@ def _table(costs: Sequence[SegmentCost]) -> list[_Seg]:
                 names=names,
                 mem=tuple(seg.options[o].memory for o in names),
                 time=tuple(seg.options[o].time for o in names),
-                replay=tuple(o != "retain" for o in names),
+                # with measured extras, a retained segment's backward is a moment of its own:
+                # what it holds (in the prefix) + what its backward adds
+                replay=tuple(o != "retain" or replay_extra is not None for o in names),
                 capture=tuple(seg.options[o].capture for o in names),
                 acts=tuple(
-                    seg.activation_bytes if seg.options[o].replay is None else seg.options[o].replay
+                    more
+                    if o == "retain" and replay_extra is not None
+                    else more
+                    + (
+                        seg.activation_bytes
+                        if seg.options[o].replay is None
+                        else seg.options[o].replay
+                    )
                     for o in names
                 ),
             )
@@ -543,14 +556,74 @@ def _without_capture(seg: _Seg) -> _Seg | None:
     )
 
 
-def _peak(table: Sequence[_Seg], picks: Sequence[int], base: int) -> int:
+def _peak(
+    table: Sequence[_Seg], picks: Sequence[int], base: int, forward_extra: int = 0, floor: int = 0
+) -> int:
     prefix = 0
     replay_peak = 0
     for seg, k in zip(table, picks):
         prefix += seg.mem[k]
         if seg.replay[k]:
             replay_peak = max(replay_peak, prefix + seg.acts[k])
-    return base + max(prefix, replay_peak)
+    return max(base + max(prefix + forward_extra, replay_peak), floor)
+
+
+def peak_terms(
+    costs: Sequence[SegmentCost], choices: Mapping[str, str]
+) -> tuple[int, dict[str, int]]:
+    """The moments of :func:`predicted_peak`'s formula for ``choices``, base left out: the
+    bytes the segments hold when the forward ends (``sum_s memory(s, o_s)``), and per
+    replayed segment its replay (``sum_{j<=s} memory(j, o_j) + A(s)``). A measured step's real
+    peak per phase is paired with these.
+
+    Example:
+        >>> costs = [
+        ...     SegmentCost("a", 50, {"retain": Option(50, 0.0), "whole": Option(10, 1.0)}),
+        ...     SegmentCost("b", 80, {"retain": Option(80, 0.0), "whole": Option(20, 1.0)}),
+        ... ]
+        >>> peak_terms(costs, {"a": "whole", "b": "retain"})  # 10 + 80; a's replay 10 + 50
+        (90, {'a': 60})
+    """
+    table = _table(costs)
+    prefix = 0
+    replays: dict[str, int] = {}
+    for seg, k in zip(table, _picks_from_choices(table, choices)):
+        prefix += seg.mem[k]
+        if seg.replay[k]:
+            replays[seg.name] = prefix + seg.acts[k]
+    return prefix, replays
+
+
+def _with_forward_extra(table: Sequence[_Seg], forward_extra: int) -> list[_Seg]:
+    """``table`` with a last, retained pseudo-segment holding ``forward_extra`` bytes: what a
+    step holds beyond the segments when their forward ends (the loss, the head's temporaries),
+    charged at that moment only, never under an earlier replay."""
+    if not forward_extra:
+        return list(table)
+    tail = _Seg(
+        name="",
+        act=0,
+        names=("retain",),
+        mem=(forward_extra,),
+        time=(0.0,),
+        replay=(False,),
+        capture=(False,),
+    )
+    return [*table, tail]
+
+
+def _check_phase(forward_extra: object, floor: object, replay_extra: object) -> tuple[int, int]:
+    if replay_extra is not None:
+        if not isinstance(replay_extra, Mapping):
+            raise TypeError(
+                f"replay_extra must map segment names to bytes, got {type(replay_extra).__name__}"
+            )
+        for name, nbytes in replay_extra.items():
+            _check_int_bytes(f"replay_extra[{name!r}]", nbytes)
+    return (
+        _check_int_bytes("forward_extra", forward_extra),
+        _check_int_bytes("floor", floor),
+    )
 
 
 def _extra_time(table: Sequence[_Seg], picks: Sequence[int], capture_time: float = 0.0) -> float:
@@ -565,7 +638,13 @@ def _extra_time(table: Sequence[_Seg], picks: Sequence[int], capture_time: float
 
 
 def predicted_peak(
-    costs: Sequence[SegmentCost], choices: Mapping[str, str], base_memory: int = 0
+    costs: Sequence[SegmentCost],
+    choices: Mapping[str, str],
+    base_memory: int = 0,
+    *,
+    forward_extra: int = 0,
+    floor: int = 0,
+    replay_extra: Mapping[str, int] | None = None,
 ) -> int:
     """Predict the peak memory, in bytes, of running ``costs`` with ``choices``.
 
@@ -574,9 +653,17 @@ def predicted_peak(
         choices: Segment name to option name, one entry for every segment.
         base_memory: Bytes held outside the segments (parameters, gradients, optimizer state,
             unsegmented activations).
+        forward_extra: Bytes held beyond ``base_memory`` only while the segments' forward
+            ends and before the first replay (the loss and head temporaries a measured step
+            held there beyond what it held at its replays).
+        floor: A peak no choice goes under (a measured step's optimizer phase).
+        replay_extra: Segment name to bytes held at its replay beyond ``base_memory`` and its
+            activations (what a measured step held there: backward's temporaries, the
+            gradients made by then), added to that segment's replay term.
 
     Returns:
-        ``base + max(sum_s memory(s, o_s), max over replayed s of (sum_{j<=s} memory(j, o_j) + A(s)))``.
+        ``max(base + max(sum_s memory(s, o_s) + forward_extra, max over replayed s of
+        (sum_{j<=s} memory(j, o_j) + A(s))), floor)``.
 
     Raises:
         ValueError: If a segment has no choice, a choice names an unknown segment, or an
@@ -592,9 +679,10 @@ def predicted_peak(
         >>> predicted_peak(costs, {"a": "retain", "b": "whole"}, base_memory=5)  # 5 + 50 + 20 + 80
         155
     """
-    table = _table(costs)
+    extra, floor = _check_phase(forward_extra, floor, replay_extra)
+    table = _table(costs, replay_extra)
     base = _check_int_bytes("base_memory", base_memory)
-    return _peak(table, _picks_from_choices(table, choices), base)
+    return _peak(table, _picks_from_choices(table, choices), base, extra, floor)
 
 
 def _picks_from_choices(table: Sequence[_Seg], choices: Mapping[str, str]) -> list[int]:
@@ -912,7 +1000,7 @@ def _selective_all(table: Sequence[_Seg]) -> Iterator[list[int]]:
 def _fixed_regions(table: Sequence[_Seg]) -> Iterator[list[int]]:
     picks = []
     for seg in table:
-        replayed = [k for k, r in enumerate(seg.replay) if r]
+        replayed = [k for k, o in enumerate(seg.names) if o != "retain"]
         picks.append(seg.lowest_memory(replayed) if replayed else 0)
     yield picks
 
@@ -975,10 +1063,11 @@ def _check_budget(budget: object) -> int:
     return _check_int_bytes("budget", budget)
 
 
-def _check_size(table: Sequence[_Seg], budget: int, base: int) -> None:
+def _check_size(table: Sequence[_Seg], budget: int, base: int, more: int = 0) -> None:
     total = (
         budget
         + base
+        + more
         + sum(max(seg.mem) for seg in table)
         + max((max((seg.act,) + seg.acts) for seg in table), default=0)
     )
@@ -1042,6 +1131,10 @@ def plan(
     base_memory: int = 0,
     method: str = "joint",
     allowed: Mapping[str, Iterable[str]] | None = None,
+    *,
+    forward_extra: int = 0,
+    floor: int = 0,
+    replay_extra: Mapping[str, int] | None = None,
 ) -> Plan:
     """Choose one option per segment so the predicted peak fits ``budget``, as fast as possible.
 
@@ -1067,6 +1160,9 @@ def plan(
               lowest-memory option.
         allowed: Segment name to the options it may take (a preservation pin); every method
             chooses only among those. Segments not named may take any measured option.
+        forward_extra, floor, replay_extra: As in :func:`predicted_peak`: bytes held beyond
+            the base at the forward's end only, a peak no plan goes under, and bytes held at
+            each segment's replay beyond its activations.
 
     Returns:
         The :class:`Plan`.
@@ -1093,29 +1189,35 @@ def plan(
         >>> plan(costs, budget=220, allowed={"b0": {"retain"}}).choices  # b0 pinned to retain
         {'b0': 'retain', 'b1': 'regions', 'b2': 'retain'}
     """
-    full = _table(costs)
+    extra, floor = _check_phase(forward_extra, floor, replay_extra)
+    full = _table(costs, replay_extra)
     budget = _check_budget(budget)
     base = _check_int_bytes("base_memory", base_memory)
     method = _check_method(method)
-    _check_size(full, budget, base)
+    _check_size(full, budget, base, extra + floor)
     restricted, pins = _restrict(costs, allowed)
-    table = _table(restricted) if pins else full
+    table = _table(restricted, replay_extra) if pins else full
     capture_time = _capture_time(costs)
     if method == "joint":
-        picks = _joint_with_capture(table, budget - base, capture_time)
+        picks = None
+        if floor <= budget:
+            picks = _joint_with_capture(
+                _with_forward_extra(table, extra), budget - base, capture_time
+            )
         if picks is None:
             raise InfeasibleBudget(
                 budget,
-                base + _joint_min_cap(table),
+                _joint_min(table, base, extra, floor),
                 method,
                 pins=pins,
-                unpinned_min_feasible=base + _joint_min_cap(full) if pins else None,
+                unpinned_min_feasible=_joint_min(full, base, extra, floor) if pins else None,
             )
+        picks = picks[: len(table)]
     else:
         picks = None
         lowest = None
         for candidate in _BASELINES[method](table):
-            peak = _peak(table, candidate, base)
+            peak = _peak(table, candidate, base, extra, floor)
             if peak <= budget:
                 picks = candidate
                 break
@@ -1126,13 +1228,15 @@ def plan(
                 budget,
                 lowest,
                 method,
-                base + _joint_min_cap(table),
+                _joint_min(table, base, extra, floor),
                 pins=pins,
-                unpinned_min_feasible=_baseline_min(full, base, method) if pins else None,
+                unpinned_min_feasible=_baseline_min(full, base, method, extra, floor)
+                if pins
+                else None,
             )
     return Plan(
         choices={seg.name: seg.names[k] for seg, k in zip(table, picks)},
-        peak_memory=_peak(table, picks, base),
+        peak_memory=_peak(table, picks, base, extra, floor),
         extra_time=_extra_time(table, picks, capture_time),
         method=method,
         budget=budget,
@@ -1140,8 +1244,15 @@ def plan(
     )
 
 
-def _baseline_min(table: Sequence[_Seg], base: int, method: str) -> int:
-    return min(_peak(table, picks, base) for picks in _BASELINES[method](table))
+def _baseline_min(
+    table: Sequence[_Seg], base: int, method: str, extra: int = 0, floor: int = 0
+) -> int:
+    return min(_peak(table, picks, base, extra, floor) for picks in _BASELINES[method](table))
+
+
+def _joint_min(table: Sequence[_Seg], base: int, extra: int = 0, floor: int = 0) -> int:
+    """The lowest predicted peak of any plan over ``table``."""
+    return max(base + _joint_min_cap(_with_forward_extra(table, extra)), floor)
 
 
 def min_feasible_budget(
@@ -1149,6 +1260,10 @@ def min_feasible_budget(
     base_memory: int = 0,
     method: str = "joint",
     allowed: Mapping[str, Iterable[str]] | None = None,
+    *,
+    forward_extra: int = 0,
+    floor: int = 0,
+    replay_extra: Mapping[str, int] | None = None,
 ) -> int:
     """The smallest budget, in bytes and base memory included, that ``method`` can meet.
 
@@ -1167,16 +1282,17 @@ def min_feasible_budget(
         210
         >>> # would hold b0's 100 + its own 40 + 100 re-materialized; retaining b1 holds only 200
     """
-    table = _table(costs)
+    extra, floor = _check_phase(forward_extra, floor, replay_extra)
+    table = _table(costs, replay_extra)
     base = _check_int_bytes("base_memory", base_memory)
     method = _check_method(method)
-    _check_size(table, 0, base)
+    _check_size(table, 0, base, extra + floor)
     restricted, pins = _restrict(costs, allowed)
     if pins:
-        table = _table(restricted)
+        table = _table(restricted, replay_extra)
     if method == "joint":
-        return base + _joint_min_cap(table)
-    return _baseline_min(table, base, method)
+        return _joint_min(table, base, extra, floor)
+    return _baseline_min(table, base, method, extra, floor)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import warnings
 import re
 import random
 import sys
+import types
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -119,6 +120,8 @@ class _Probe:
         self.start_index: StateIndex | None = None  # the model's state names at its start
         self.host: list = []  # (HostRNG, state at its start) of those its forward drew from
         self.sparse_reads: list[str] = []  # the model's sparse tensors its forward read
+        self.script_calls: list[str] = []  # TorchScript functions its forward called
+        self.stateful_hooks: list[str] = []  # state of the user's pack hooks it changed
         self.replay_done = False  # (replayed) its replay has run: nothing more needs its data
 
     def release(self) -> None:
@@ -180,6 +183,80 @@ class _HostReads:
             else:
                 setattr(torch.Tensor, name, orig)
         self._saved = []
+
+
+class _ScriptCalls:
+    """While a probe's forward runs: the TorchScript functions and methods it calls
+    (``@torch.jit.script``/``torch.jit.trace`` functions, however reached: a global, an
+    attribute, an argument). TorchScript's optimising executor compiles a function anew after
+    a number of calls, and a replay adds calls: a replay may run another compiled graph than
+    the forward did, with other last bits (measured 2.2e-7). Such a segment is kept retained
+    (exact, no replay) instead."""
+
+    def __init__(self) -> None:
+        self.called: set[str] = set()
+        self._saved: list[tuple[type, Any]] = []
+
+    def __enter__(self) -> "_ScriptCalls":
+        for cls in (torch._C.ScriptFunction, torch._C.ScriptMethod):
+            orig = cls.__call__
+            self._saved.append((cls, orig))
+            cls.__call__ = self._watch(orig)
+        return self
+
+    def _watch(self, fn: Callable) -> Callable:
+        called = self.called
+
+        def watched(f: Any, *args: Any, **kwargs: Any) -> Any:
+            # (with the optimising executor off, ``torch.jit.optimized_execution(False)``,
+            # every call runs the same graph: a replay is exact)
+            if torch._C._get_graph_executor_optimize():
+                called.add(getattr(f, "qualified_name", None) or getattr(f, "name", "?"))
+            return fn(f, *args, **kwargs)
+
+        return watched
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, orig in reversed(self._saved):
+            cls.__call__ = orig
+        self._saved = []
+
+
+def _hook_state(hooks: tuple | None) -> list[tuple[str, Any]]:
+    """(label, token) of the Python state the user's saved-tensor hooks can rebind: the
+    attributes of a bound method's object (or of a callable object) and a closure's cells,
+    plain values by value and the rest by identity. A pack hook that rebinds its state while
+    it packs (a running scale) packs a replay's tensors, in backward, with other state than
+    the forward's. (Containers are compared by identity: a store that an offloading hook
+    appends to is not state its packed values depend on.)"""
+    out: list[tuple[str, Any]] = []
+    for fn in hooks or ():
+        f = getattr(fn, "__func__", fn)
+        mod = getattr(f, "__module__", None) or ""
+        if mod.startswith(("torch.", "lightning_replay")):
+            continue  # (checkpoint's, the engine's own)
+        owner = getattr(fn, "__self__", None)
+        if owner is None and not isinstance(fn, types.FunctionType):
+            owner = fn  # a callable object
+        if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+            for k, v in list(vars(owner).items()):
+                out.append((f"{type(owner).__name__}.{k}", _value_token(v)))
+        code = getattr(f, "__code__", None)
+        for name, cell in zip(
+            code.co_freevars if code else (), getattr(f, "__closure__", None) or ()
+        ):
+            try:
+                v = cell.cell_contents
+            except ValueError:
+                continue
+            out.append((f"{getattr(f, '__qualname__', 'hook')}.{name}", _value_token(v)))
+    return out
+
+
+def _value_token(v: Any) -> Any:
+    if isinstance(v, (bool, int, float, complex, str, bytes, type(None))):
+        return ("value", repr(v))
+    return ("id", id(v))
 
 
 class _SparseStateReads(TorchDispatchMode):
@@ -523,7 +600,17 @@ class SegmentProbe:
         input_keys = {k for k in leaf_keys if k}
         params = {k for k in (storage_key(p) for p in eng.model.parameters()) if k is not None}
         start_index = StateIndex(eng.model)  # who held each storage when it began
-        uncopied = {k for k in input_keys if not start_index.lookup(k)} if replayed else ()
+        # A replayed probe does not copy the arguments that are no model state (the window's
+        # activations, kept alive by the call anyway) ... except those made outside autograd
+        # (a batch, a detached tensor): the step may write one in place before backward
+        # (``x.mul_(0.5)`` after the forward), where no capture sees it, and its replay must
+        # read the forward's bytes
+        fresh = {storage_key(t) for t in leaves if t.grad_fn is None}
+        uncopied = (
+            {k for k in input_keys if not start_index.lookup(k) and k not in fresh}
+            if replayed
+            else ()
+        )
         mode = DiscoveryMode(eng.log, input_keys, params - input_keys, uncopied)
         slots = capture_slots(self.modules)
         # State the dispatch mode may never see read (host reads such as .tolist(), reads
@@ -578,10 +665,14 @@ class SegmentProbe:
         peeked = _GlobalStateReads()
         sparse = _sparse_state(eng.model, self.modules)
         sparse_reads = _SparseStateReads(sparse) if sparse else contextlib.nullcontext()
+        scripts = _ScriptCalls()
         # module-level plain values the segment's code names, as before its forward
         glob = [
             (mod, name, _at_forward(mod.__dict__[name])) for mod, name in globals_read(self.modules)
         ]
+        # the user's own saved-tensor hooks, and the state they can rebind, as at its start
+        hooks = (box or {}).get("user") if replayed else user_saved_hooks(eng)
+        hook_state = _hook_state(hooks)
         eng._segment_depth += 1
         probe.running = True
         try:
@@ -594,6 +685,7 @@ class SegmentProbe:
                 peeked,
                 _HostReads(mode),
                 sparse_reads,
+                scripts,
                 comparisons() as compared,
             ):
                 out = self.orig_forward(*args, **kwargs)
@@ -644,6 +736,11 @@ class SegmentProbe:
         self.input_bytes = _unique_bytes(leaves)
         if sparse and sparse_reads.read:
             probe.sparse_reads = sorted(sparse_reads.read)
+        probe.script_calls = sorted(scripts.called)
+        if hook_state:
+            probe.stateful_hooks = [
+                k for (k, v), (_, w) in zip(hook_state, _hook_state(hooks)) if v != w
+            ]
         self.probes.append(probe)
         if box is not None:
             box["probe"] = probe
@@ -677,6 +774,8 @@ class SegmentProbe:
         # checkpoint would save them and refuse one written in place since (a view of state
         # written after the segment, an input the segment writes itself). Their bytes as the
         # forward saw them are the probe's first-touch copies, put back for the replay.
+        box["user"] = user
+
         def fn(*_device: Any) -> Any:
             replay = box.get("replay")
             if replay is None:
@@ -859,6 +958,10 @@ class SegmentProbe:
             uses_rng |= p.mode.uses_global_rng
             if p.sparse_reads and not self.demoted:
                 self._keep_for_sparse(p)
+            if p.script_calls and not self.demoted:
+                self._keep_for_script(p)
+            if p.stateful_hooks and not self.demoted:
+                self._keep_for_hook(p)
             gens.update(p.mode.generators)
             host.update((id(r.obj), r) for r, _ in p.host)
             changed_attrs.update(p.changed_attrs)
@@ -961,6 +1064,62 @@ class SegmentProbe:
             "strided storage to preserve, and an in-place op on it reallocates its values, so "
             "the segment keeps its activations (retain, exact) instead of replaying. Keep the "
             "sparse tensor dense, or pass it to the segment as an argument, to replay it.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _keep_for_script(self, probe: _Probe) -> None:
+        """The probe's forward called TorchScript functions, whose optimising executor may
+        run a replay through another compiled graph than the forward (the replay adds calls):
+        the segment keeps its activations from now on (exact), recorded and warned once."""
+        eng = self.engine
+        self.demoted = True
+        names = ", ".join(probe.script_calls[:4])
+        eng.records.append(
+            step=probe.step,
+            segment=self.name,
+            contract_version=self.version + 1,
+            check="probe",
+            outcome="rejection",
+            detail={"what": f"calls TorchScript {names}", "action": "retain"},
+        )
+        warnings.warn(
+            f"segment {self.name!r} calls TorchScript ({names}): TorchScript's optimising "
+            "executor compiles a function anew after a number of calls, and a replay adds "
+            "calls, so a replay may compute other last bits than the forward did. The segment "
+            "keeps its activations (retain, exact) instead of replaying. Call the eager Python "
+            "function inside segments (script it for deployment afterwards) to replay it.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _user_hooks_have_state(self) -> bool:
+        """Whether the user's saved-tensor hooks active now hold Python state they could
+        rebind while packing (see :func:`_hook_state`)."""
+        return bool(_hook_state(user_saved_hooks(self.engine)))
+
+    def _keep_for_hook(self, probe: _Probe) -> None:
+        """The user's pack hook rebound its own state while the probe's forward packed (a
+        running scale): a replay packs its tensors in backward, with the state left by every
+        later pack, so its values would differ. The segment keeps its activations from now on
+        (exact: the hook packs them in forward, as in plain training), recorded and warned."""
+        eng = self.engine
+        self.demoted = True
+        names = ", ".join(probe.stateful_hooks[:4])
+        eng.records.append(
+            step=probe.step,
+            segment=self.name,
+            contract_version=self.version + 1,
+            check="probe",
+            outcome="rejection",
+            detail={"what": f"saved-tensor hook changes its state {names}", "action": "retain"},
+        )
+        warnings.warn(
+            f"segment {self.name!r}: the saved-tensor hook around it changed its own state "
+            f"while packing ({names}): a replay packs its tensors in backward, after every "
+            "other pack, so a hook whose packed values depend on that state would pack them "
+            "differently. The segment keeps its activations (retain, exact) instead of "
+            "replaying. Make the pack hook pure (no state its result depends on) to replay.",
             RuntimeWarning,
             stacklevel=2,
         )

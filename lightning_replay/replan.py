@@ -155,9 +155,15 @@ class ReplanPolicy:
         ):
             # the step's peak in the budget's terms: the CUDA allocator's is real; the
             # accountant's (CPU) plus what a measured step held beyond it (0 without
-            # real_peak), the residual the plan's own prediction holds in its base
-            real = peak if engine.peak_is_allocator else peak + engine.unaccounted_bytes
+            # real_peak), the residual the plan's own prediction holds in its base; no less than
+            # the prediction, which charges what measured phases held beyond it at their own
+            # moments (a plan predicted over the budget no longer fits it)
             predicted = engine.plan.peak_memory
+            real = (
+                peak
+                if engine.peak_is_allocator
+                else max(peak + engine.unaccounted_bytes, predicted)
+            )
             if real > budget or abs(real - predicted) > s.memory_headroom * budget:
                 out.add("memory")
         if (

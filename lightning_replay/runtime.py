@@ -134,6 +134,8 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.divergences = 0
         self.reprobes = 0
         self.reactions = 0
+        # (op, call) pairs of a selective forward found written after their op: not kept
+        self.sac_skip: set[tuple[str, int]] = set()
         self.last_preserved_bytes = 0
         self.order = -1
         self.planned_option: str | None = None
@@ -246,10 +248,18 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         for the lowest-memory plan) a probe step that kept every segment's activations would
         peak above a plain step. A segment pinned to
         ``retain``, demoted, or whose replayed probe diverged is probed retained, and so is
-        every probe of a derivative-checked step (its reference keeps the graphs anyway)."""
+        every probe of a derivative-checked step (its reference keeps the graphs anyway), and
+        of a segment whose code names a TorchScript function (its replay may run another
+        compiled graph than its forward: probe.SegmentProbe._keep_for_script), or that runs
+        under a user's saved-tensor hook with state of its own (seen rebound only where the hook
+        packs in the forward: probe.SegmentProbe._keep_for_hook)."""
         eng = self.engine
+        if getattr(self, "_calls_script", None) is None:
+            self._calls_script = _calls_script_function(self.modules)
         return (
             (eng.budget is not None or eng.config.budget.min)
+            and not self._calls_script
+            and not self._user_hooks_have_state()
             and not self.retained_probe
             and not self.demoted
             and self.preservation != "retain"
@@ -365,7 +375,19 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         # checkpoint modes run around the segment's own forward and, at backward, around its
         # replay inside the contract's replay context, so the ops that run again see the entry
         # state the contract swapped in (the engine's own work around them is not cached).
-        sac = SelectiveFrame(eng.config.selective_policy) if inv.option in SELECTIVE else None
+        sac = (
+            SelectiveFrame(eng.config.selective_policy, verify=eng._check_bytes, skip=self.sac_skip)
+            if inv.option in SELECTIVE
+            else None
+        )
+        if sac is None and self._measures_kept():
+            # an untimed warm-up step of a full replay measures what a selective forward
+            # would keep, so that the calibration of the selective options is fitted to the
+            # budget with it (the frame is dropped after the forward: the replay is a full one)
+            sac = SelectiveFrame(eng.config.selective_policy)
+            sac_full = True
+        else:
+            sac_full = False
         inner = [0.0, None]  # the forward's own seconds, checkpoint's frame
 
         def fn(*flat: Any) -> Any:
@@ -379,9 +401,13 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             if inv.replaying:
                 # the call as at the forward: argument objects rebuilt with their fields then
                 a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
-                if sac is not None:  # the kept outputs stand in for their ops
-                    with sac.recompute:
-                        return forward(*a, **kw)
+                if sac is not None and not sac_full:  # the kept outputs stand in for their ops
+                    try:
+                        with sac.recompute:
+                            return forward(*a, **kw)
+                    finally:  # (checkpoint's early stop leaves by an exception)
+                        if sac.events:  # kept outputs it could not use (see checks.py)
+                            self._kept_events(inv, sac.events, checked=False)
                 return forward(*a, **kw)
             a, kw = (flat, {}) if spec is None else (args, kwargs)  # the live objects
             eng._segment_depth += 1
@@ -447,7 +473,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                     fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
                 )
             if sac is not None and (eng.accountant is not None or eng.measure_costs):
-                self._charge_kept(inv, sac)
+                self._charge_kept(inv, sac, held=not sac_full)
             return out
         t0 = _timed_clock(eng)
         with plain_inputs:
@@ -456,7 +482,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             )
         inv.t_prep += _timed_clock(eng) - t0 - inner[0]
         if sac is not None:
-            self._charge_kept(inv, sac)
+            self._charge_kept(inv, sac, held=not sac_full)
         frame, inner[1] = inner[1], None  # (fn, which the frame keeps, must not keep it)
         if frame is not None:
             # per saved tensor: its pack hook now and its unpack hook in backward, which no
@@ -471,14 +497,32 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
             frame.recompute_fn = stamped
         return out
 
-    def _charge_kept(self, inv: _Invocation, frame: SelectiveFrame) -> None:
+    def _measures_kept(self) -> bool:
+        """Whether this call, a full replay on an untimed calibration step, measures what a
+        selective forward would keep (once, before the selective options are calibrated)."""
+        eng = self.engine
+        return (
+            eng.measure_costs
+            and eng._warmup
+            and eng.config.selective_policy is not None
+            and self.contract is not None
+            and self.contract.selective
+            and self.name not in eng.meter.selective_bytes
+        )
+
+    def _charge_kept(self, inv: _Invocation, frame: SelectiveFrame, held: bool = True) -> None:
         """The outputs a selective forward kept are held until its replay: the accountant
-        holds them for the invocation, the cost meter takes their bytes as the option's."""
+        holds them for the invocation, the cost meter takes their bytes as the option's.
+        ``held=False``: a measurement only (a full replay's forward ran under the frame), the
+        frame's cache is emptied now."""
         eng = self.engine
         kept = frame.kept_tensors()
         if eng.measure_costs:
             eng.meter.selective_bytes[self.name] = _unique_bytes(kept)
             eng.meter.selective_saved_bytes[self.name] = frame.kept_saved_bytes()
+        if not held:
+            frame.forward.storage.clear()
+            return
         acct = eng.accountant
         if acct is not None:
             for t in kept:
@@ -594,7 +638,8 @@ def _stacked(*ctxs: Any) -> Any:
 
 def _calls_script_function(modules: list[nn.Module], depth: int = 2) -> bool:
     """Whether the forwards of ``modules`` (or the Python functions they name, ``depth``
-    levels down) name a ``torch.jit.ScriptFunction`` in their globals."""
+    levels down) name a ``torch.jit.ScriptFunction`` in their globals, or the modules hold
+    one as an attribute."""
     seen: set[int] = set()
 
     def names(fn: Any, level: int) -> bool:
@@ -616,6 +661,9 @@ def _calls_script_function(modules: list[nn.Module], depth: int = 2) -> bool:
                     return True
         return False
 
+    # a scripted function kept as a module attribute (``self.act = torch.jit.script(fn)``)
+    if any(isinstance(v, torch.jit.ScriptFunction) for m in modules for v in vars(m).values()):
+        return True
     # (every class's own forward: the segment's class is swapped for a replaying subclass)
     return any(names(vars(cls).get("forward"), 0) for m in modules for cls in type(m).__mro__)
 

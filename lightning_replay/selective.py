@@ -39,18 +39,35 @@ Example:
 from __future__ import annotations
 
 import inspect
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
+from lightning_replay.state import digests
+
+try:  # the ops neither mode caches nor counts (torch's own list)
+    from torch.utils.checkpoint import SAC_IGNORED_OPS as _IGNORED
+except ImportError:  # pragma: no cover - older torch
+    _IGNORED = frozenset()
+try:  # the cache's key of a call (an op; a compiled region has one per region)
+    from torch.utils.checkpoint import _sac_storage_key
+except ImportError:  # pragma: no cover - older torch keys by op
+
+    def _sac_storage_key(func: Any, args: tuple) -> Any:
+        return func
+
+
 __all__ = [
     "POLICIES",
     "SAVED_OPS",
+    "KeptEvent",
     "SelectiveFrame",
     "checkpoint_kwargs",
     "make_policy",
@@ -155,6 +172,109 @@ def checkpoint_kwargs() -> dict[str, Any]:
     return dict(_CHECKPOINT_KWARGS)
 
 
+class KeptEvent:
+    """What a selective replay found wrong with one kept output, and did instead of using it
+    (it ran the op again, on the replay's own inputs, as a full replay does).
+
+    Attributes:
+        kind: ``"written"`` (written in place after its op, version counter moved: the
+            segment or the step writes into the product, a ``relu_`` after a linear);
+            ``"bytes"`` (its bytes changed since its op without a version bump: a ``.data``
+            write; seen only where the frame verifies, on checked steps); ``"arguments"`` (the
+            replay called the op with other tensor shapes than the forward did); ``"unmatched"``
+            (the replay called it more often than the forward: its ops ran in another order).
+        op: the op (``"aten.addmm.default"``).
+        call: which call of that op in the forward (from 0).
+        seen: what was seen, for a record.
+    """
+
+    __slots__ = ("call", "kind", "op", "seen")
+
+    def __init__(self, kind: str, op: str, call: int, seen: str) -> None:
+        self.kind, self.op, self.call, self.seen = kind, op, call, seen
+
+    def __repr__(self) -> str:
+        return f"KeptEvent({self.kind!r}, {self.op} #{self.call}: {self.seen})"
+
+    def describe(self) -> str:
+        """One line for a record: ``"kept output of aten.addmm.default #0: ..."``."""
+        return f"kept output of {self.op} #{self.call}: {self.seen}"
+
+
+def _signature(args: tuple) -> tuple:
+    return tuple((tuple(a.shape), a.dtype, a.device) for a in args if isinstance(a, torch.Tensor))
+
+
+def _wrapped(x: Any) -> bool:
+    """A cache entry's leaf (torch's ``_VersionWrapper``: the value and its version)."""
+    return hasattr(x, "get_val") and hasattr(x, "val")
+
+
+def _leaves(entry: Any) -> list:
+    """The wrapped tensors of a cache entry (none once consumed)."""
+    return [
+        leaf
+        for leaf in torch.utils._pytree.tree_leaves(entry)
+        if _wrapped(leaf) and isinstance(leaf.val, torch.Tensor)
+    ]
+
+
+def _store_items(store: Any) -> Any:
+    # torch >= 2.8 keeps each op's calls by index (a dict, ops it recomputes marked);
+    # older torch a list of the kept calls only
+    return store.values() if isinstance(store, dict) else store
+
+
+class _KeptReplay(TorchDispatchMode):
+    """The replay's mode of a :class:`SelectiveFrame`: a call the forward kept gets the kept
+    output, once its checks pass; every other op runs. Unlike torch's own, a kept output that
+    is stale (see :class:`KeptEvent`) is not used and does not raise: the op runs again, as in
+    a full replay, and the frame notes why."""
+
+    def __init__(self, frame: "SelectiveFrame") -> None:
+        super().__init__()
+        self.frame = frame
+        self.counter: dict = defaultdict(int)
+
+    def __enter__(self) -> Any:
+        self.counter.clear()  # a second replay (retain_graph) counts from the start again
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = {} if kwargs is None else kwargs
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        frame = self.frame
+        key = _sac_storage_key(func, args)
+        idx = self.counter[key]
+        self.counter[key] += 1
+        kept = frame._kept.get((key, idx))
+        if kept is None:  # recomputed by the policy (or a call the forward never made)
+            if frame._calls.get(key, 0) <= idx and frame._kept_ops.get(key):
+                frame._note("unmatched", func, idx, "the forward made fewer calls of this op")
+            return func(*args, **kwargs)
+        pos, sig = kept
+        store = frame.forward.storage.get(key)
+        entry = store[pos if isinstance(store, list) else idx] if store is not None else None
+        leaves = _leaves(entry)
+        if not leaves:  # consumed by an earlier replay of this call
+            return func(*args, **kwargs)
+        # consumed: the kept tensors go as the replay uses them (as in torch's own mode)
+        store[pos if isinstance(store, list) else idx] = None
+        why = None
+        if _signature(args) != sig:
+            why = ("arguments", f"called with {_signature(args)}, at the forward with {sig}")
+        elif any(w.version is not None and w.val._version != w.version for w in leaves):
+            why = ("written", "written in place after its op (its version counter moved)")
+        elif frame.verify and (key, idx) in frame._digests:
+            if digests([w.val for w in leaves]) != frame._digests[(key, idx)]:
+                why = ("bytes", "its bytes changed since its op, without a version bump")
+        if why is not None:
+            frame._note(why[0], func, idx, why[1])
+            return func(*args, **kwargs)
+        return torch.utils._pytree.tree_map(lambda x: x.val if _wrapped(x) else x, entry)
+
+
 class SelectiveFrame:
     """The pair of dispatch modes of one selective call, and the outputs it keeps.
 
@@ -163,17 +283,68 @@ class SelectiveFrame:
     recompute mode hands them to the replay. Owns nothing past the call: the cache is
     emptied as the replay consumes it, and the frame goes with the checkpoint that holds it.
 
+    The replay's mode checks each kept output before it stands in for its op: the op's tensor
+    arguments must have the forward's shapes, the output must not have been written in place
+    since (its version counter), and, where ``verify`` is set, its bytes must be those the op
+    produced (a digest taken as the op ran: catches writes that bump no version). A kept output
+    that fails is not used; the op runs again and :attr:`events` says why.
+
     Args:
         policy: one of :data:`POLICIES`.
+        verify: digest each kept output as its op runs, and compare at the replay (checked
+            steps: it costs a hash of every kept output).
+        skip: ``(op name, call)`` pairs never to keep (calls found written in place before:
+            keeping them costs memory for nothing).
     """
 
-    __slots__ = ("forward", "recompute", "saved")
+    __slots__ = (
+        "_calls",
+        "_digests",
+        "_kept",
+        "_kept_ops",
+        "events",
+        "forward",
+        "recompute",
+        "saved",
+        "verify",
+    )
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, *, verify: bool = False, skip: Any = frozenset()) -> None:
         self.saved: set | None = None  # storages autograd saved in the forward, if watched
-        self.forward, self.recompute = create_selective_checkpoint_contexts(make_policy(policy))
+        self.verify = verify
+        self.events: list[KeptEvent] = []
+        self._kept: dict = {}  # (key, call) -> (position among the op's kept calls, arguments)
+        self._kept_ops: dict = defaultdict(int)  # key -> calls kept
+        self._calls: dict = defaultdict(int)  # key -> calls seen in the forward
+        self._digests: dict = {}
+        inner = make_policy(policy)
+        save = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+        def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            key = _sac_storage_key(func, args)
+            idx = self._calls[key]
+            self._calls[key] += 1
+            p = inner(ctx, func, *args, **kwargs)
+            if p not in save:
+                return p
+            if skip and (str(func), idx) in skip:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            self._kept[(key, idx)] = (self._kept_ops[key], _signature(args))
+            self._kept_ops[key] += 1
+            out = getattr(ctx, "op_output", None)
+            if verify and out is not None:
+                self._digests[(key, idx)] = digests(
+                    [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                )
+            return p
+
+        self.forward, _ = create_selective_checkpoint_contexts(policy_fn)
+        self.recompute = _KeptReplay(self)
         if _CHECKPOINT_KWARGS:  # entered by the caller, not by checkpoint: say it here
             self.forward.respect_saved_tensors_hooks = False
+
+    def _note(self, kind: str, func: Any, call: int, seen: str) -> None:
+        self.events.append(KeptEvent(kind, str(func), call, seen))
 
     def contexts(self) -> tuple[Any, Any]:
         """``context_fn`` for a checkpoint call with nothing else around the replay."""
@@ -183,12 +354,10 @@ class SelectiveFrame:
         """The tensors the forward kept for the replay (each storage once)."""
         out: list[torch.Tensor] = []
         seen: set = set()
-        for entries in self.forward.storage.values():
-            for entry in entries.values():
-                for leaf in torch.utils._pytree.tree_leaves(entry):
-                    t = getattr(leaf, "val", None)
-                    if not isinstance(t, torch.Tensor):
-                        continue
+        for store in self.forward.storage.values():
+            for entry in _store_items(store):
+                for leaf in _leaves(entry):
+                    t = leaf.val
                     key = (str(t.device), t.untyped_storage().data_ptr())
                     if key not in seen:
                         seen.add(key)

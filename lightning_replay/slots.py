@@ -53,7 +53,10 @@ SCALAR_TYPES = (
 
 #: nn.Module's own bookkeeping in ``__dict__`` (the parameter, buffer and submodule dicts and
 #: the hook dicts below are handled separately).
-MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"} | {
+    "_lightning_replay_runtime",  # an installed module's runtime, see installation.RUNTIME_KEY
+    "_lightning_replay_engine",
+}
 
 #: A module's hook dicts that a forward (and so a replay) runs, or whose backward it builds
 HOOK_DICTS = (

@@ -324,18 +324,10 @@ def _baseline():
     yield
 
 
-#: cases seen failing only in the full suite's order (see their mark)
-_ORDER_DEPENDENT = {"stateful", "missed", "kitchen_sink"}
-_MEM_XFAIL: dict[str, str] = {
-    "checked_exception": (
-        "measured: derivative checks on every step + one step (step 2) whose second segment "
-        "raises: 768.0 KiB more than torch checkpoint held 3 steps later (no budget and "
-        "budget='min'), and 9 tensors (the first segment's saved activations [512, 64], "
-        "[512, 128] x 2, parameters' copies) alive after uninstall + del model/opt with gc off. "
-        "Holder: the `record` list of checks._saving_counted's `pack` closure (the `saved` list "
-        "of SegmentRuntime._checked_call / _CheckBox) of the segment checked before the raise"
-    )
-}
+#: none now: the checked segment's saving hook (checks._saving_counted's ``pack``, which autograd
+#: keeps with what it packed in the graph the raise left) held its recorded tensors; it lets go
+#: of them when its block ends
+_MEM_XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(
@@ -343,17 +335,6 @@ _MEM_XFAIL: dict[str, str] = {
     [
         pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_MEM_XFAIL[c]))
         if c in _MEM_XFAIL
-        else pytest.param(
-            c,
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="in the full suite's order only: after earlier test files in one "
-                "process, the blocks' parameters ((128, 64), (128,), ...) stay alive after "
-                "uninstall with gc off (stateful/none, missed/min, kitchen_sink/min); alone "
-                "it passes; holder not found yet",
-            ),
-        )
-        if c in _ORDER_DEPENDENT
         else c
         for c in MEM_CASES
     ],
@@ -513,9 +494,6 @@ def referee():
 
 
 _BUDGET_XFAIL: dict[str, str] = {
-    "one_huge_segment": "measured: InfeasibleBudget at the first plan (engine._maybe_plan -> replan -> planner): budget 5027416 B (the higher of plain's and torch checkpoint's whole-process peaks: both meet it; checkpointing saves nothing for this shape), the engine predicts its lowest plan at 5543512 B (1.103 x), while budget='min' really peaks at torch checkpoint's figure: the min-plan prediction overestimates",
-    "many_tiny_segments": "measured: InfeasibleBudget at the first plan (engine._maybe_plan -> replan -> planner): budget 11147692 B (the higher of plain's and torch checkpoint's whole-process peaks: both meet it; checkpointing saves nothing for this shape), the engine predicts its lowest plan at 11666924 B (1.047 x), while budget='min' really peaks at torch checkpoint's figure: the min-plan prediction overestimates",
-    "huge_input_tiny_activations": "measured: InfeasibleBudget at the first plan (engine._maybe_plan -> replan -> planner): budget 10483352 B (the higher of plain's and torch checkpoint's whole-process peaks: both meet it; checkpointing saves nothing for this shape), the engine predicts its lowest plan at 10511064 B (1.0026 x), while budget='min' really peaks at torch checkpoint's figure: the min-plan prediction overestimates",
     "big_preserved_state": (
         "measured (i31-probe): halfway budget 8301192 B (plain 8.91 MiB, torch checkpoint 6.92); "
         "only the probe step is over: 8.64 MiB (1.092 x; 10.14 MiB, 1.28 x, before the region log "

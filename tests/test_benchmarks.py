@@ -200,7 +200,15 @@ def test_gpu_suite_smoke_writes_every_arm_without_wandb(tmp_path):
     against the budget kept from the first step, syncs counted, the JSON written; nothing on
     its import path needs wandb."""
     out = tmp_path / "gpu.json"
-    proc = _run_without_wandb(os.path.join(BENCH, "gpu_suite.py"), "--smoke", "--json", str(out))
+    proc = _run_without_wandb(
+        # (the selective arms and sweep: tests/test_selective_benchmarks.py)
+        os.path.join(BENCH, "gpu_suite.py"),
+        "--smoke",
+        "--selective",
+        "",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert set(r["models"]) == {"gpt2", "llama", "vit", "resnet50"}

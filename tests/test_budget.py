@@ -255,7 +255,9 @@ def test_install_resolves_a_fraction_against_the_models_device() -> None:
     assert engine.budget == engine.plan.budget == physical // 4
     engine.replan(budget="min")
     assert engine.budget is None
-    assert engine.plan.peak_memory == min_feasible_budget(engine.costs, engine.real_base_memory)
+    assert engine.plan.peak_memory == min_feasible_budget(
+        engine.costs, engine.real_base_memory, **engine.phase_peak_args
+    )
     engine.uninstall()
     with pytest.raises(
         lr.ReplayConfigError, match=r"budget=0\.5: device 'meta' has no known total memory"

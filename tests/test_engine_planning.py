@@ -26,6 +26,17 @@ from tests.helpers.torch_memory import whole_step_peak
 STEPS_TO_PLAN = 1 + 2 * 3 + 1  # probe, two calibration phases (warm-up + 2 steps), the plan
 
 
+@pytest.fixture(autouse=True)
+def _no_garbage_from_earlier_tests():
+    """The real peak counts the whole process: models earlier tests installed and dropped
+    without ``uninstall()`` are garbage the cyclic collector frees at a moment of its choosing
+    (since issue 31's fix; before, they lived for the process). Freed in the middle of a test,
+    they lower the process's base between the step a prediction was made on and the step it
+    is judged against (measured: 4562288 predicted vs 3737072 real, 22 % apart). Collect first."""
+    gc.collect()
+    yield
+
+
 def _model():
     torch.manual_seed(0)
     return QueueModel(rows=2048, dim=32, write_rows=32)
@@ -142,7 +153,11 @@ def test_a_budget_only_the_accountant_meets_is_refused_at_the_first_plan_with_th
         train_steps(m, _x, STEPS_TO_PLAN)
     assert e.plan is None and err.value.budget == budget
     lowest = err.value.min_feasible
-    assert lowest == min_feasible_budget(e.costs, e.real_base_memory, "joint") > budget
+    assert (
+        lowest
+        == min_feasible_budget(e.costs, e.real_base_memory, "joint", **e.phase_peak_args)
+        > budget
+    )
     # the real peak is the whole process's: the refused run's model (alive in the error's
     # traceback and, until uninstalled, in the engine's registry) would count in the next one's
     e.uninstall()
@@ -157,7 +172,7 @@ def test_a_budget_only_the_accountant_meets_is_refused_at_the_first_plan_with_th
 
 def test_replan_and_infeasible_budget(measured):
     m, e = _measure()
-    lo = min_feasible_budget(e.costs, e.real_base_memory, "joint")
+    lo = min_feasible_budget(e.costs, e.real_base_memory, "joint", **e.phase_peak_args)
     with pytest.raises(InfeasibleBudget) as err:
         e.replan(budget=lo - 1)
     assert err.value.min_feasible == lo
@@ -252,10 +267,10 @@ def test_checks_under_a_budget_stay_within_it_and_rotate():
     m, make = _sparse()
     e = lr.install(m, m.segments, budget=10**12)
     train_steps(m, make, STEPS_TO_PLAN)
-    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory))
+    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args))
     # the engine measures the new plan's first step (real peak, folded into the base)
     train_steps(m, make, 3)
-    lo = min_feasible_budget(e.costs, e.real_base_memory)
+    lo = min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args)
     e.replan(budget=lo)
     replayed = [n for n, o in e.plan.choices.items() if o != "retain"]
     by_name = {c.name: c for c in e.costs}
@@ -279,7 +294,7 @@ def test_checks_without_headroom_are_skipped_with_a_warning_and_no_budget_checks
 
     e = lr.install(m, m.segments, budget=10**12)
     train_steps(m, make, STEPS_TO_PLAN)
-    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory))
+    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args))
     with pytest.warns(RuntimeWarning, match="derivative check skipped"):
         seen = _checked_steps(m, e, make, 2)
     assert [s["checked"] for s in seen] == [[], []] and e.checks_skipped == 2
@@ -421,15 +436,17 @@ def test_a_check_with_no_room_beside_the_plan_runs_under_a_plan_for_its_step():
     m, make = _sparse()
     e = lr.install(m, m.segments, budget=10**12)
     train_steps(m, make, STEPS_TO_PLAN)
-    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory))
+    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args))
     train_steps(m, make, 3)  # the plan's first step is measured: the real base is known
     by_name = {c.name: c for c in e.costs}
-    lo = min_feasible_budget(e.costs, e.real_base_memory)
-    hi = predicted_peak(e.costs, {c.name: "retain" for c in e.costs}, e.real_base_memory)
+    lo = min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args)
+    hi = predicted_peak(
+        e.costs, {c.name: "retain" for c in e.costs}, e.real_base_memory, **e.phase_peak_args
+    )
     found = None
     for k in range(1, 40):
         budget = lo + (hi - lo) * k // 40
-        p = plan(e.costs, budget, e.real_base_memory)
+        p = plan(e.costs, budget, e.real_base_memory, **e.phase_peak_args)
         replayed = [n for n, o in p.choices.items() if o != "retain"]
         if not replayed or len(replayed) == len(p.choices):
             continue

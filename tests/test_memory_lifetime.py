@@ -285,9 +285,12 @@ def test_held_between_steps_is_torch_checkpoints(name, arm):
 @pytest.mark.parametrize("name,arm", ARMS)
 @pytest.mark.xfail(
     strict=False,
-    reason="in the full suite's order only (alone and with its own file it passes): after "
+    reason="seen in the full suite's order only (alone and with its own file it passes): after "
     "earlier test files in the same process, 40-60 zero-size float32 tensors made during the "
-    "run stay alive after uninstall with gc off; the holder is not found yet (issue 31)",
+    "run stayed alive after uninstall with gc off. One cause is fixed (a model installed and "
+    "never uninstalled by an earlier test lived for the process, see "
+    "tests/test_install_lifetime.py, and made test_adversary_memory_numerics's survivors); "
+    "whether it was this one's is not verified: no shorter order reproduced it (issue 31)",
 )
 def test_uninstall_leaves_no_tensor_alive_without_the_cyclic_collector(name, arm):
     """(b) After uninstall and ``del model, optimizer``, with the cyclic garbage collector off
@@ -301,18 +304,7 @@ def test_uninstall_leaves_no_tensor_alive_without_the_cyclic_collector(name, arm
     assert rep["engine"].model is None
 
 
-_LOWEST_PLAN_OVER = pytest.mark.xfail(
-    strict=True,
-    reason="issue 31, the lowest plan (not what outlives a step): on this Llama the min plan "
-    "retains the last block, whose activations are then held through the LM head and the loss; "
-    "its planned step peaks 1.2 MiB (5 %) above torch checkpoint's, while the steps between "
-    "are equal to the byte",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_LOWEST_PLAN_OVER) if n == "llama" else n for n in MODELS]
-)
+@pytest.mark.parametrize("name", list(MODELS))
 def test_lowest_plan_peaks_as_torch_checkpoint(name):
     """(c) Under ``budget="min"``, a planned step's real whole-process peak (live storages at
     its start + the profiler's peak inside it) is at most 1.02 x torch checkpoint's plus the

@@ -258,9 +258,9 @@ def test_argument_objects_are_captured(name: str, how: str) -> None:
     torch.manual_seed(0)
     ref = ArgNet(v.read)
     expected = _train_args(copy.deepcopy(ref), v, how)
-    # (a replayed probe, under a budget, of a call whose argument is written in place after
-    # it is refused as a divergence: it copies no arguments; see the note in the README text)
-    for pres in PRESERVATIONS + (["budget"] if how == "rebind" else []):
+    # (under a budget the replayed probe copies the arguments made outside autograd: an
+    # in-place write after the forward is put back for its replay, i33-rest)
+    for pres in PRESERVATIONS + ["budget"]:
         model = copy.deepcopy(ref)
         kw = {"budget": "min"} if pres == "budget" else {"preservation": pres}
         eng = lr.install(model, "blocks.*", **kw)

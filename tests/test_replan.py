@@ -61,6 +61,9 @@ def _run_with_table_writes(
         planner=planner,
         replan_on=replan_on,
         replan_cooldown_steps=1,
+        # segment 0 replays in every plan (the writes are seen at its replay): under "min" the
+        # planner may retain it where that costs nothing at the step's real peak (issue 31)
+        preservation={"0": "whole"},
     )
     for step in range(steps):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
@@ -133,8 +136,13 @@ def test_a_memory_misfit_replans_and_the_new_plan_holds_the_budget():
         peaks[stats["step"]] = stats["peak_bytes"]
         if step == 7:
             assert engine.plan_version == 1 and set(engine.plan.choices.values()) == {"retain"}
-            lowered = min_feasible_budget(engine.costs, engine.real_base_memory)
-            assert peaks[stats["step"]] > lowered  # the all-retained plan no longer fits
+            lowered = min_feasible_budget(
+                engine.costs, engine.real_base_memory, **engine.phase_peak_args
+            )
+            # the all-retained plan no longer fits: its prediction, in the same (whole-process)
+            # terms as the lowered budget (the accountant's peak leaves out what the process
+            # holds beyond it, which in a full suite's order is more than the difference)
+            assert engine.plan.peak_memory > lowered
             engine.reconfigure(budget=lowered)
             at = stats["step"]
     assert engine.replan_policy.replans == 1 and engine.plan_version == 2

@@ -500,7 +500,9 @@ class ReplayCallback(Callback):
             return self._retain_all_peak
         retain = {c.name: "retain" for c in costs}
         try:
-            self._retain_all_peak = _planner.predicted_peak(costs, retain, engine.real_base_memory)
+            self._retain_all_peak = _planner.predicted_peak(
+                costs, retain, engine.real_base_memory, **engine.phase_peak_args
+            )
             self._retain_all_accounted = _planner.predicted_peak(costs, retain, engine.base_memory)
         except (KeyError, ValueError):  # a segment without a measured retain option
             pass
@@ -792,7 +794,11 @@ def _lowest_plan(engine: Any) -> int | None:
     if not costs:
         return None
     try:
-        return int(_planner.min_feasible_budget(costs, engine.real_base_memory, engine.planner))
+        return int(
+            _planner.min_feasible_budget(
+                costs, engine.real_base_memory, engine.planner, **engine.phase_peak_args
+            )
+        )
     except (KeyError, ValueError, _planner.InfeasibleBudget):
         return None
 

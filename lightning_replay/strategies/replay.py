@@ -90,8 +90,9 @@ class ReplayStrategy(DDPStrategy):
             as in ``install()``). ``None``: 90 % of the device on CUDA; on CPU the
             lowest-memory correct plan.
         planner: ``"joint"`` (optimal), ``"eager_whole"``, ``"fixed_regions"``,
-            ``"retain_all"`` or ``"whole_all"``.
-        preservation: ``"auto"``, ``"whole"``, ``"regions"``, ``"retain"`` or a dict per
+            ``"retain_all"``, ``"whole_all"`` or ``"selective_all"``.
+        preservation: ``"auto"``, ``"whole"``, ``"regions"``, ``"retain"``, ``"selective"``
+            or a dict per
             segment. A segment given one option (a pin, e.g. ``{"blocks.0": "retain"}``) keeps
             it under every plan; a budget that cannot be met with the pins is an
             ``InfeasibleBudget`` naming them.
@@ -104,6 +105,11 @@ class ReplayStrategy(DDPStrategy):
             first step of each plan is measured and what it held beyond the engine's
             accounting joins the base. Measured on CPU in one process only, and on CUDA;
             on by default.
+        selective: a selective policy (``"matmul"``: keep the outputs of matrix products,
+            attention and convolutions; ``"every_other_matmul"``), as in ``install()``: the
+            planner may also replay a segment selectively, with the same preservation as a
+            full replay. ``None``: only segments pinned to ``preservation="selective"`` are
+            (under ``"matmul"``).
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``start_method``, ``timeout``, ...) and what it hands on to
             ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).
@@ -131,6 +137,7 @@ class ReplayStrategy(DDPStrategy):
         records: RecordStore | str | os.PathLike | None = None,
         calibration_steps: int = 2,
         real_peak: bool = True,
+        selective: str | None = None,
         **kwargs: Any,
     ) -> None:
         _check_known_kwargs(kwargs)
@@ -147,6 +154,7 @@ class ReplayStrategy(DDPStrategy):
             records=records,
             calibration_steps=calibration_steps,
             real_peak=real_peak,
+            selective=selective,
         )
         self._records_path: str | None = None
         self.run_id: str | None = None
@@ -167,6 +175,7 @@ class ReplayStrategy(DDPStrategy):
     on_violation = property(lambda self: self.config.on_violation)
     calibration_steps = property(lambda self: self.config.calibration_steps)
     real_peak = property(lambda self: self.config.real_peak)
+    selective = property(lambda self: self.config.selective)
     _records_arg = property(lambda self: self.config.records)
 
     # ------------------------------------------------------------------ records
@@ -573,6 +582,7 @@ def strategy_config(
     records: Any = None,
     calibration_steps: Any = 2,
     real_peak: Any = True,
+    selective: Any = None,
 ) -> ReplayConfig:
     """The :class:`~lightning_replay.config.ReplayConfig` of a replay strategy named ``name``
     (for the messages): manual windows (each ``training_step`` is one), memory always tracked,
@@ -591,6 +601,7 @@ def strategy_config(
         records=records,
         calibration_steps=calibration_steps,
         real_peak=real_peak,
+        selective=selective,
         window="manual",
         track_memory=True,
         measure_costs=True,
@@ -620,6 +631,7 @@ def _check_replay_args(
     on_violation: Any,
     records: Any,
     calibration_steps: Any,
+    selective: Any = None,
 ) -> Budget:
     """Validate the replay arguments of a strategy that keeps them as attributes; returns the
     parsed budget. Kept for :class:`ReplayFSDPStrategy`; new code keeps
@@ -632,6 +644,7 @@ def _check_replay_args(
         on_violation=on_violation,
         records=records,
         calibration_steps=calibration_steps,
+        selective=selective,
     ).budget
 
 
@@ -651,6 +664,7 @@ def _config_of(strategy: Any) -> ReplayConfig:
         records=strategy._records_arg,
         calibration_steps=strategy.calibration_steps,
         real_peak=getattr(strategy, "real_peak", True),
+        selective=getattr(strategy, "selective", None),
     )
 
 

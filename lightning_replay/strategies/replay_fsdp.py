@@ -111,6 +111,9 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         on_violation: ``"record"`` or ``"raise"``.
         records: ``None``, a SQLite path or a :class:`~lightning_replay.RecordStore`.
         calibration_steps: steps each option is timed before the first plan.
+        selective: a selective policy (``"matmul"`` or ``"every_other_matmul"``), as for
+            :class:`ReplayStrategy`; ``None``: only segments pinned to
+            ``preservation="selective"`` replay selectively.
         start_method: ``"popen"`` (a script launches its ranks), ``"spawn"``, ``"fork"`` or
             ``"forkserver"`` (child processes of this one; notebooks and tests).
         data_parallel_size, tensor_parallel_size: the device mesh. Unlike
@@ -145,6 +148,7 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         on_violation: str = "record",
         records: RecordStore | str | os.PathLike | None = None,
         calibration_steps: int = 2,
+        selective: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
@@ -168,6 +172,7 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
             on_violation=on_violation,
             records=records,
             calibration_steps=calibration_steps,
+            selective=selective,
         )
         if start_method not in _START_METHODS:
             raise ReplayConfigError(
@@ -179,6 +184,7 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         self.preservation = preservation
         self.on_violation = on_violation
         self.calibration_steps = calibration_steps
+        self.selective = selective
         self._start_method = start_method
         self._records_arg = records
         self._records_path: str | None = None

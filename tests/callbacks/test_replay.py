@@ -306,14 +306,18 @@ def test_a_lowered_budget_replans_and_the_measured_peak_holds_it(tmp_path):
 
     def lower(t):  # the budget a user would set to force recomputation
         engine = t.strategy.engine
-        # in the budget's terms: the accounted peak plus what the measured step held beyond it
-        budgets["peak_before"] = (
-            int(cb.last_metrics["peak_memory_bytes"]) + engine.unaccounted_bytes
+        # in the budget's terms: the accounted peak plus what the measured step held beyond it,
+        # no less than the plan's prediction (which charges each measured phase at its moment)
+        budgets["peak_before"] = max(
+            int(cb.last_metrics["peak_memory_bytes"]) + engine.unaccounted_bytes,
+            engine.plan.peak_memory,
         )
         # halfway down to the lowest plan: the new plan's own measured step may hold a little
         # more beyond its prediction than the old plan's did (at the very lowest budget that
         # makes it infeasible, and the engine runs the lowest plan with a warning instead)
-        lowest = min_feasible_budget(engine.costs, engine.real_base_memory)
+        lowest = min_feasible_budget(
+            engine.costs, engine.real_base_memory, **engine.phase_peak_args
+        )
         budgets["new"] = (lowest + budgets["peak_before"]) // 2
         engine.reconfigure(budget=budgets["new"])
 
@@ -353,7 +357,11 @@ def test_checked_steps_stay_within_the_budget_and_trigger_no_memory_replan(tmp_p
 
     def lower(t):
         engine = t.strategy.engine
-        engine.reconfigure(budget=min_feasible_budget(engine.costs, engine.real_base_memory))
+        engine.reconfigure(
+            budget=min_feasible_budget(
+                engine.costs, engine.real_base_memory, **engine.phase_peak_args
+            )
+        )
 
     def record(t):
         engine = t.strategy.engine

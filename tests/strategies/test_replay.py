@@ -430,7 +430,9 @@ def test_min_budget_plans_the_lowest_memory_correct_plan(tmp_path, budget):
     t.fit(HazardNet(), loader(9))
     engine = t.strategy.engine
     assert engine.plan is not None and engine.budget is None
-    assert engine.plan.peak_memory == min_feasible_budget(engine.costs, engine.real_base_memory)
+    assert engine.plan.peak_memory == min_feasible_budget(
+        engine.costs, engine.real_base_memory, **engine.phase_peak_args
+    )
 
 
 def test_fraction_budget_on_cpu_is_a_fraction_of_physical_memory(tmp_path):
@@ -502,7 +504,10 @@ class _ReplaysPerStep(L.Callback):
         if trainer.global_step == trainer.max_steps:
             pins = {n for n, rt in engine.runtimes.items() if rt.preservation == "retain"}
             self.pinned = min_feasible_budget(
-                engine.costs, engine.real_base_memory, allowed={n: {"retain"} for n in pins}
+                engine.costs,
+                engine.real_base_memory,
+                allowed={n: {"retain"} for n in pins},
+                **engine.phase_peak_args,
             )
             self.replanned = trainer.strategy.replan(budget=self.pinned)
             # a pinned segment is never calibrated in other options, so its costs hold only
