@@ -987,3 +987,21 @@ def test_a_model_that_blew_up_is_no_divergence():
     assert torch.isnan(model[0].weight.grad).any()
     grads = [r for r in engine.records.read() if r.check == "grad"]
     assert [r.outcome for r in grads] == ["match"]
+
+
+def test_a_per_channel_observer_resized_from_empty_is_state_from_its_first_probe():
+    """A per-channel weight observer's ``min_val``/``max_val`` start empty (no storage) and are
+    resized and written inside one op (``fused_moving_avg_obs_fake_quant``) at the first
+    forward: the first probe names them as changing state (before, nothing watched them, and
+    whether a later probe found them under their names hung on where the allocator put them)."""
+    torch.manual_seed(0)
+    m = Stack([Mix(), Mix()])
+    m.train()
+    m.qconfig = tq.get_default_qat_qconfig("x86")
+    model = tq.prepare_qat(m, inplace=False)
+    engine = lr.install(model, _names(2))
+    _train(model, _mse_step, 1)
+    for name in _names(2):
+        changing = engine.summary()[name]["changing_state"]
+        for v in ("min_val", "max_val"):
+            assert f"{name}.fc.weight_fake_quant.activation_post_process.{v}" in changing

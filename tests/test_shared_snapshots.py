@@ -10,6 +10,8 @@ for bit with plain PyTorch.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,10 +62,18 @@ def _held_after_forward(model: nn.Module, x: torch.Tensor) -> tuple[int, torch.T
     def forward() -> None:
         out.append(model(x))
 
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        forward()
+    # Garbage of earlier tests (a dropped model and engine are reference cycles) that the
+    # collector frees mid-forward shows as negative events when an earlier profiler saw it
+    # allocated: collected first, and no collection while the forward is measured.
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof:
+            forward()
+    finally:
+        gc.enable()
     net = sum(
         e.nbytes()
         for e in prof.profiler.kineto_results.events()

@@ -381,12 +381,19 @@ def quiet_lightning(enabled: bool) -> Iterator[None]:
                 logging.getLogger(n).setLevel(lvl)
 
 
+#: the cost-measuring run's budget: more bytes than any run holds, so that no option is left
+#: untimed for not fitting
+_UNBOUNDED = 2**60
+
+
 def measure_budget(
     base: dict[str, Any], settings: StudySettings, out: Path, seed: int
 ) -> dict[str, Any]:
     """Measure every segment's options in a short replay run and set the budget from them."""
     cap = _CaptureCosts()
     with own_env():
+        # a byte budget nothing reaches: every option is timed (under "min", the engine's
+        # default, calibration times only the options the lowest plan can pick)
         run = fit_run(
             base,
             settings,
@@ -394,7 +401,7 @@ def measure_budget(
             seed,
             out / "measure",
             None,
-            None,
+            _UNBOUNDED,
             "disabled",
             "measure",
             max_steps=settings.measure_steps,
@@ -407,11 +414,17 @@ def measure_budget(
         for o in cap.options.get(c.name, [])
         if o not in c.options
     ]
-    if not costs or unmeasured:
+    if (not costs or unmeasured) and settings.measure_steps < cap.steps_to_first_plan:
         raise RuntimeError(
             f"study.measure_steps={settings.measure_steps} was too short to "
             f"measure every option (unmeasured: {unmeasured[:4]}); use "
             f"{cap.steps_to_first_plan} or more"
+        )
+    if not costs or unmeasured:
+        raise RuntimeError(
+            f"the cost-measuring run ({settings.measure_steps} steps, its first plan at step "
+            f"{cap.steps_to_first_plan}) did not measure every option (unmeasured: "
+            f"{unmeasured[:4]})"
         )
     mins = {
         m: _planner.min_feasible_budget(costs, basemem, m)

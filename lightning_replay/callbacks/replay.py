@@ -66,6 +66,8 @@ _SUM_KEYS = ("replays", "matches", "rejections", "divergences")
 _MAX_KEYS = (
     "peak_memory_bytes",
     "real_peak_bytes",  # each rank measures its own process: the largest is logged
+    # predicted with each rank's own measured phases (real_base_memory is already agreed)
+    "retain_all_predicted_bytes",
     "step_time_ms",
     "preserved_bytes",
     "plan_version",
@@ -367,9 +369,11 @@ class ReplayCallback(Callback):
             "plan_version": engine.plan_version,
             # checked steps whose derivative check did not fit the budget
             "checks_skipped": engine.checks_skipped,
+            "retain_all_predicted_bytes": self._retain_all(engine) or 0,
         }
         totals, votes = _reduce(strategy, local, [r in wants for r in REPLAN_ON])
         real_peak = totals.pop("real_peak_bytes")  # logged in MiB with the other memory terms
+        retain_all = int(totals.pop("retain_all_predicted_bytes")) or None
         reasons = [r for r, v in zip(REPLAN_ON, votes) if v]
         if reasons:
             self._replan(trainer, strategy, reasons)
@@ -380,7 +384,6 @@ class ReplayCallback(Callback):
             self._skipped_before = engine.checks_skipped
             self._check_owed = (engine.plan_version, engine.budget)
         self._checked_steps += checked
-        retain_all = self._retain_all(engine)
         if settled(engine):
             if self._settled_at is None:
                 self._settled_at = engine.step

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import inspect
 import multiprocessing
@@ -517,16 +518,24 @@ class ReplayStrategy(DDPStrategy):
             return
         changed = engine.plan_version != self._synced_plan_version
         own = engine.base_memory + engine.unaccounted_bytes
+        # each rank's prediction of the plan in force: its own measured phases (forward,
+        # replays, optimizer) re-fit it on that rank alone
+        predicted = engine.plan.peak_memory if engine.plan is not None else 0
         reduced = self.reduce(
-            torch.tensor([int(force or changed), own], dtype=torch.int64, device=self.root_device),
+            torch.tensor(
+                [int(force or changed), own, predicted], dtype=torch.int64, device=self.root_device
+            ),
             reduce_op="max",
         ).tolist()
-        any_changed, top = bool(reduced[0]), int(reduced[1])
+        any_changed, top, top_predicted = bool(reduced[0]), int(reduced[1]), int(reduced[2])
         if top != self._synced_real_base:  # the same on every rank: all reduced the same
             self._synced_real_base = top
             engine.agree_real_base(top)
             any_changed = True
         if not any_changed:
+            # one plan on every rank: its prediction is the largest any rank's phases give
+            if engine.plan is not None and top_predicted > engine.plan.peak_memory:
+                engine.plan = dataclasses.replace(engine.plan, peak_memory=top_predicted)
             return
         payload = (
             (engine.plan.to_dict() if engine.plan is not None else None, engine.plan_version)

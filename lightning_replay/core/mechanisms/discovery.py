@@ -126,6 +126,7 @@ class DiscoveryMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         written = {name for _, name in write_args(func)}
+        empty: list[torch.Tensor] = []  # written state with no bytes yet (see below)
         for i, a in enumerate(op_arguments(func)):
             v = args[i] if i < len(args) else kwargs.get(a.name)
             if a.name == "generator" and v is not None:
@@ -134,6 +135,8 @@ class DiscoveryMode(TorchDispatchMode):
                     if not _is_default_generator(v):  # checkpoint restores those itself
                         self.generator_states[id(v)] = v.get_state()
             for t in _tensors(v):
+                if a.name in written and storage_key(t) is None and _plain_strided(t):
+                    empty.append(t)
                 touch = self._touch(t)
                 if touch is not None:
                     if a.name in written:
@@ -147,6 +150,21 @@ class DiscoveryMode(TorchDispatchMode):
         ):
             self.uses_global_rng = True
         out = func(*args, **kwargs)
+        for t in empty:
+            # An empty tensor the op resized and wrote (a per-channel observer's min_val and
+            # max_val at their first forward: ``fused_moving_avg_obs_fake_quant``): it had no
+            # storage to watch before the op, it has state's bytes now. Its first-touch copy is
+            # the nothing it held, so the window sees it changed.
+            key = storage_key(t)
+            if key is not None and key not in self.touched and key not in self.produced:
+                self.touched[key] = Touch(
+                    key,
+                    t.detach(),
+                    torch.empty(0, dtype=torch.uint8, device=t.device),
+                    self.log.arm(key, copied=True),
+                    annotated_write=True,
+                    source=weakref.ref(t),
+                )
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 key = storage_key(t)
@@ -223,6 +241,14 @@ def _fsdp_unsharded_parameters() -> list[torch.Tensor]:
             if param is not None:
                 out.append(param)
     return out
+
+
+def _plain_strided(t: torch.Tensor) -> bool:
+    return (
+        t.layout == torch.strided
+        and not t.is_meta
+        and type(t) in (torch.Tensor, torch.nn.Parameter)
+    )
 
 
 def _tensors(v: Any) -> list[torch.Tensor]:

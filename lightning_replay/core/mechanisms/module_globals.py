@@ -42,9 +42,14 @@ _MAX_ITEMS = 64  # a larger module-level container is copied every call: left ou
 _DEPTH = 1  # module-level functions followed this many calls down
 
 
+#: this package's own code (the swapped classes' ``forward`` reads installation's globals):
+#: its module-level values are its machinery, never the user's state
+_OWN_ROOT = __name__.split(".", 1)[0]
+
+
 def _library(module_name: str | None) -> bool:
     root = (module_name or "").split(".", 1)[0]
-    return root in _LIBRARY_ROOTS
+    return root in _LIBRARY_ROOTS or root == _OWN_ROOT
 
 
 def _codes(code: types.CodeType) -> Iterable[types.CodeType]:
