@@ -533,15 +533,23 @@ def test_a_budget_holds_on_every_rank(budget_runs):
             for i, row in enumerate(planned)
             if not row["real"] <= row["predicted"] <= budget
         ]
-        # known (see _FIRST_STEP): the first step of a plan, which the engine measures itself
-        # and re-plans after, over by at most 1 % of the budget
+        # known (see _FIRST_STEP): the first step of a plan, which the engine measures itself,
+        # over its prediction by at most 1 % of the budget; when it is also over the budget the
+        # engine re-plans after it (seen at 7707af3: 87,642 B against a prediction of 87,184,
+        # within the budget 91,244: no re-plan)
         first = [
             o
             for o in over
             if o[2] == "engine"
             and o[3] <= 1.01 * budget
-            and o[0] + 1 < len(planned)
-            and planned[o[0] + 1]["choices"] != planned[o[0]]["choices"]
+            and (o[0] == 0 or planned[o[0] - 1]["choices"] != planned[o[0]]["choices"])
+            and (
+                o[3] <= budget
+                or (
+                    o[0] + 1 < len(planned)
+                    and planned[o[0] + 1]["choices"] != planned[o[0]]["choices"]
+                )
+            )
         ]
         hard = [o for o in over if o not in first]
         assert not hard, (r, budget, hard, got[r]["rows"])
@@ -570,8 +578,8 @@ def test_a_budget_holds_on_every_rank(budget_runs):
 #: backwarded before is predicted with another combination's figure. Not FSDP's gathered
 #: parameters: those are the base's (``gathered_bytes``) at every replay.
 _FIRST_STEP = (
-    "the first step of a plan that replays a middle block ran over its prediction and the "
-    "budget by < 1 % (the engine re-plans after measuring it): a replay phase's residual "
+    "the first step of a plan that replays a middle block ran over its prediction (and at times "
+    "the budget) by < 1 % (the engine re-plans after measuring it): a replay phase's residual "
     "measured with other choices for the blocks backwarded before it."
 )
 

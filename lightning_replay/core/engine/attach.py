@@ -20,6 +20,9 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from lightning_replay._compat import saved_tensors_hooks_disabled, under_functorch
 
+#: module_globals: this module's globals are machinery, never user state
+_REPLAY_MACHINERY = True
+
 # Each installed module holds its runtime (a root, with window="root", its engine) in its own
 # ``__dict__`` (under :data:`RUNTIME_KEY` / :data:`ENGINE_KEY`, which the walkers of a module's
 # attributes skip, see ``slots.MODULE_INTERNALS``, and copies and pickles leave out): the model

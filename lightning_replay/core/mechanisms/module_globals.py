@@ -42,14 +42,17 @@ _MAX_ITEMS = 64  # a larger module-level container is copied every call: left ou
 _DEPTH = 1  # module-level functions followed this many calls down
 
 
-#: this package's own code (the swapped classes' ``forward`` reads installation's globals):
-#: its module-level values are its machinery, never the user's state
-_OWN_ROOT = __name__.split(".", 1)[0]
+#: a module of this package's machinery sets this to True (the swapped classes' ``forward``
+#: in ``attach`` reads the runtime/engine keys): its module-level values are never the user's
+#: state. Not the whole package: its demos, apps and examples hold models as users write them.
+MACHINERY_FLAG = "_REPLAY_MACHINERY"
 
 
 def _library(module_name: str | None) -> bool:
     root = (module_name or "").split(".", 1)[0]
-    return root in _LIBRARY_ROOTS or root == _OWN_ROOT
+    if root in _LIBRARY_ROOTS:
+        return True
+    return bool(getattr(sys.modules.get(module_name or ""), MACHINERY_FLAG, False))
 
 
 def _codes(code: types.CodeType) -> Iterable[types.CodeType]:
