@@ -534,14 +534,15 @@ def test_a_budget_holds_on_every_rank(budget_runs):
             if not row["real"] <= row["predicted"] <= budget
         ]
         # known (see _FIRST_STEP): the first step of a plan, which the engine measures itself,
-        # over its prediction by at most 1 % of the budget; when it is also over the budget the
-        # engine re-plans after it (seen at 7707af3: 87,642 B against a prediction of 87,184,
-        # within the budget 91,244: no re-plan)
+        # over its prediction, within issue 31's 1.02 x the budget; when it is also over the
+        # budget the engine re-plans after it (seen at 7707af3: 87,642 B against a prediction
+        # of 87,184, within the budget 91,244: no re-plan; at 0181259, in the full suite:
+        # 92,672 B, 1.016 x the budget, predicted 91,200)
         first = [
             o
             for o in over
             if o[2] == "engine"
-            and o[3] <= 1.01 * budget
+            and o[3] <= 1.02 * budget
             and (o[0] == 0 or planned[o[0] - 1]["choices"] != planned[o[0]]["choices"])
             and (
                 o[3] <= budget
@@ -579,7 +580,7 @@ def test_a_budget_holds_on_every_rank(budget_runs):
 #: parameters: those are the base's (``gathered_bytes``) at every replay.
 _FIRST_STEP = (
     "the first step of a plan that replays a middle block ran over its prediction (and at times "
-    "the budget) by < 1 % (the engine re-plans after measuring it): a replay phase's residual "
+    "the budget) by < 2 % (the engine re-plans after measuring it): a replay phase's residual "
     "measured with other choices for the blocks backwarded before it."
 )
 
