@@ -1038,52 +1038,46 @@ class SegmentProbe:
             detail=_contract_detail(c),
         )
 
-    def _keep_for_sparse(self, probe: _Probe) -> None:
-        """The probe's forward read sparse model state, which no option can preserve: the
-        segment keeps its activations from now on (exact), recorded and warned once."""
-        eng = self.engine
+    def _keep_retained(self, probe: _Probe, what: str, message: str) -> None:
+        """The segment keeps its activations from now on (exact) for a reason no option can
+        serve: a rejection record (``what``, action retain) and one warning (``message``)."""
         self.demoted = True
-        names = ", ".join(probe.sparse_reads)
-        eng.records.append(
+        self.engine.records.append(
             step=probe.step,
             segment=self.name,
             contract_version=self.version + 1,
             check="probe",
             outcome="rejection",
-            detail={"what": f"reads sparse state {names}", "action": "retain"},
+            detail={"what": what, "action": "retain"},
         )
-        warnings.warn(
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _keep_for_sparse(self, probe: _Probe) -> None:
+        """The probe's forward read sparse model state, which no option can preserve: the
+        segment keeps its activations from now on (exact), recorded and warned once."""
+        names = ", ".join(probe.sparse_reads)
+        self._keep_retained(
+            probe,
+            f"reads sparse state {names}",
             f"segment {self.name!r} reads sparse model state ({names}): a sparse tensor has no "
             "strided storage to preserve, and an in-place op on it reallocates its values, so "
             "the segment keeps its activations (retain, exact) instead of replaying. Keep the "
             "sparse tensor dense, or pass it to the segment as an argument, to replay it.",
-            RuntimeWarning,
-            stacklevel=2,
         )
 
     def _keep_for_script(self, probe: _Probe) -> None:
         """The probe's forward called TorchScript functions, whose optimising executor may
         run a replay through another compiled graph than the forward (the replay adds calls):
         the segment keeps its activations from now on (exact), recorded and warned once."""
-        eng = self.engine
-        self.demoted = True
         names = ", ".join(probe.script_calls[:4])
-        eng.records.append(
-            step=probe.step,
-            segment=self.name,
-            contract_version=self.version + 1,
-            check="probe",
-            outcome="rejection",
-            detail={"what": f"calls TorchScript {names}", "action": "retain"},
-        )
-        warnings.warn(
+        self._keep_retained(
+            probe,
+            f"calls TorchScript {names}",
             f"segment {self.name!r} calls TorchScript ({names}): TorchScript's optimising "
             "executor compiles a function anew after a number of calls, and a replay adds "
             "calls, so a replay may compute other last bits than the forward did. The segment "
             "keeps its activations (retain, exact) instead of replaying. Call the eager Python "
             "function inside segments (script it for deployment afterwards) to replay it.",
-            RuntimeWarning,
-            stacklevel=2,
         )
 
     def _user_hooks_have_state(self) -> bool:
@@ -1096,25 +1090,15 @@ class SegmentProbe:
         running scale): a replay packs its tensors in backward, with the state left by every
         later pack, so its values would differ. The segment keeps its activations from now on
         (exact: the hook packs them in forward, as in plain training), recorded and warned."""
-        eng = self.engine
-        self.demoted = True
         names = ", ".join(probe.stateful_hooks[:4])
-        eng.records.append(
-            step=probe.step,
-            segment=self.name,
-            contract_version=self.version + 1,
-            check="probe",
-            outcome="rejection",
-            detail={"what": f"saved-tensor hook changes its state {names}", "action": "retain"},
-        )
-        warnings.warn(
+        self._keep_retained(
+            probe,
+            f"saved-tensor hook changes its state {names}",
             f"segment {self.name!r}: the saved-tensor hook around it changed its own state "
             f"while packing ({names}): a replay packs its tensors in backward, after every "
             "other pack, so a hook whose packed values depend on that state would pack them "
             "differently. The segment keeps its activations (retain, exact) instead of "
             "replaying. Make the pack hook pure (no state its result depends on) to replay.",
-            RuntimeWarning,
-            stacklevel=2,
         )
 
     def _outside_names(self) -> list[str]:
