@@ -307,3 +307,192 @@ def test_every_module_is_in_the_map():
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_every_module_has_a_layer(module):
     assert layer(module) in NAMES
+
+
+# ------------------------------------------------------------------ composed objects, narrow ports
+#: The classes the runtime and the engine are: composed of lower objects, never mixing them in.
+COMPOSED = {
+    "lightning_replay.core.runtime": "SegmentRuntime",
+    "lightning_replay.core.engine.engine": "ReplayEngine",
+}
+
+
+def test_the_runtime_and_the_engine_mix_in_nothing_from_below():
+    """No class defined below the runtime layer is a base of ``SegmentRuntime`` or
+    ``ReplayEngine``: a lower object is composed (an attribute the runtime holds, built from a
+    narrow port), not mixed in (its methods would read the whole runtime through ``self``)."""
+    import importlib
+
+    mixed = []
+    for module, name in COMPOSED.items():
+        cls = getattr(importlib.import_module(module), name)
+        for base in cls.__mro__[1:]:
+            owner = _canonical(base.__module__)
+            if owner is not None and layer(owner) < layer(module):
+                mixed.append(f"{name} <- {owner}.{base.__qualname__}")
+    assert not mixed, f"mixins from a lower layer (compose them instead): {mixed}"
+
+
+def _protocols() -> dict[str, type]:
+    """The protocols of core/base/ports.py (and the runtime's own RuntimeHost), by name."""
+    from typing import Protocol
+
+    from lightning_replay.core.base import ports
+
+    return {
+        n: c
+        for n, c in vars(ports).items()
+        if isinstance(c, type) and Protocol in c.__mro__ and c is not Protocol
+    }
+
+
+def port_members(cls: type) -> set[str]:
+    """Everything a protocol declares, its bases' included: fields and methods."""
+    out: set[str] = set()
+    for c in cls.__mro__:
+        if c.__module__ in ("typing", "builtins") or c.__name__ == "Protocol":
+            continue
+        out |= set(vars(c).get("__annotations__", {}))
+        out |= {k for k, v in vars(c).items() if callable(v) and not k.startswith("__")}
+    return out
+
+
+#: How many members each port declares (its bases' included). A port grows only by an edit
+#: here, where a reviewer sees it: the bound is the interface's width today.
+PORT_SIZES = {
+    "RecordSink": 1,
+    "Device": 3,
+    "Accounting": 6,
+    "Window": 17,
+    "ReplayHost": 27,
+    "CostSource": 4,
+    "ReplaySegment": 19,
+    "ProbeHost": 12,
+    "ProbedSegment": 21,
+    "CheckHost": 12,
+    "CheckedSegment": 15,
+}
+
+
+def test_each_port_is_as_wide_as_listed():
+    sizes = {n: len(port_members(c)) for n, c in _protocols().items()}
+    assert sizes == PORT_SIZES, (
+        "a port's width changed: update PORT_SIZES (a port should only grow by what its users "
+        f"really need): {sizes}"
+    )
+
+
+def _port_of(note: ast.expr | None, ports: dict[str, type]) -> type | None:
+    if note is None:
+        return None
+    text = ast.unparse(note).strip("\"'")
+    return ports.get(text)
+
+
+def port_reaches(tree: ast.AST, ports: dict[str, type]) -> list[tuple[str, str, str]]:
+    """(where, port, member) for every attribute a module reaches on a port: on an argument
+    annotated with a port, on ``self.X`` where ``__init__`` stored such an argument as ``X``,
+    and on a local name bound to either (``eng = self.host``)."""
+    found = []
+
+    def scan(fn: ast.AST, where: str, names: dict[str, type], fields: dict[str, type]):
+        local = dict(names)
+        for node in ast.walk(fn):  # aliases first: ``eng = self.host``
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+            ):
+                v = node.value
+                if isinstance(v, ast.Name) and v.id in local:
+                    local[node.targets[0].id] = local[v.id]
+                elif (
+                    isinstance(v, ast.Attribute)
+                    and isinstance(v.value, ast.Name)
+                    and v.value.id == "self"
+                    and v.attr in fields
+                ):
+                    local[node.targets[0].id] = fields[v.attr]
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Attribute):
+                continue
+            v = node.value
+            if isinstance(v, ast.Name) and v.id in local:
+                found.append((where, local[v.id].__name__, node.attr))
+            elif (
+                isinstance(v, ast.Attribute)
+                and isinstance(v.value, ast.Name)
+                and v.value.id == "self"
+                and v.attr in fields
+            ):
+                found.append((where, fields[v.attr].__name__, node.attr))
+
+    def args_of(fn: ast.FunctionDef) -> dict[str, type]:
+        a = fn.args
+        out = {}
+        for x in a.posonlyargs + a.args + a.kwonlyargs:
+            p = _port_of(x.annotation, ports)
+            if p is not None:
+                out[x.arg] = p
+        return out
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            fields: dict[str, type] = {}
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                    params = args_of(fn)
+                    for st in ast.walk(fn):
+                        if (
+                            isinstance(st, ast.Assign)
+                            and isinstance(st.value, ast.Name)
+                            and st.value.id in params
+                        ):
+                            for t in st.targets:
+                                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
+                                    fields[t.attr] = params[st.value.id]
+            for fn in node.body:
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    scan(fn, f"{node.name}.{fn.name}", args_of(fn), fields)
+        elif isinstance(node, ast.FunctionDef) and node.col_offset == 0:
+            scan(node, node.name, args_of(node), {})
+    return found
+
+
+def test_lower_layers_reach_only_what_their_ports_declare():
+    """Below the runtime, a module reaches on a port only the members the port declares: the
+    port is the whole of what it may touch of the runtime or the engine, and its width
+    (PORT_SIZES) is then the width of the interface."""
+    ports = _protocols()
+    members = {n: port_members(c) for n, c in ports.items()}
+    undeclared = set()
+    reached = 0
+    for m, path in MODULES.items():
+        if not _is_core(m) or layer(m) >= LAYERS["lightning_replay.core.runtime"]:
+            continue
+        for where, port, attr in port_reaches(ast.parse(path.read_text()), ports):
+            reached += 1
+            if attr not in members[port]:
+                undeclared.add((m, where, port, attr))
+    assert reached > 100  # the scan sees the probe's and the checks' ports
+    assert not undeclared, sorted(undeclared)
+
+
+def test_the_port_scan_sees_fields_arguments_and_aliases():
+    from typing import Protocol
+
+    class Port(Protocol):
+        a: int
+
+    src = (
+        "class C:\n"
+        "    def __init__(self, p: Port) -> None:\n"
+        "        self.port = p\n"
+        "    def f(self):\n"
+        "        eng = self.port\n"
+        "        return self.port.a + eng.b\n"
+        "def g(q: 'Port'):\n"
+        "    return q.c\n"
+    )
+    got = {(w, a) for w, _, a in port_reaches(ast.parse(src), {"Port": Port})}
+    assert got == {("C.f", "a"), ("C.f", "b"), ("g", "c")}

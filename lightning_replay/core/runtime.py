@@ -125,8 +125,13 @@ def _checkpointed_around(name: str) -> ReplayConfigError:
     )
 
 
-class SegmentRuntime(SegmentProbe, SegmentChecks):
-    """Per-segment state: its contract, mode and counters. Called in place of its forward."""
+class SegmentRuntime:
+    """Per-segment state: its contract, mode and counters. Called in place of its forward.
+
+    It composes its probe (:class:`~lightning_replay.core.replay.probe.SegmentProbe`, which makes
+    the contract) and its checks (:class:`~lightning_replay.core.replay.checks.SegmentChecks`),
+    each over a narrow port of it and of the engine (core/base/ports.py), and dispatches each
+    call to one of them or to a replay (restore's invocation and replay context)."""
 
     def __init__(
         self, engine: "RuntimeHost", name: str, module: nn.Module, preservation: str
@@ -171,6 +176,11 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.input_saved_bytes = 0
         self.state_keys: set = set()  # storages the probe saw as state (not activations)
         self._entry_plan: tuple | None = None  # restore._entry_plan's cache
+        # what it composes: the probe and the checks, each over its port of this runtime
+        self.segment_probe = SegmentProbe(self, engine, engine.records)
+        self.segment_checks = SegmentChecks(
+            self, engine, engine.records, functools.partial(_timed_clock, engine)
+        )
         if engine.measure_costs:
             saved_tensor_overhead()  # measured once per process, outside any step
 
@@ -198,6 +208,30 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         self.generators = []
         self.outside = []
         self._entry_plan = None
+
+    # ---------------------------------------------------------------- what others call
+    def set_option(self, option: str) -> None:
+        """Apply a planned option to the current contract (and to future re-probes): the
+        engine's plan (:meth:`SegmentProbe.set_option`)."""
+        self.segment_probe.set_option(option)
+
+    def finish_stale_probes(self) -> None:
+        """Conclude probes whose graph is gone without a backward
+        (:meth:`SegmentProbe.finish_stale_probes`)."""
+        self.segment_probe.finish_stale_probes()
+
+    def _observe(self, probe: _Probe) -> None:
+        """The window of ``probe`` ends (a replayed probe's replay, probe_replay.py)."""
+        self.segment_probe._observe(probe)
+
+    def _check_state_digests(self, inv: _Invocation) -> None:
+        """The byte check of the contract state at a replay (restore's replay context)."""
+        self.segment_checks._check_state_digests(inv)
+
+    def _derive(self) -> None:
+        """Cached lookups the per-step path uses (after the contract or its option changed)."""
+        c = self.contract
+        self.last_preserved_bytes = c.preserved_bytes() if c else 0
 
     # ---------------------------------------------------------------- dispatch
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -260,15 +294,15 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         with eng._implicit_window(), eng._tagged(self.name):
             if self.status in ("probe", "probing"):
                 if self._probe_replays():
-                    return self._replayed_probe_call(args, kwargs)
-                return self._probe_call(args, kwargs)
+                    return self.segment_probe._replayed_probe_call(args, kwargs)
+                return self.segment_probe._probe_call(args, kwargs)
             option = self.contract.option if self.contract else "retain"
             if option == "retain" or self.status == "retain":
                 if eng._check_grad and eng.measure_costs and self.contract is not None:
-                    return self._measured_call(args, kwargs)
+                    return self.segment_checks._measured_call(args, kwargs)
                 return self._plain_call(args, kwargs)
             if eng._check_grad and self.name in eng._checked and not self.contract.written_inputs:
-                return self._checked_call(args, kwargs)
+                return self.segment_checks._checked_call(args, kwargs)
             return self._replay_call(args, kwargs)
 
     def _probe_replays(self) -> bool:
@@ -287,7 +321,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
         return (
             (eng.budget is not None or eng.config.budget.min)
             and not self._calls_script
-            and not self._user_hooks_have_state()
+            and not self.segment_probe._user_hooks_have_state()
             and not self.retained_probe
             and not self.demoted
             and self.preservation != "retain"
@@ -435,7 +469,7 @@ class SegmentRuntime(SegmentProbe, SegmentChecks):
                             return forward(*a, **kw)
                     finally:  # (checkpoint's early stop leaves by an exception)
                         if sac.events:  # kept outputs it could not use (see checks.py)
-                            self._kept_events(inv, sac.events, checked=False)
+                            self.segment_checks._kept_events(inv, sac.events, checked=False)
                 return forward(*a, **kw)
             a, kw = (flat, {}) if spec is None else (args, kwargs)  # the live objects
             eng._segment_depth += 1

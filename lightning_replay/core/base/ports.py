@@ -25,6 +25,9 @@ from lightning_replay.core.base.contract import ReplayContract
 
 #: how to time: seconds, ``clock(cuda)`` (:func:`~lightning_replay.core.base.clock.clock`)
 Clock = Callable[[bool], float]
+#: how a step's work is timed in place: seconds now, the device synchronized first where the
+#: engine times on CUDA (the runtime's ``_timed_clock`` bound to its engine)
+StepClock = Callable[[], float]
 
 
 @runtime_checkable
@@ -135,6 +138,111 @@ class ReplaySegment(Protocol):
 
     def _observe(self, probe: Any) -> None: ...
 
-    def _replay_path_error(self, probe: Any, exc: BaseException) -> BaseException: ...
 
-    def _compare_grads(self, *args: Any, **kwargs: Any) -> Any: ...
+# ---------------------------------------------------------------- the probe's and checks' ports
+# :class:`~lightning_replay.core.replay.probe.SegmentProbe` and
+# :class:`~lightning_replay.core.replay.checks.SegmentChecks` are objects the runtime composes,
+# each built from a segment port, a host port, the records sink (and, for the checks, a step
+# clock). The ports list exactly what each reads or writes (tests/test_architecture.py holds
+# them to it, and bounds their sizes).
+
+
+class ProbeHost(Protocol):
+    """The engine as the probe sees it: the window it probes in (step, model, region log,
+    segment depth), the state names it reports, the accounting a replayed probe charges, the
+    outside tensors and generators it names, and where a finished contract is announced."""
+
+    step: int
+    model: Any
+    config: Any
+    log: Any
+    meter: Any
+    accountant: Any
+    _cuda_device: Any
+    _segment_depth: int
+    _external: list
+    _pending_probes: set
+
+    def state_name(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _contracts_changed(self) -> None: ...
+
+
+class ProbedSegment(Protocol):
+    """One segment as its probe sees it. Read: its name, modules (and their names), forward,
+    guard and preservation. Written: what a probe makes of it, the contract and its version,
+    the status, the bound state and generators, the outside attributes read, the storages seen
+    as state, the pending probes, the input sizes, and the reactions to a probe that diverged
+    (``demoted``, ``retained_probe``, ``divergences``); ``_derive`` refreshes the cached figures
+    after the contract changed."""
+
+    name: str
+    modules: list
+    module_names: dict
+    orig_forward: Any
+    guard: Any
+    preservation: str
+    outside: list
+    probes: list
+    contract: ReplayContract | None
+    version: int
+    status: str
+    bound: list
+    generators: list
+    state_keys: set
+    demoted: bool
+    retained_probe: bool
+    planned_option: str | None
+    divergences: int
+    input_bytes: int
+    input_saved_bytes: int
+
+    def _derive(self) -> None: ...
+
+
+class CheckHost(Protocol):
+    """The engine as the checks see it: whether bytes are checked and costs measured, how the
+    step is timed (device and synchronization), the accounting and cost meter a checked call
+    charges, the window's size and segment depth, the state names, the selective policy
+    (``config``), and where a reaction is announced."""
+
+    config: Any
+    meter: Any
+    accountant: Any
+    measure_costs: bool
+    _check_bytes: bool
+    _cuda: bool
+    _cuda_device: Any
+    _sync: bool
+    _segment_depth: int
+    _window_size: int
+
+    def state_name(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _contracts_changed(self) -> None: ...
+
+
+class CheckedSegment(Protocol):
+    """One segment as its checks see it. Read: its name, module(s), forward, the storages the
+    probe saw as state, the selective calls not kept, its contract. Written: the counters
+    (``checks``, ``divergences``, ``reactions``) and the reaction to a divergence (``status``,
+    ``demoted``, ``planned_option``). ``_prepare`` takes one call's entry state (restore's
+    invocation), ``_derive`` refreshes the cached figures after the contract changed."""
+
+    name: str
+    module: Any
+    modules: list
+    orig_forward: Any
+    state_keys: set
+    sac_skip: set
+    contract: ReplayContract | None
+    status: str
+    demoted: bool
+    planned_option: str | None
+    checks: int
+    divergences: int
+    reactions: int
+
+    def _prepare(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def _derive(self) -> None: ...

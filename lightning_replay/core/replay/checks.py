@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from lightning_replay.core.base.ports import ReplaySegment
+from lightning_replay.core.base.ports import CheckedSegment, CheckHost, RecordSink, StepClock
 from lightning_replay._compat import (
     graph_task_keeps_graph,
     top_saved_tensors_hooks,
@@ -28,7 +28,6 @@ from lightning_replay._compat import (
 )
 from lightning_replay.core.mechanisms.arguments import call_tensors, unflatten_call
 from lightning_replay.core.mechanisms.accounting import Saved
-from lightning_replay.core.base.clock import clock
 from lightning_replay.errors import ReplayError
 from lightning_replay.core.base.contract import SELECTIVE
 from lightning_replay.core.replay.restore import _BytesSandbox, _Invocation, _ReplayContext
@@ -197,12 +196,6 @@ class _Noise:
             "floor_ulps": NOISE_FLOOR_ULPS,
             "tensors": within[:16],
         }
-
-
-def _clock(eng: Any) -> float:
-    if eng._sync:
-        torch.cuda.synchronize(eng._cuda_device)
-    return clock(eng._cuda)
 
 
 @contextlib.contextmanager
@@ -387,7 +380,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _CheckBox:
     """What the backward of one checked call needs; ``saved`` is None once it has run."""
 
-    rt: ReplaySegment
+    checks: "SegmentChecks"
     inv: _Invocation
     call: list  # the call's flattened arguments at forward, tensors detached (see _prepare)
     spec: Any  # their tree spec, None for a call of tensors only
@@ -432,7 +425,7 @@ class _CheckTap(torch.autograd.Function):
             return (None, *grads)
         if not graph_task_keeps_graph():
             ctx.box = None
-        box.rt._compare_grads(box, list(grads))
+        box.checks._compare_grads(box, list(grads))
         return (None, *grads)
 
 
@@ -449,26 +442,40 @@ def _autocast_state() -> list[tuple[str, bool, torch.dtype, bool]]:
 
 
 class SegmentChecks:
-    """The derivative and byte checks of one segment (mixed into :class:`~lightning_replay.runtime.SegmentRuntime`)."""
+    """The derivative and byte checks of one segment, an object its runtime composes.
+
+    It reaches the segment through ``seg`` (:class:`~lightning_replay.core.base.ports.CheckedSegment`:
+    what a checked call reads, the counters and the reaction to a divergence), the engine through
+    ``host`` (:class:`~lightning_replay.core.base.ports.CheckHost`), records every check in
+    ``records``, and times a check's own work, to take it out of a replay's cost, with ``clock``.
+    """
+
+    def __init__(
+        self, seg: CheckedSegment, host: CheckHost, records: RecordSink, clock: StepClock
+    ) -> None:
+        self.seg = seg
+        self.host = host
+        self.records = records
+        self.clock = clock
 
     def _measured_call(self, args: tuple, kwargs: dict, record: list | None = None) -> Any:
         """A forward that keeps its graph (checked or retained on a checked step), measuring
         what it saves: A(s) at today's shapes (the probe's figure goes stale when shapes
         change). ``record`` gets the tensors it saves, in order (see :func:`_saving_counted`)."""
-        eng = self.engine
+        eng = self.host
         saved: dict = {}
-        exclude = self.state_keys | {storage_key(t) for t in call_tensors(args, kwargs)}
+        exclude = self.seg.state_keys | {storage_key(t) for t in call_tensors(args, kwargs)}
         eng._segment_depth += 1
         try:
             with _saving_counted(
-                saved, exclude, f"segment {self.name!r}", eng.state_name, eng.accountant, record
+                saved, exclude, f"segment {self.seg.name!r}", eng.state_name, eng.accountant, record
             ):
-                out = self.orig_forward(*args, **kwargs)
+                out = self.seg.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
         if eng.measure_costs:
-            eng.meter.activation_bytes[self.name] = sum(saved.values())
-            eng.meter.activation_size[self.name] = eng._window_size
+            eng.meter.activation_bytes[self.seg.name] = sum(saved.values())
+            eng.meter.activation_size[self.seg.name] = eng._window_size
         return out
 
     def _checked_call(self, args: tuple, kwargs: dict) -> Any:
@@ -483,15 +490,15 @@ class SegmentChecks:
         :meth:`_compare_grads`). A checked step costs one replay (forward and two backward
         passes) of the segment more than a plain one, and keeps its graph until backward.
         """
-        eng = self.engine
-        inv, call, spec = self._prepare(args, kwargs, eng._check_bytes)
+        eng = self.host
+        inv, call, spec = self.seg._prepare(args, kwargs, eng._check_bytes)
         rng = _rng_states(eng._cuda_device)
         autocast = _autocast_state()
         saved: list[torch.Tensor] = []
         # A selective option is checked as it replays: the forward keeps the outputs its
         # policy names (digested as each op runs), and the check's replay uses them
         sac = (
-            SelectiveFrame(eng.config.selective_policy, verify=True, skip=self.sac_skip)
+            SelectiveFrame(eng.config.selective_policy, verify=True, skip=self.seg.sac_skip)
             if inv.option in SELECTIVE
             else None
         )
@@ -515,7 +522,7 @@ class SegmentChecks:
             spec,
             inputs,
             len(index),
-            [p for p in self.module.parameters() if p.requires_grad],
+            [p for p in self.seg.module.parameters() if p.requires_grad],
             [o.shape for o in outs],
             tapped,
             saved,
@@ -546,7 +553,7 @@ class SegmentChecks:
         divergence by themselves. Training is not touched: the tap hands ``grads`` on to the
         real graph.
         """
-        eng = self.engine
+        eng = self.host
         inv = box.inv
         fwd, box.saved = box.saved, None
         # The replay starts from leaves with the forward's bytes. An argument that was no leaf
@@ -569,7 +576,7 @@ class SegmentChecks:
         args, kwargs = (flat, {}) if box.spec is None else unflatten_call(flat, box.spec)
         wrt = leaves + box.params
         timed = eng.measure_costs and (eng._sync or not eng._cuda)
-        pairing = _Pairing(fwd, self.name, (lambda: _clock(eng)) if timed else None)
+        pairing = _Pairing(fwd, self.seg.name, self.clock if timed else None)
         ref = rep = None
         samples: list = []  # further passes of the reference, where it differs from the replay
         rep_samples: list = []  # ... and of the replay
@@ -580,7 +587,7 @@ class SegmentChecks:
         # both backward passes: a checkpoint inside the segment recomputes (and writes batch
         # norm statistics) in them. Backward runs outside the forward's autocast: re-enter it
         # for the replay's forward, as checkpoint does for its own recomputation.
-        sandbox = _BytesSandbox([t for _, t in slot_tensors(capture_slots(self.modules))])
+        sandbox = _BytesSandbox([t for _, t in slot_tensors(capture_slots(self.seg.modules))])
         try:
             with torch.enable_grad(), _ReplayContext(inv), _forked_rng(box.rng):
                 with contextlib.ExitStack() as ac:
@@ -591,8 +598,8 @@ class SegmentChecks:
                     ac.enter_context(pairing.hooks())
                     if box.sac is not None:
                         ac.enter_context(box.sac.recompute)
-                    out2 = self.orig_forward(*args, **kwargs)
-                t0 = _clock(eng) if timed else 0.0
+                    out2 = self.seg.orig_forward(*args, **kwargs)
+                t0 = self.clock() if timed else 0.0
                 outs2 = _grad_outputs(out2)
                 if len(outs2) != len(box.outs) or any(
                     a.shape != s for a, s in zip(outs2, box.outs)
@@ -618,12 +625,12 @@ class SegmentChecks:
                 if timed:
                     # inside the replay context (its swapped-in state must hold for them), but
                     # the check's pairing and backward passes are no part of what a replay costs
-                    inv.t_prep -= _clock(eng) - t0 + pairing.seconds
+                    inv.t_prep -= self.clock() - t0 + pairing.seconds
         finally:
             pairing.clear()
             sandbox.restore()
         names = [f"input[{j}]" for j in range(box.n_inputs)] + [
-            f"{self.name}.{n}" for n, p in self.module.named_parameters() if p.requires_grad
+            f"{self.seg.name}.{n}" for n, p in self.seg.module.named_parameters() if p.requires_grad
         ]
         tolerated = []
         tol = (GRAD_RTOL, GRAD_ATOL)
@@ -660,17 +667,17 @@ class SegmentChecks:
             # a kept output the replay could not use is a divergence of the selective replay,
             # even where running its op again made the gradients agree
             bad += self._kept_events(inv, box.sac.events, checked=True)
-        self.checks += 1
+        self.seg.checks += 1
         if bad:
-            self.divergences += 1
+            self.seg.divergences += 1
         detail = {"compared": len(names), "differ": bad[:16]}
         if tolerated:
             detail["within_tolerance"] = {"rtol": tol[0], "atol": tol[1], "tensors": tolerated[:16]}
         if noise is not None and noise.noisy:
             detail["noise"] = noise.detail(within_noise, matched=not bad)
-        eng.records.append(
+        self.records.append(
             step=inv.step,
-            segment=self.name,
+            segment=self.seg.name,
             contract_version=inv.version,
             check="grad",
             outcome="divergence" if bad else "match",
@@ -681,11 +688,11 @@ class SegmentChecks:
             d2 = digests(tensor_leaves(out2))
             same = d2 == box.out_digests
             if not same:
-                self.divergences += 1
+                self.seg.divergences += 1
                 diverged = True
-            eng.records.append(
+            self.records.append(
                 step=inv.step,
-                segment=self.name,
+                segment=self.seg.name,
                 contract_version=inv.version,
                 check="bytes",
                 outcome="match" if same else "divergence",
@@ -704,14 +711,13 @@ class SegmentChecks:
         recorded here on a replay (``check="bytes"`` or ``"selective"``), returned to the
         derivative check's record where ``checked``, and the segment reacts as to any other.
         """
-        eng = self.engine
         diverged: list[KeptEvent] = []
         for ev in events:
             if ev.kind == "written":
-                self.sac_skip.add((ev.op, ev.call))
-                eng.records.append(
+                self.seg.sac_skip.add((ev.op, ev.call))
+                self.records.append(
                     step=inv.step,
-                    segment=self.name,
+                    segment=self.seg.name,
                     contract_version=inv.version,
                     check="selective",
                     outcome="rejection",
@@ -720,10 +726,10 @@ class SegmentChecks:
             else:
                 diverged.append(ev)
         if diverged and not checked:
-            self.divergences += 1
-            eng.records.append(
+            self.seg.divergences += 1
+            self.records.append(
                 step=inv.step,
-                segment=self.name,
+                segment=self.seg.name,
                 contract_version=inv.version,
                 check="bytes" if all(ev.kind == "bytes" for ev in diverged) else "selective",
                 outcome="divergence",
@@ -741,43 +747,42 @@ class SegmentChecks:
         (derivative check) or the contract state was found wrong (byte check); from now on:
         the first time, re-probe the segment and extend its contract; the second time, retain
         it for good (exact by construction)."""
-        if self.demoted:
+        if self.seg.demoted:
             return
-        eng = self.engine
-        self.reactions += 1
-        if self.reactions == 1:
+        eng = self.host
+        self.seg.reactions += 1
+        if self.seg.reactions == 1:
             action = "re-probe"
-            if self.status in ("active", "retain"):
-                self.status = "probe"
+            if self.seg.status in ("active", "retain"):
+                self.seg.status = "probe"
         else:
             action = "retain"
-            self.demoted = True
-            self.planned_option = "retain"
-            if self.contract is not None:
-                self.contract.apply_option("retain")
-                self._derive()
-            if self.status in ("active", "retain"):
-                self.status = "retain"
-        eng.records.append(
+            self.seg.demoted = True
+            self.seg.planned_option = "retain"
+            if self.seg.contract is not None:
+                self.seg.contract.apply_option("retain")
+                self.seg._derive()
+            if self.seg.status in ("active", "retain"):
+                self.seg.status = "retain"
+        self.records.append(
             step=inv.step,
-            segment=self.name,
+            segment=self.seg.name,
             contract_version=inv.version,
             check="reaction",
             outcome="rejection",
-            detail={"action": action, "divergences": self.divergences},
+            detail={"action": action, "divergences": self.seg.divergences},
         )
         eng._contracts_changed()
 
     def _check_state_digests(self, inv: _Invocation) -> None:
-        eng = self.engine
         now = digests([t for _, t in inv.tensors])
         bad = [e.name for (e, _), a, b in zip(inv.tensors, inv.digests, now) if a != b]
-        self.checks += 1
+        self.seg.checks += 1
         if bad:
-            self.divergences += 1
-        eng.records.append(
+            self.seg.divergences += 1
+        self.records.append(
             step=inv.step,
-            segment=self.name,
+            segment=self.seg.name,
             contract_version=inv.version,
             check="bytes",
             outcome="divergence" if bad else "match",

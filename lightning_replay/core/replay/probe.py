@@ -37,7 +37,7 @@ from lightning_replay.core.mechanisms.arguments import (
     flatten_call,
     unflatten_call,
 )
-from lightning_replay.core.base.ports import ReplayHost, ReplaySegment
+from lightning_replay.core.base.ports import ProbedSegment, ProbeHost, RecordSink
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract, StateEntry
 from lightning_replay.core.mechanisms.discovery import DiscoveryMode, Observation, observe_window
 from lightning_replay.core.replay.probe_replay import _ProbeReplay
@@ -331,13 +331,15 @@ class _ProbeHandle:
     replay the segment, so the probe's window ends there: writes made in backward before it
     (a gradient hook on the segment's output) belong to the window."""
 
-    __slots__ = ("inner", "unpack_fn", "probe", "rt", "tensor")
+    __slots__ = ("inner", "unpack_fn", "probe", "owner", "tensor")
 
-    def __init__(self, inner: Any, unpack_fn: Callable, probe: _Probe, rt: "ReplaySegment") -> None:
+    def __init__(
+        self, inner: Any, unpack_fn: Callable, probe: _Probe, owner: "SegmentProbe"
+    ) -> None:
         self.inner = inner
         self.unpack_fn = unpack_fn
         self.probe = probe
-        self.rt = rt
+        self.owner = owner
         self.tensor: torch.Tensor | None = None  # held while the forward runs (replayed)
         probe.live += 1
 
@@ -347,13 +349,13 @@ class _ProbeHandle:
                 return self.tensor
             return self.unpack_fn(self.inner)
         if self.probe.observations is None:
-            self.rt._observe(self.probe)
+            self.owner._observe(self.probe)
         if not self.probe.replayed:
             return self.unpack_fn(self.inner)
         try:
             return self.unpack_fn(self.inner)
         except CheckpointError as exc:
-            raise self.rt._replay_path_error(self.probe, exc) from exc
+            raise self.owner._replay_path_error(self.probe, exc) from exc
 
     def __del__(self) -> None:
         self.probe.live -= 1
@@ -549,7 +551,20 @@ def _contract_detail(c: ReplayContract) -> dict[str, Any]:
 
 
 class SegmentProbe:
-    """The probe and contract building of one segment (mixed into :class:`~lightning_replay.runtime.SegmentRuntime`)."""
+    """The probe and contract building of one segment, an object its runtime composes.
+
+    It reaches the segment through ``seg`` (:class:`~lightning_replay.core.base.ports.ProbedSegment`:
+    what it reads of the segment and the contract state it makes), the engine through ``host``
+    (:class:`~lightning_replay.core.base.ports.ProbeHost`: the window it probes in), and records
+    its contracts and rejections in ``records``. It keeps no state of its own beyond a warning
+    given once.
+    """
+
+    def __init__(self, seg: ProbedSegment, host: ProbeHost, records: RecordSink) -> None:
+        self.seg = seg
+        self.host = host
+        self.records = records
+        self._warned_deep = False  # (the argument objects too deep to copy: warned once)
 
     # ---------------------------------------------------------------- probe
     def _probe_call(self, args: tuple, kwargs: dict) -> Any:
@@ -562,25 +577,25 @@ class SegmentProbe:
         """Run the probed forward; ``box`` (a replayed probe's) gets the probe as ``"probe"``.
         Nothing else keeps it past its contract: the segment's ``probes`` until then, the
         graph's saved-tensor handles and gradient hook while the graph lives."""
-        eng = self.engine
-        self.status = "probing"
-        self.guard.accept()  # this forward's preconditions are what the probe will cover
+        eng = self.host
+        self.seg.status = "probing"
+        self.seg.guard.accept()  # this forward's preconditions are what the probe will cover
         # every tensor the call reaches, inside argument objects too (arguments.py)
         flat_call, call_spec = flatten_call(args, kwargs)
         if call_spec.objects:
             why = check_rebuild(flat_call, call_spec)
             if why is not None:
-                self.status = "probe"
+                self.seg.status = "probe"
                 raise ReplayConfigError(
-                    f"segment {self.name!r} is called with an argument object its replay "
+                    f"segment {self.seg.name!r} is called with an argument object its replay "
                     f"cannot rebuild as the forward saw it: {why}. Pass the segment its "
                     "tensors (or a dataclass, namedtuple, dict or list of them), or leave this "
                     "segment out of `segments`."
                 )
-        if call_spec.too_deep and not getattr(self, "_warned_deep", False):
+        if call_spec.too_deep and not self._warned_deep:
             self._warned_deep = True
             warnings.warn(
-                f"segment {self.name!r} is called with tensors inside argument objects more "
+                f"segment {self.seg.name!r} is called with tensors inside argument objects more "
                 f"than {MAX_DEPTH} levels deep ({', '.join(call_spec.too_deep[:4])}): they "
                 "reach its replay as the live objects, so a field rebound or a tensor written "
                 "in place there after the forward would be read new. Pass the segment those "
@@ -605,7 +620,7 @@ class SegmentProbe:
             else ()
         )
         mode = DiscoveryMode(eng.log, input_keys, params - input_keys, uncopied)
-        slots = capture_slots(self.modules)
+        slots = capture_slots(self.seg.modules)
         # State the dispatch mode may never see read (host reads such as .tolist(), reads
         # after a warm-up) is watched all the same: every buffer and tensor attribute.
         mode.touch_all([t for _, t in slot_tensors(slots)])
@@ -623,7 +638,7 @@ class SegmentProbe:
             probe.gens = capture_generators(slot_generators(slots))
         probe.start_index = start_index
         saved: dict = {}
-        where = f"segment {self.name!r}"
+        where = f"segment {self.seg.name!r}"
         top = top_saved_tensors_hooks()
         outer_pack, outer_unpack = top if top is not None else (None, None)
         unpack_fn = outer_unpack if outer_unpack is not None else Saved.unpack
@@ -647,21 +662,22 @@ class SegmentProbe:
                 probe.direct.append(handle)
             return handle
 
-        ids = {id(m) for m in self.modules}
+        ids = {id(m) for m in self.seg.modules}
         outside = OutsideReads([m for m in eng.model.modules() if id(m) not in ids])
-        own = OutsideReads(self.modules)  # which of its own attributes the forward reads
-        holders = _holders(self.modules)  # ... and of the holders it reaches
+        own = OutsideReads(self.seg.modules)  # which of its own attributes the forward reads
+        holders = _holders(self.seg.modules)  # ... and of the holders it reaches
         held = HolderReads([h for _, _, h, _ in holders])
-        hosts = host_rngs(self.modules, self.module_names)  # generators torch never sees
+        hosts = host_rngs(self.seg.modules, self.seg.module_names)  # generators torch never sees
         passed = [as_host_rng(x) for x in tree_flatten((args, kwargs))[0] if is_host_rng(x)]
         host_before = states(hosts + passed)
         peeked = _GlobalStateReads()
-        sparse = _sparse_state(eng.model, self.modules)
+        sparse = _sparse_state(eng.model, self.seg.modules)
         sparse_reads = _SparseStateReads(sparse) if sparse else contextlib.nullcontext()
         scripts = _ScriptCalls()
         # module-level plain values the segment's code names, as before its forward
         glob = [
-            (mod, name, _at_forward(mod.__dict__[name])) for mod, name in globals_read(self.modules)
+            (mod, name, _at_forward(mod.__dict__[name]))
+            for mod, name in globals_read(self.seg.modules)
         ]
         # the user's own saved-tensor hooks, and the state they can rebind, as at its start
         hooks = (box or {}).get("user") if replayed else user_saved_hooks(eng)
@@ -681,7 +697,7 @@ class SegmentProbe:
                 scripts,
                 comparisons() as compared,
             ):
-                out = self.orig_forward(*args, **kwargs)
+                out = self.seg.orig_forward(*args, **kwargs)
         finally:
             eng._segment_depth -= 1
             probe.running = False
@@ -690,7 +706,7 @@ class SegmentProbe:
             probe.direct = []
         if compared:  # numbers read from module attributes that gated a branch
             first = {(id(d), n): v for d, n, v in own.first + outside.first}
-            self.guard.add_predicates(_predicates(compared, eng.model, first))
+            self.seg.guard.add_predicates(_predicates(compared, eng.model, first))
         # attributes the forward itself created (see _observe)
         probe.created = [s.module.__dict__.keys() - s.attrs.keys() for s in slots]
         probe.read_flags = _read_flags(own, slots, probe.created, holders, held.reads)
@@ -702,31 +718,31 @@ class SegmentProbe:
         probe.host = [(r, s) for r, s in drawn if r not in passed]  # into the contract
         if replayed:  # with those passed in, which each call captures as its own
             probe.gens += drawn
-        known = {(id(vars(m)), k) for m, k in self.outside}  # a globals dict: one owner
+        known = {(id(vars(m)), k) for m, k in self.seg.outside}  # a globals dict: one owner
         reads = outside.reads + [(mod, name) for mod, name, _ in glob]
-        self.outside += [(m, k) for m, k in reads if (id(vars(m)), k) not in known]
+        self.seg.outside += [(m, k) for m, k in reads if (id(vars(m)), k) not in known]
         first = outside.first + [(mod.__dict__, name, v) for mod, name, v in glob]
         if replayed and reads:  # values as first read, before the segment wrote
             probe.outside = first
         # the contract holds under the values read: the guard watches them from now on
         if reads:
             names = {id(m): n for n, m in eng.model.named_modules()}
-            self.guard.watch_outside(
+            self.seg.guard.watch_outside(
                 [(d, n, _outside_label(m, k, names), v) for (m, k), (d, n, v) in zip(reads, first)]
             )
         mode.finish_segment()
         for (argname, obj), parts, tok in zip(objects, live_parts, before):
             if _parts_token(parts) != tok:
                 mode.release()
-                self.status = "probe"
-                raise ReplayConfigError(_mutable_argument_message(self.name, argname, obj))
+                self.seg.status = "probe"
+                raise ReplayConfigError(_mutable_argument_message(self.seg.name, argname, obj))
         probe.activation_bytes = sum(
             n
             for k, n in saved.items()
             if k not in mode.touched and k not in input_keys and k not in mode.parameter_traffic
         )
-        self.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
-        self.input_bytes = _unique_bytes(leaves)
+        self.seg.input_saved_bytes = sum(n for k, n in saved.items() if k in input_keys)
+        self.seg.input_bytes = _unique_bytes(leaves)
         if sparse and sparse_reads.read:
             probe.sparse_reads = sorted(sparse_reads.read)
         probe.script_calls = sorted(scripts.called)
@@ -734,10 +750,10 @@ class SegmentProbe:
             probe.stateful_hooks = [
                 k for (k, v), (_, w) in zip(hook_state, _hook_state(hooks)) if v != w
             ]
-        self.probes.append(probe)
+        self.seg.probes.append(probe)
         if box is not None:
             box["probe"] = probe
-        eng._pending_probes.add(self)
+        eng._pending_probes.add(self.seg)
         grads = [t for t in tensor_leaves(out) if t.requires_grad]
         if grads:
             torch.autograd.graph.register_multi_grad_hook(
@@ -757,7 +773,7 @@ class SegmentProbe:
         retained (see :class:`_ProbeReplay`).
         """
         box: dict[str, Any] = {}
-        eng = self.engine
+        eng = self.host
         # the call as the forward saw it: argument objects' fields rebound later are not read
         flat_call, call_spec = flatten_call(args, kwargs)
         # the user's saved-tensor hooks: applied to what the replay saves (runtime.py)
@@ -796,7 +812,7 @@ class SegmentProbe:
                 # the call as at the forward: its containers' and objects' fields then
                 a, kw = unflatten_call(flat_call, call_spec)
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next), replay.producers:
-                    out = self.orig_forward(*a, **kw)
+                    out = self.seg.orig_forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
             replay.compare(out)
@@ -816,19 +832,18 @@ class SegmentProbe:
                 *device,
                 use_reentrant=False,
                 preserve_rng_state=True,
-                context_fn=lambda: (contextlib.nullcontext(), _ProbeReplay(self, box)),
+                context_fn=lambda: (contextlib.nullcontext(), _ProbeReplay(self.seg, box)),
             )
 
     def _replay_path_error(self, probe: _Probe, exc: Exception) -> ReplayError:
         """The replay of a replayed probe took another path than its forward (checkpoint saw
         a different number or kind of saved tensors): recorded as a divergence."""
-        eng = self.engine
-        self.divergences += 1
-        self.retained_probe = True
-        eng.records.append(
+        self.seg.divergences += 1
+        self.seg.retained_probe = True
+        self.records.append(
             step=probe.step,
-            segment=self.name,
-            contract_version=self.version,
+            segment=self.seg.name,
+            contract_version=self.seg.version,
             check="probe",
             outcome="divergence",
             detail={
@@ -838,7 +853,7 @@ class SegmentProbe:
             },
         )
         return ReplayError(
-            f"segment {self.name!r}: the replay of its probe (step {probe.step}) took another "
+            f"segment {self.seg.name!r}: the replay of its probe (step {probe.step}) took another "
             "path than its forward (torch.utils.checkpoint saw different saved tensors): the "
             "forward depends on something no probe can put back, such as a module-level "
             "setting, the clock or a file (random generators, torch's, Python's and numpy's, "
@@ -858,14 +873,12 @@ class SegmentProbe:
     def _observe(self, probe: _Probe) -> None:
         if probe.observations is not None:
             return
-        probe.observations = observe_window(
-            probe.mode, self.engine.log, keep_changed=probe.replayed
-        )
+        probe.observations = observe_window(probe.mode, self.host.log, keep_changed=probe.replayed)
         changed = []
         varying = []
         for i, s in enumerate(probe.slots):
             d = s.module.__dict__
-            mname = self.module_names.get(id(s.module), self.name)
+            mname = self.seg.module_names.get(id(s.module), self.seg.name)
             for kind, saved, live in (
                 ("p", s.params, d["_parameters"]),
                 ("b", s.buffers, d["_buffers"]),
@@ -895,7 +908,7 @@ class SegmentProbe:
             ]
         probe.changed_attrs = changed
         # rebound or changed inside the window: the replay puts them back
-        self.guard.learn_varying(varying, keep=probe.read_flags)
+        self.seg.guard.learn_varying(varying, keep=probe.read_flags)
         for ob in probe.observations:
             t = ob.touch
             if t.is_input and ob.changed:
@@ -903,13 +916,13 @@ class SegmentProbe:
                 probe.changed_inputs.extend(leaves)
                 if t.annotated_write or t.changed_in_segment:
                     probe.written_inputs.extend(leaves)
-        if all(p.observations is not None for p in self.probes):
+        if all(p.observations is not None for p in self.seg.probes):
             self._make_contract()
 
     def finish_stale_probes(self) -> None:
         """Conclude probes whose graph is gone without a backward (no grad reached them).
         A probe whose graph is still alive (two forwards sharing one backward) waits."""
-        for p in self.probes:
+        for p in self.seg.probes:
             if p.live == 0:
                 self._observe(p)
 
@@ -919,23 +932,23 @@ class SegmentProbe:
         Contracts only grow: a re-probe after a precondition changed or a check diverged adds
         what it saw, so a periodic writer converges after one period.
         """
-        eng = self.engine
-        probes, self.probes = self.probes, []
-        eng._pending_probes.discard(self)
+        eng = self.host
+        probes, self.seg.probes = self.seg.probes, []
+        eng._pending_probes.discard(self.seg)
         index = StateIndex(eng.model)
-        old = self.contract
+        old = self.seg.contract
         merged: dict[str, StateEntry] = {}
         bound: dict[str, _Bound] = {}
         if old is not None:
-            for b in self.bound:
+            for b in self.seg.bound:
                 e = dataclasses.replace(b.entry, aliases=list(b.entry.aliases))
                 merged[e.name] = e
                 bound[e.name] = _Bound(e, b.get)
         gens: dict[int, torch.Generator] = {
-            id(g): g for _, g in self.generators if not isinstance(g, HostRNG)
+            id(g): g for _, g in self.seg.generators if not isinstance(g, HostRNG)
         }
         host: dict[int, HostRNG] = {
-            id(g.obj): g for _, g in self.generators if isinstance(g, HostRNG)
+            id(g.obj): g for _, g in self.seg.generators if isinstance(g, HostRNG)
         }
         uses_rng = old.uses_global_rng if old is not None else False
         changed_attrs: set[str] = set(old.python_attrs) if old is not None else set()
@@ -943,17 +956,17 @@ class SegmentProbe:
         changed_inputs: set[int] = set(old.changed_inputs) if old is not None else set()
         written_inputs: set[int] = set(old.written_inputs) if old is not None else set()
         act = 0
-        self.state_keys = set()
-        eng.meter.activation_bytes.pop(self.name, None)  # the new probe's figure is current
+        self.seg.state_keys = set()
+        eng.meter.activation_bytes.pop(self.seg.name, None)  # the new probe's figure is current
         for p in probes:
             act = max(act, p.activation_bytes)
-            self.state_keys.update(p.mode.touched)
+            self.seg.state_keys.update(p.mode.touched)
             uses_rng |= p.mode.uses_global_rng
-            if p.sparse_reads and not self.demoted:
+            if p.sparse_reads and not self.seg.demoted:
                 self._keep_for_sparse(p)
-            if p.script_calls and not self.demoted:
+            if p.script_calls and not self.seg.demoted:
                 self._keep_for_script(p)
-            if p.stateful_hooks and not self.demoted:
+            if p.stateful_hooks and not self.seg.demoted:
                 self._keep_for_hook(p)
             gens.update(p.mode.generators)
             host.update((id(r.obj), r) for r, _ in p.host)
@@ -991,22 +1004,22 @@ class SegmentProbe:
                 if t.is_input and ob.changed and entry.name not in aliases:
                     aliases.append(entry.name)
         gen_names = []
-        self.generators = []
+        self.seg.generators = []
         for g in unique_generators(list(gens.values())):
             gname = find_generator_name(eng.model, g) or f"generator[{len(eng._external)}]"
             if gname.startswith("generator["):
                 eng._external.append(g)
             gen_names.append(gname)
-            self.generators.append((gname, g))
+            self.seg.generators.append((gname, g))
         for r in host.values():  # Python's or numpy's: the replay restores these too
             gen_names.append(r.name)
-            self.generators.append((r.name, r))
-        self.version += 1
+            self.seg.generators.append((r.name, r))
+        self.seg.version += 1
         if old is not None:
             act = max(act, old.activation_bytes) if not probes else act
         c = ReplayContract(
-            segment=self.name,
-            version=self.version,
+            segment=self.seg.name,
+            version=self.seg.version,
             state=sorted(merged.values(), key=lambda e: e.name),
             generators=sorted(gen_names),
             uses_global_rng=uses_rng,
@@ -1020,18 +1033,18 @@ class SegmentProbe:
             selective=eng.config.selective_policy is not None,
         )
         order = {e.name: i for i, e in enumerate(c.state)}
-        self.bound = sorted(bound.values(), key=lambda b: order[b.entry.name])
+        self.seg.bound = sorted(bound.values(), key=lambda b: order[b.entry.name])
         for p in probes:  # the contract is made: the probes' tensors go now (issue 31)
             if not p.replayed or p.replay_done:
                 p.release()  # (a replayed probe whose replay is to come: at its end)
-        c.apply_option("retain" if self.demoted else self._choose_option(c))
-        self.contract = c
-        self._derive()
-        self.status = "retain" if c.option == "retain" else "active"
+        c.apply_option("retain" if self.seg.demoted else self._choose_option(c))
+        self.seg.contract = c
+        self.seg._derive()
+        self.seg.status = "retain" if c.option == "retain" else "active"
         eng._contracts_changed()
-        eng.records.append(
+        self.records.append(
             step=eng.step,
-            segment=self.name,
+            segment=self.seg.name,
             contract_version=c.version,
             check="contract",
             outcome="match",
@@ -1041,11 +1054,11 @@ class SegmentProbe:
     def _keep_retained(self, probe: _Probe, what: str, message: str) -> None:
         """The segment keeps its activations from now on (exact) for a reason no option can
         serve: a rejection record (``what``, action retain) and one warning (``message``)."""
-        self.demoted = True
-        self.engine.records.append(
+        self.seg.demoted = True
+        self.records.append(
             step=probe.step,
-            segment=self.name,
-            contract_version=self.version + 1,
+            segment=self.seg.name,
+            contract_version=self.seg.version + 1,
             check="probe",
             outcome="rejection",
             detail={"what": what, "action": "retain"},
@@ -1059,7 +1072,7 @@ class SegmentProbe:
         self._keep_retained(
             probe,
             f"reads sparse state {names}",
-            f"segment {self.name!r} reads sparse model state ({names}): a sparse tensor has no "
+            f"segment {self.seg.name!r} reads sparse model state ({names}): a sparse tensor has no "
             "strided storage to preserve, and an in-place op on it reallocates its values, so "
             "the segment keeps its activations (retain, exact) instead of replaying. Keep the "
             "sparse tensor dense, or pass it to the segment as an argument, to replay it.",
@@ -1073,7 +1086,7 @@ class SegmentProbe:
         self._keep_retained(
             probe,
             f"calls TorchScript {names}",
-            f"segment {self.name!r} calls TorchScript ({names}): TorchScript's optimising "
+            f"segment {self.seg.name!r} calls TorchScript ({names}): TorchScript's optimising "
             "executor compiles a function anew after a number of calls, and a replay adds "
             "calls, so a replay may compute other last bits than the forward did. The segment "
             "keeps its activations (retain, exact) instead of replaying. Call the eager Python "
@@ -1083,7 +1096,7 @@ class SegmentProbe:
     def _user_hooks_have_state(self) -> bool:
         """Whether the user's saved-tensor hooks active now hold Python state they could
         rebind while packing (see :func:`_hook_state`)."""
-        return bool(_hook_state(user_saved_hooks(self.engine)))
+        return bool(_hook_state(user_saved_hooks(self.host)))
 
     def _keep_for_hook(self, probe: _Probe) -> None:
         """The user's pack hook rebound its own state while the probe's forward packed (a
@@ -1094,7 +1107,7 @@ class SegmentProbe:
         self._keep_retained(
             probe,
             f"saved-tensor hook changes its state {names}",
-            f"segment {self.name!r}: the saved-tensor hook around it changed its own state "
+            f"segment {self.seg.name!r}: the saved-tensor hook around it changed its own state "
             f"while packing ({names}): a replay packs its tensors in backward, after every "
             "other pack, so a hook whose packed values depend on that state would pack them "
             "differently. The segment keeps its activations (retain, exact) instead of "
@@ -1102,10 +1115,10 @@ class SegmentProbe:
         )
 
     def _outside_names(self) -> list[str]:
-        names = {id(m): n for n, m in self.engine.model.named_modules()}
-        return sorted(_outside_label(m, k, names) for m, k in self.outside)
+        names = {id(m): n for n, m in self.host.model.named_modules()}
+        return sorted(_outside_label(m, k, names) for m, k in self.seg.outside)
 
-    def _entry_for(self, touch, refs: list[StateRef], eng: "ReplayHost"):
+    def _entry_for(self, touch, refs: list[StateRef], eng: ProbeHost):
         t = touch.tensor
         nbytes = t.untyped_storage().nbytes()
         if refs:
@@ -1140,9 +1153,9 @@ class SegmentProbe:
         return entry, _Bound(entry, lambda t=t: t)
 
     def _choose_option(self, c: ReplayContract) -> str:
-        if self.planned_option is not None and self.planned_option in c.available_options():
-            return self.planned_option
-        p = self.preservation
+        if self.seg.planned_option is not None and self.seg.planned_option in c.available_options():
+            return self.seg.planned_option
+        p = self.seg.preservation
         if p == "retain":
             return "retain"
         if p == "selective":  # its cheapest preservation by memory, as auto's below
@@ -1156,23 +1169,18 @@ class SegmentProbe:
         opts = [o for o in c.available_options() if o != "retain" and o not in SELECTIVE]
         return min(opts, key=lambda o: (c.preserved_bytes(o), o != "whole"))
 
-    def _derive(self) -> None:
-        """Cached lookups the per-step path uses."""
-        c = self.contract
-        self.last_preserved_bytes = c.preserved_bytes() if c else 0
-
     def set_option(self, option: str) -> None:
         """Apply a planned option to the current contract (and to future re-probes)."""
-        self.planned_option = option
-        if self.contract is not None:
-            self.contract.apply_option(
+        self.seg.planned_option = option
+        if self.seg.contract is not None:
+            self.seg.contract.apply_option(
                 "retain"
-                if self.demoted
+                if self.seg.demoted
                 else option
-                if option in self.contract.available_options()
-                else self._choose_option(self.contract)
+                if option in self.seg.contract.available_options()
+                else self._choose_option(self.seg.contract)
             )
-            self._derive()
-            if self.status in ("active", "retain"):
-                self.status = "retain" if self.contract.option == "retain" else "active"
-            self.engine._contracts_changed()
+            self.seg._derive()
+            if self.seg.status in ("active", "retain"):
+                self.seg.status = "retain" if self.seg.contract.option == "retain" else "active"
+            self.host._contracts_changed()
