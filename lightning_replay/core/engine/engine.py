@@ -14,10 +14,15 @@ its own methods (:meth:`ReplayEngine.reconfigure`, :meth:`ReplayEngine.replan`,
 
 A segment's own life (guards, probe, contract, preserved replays, checks and their reaction)
 is in :mod:`~lightning_replay.runtime`, :mod:`~lightning_replay.probe`,
-:mod:`~lightning_replay.restore` and :mod:`~lightning_replay.checks`. This module is over 600
-lines because the window bookkeeping, calibration, planning and accounting read and write the
-same per-step state (the accountant, the step counter, the real-peak residual, the plan); it
-holds no per-segment logic.
+:mod:`~lightning_replay.restore` and :mod:`~lightning_replay.checks`.
+
+Three concerns of the engine live in modules of their own, as functions over it: what a step
+really held and what the base learns from it (:mod:`~lightning_replay.core.engine.real_peak`),
+which option each segment is timed with in a calibration step
+(:mod:`~lightning_replay.core.engine.calibration`), and which segments a step checks under a
+budget (:mod:`~lightning_replay.core.engine.check_steps`). What stays here is the window
+bookkeeping, accounting, planning and resumable state, which read and write the same per-step
+state (the accountant, the step counter, the plan); it holds no per-segment logic.
 """
 
 from __future__ import annotations
@@ -30,10 +35,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from lightning_replay.core.engine import planner as _planner
 from lightning_replay._compat import at_backward_end, top_saved_tensors_hooks, tree_leaves
@@ -41,13 +42,12 @@ from lightning_replay.core.mechanisms.accounting import MemoryAccountant
 from lightning_replay.core.base.budget import Budget, format_bytes
 from lightning_replay.core.engine.config import PIN_OPTIONS
 from lightning_replay.core.engine.config import ReplayConfig
-from lightning_replay.core.base.contract import OPTIONS, SELECTIVE, ReplayContract, base_option
+from lightning_replay.core.base.contract import OPTIONS, ReplayContract
 from lightning_replay.core.mechanisms.costs import CostMeter
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.core.mechanisms.host_rng import HostWatch
 from lightning_replay.core.mechanisms.memory import (
     StepPeak,
-    live_model_bytes,
     process_tensor_bytes,
     profiler_busy,
 )
@@ -55,6 +55,14 @@ from lightning_replay.core.engine.planner import InfeasibleBudget
 from lightning_replay.core.mechanisms.preservation import CaptureMode, RegionLog, idle_capture_mode
 from lightning_replay.core.base.records import RecordStore
 from lightning_replay.core.engine.replan import ReplanPolicy, input_shapes
+from lightning_replay.core.engine.calibration import fit_calibration, fit_to
+from lightning_replay.core.engine.check_steps import check_step_plan, checked_peak, select_checked
+from lightning_replay.core.engine.real_peak import (
+    _REPLAY,
+    settle_real_peak,
+    start_truth,
+    stop_truth,
+)
 from lightning_replay.core.replay.restore import _Invocation
 from lightning_replay.core.engine import attach as _attach
 from lightning_replay.core.engine.attach import _new_plain  # noqa: F401  (named by older pickles)
@@ -66,7 +74,6 @@ from lightning_replay.core.base.state import (
 from lightning_replay.core.base.state import unique_bytes as _unique_bytes
 
 _UNCHANGED = object()  # an argument left out: keep the current value
-_REPLAY = "replay:"  # a step's phase that begins at a segment's replay (then its name)
 
 
 def _input_bytes(inputs: Any) -> int:
@@ -768,7 +775,7 @@ class ReplayEngine:
         self._replays_last_step = self._replays_this_step
         self._last_step = self.step
         self._preserved_last_step = sum(rt.last_preserved_bytes for rt in self.runtimes.values())
-        self._settle_real_peak()
+        settle_real_peak(self)
         policy = self.replan_policy
         if policy is not None:  # install(replan_on=...): judge the step just trained
             if self.step > 0:
@@ -811,7 +818,7 @@ class ReplayEngine:
             self._truth_inputs = _input_bytes(inputs)
             size = self._truth_step_size = self._window_size
             self._truth_size = size if self._truth_size is None else max(self._truth_size, size)
-            self._start_truth()
+            start_truth(self)
         self.step += 1
         # the capture mode's ops are a cost sample on timed steps (a probe's forward does more)
         self._capture_timed = (
@@ -829,7 +836,7 @@ class ReplayEngine:
                 self.set_options(self.plan.choices)
         self._check_grad, self._check_bytes = chk[:2] if chk else (False, False)
         self._truth_checked = self._check_grad  # a checked step holds more than the plan says
-        self._checked = self._select_checked(chk[2]) if self._check_grad else frozenset()
+        self._checked = select_checked(self, chk[2]) if self._check_grad else frozenset()
         self._cuda = _first_param_is_cuda(self.model)
         self._cuda_device = _model_cuda_device(self.model) if self._cuda else None
         self._sync = self._cuda and bool(self._calibration)
@@ -888,7 +895,7 @@ class ReplayEngine:
         while self._window_depth:
             self.end_forward()
         if self._truth is not None:
-            self._stop_truth(self._truth)
+            stop_truth(self, self._truth)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -925,127 +932,6 @@ class ReplayEngine:
             self._suspended = prev
 
     # ---------------------------------------------------------------- internal
-    def _settle_real_peak(self) -> None:
-        """After a measured step (CPU: the first steps of each plan, the calibration's warm-up
-        steps, then now and then) or any planned step (CUDA): fold what the step held beyond
-        the engine's figures into the base, re-plan if the plan no longer fits the budget, and
-        warn if the step's real peak went over it."""
-        acct = self.accountant
-        if acct is None or not self.real_peak:
-            return
-        segments = dict(acct.phase_peaks)  # the accountant's figures per phase
-        accounted = self._static_bytes() + acct.peak
-        if self._truth is not None:
-            self._stop_truth(self._truth)
-        measured = self._truth_peak is not None
-        plan = self._truth_plan if measured else self.plan
-        if measured:
-            real, self._truth_peak = self._truth_peak, None
-            phases = self._truth_phases
-        elif self.plan is not None and self._cuda and self._cuda_device is not None:
-            real = int(torch.cuda.max_memory_allocated(self._cuda_device)) if self._last_step else 0
-            if not real:
-                return
-            # each phase's peak was read (and the allocator's reset) as the next began
-            phases = dict(self._cuda_phases)
-            phases[self._cuda_label] = max(phases.get(self._cuda_label, 0), real)
-            real = max(phases.values())
-        else:
-            return
-        self.last_real_peak = (self._last_step, real)
-        size = self._truth_step_size if measured else self._window_size
-        if size <= self.probe_size or not self.probe_size:
-            fwd, replays, floor = self._phase_residuals(real, phases, segments, plan)
-        else:
-            # inputs larger than the costs were measured at: the formula's figures and the
-            # replays' (re-materialized bytes from the costs) are stale, the accountant's whole
-            # step is not: one residual against it, at every moment
-            fwd, replays, floor = real - accounted, {}, phases.get("optimizer", 0)
-            if size > self._residual_size:  # figures at smaller inputs are stale
-                self._over_fwd, self._over_replay = None, {}
-        grew = self._over_fwd is None or fwd > self._over_fwd
-        self._over_fwd = fwd if self._over_fwd is None else max(self._over_fwd, fwd)
-        for name, over in replays.items():
-            if over > self._over_replay.get(name, over - 1):
-                self._over_replay[name] = over
-                grew = True
-        if grew:
-            # (at least 0: the base never shrinks below the accountant's figures)
-            self._residual = max(min([self._over_fwd, *self._over_replay.values()]), 0)
-            # the input size of the step measured (on CUDA, the step just trained)
-            self._residual_size = size
-            self._residual_fixed = (
-                self._truth_opt
-                if measured
-                else max(self._optimizer_bytes(), self._cuda_held - self._static_bytes())
-            )
-        if floor > self._floor:
-            self._floor = floor
-            self._floor_size = self._truth_step_size if measured else self._window_size
-            self._floor_inputs = self._truth_inputs if measured else 0
-        if self.plan is None:
-            return
-        self._refit_plan()
-        if (
-            self.budget is not None
-            and real > self.budget
-            and self._over_budget_warned != self.plan_version
-        ):
-            self._over_budget_warned = self.plan_version
-            warnings.warn(
-                f"step {self._last_step} held {format_bytes(real)} ({real} bytes) of real memory, "
-                f"over the budget ({format_bytes(self.budget)}): "
-                f"{format_bytes(self._residual)} beyond the engine's figures (backward "
-                "temporaries, optimizer state, state that grew since the last measurement). "
-                f"The plan in force (v{self.plan_version}) now predicts "
-                f"{format_bytes(self.plan.peak_memory)} with that.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-    def _phase_residuals(
-        self,
-        real: int,
-        phases: Mapping[str, int],
-        segments: Mapping[str, int],
-        plan: _planner.Plan | None,
-    ) -> tuple[int, dict[str, int], int]:
-        """What a measured step held beyond the plan formula's figures, per phase: (the
-        forward's end, loss and backward until the first replay; per segment replayed, its
-        replay and backward until the next replay; the optimizer step's real peak, 0 where it
-        was not told apart).
-
-        Each phase's real peak is paired with the formula's own figure for that phase of the
-        step's choices: the base (what is saved outside segments held all step) plus what the
-        segments held at that phase's moments (the accountant's per-phase figures, or the plan's
-        cost formula where lower: costs can miss what a step holds). One residual paired with
-        one moment and added to every other would count twice what the base charges and the
-        step freed before its replays, or miss what the head and loss add on top of the
-        segments the forward retained; and the gradients made by each replay's moment differ
-        from one replay to the next (the formula charges them all step)."""
-        base = self.base_memory
-        figures = dict(segments)  # label -> the segments' bytes at that phase's peak
-        if plan is not None and not self._truth_checked:
-            costs = [c for c in self.costs or [] if plan.choices.get(c.name) in c.options]
-            if costs and len(costs) == len(plan.choices):
-                held, replays = _planner.peak_terms(
-                    costs, {c.name: plan.choices[c.name] for c in costs}
-                )
-                figures["start"] = min(figures.get("start", held), held)
-                for name, term in replays.items():
-                    label = _REPLAY + name
-                    if label in figures:
-                        figures[label] = min(figures[label], term)
-        if not phases:  # not told apart: the whole step at its first phase
-            phases = {"start": real}
-        start = phases.get("start", 0)
-        replays: dict[str, int] = {}
-        for label, peak in phases.items():
-            if label.startswith(_REPLAY) and label in figures:
-                replays[label[len(_REPLAY) :]] = peak - (base + figures[label])
-            elif label != "optimizer":  # nothing to pair it with: counted in the first
-                start = max(start, peak)
-        return start - (base + figures.get("start", 0)), replays, phases.get("optimizer", 0)
 
     def _refit_plan(self) -> None:
         """The real base grew past the one the plan was made with, or a measured phase holds
@@ -1102,66 +988,6 @@ class ReplayEngine:
         if periodic:
             self._truth_gap = min(2 * self._truth_gap, self.TRUTH_EVERY[1])
 
-    def _start_truth(self) -> None:
-        truth = StepPeak(self.model)
-        try:
-            truth.start()
-        except RuntimeError as exc:  # another profiler got there first: measure nothing
-            warnings.warn(
-                f"the real peak of step {self.step} was not measured ({exc}); the "
-                "plan's predictions leave out what the accountant does not count",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self._truth_off = True
-            return
-        self._truth = truth
-        # what the process held beyond the model's own tensors (gradients that exist now
-        # included) and the batch: optimizer state and whatever anyone keeps between steps
-        self._truth_held = truth.base - live_model_bytes(self.model) - self._truth_inputs
-        # Stop right after the step's optimizer step (its temporaries and state included),
-        # so the profiler does not span the caller's code between steps; else when the next
-        # window begins. Not from inside backward: autograd restores the thread's profiler
-        # state after its callbacks.
-        self._truth_hook = register_optimizer_step_post_hook(
-            lambda opt, *_: self._stop_truth(truth, opt)
-        )
-        # the optimizer step is a phase of its own: its peak holds no activation
-        self._truth_pre_hook = register_optimizer_step_pre_hook(
-            lambda *_: truth.mark("optimizer") if self._truth is truth else None
-        )
-
-    def _stop_truth(self, truth: StepPeak, optimizer: Any = None) -> None:
-        if self._truth is truth:
-            self._truth = None
-            if self._truth_hook is not None:
-                self._truth_hook.remove()
-                self._truth_hook = None
-            if self._truth_pre_hook is not None:
-                self._truth_pre_hook.remove()
-                self._truth_pre_hook = None
-            if optimizer is not None:
-                self._adopt_optimizer(optimizer)
-            # the process's live storages when the step began (parameters, optimizer state,
-            # the batch, whatever anyone kept) + the step's net peak: nothing to add
-            self._truth_peak = truth.stop()
-            self._truth_phases = dict(truth.phases)
-            # held between steps, not growing with the input: the optimizer's state and
-            # whatever else the process kept beyond the model's own tensors and the batch
-            self._truth_opt = max(self._optimizer_bytes(), self._truth_held)
-
-    def _adopt_optimizer(self, optimizer: Any) -> bool:
-        """Track an optimizer seen stepping this model's parameters (one ``track_optimizer``
-        was not told about): its state is part of every step's real memory."""
-        if any(o is optimizer for o in self._optimizers):
-            return False
-        ours = {id(p) for p in self.model.parameters()}
-        groups = getattr(optimizer, "param_groups", ())
-        if not any(id(p) in ours for g in groups for p in g.get("params", ())):
-            return False
-        self._optimizers.append(optimizer)
-        return True
-
     def track_optimizer(self, *optimizers: Any) -> None:
         """Count these optimizers' state in the base memory the plan is made with. An
         optimizer that steps the model's parameters is also found on its own, at the first
@@ -1171,9 +997,6 @@ class ReplayEngine:
     @property
     def tracked_optimizers(self) -> list[Any]:
         return list(self._optimizers)
-
-    def _optimizer_bytes(self) -> int:
-        return live_model_bytes(nn.Module(), self._optimizers) if self._optimizers else 0
 
     def size_scale(self, measured_at: int) -> float:
         """How much larger than ``measured_at`` elements the largest step input seen so far
@@ -1321,49 +1144,12 @@ class ReplayEngine:
             # (backward and optimizer temporaries) is unknown, so no prediction bounds it. This
             # untimed step runs every segment at its lowest option and measures it; the timed
             # steps after it are fitted with that figure.
-            self._fit_to(choices, allowed, lambda: True)
-        self._fit_calibration(choices, allowed)
+            fit_to(self, choices, allowed, lambda: True)
+        fit_calibration(self, choices, allowed)
         for name, o in choices.items():
             self.runtimes[name].set_option(o)
         for rt in self.runtimes.values():
             rt.planned_option = None  # calibration is not a plan
-
-    def _calibration_peak(self, choices: Mapping[str, str], base: int) -> int:
-        """A calibration step's peak by the probe's figures, as the planner predicts a plan's:
-        ``base`` (:meth:`_calibration_base`), each segment's inputs and preserved state under its
-        calibration option
-        (its activations where it keeps them), and each replay's activations on top."""
-        costs, picks = [], {}
-        for name in self.segments:
-            rt = self.runtimes[name]
-            c = rt.contract
-            if c is None:
-                continue
-            o = choices.get(name, c.option)
-            held, replay = self._calibration_held(rt, o)
-            costs.append(
-                _planner.SegmentCost(
-                    name, c.activation_bytes, {o: _planner.Option(held, 0.0, replay=replay)}
-                )
-            )
-            picks[name] = o
-        return _planner.predicted_peak(costs, picks, base, **self.phase_peak_args)
-
-    def _calibration_held(self, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
-        """What segment ``rt`` holds from its forward to its backward under option ``o`` in a
-        calibration step, and what its replay re-materializes (``None``: its activations). A
-        selective option holds its kept outputs too (measured on a warm-up step before its
-        phase; until then, as many bytes as its activations), and its replay re-materializes
-        its activations less the kept ones autograd saves."""
-        c = rt.contract
-        if o == "retain":
-            return c.activation_bytes + rt.input_saved_bytes, None
-        held = rt.input_bytes + c.preserved_bytes(o)
-        if o not in SELECTIVE:
-            return held, None
-        kept = self.meter.selective_bytes.get(rt.name, c.activation_bytes)
-        saved = self.meter.selective_saved_bytes.get(rt.name, 0)
-        return held + kept, max(c.activation_bytes - saved, 0)
 
     def _calibration_base(self) -> int:
         """The base a calibration step is predicted with: the real base, or, where larger (no
@@ -1378,44 +1164,6 @@ class ReplayEngine:
         else:
             held = process_tensor_bytes()
         return max(self.real_base_memory, held + grads + self._base_saved)
-
-    def _fit_calibration(self, choices: dict[str, str], allowed: Mapping[str, list]) -> None:
-        """Under a byte budget, calibrate only options that fit: where a whole snapshot would
-        take the step over the budget, the segment is timed with regions (or recompute) in this
-        phase instead, largest snapshot first. An option that does not fit with every other
-        segment at its calibration option fits in no plan either, so nothing the planner could
-        choose is left untimed; it stays out of the cost table (never measured). Under
-        ``budget="min"`` only each segment's lowest option is timed: the plan picks no other."""
-        if self.budget is None:
-            if self.config.budget.min and self.config.planner != "selective_all":
-                # (selective_all plans each segment's lowest *selective* option: timed too)
-                # the lowest-memory plan: no segment's held bytes beyond its lowest option's
-                # are ever chosen, so no step times them (the probe's figures rank them)
-                self._fit_to(choices, allowed, lambda: True)
-            return
-        base = self._calibration_base()  # a walk of the process: once per phase step
-        self._fit_to(choices, allowed, lambda: self._calibration_peak(choices, base) > self.budget)
-
-    def _fit_to(self, choices: dict[str, str], allowed: Mapping[str, list], over) -> None:
-        """While ``over()``, time the segment whose option saves the most preserved bytes
-        with a cheaper one (recompute or regions) instead."""
-        while over():
-            swaps = []
-            for name, o in choices.items():
-                rt = self.runtimes[name]
-                now = self._calibration_held(rt, o)[0]  # (a selective option: kept outputs)
-                cheaper = [
-                    alt
-                    for alt in dict.fromkeys(("recompute", "regions", base_option(o)))
-                    if alt in allowed[name] and self._calibration_held(rt, alt)[0] < now
-                ]
-                if cheaper:
-                    saved = now - self._calibration_held(rt, cheaper[0])[0]
-                    swaps.append((saved, name, cheaper[0]))
-            if not swaps:
-                return  # the lowest options already: the first plan judges the budget
-            _, name, alt = max(swaps)
-            choices[name] = alt
 
     def _never_trained(self, rt: SegmentRuntime) -> bool:
         """A segment that has not run under autograd in training mode through two whole steps
@@ -1455,99 +1203,11 @@ class ReplayEngine:
             )
             warnings.warn(idle_message(rt) + ".", RuntimeWarning, stacklevel=4)
 
-    def _select_checked(self, requested: list[str] | None) -> frozenset:
-        """The segments to derivative-check this window (see :meth:`request_check`)."""
-        if requested is not None:
-            return frozenset(requested)
-        if self.plan is None or not self.budget:
-            return frozenset(self.segments)
-        choices = self.plan.choices
-        # segments the plan covers with an option they still have (a segment first probed
-        # after the plan, or re-probed since, is left out until the next plan)
-        by_name = {
-            c.name: c
-            for c in self.costs or []
-            if c.name in choices and choices[c.name] in c.options
-        }
-        candidates = [n for n in self.segments if n in by_name and choices[n] != "retain"]
-        if not candidates:
-            return frozenset()
-        k = self._check_cursor % len(candidates)
-        order = candidates[k:] + candidates[:k]
-        grads = {
-            n: 2
-            * _unique_bytes([p for p in self.runtimes[n].module.parameters() if p.requires_grad])
-            for n in candidates
-        }
-        chosen: list[str] = []
-        last = -1
-        for i, n in enumerate(order):
-            if self._checked_peak(by_name, chosen + [n], grads) <= self.budget:
-                chosen.append(n)
-                last = i
-        if not chosen:
-            # No room beside the plan in force: plan this one step around the check (more
-            # segments replayed for one step), so a tight budget still gets its replays checked.
-            for i, n in enumerate(order):
-                step_plan = self._check_step_plan(by_name, n, grads)
-                if step_plan is not None:
-                    self._step_choices = dict(step_plan.choices)
-                    self.set_options({m: o for m, o in step_plan.choices.items()})
-                    self._check_cursor = k + i + 1
-                    return frozenset([n])
-            self.checks_skipped += 1
-            self.checks_skipped_reason = (
-                f"keeping one replayed segment's graph beside its replay needs more than the "
-                f"budget {format_bytes(self.budget)}, even with every other segment replayed"
-            )
-            if self.checks_skipped == 1:
-                warnings.warn(
-                    f"derivative check skipped at step {self.step}: "
-                    f"{self.checks_skipped_reason}, by the measured costs. Raise the budget to "
-                    "check under it, or name segments with request_check(segments=...).",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            return frozenset()
-        self._check_cursor = k + last + 1
-        return frozenset(chosen)
-
     def _check_step_plan(
         self, by_name: Mapping[str, _planner.SegmentCost], checked: str, grads: Mapping[str, int]
     ) -> _planner.Plan | None:
-        """A plan for one checked step: ``checked`` keeps its graph beside its planned option
-        (charged as :meth:`_checked_peak` charges it) and the others take whatever fits the
-        budget (their pins kept); None when nothing does."""
-        costs = []
-        for c in self.costs or []:
-            if c.name not in by_name:
-                if c.name in self.plan.choices and c.name in self.runtimes:
-                    return None  # a planned segment without its measured option: no basis
-                continue
-            if c.name == checked:
-                o = self.plan.choices[c.name]
-                opt = c.options[o]
-                keep = c.options["retain"].memory + opt.memory + grads[c.name]
-                c = _planner.SegmentCost(
-                    c.name, c.activation_bytes, {o: _planner.Option(memory=keep, time=opt.time)}
-                )
-            costs.append(c)
-        allowed = {
-            name: PIN_OPTIONS[self.runtimes[name].preservation]
-            for name in by_name
-            if name != checked and self.runtimes[name].preservation in PIN_OPTIONS
-        }
-        try:
-            return _planner.plan(
-                costs,
-                budget=self.budget,
-                base_memory=self.real_base_memory,
-                method=self.planner,
-                allowed=allowed,
-                **self.phase_peak_args,
-            )
-        except (_planner.InfeasibleBudget, ValueError, KeyError):
-            return None
+        """A plan for one checked step (:func:`~lightning_replay.core.engine.check_steps.check_step_plan`)."""
+        return check_step_plan(self, by_name, checked, grads)
 
     def _checked_peak(
         self,
@@ -1555,33 +1215,9 @@ class ReplayEngine:
         checked: list[str],
         grads: Mapping[str, int] | None = None,
     ) -> int:
-        """Predicted peak of the plan with ``checked`` segments also keeping their graphs
-        (their activations, inputs and preserved state, and ``grads``: two sets of their
-        parameter gradients for the comparison, computed here when not given)."""
-        costs = []
-        for c in by_name.values():
-            o = self.plan.choices[c.name]
-            if c.name in checked:
-                opt = c.options[o]
-                g = (
-                    grads[c.name]
-                    if grads is not None
-                    else 2
-                    * _unique_bytes(
-                        [p for p in self.runtimes[c.name].module.parameters() if p.requires_grad]
-                    )
-                )
-                keep = c.options["retain"].memory + opt.memory + g
-                c = _planner.SegmentCost(
-                    c.name, c.activation_bytes, {o: _planner.Option(memory=keep, time=opt.time)}
-                )
-            costs.append(c)
-        return _planner.predicted_peak(
-            costs,
-            {n: self.plan.choices[n] for n in by_name},
-            self.real_base_memory,
-            **self.phase_peak_args,
-        )
+        """The plan's predicted peak with ``checked`` keeping their graphs
+        (:func:`~lightning_replay.core.engine.check_steps.checked_peak`)."""
+        return checked_peak(self, by_name, checked, grads)
 
     def _capture_sampling(self) -> bool:
         """Whether this step's timed segment forwards measure the capture mode in place.

@@ -1,0 +1,97 @@
+"""Which option each segment is timed with in a calibration step, under the budget.
+
+A calibration step's peak is predicted as the planner predicts a plan's (from the probe's
+figures); where an option would take the step over the budget, the segment is timed with a
+cheaper one in that phase instead, so that calibration itself keeps to the budget.
+
+Functions over the engine (``eng``, a
+:class:`~lightning_replay.core.engine.engine.ReplayEngine`): its runtimes, cost meter, budget
+and configuration. Moved out of engine.py as they were (``self`` is ``eng``).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from lightning_replay.core.base.contract import SELECTIVE, base_option
+from lightning_replay.core.engine import planner as _planner
+from lightning_replay.core.runtime import SegmentRuntime
+
+
+def calibration_peak(eng, choices: Mapping[str, str], base: int) -> int:
+    """A calibration step's peak by the probe's figures, as the planner predicts a plan's:
+    ``base`` (:meth:`_calibration_base`), each segment's inputs and preserved state under its
+    calibration option
+    (its activations where it keeps them), and each replay's activations on top."""
+    costs, picks = [], {}
+    for name in eng.segments:
+        rt = eng.runtimes[name]
+        c = rt.contract
+        if c is None:
+            continue
+        o = choices.get(name, c.option)
+        held, replay = calibration_held(eng, rt, o)
+        costs.append(
+            _planner.SegmentCost(
+                name, c.activation_bytes, {o: _planner.Option(held, 0.0, replay=replay)}
+            )
+        )
+        picks[name] = o
+    return _planner.predicted_peak(costs, picks, base, **eng.phase_peak_args)
+
+
+def calibration_held(eng, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
+    """What segment ``rt`` holds from its forward to its backward under option ``o`` in a
+    calibration step, and what its replay re-materializes (``None``: its activations). A
+    selective option holds its kept outputs too (measured on a warm-up step before its
+    phase; until then, as many bytes as its activations), and its replay re-materializes
+    its activations less the kept ones autograd saves."""
+    c = rt.contract
+    if o == "retain":
+        return c.activation_bytes + rt.input_saved_bytes, None
+    held = rt.input_bytes + c.preserved_bytes(o)
+    if o not in SELECTIVE:
+        return held, None
+    kept = eng.meter.selective_bytes.get(rt.name, c.activation_bytes)
+    saved = eng.meter.selective_saved_bytes.get(rt.name, 0)
+    return held + kept, max(c.activation_bytes - saved, 0)
+
+
+def fit_calibration(eng, choices: dict[str, str], allowed: Mapping[str, list]) -> None:
+    """Under a byte budget, calibrate only options that fit: where a whole snapshot would
+    take the step over the budget, the segment is timed with regions (or recompute) in this
+    phase instead, largest snapshot first. An option that does not fit with every other
+    segment at its calibration option fits in no plan either, so nothing the planner could
+    choose is left untimed; it stays out of the cost table (never measured). Under
+    ``budget="min"`` only each segment's lowest option is timed: the plan picks no other."""
+    if eng.budget is None:
+        if eng.config.budget.min and eng.config.planner != "selective_all":
+            # (selective_all plans each segment's lowest *selective* option: timed too)
+            # the lowest-memory plan: no segment's held bytes beyond its lowest option's
+            # are ever chosen, so no step times them (the probe's figures rank them)
+            fit_to(eng, choices, allowed, lambda: True)
+        return
+    base = eng._calibration_base()  # a walk of the process: once per phase step
+    fit_to(eng, choices, allowed, lambda: calibration_peak(eng, choices, base) > eng.budget)
+
+
+def fit_to(eng, choices: dict[str, str], allowed: Mapping[str, list], over) -> None:
+    """While ``over()``, time the segment whose option saves the most preserved bytes
+    with a cheaper one (recompute or regions) instead."""
+    while over():
+        swaps = []
+        for name, o in choices.items():
+            rt = eng.runtimes[name]
+            now = calibration_held(eng, rt, o)[0]  # (a selective option: kept outputs)
+            cheaper = [
+                alt
+                for alt in dict.fromkeys(("recompute", "regions", base_option(o)))
+                if alt in allowed[name] and calibration_held(eng, rt, alt)[0] < now
+            ]
+            if cheaper:
+                saved = now - calibration_held(eng, rt, cheaper[0])[0]
+                swaps.append((saved, name, cheaper[0]))
+        if not swaps:
+            return  # the lowest options already: the first plan judges the budget
+        _, name, alt = max(swaps)
+        choices[name] = alt

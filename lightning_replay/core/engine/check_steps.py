@@ -1,0 +1,150 @@
+"""Which segments a step derivative-checks, and the plan a checked step runs under.
+
+Without a budget every segment is checked on a checked step. Under a budget, a checked segment
+keeps its graph beside its replay, so the segments checked are those whose graphs fit beside
+the plan in force (taken in turn from step to step); where none fits, the step is planned
+around one check (more segments replayed for that step), or the check is skipped, recorded
+and warned once.
+
+Functions over the engine (``eng``, a
+:class:`~lightning_replay.core.engine.engine.ReplayEngine`): its plan, costs, budget and
+runtimes. Moved out of engine.py as they were (``self`` is ``eng``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Mapping
+
+from lightning_replay.core.base.budget import format_bytes
+from lightning_replay.core.base.state import unique_bytes as _unique_bytes
+from lightning_replay.core.engine import planner as _planner
+from lightning_replay.core.engine.config import PIN_OPTIONS
+
+
+def select_checked(eng, requested: list[str] | None) -> frozenset:
+    """The segments to derivative-check this window (see :meth:`request_check`)."""
+    if requested is not None:
+        return frozenset(requested)
+    if eng.plan is None or not eng.budget:
+        return frozenset(eng.segments)
+    choices = eng.plan.choices
+    # segments the plan covers with an option they still have (a segment first probed
+    # after the plan, or re-probed since, is left out until the next plan)
+    by_name = {
+        c.name: c for c in eng.costs or [] if c.name in choices and choices[c.name] in c.options
+    }
+    candidates = [n for n in eng.segments if n in by_name and choices[n] != "retain"]
+    if not candidates:
+        return frozenset()
+    k = eng._check_cursor % len(candidates)
+    order = candidates[k:] + candidates[:k]
+    grads = {
+        n: 2 * _unique_bytes([p for p in eng.runtimes[n].module.parameters() if p.requires_grad])
+        for n in candidates
+    }
+    chosen: list[str] = []
+    last = -1
+    for i, n in enumerate(order):
+        if checked_peak(eng, by_name, chosen + [n], grads) <= eng.budget:
+            chosen.append(n)
+            last = i
+    if not chosen:
+        # No room beside the plan in force: plan this one step around the check (more
+        # segments replayed for one step), so a tight budget still gets its replays checked.
+        for i, n in enumerate(order):
+            step_plan = check_step_plan(eng, by_name, n, grads)
+            if step_plan is not None:
+                eng._step_choices = dict(step_plan.choices)
+                eng.set_options({m: o for m, o in step_plan.choices.items()})
+                eng._check_cursor = k + i + 1
+                return frozenset([n])
+        eng.checks_skipped += 1
+        eng.checks_skipped_reason = (
+            f"keeping one replayed segment's graph beside its replay needs more than the "
+            f"budget {format_bytes(eng.budget)}, even with every other segment replayed"
+        )
+        if eng.checks_skipped == 1:
+            warnings.warn(
+                f"derivative check skipped at step {eng.step}: "
+                f"{eng.checks_skipped_reason}, by the measured costs. Raise the budget to "
+                "check under it, or name segments with request_check(segments=...).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return frozenset()
+    eng._check_cursor = k + last + 1
+    return frozenset(chosen)
+
+
+def check_step_plan(
+    eng, by_name: Mapping[str, _planner.SegmentCost], checked: str, grads: Mapping[str, int]
+) -> _planner.Plan | None:
+    """A plan for one checked step: ``checked`` keeps its graph beside its planned option
+    (charged as :meth:`_checked_peak` charges it) and the others take whatever fits the
+    budget (their pins kept); None when nothing does."""
+    costs = []
+    for c in eng.costs or []:
+        if c.name not in by_name:
+            if c.name in eng.plan.choices and c.name in eng.runtimes:
+                return None  # a planned segment without its measured option: no basis
+            continue
+        if c.name == checked:
+            o = eng.plan.choices[c.name]
+            opt = c.options[o]
+            keep = c.options["retain"].memory + opt.memory + grads[c.name]
+            c = _planner.SegmentCost(
+                c.name, c.activation_bytes, {o: _planner.Option(memory=keep, time=opt.time)}
+            )
+        costs.append(c)
+    allowed = {
+        name: PIN_OPTIONS[eng.runtimes[name].preservation]
+        for name in by_name
+        if name != checked and eng.runtimes[name].preservation in PIN_OPTIONS
+    }
+    try:
+        return _planner.plan(
+            costs,
+            budget=eng.budget,
+            base_memory=eng.real_base_memory,
+            method=eng.planner,
+            allowed=allowed,
+            **eng.phase_peak_args,
+        )
+    except (_planner.InfeasibleBudget, ValueError, KeyError):
+        return None
+
+
+def checked_peak(
+    eng,
+    by_name: Mapping[str, _planner.SegmentCost],
+    checked: list[str],
+    grads: Mapping[str, int] | None = None,
+) -> int:
+    """Predicted peak of the plan with ``checked`` segments also keeping their graphs
+    (their activations, inputs and preserved state, and ``grads``: two sets of their
+    parameter gradients for the comparison, computed here when not given)."""
+    costs = []
+    for c in by_name.values():
+        o = eng.plan.choices[c.name]
+        if c.name in checked:
+            opt = c.options[o]
+            g = (
+                grads[c.name]
+                if grads is not None
+                else 2
+                * _unique_bytes(
+                    [p for p in eng.runtimes[c.name].module.parameters() if p.requires_grad]
+                )
+            )
+            keep = c.options["retain"].memory + opt.memory + g
+            c = _planner.SegmentCost(
+                c.name, c.activation_bytes, {o: _planner.Option(memory=keep, time=opt.time)}
+            )
+        costs.append(c)
+    return _planner.predicted_peak(
+        costs,
+        {n: eng.plan.choices[n] for n in by_name},
+        eng.real_base_memory,
+        **eng.phase_peak_args,
+    )
