@@ -363,8 +363,8 @@ PORT_SIZES = {
     "RecordSink": 1,
     "Device": 3,
     "Accounting": 6,
-    "Window": 17,
-    "ReplayHost": 27,
+    "Window": 12,
+    "ReplayHost": 22,
     "CostSource": 4,
     "ReplaySegment": 19,
     "ProbeHost": 12,
@@ -395,37 +395,43 @@ def port_reaches(tree: ast.AST, ports: dict[str, type]) -> list[tuple[str, str, 
     and on a local name bound to either (``eng = self.host``)."""
     found = []
 
+    def port_field(port: type, attr: str) -> type | None:
+        """The port a port's field is declared as (``ReplaySegment.engine: ReplayHost``)."""
+        for c in port.__mro__:
+            note = vars(c).get("__annotations__", {}).get(attr)
+            if note is not None:
+                return ports.get(str(note).strip("\"'"))
+        return None
+
+    def port_of(v: ast.expr, local: dict[str, type], fields: dict[str, type]) -> type | None:
+        """The port expression ``v`` is: a name bound to one, ``self.X`` for a field holding
+        one, or a port's field declared as a port (``rt.engine``)."""
+        if isinstance(v, ast.Name):
+            return local.get(v.id)
+        if isinstance(v, ast.Attribute):
+            if isinstance(v.value, ast.Name) and v.value.id == "self" and v.attr in fields:
+                return fields[v.attr]
+            outer = port_of(v.value, local, fields)
+            if outer is not None:
+                return port_field(outer, v.attr)
+        return None
+
     def scan(fn: ast.AST, where: str, names: dict[str, type], fields: dict[str, type]):
         local = dict(names)
-        for node in ast.walk(fn):  # aliases first: ``eng = self.host``
+        for node in ast.walk(fn):  # aliases first: ``eng = self.host``, ``eng = rt.engine``
             if (
                 isinstance(node, ast.Assign)
                 and len(node.targets) == 1
                 and isinstance(node.targets[0], ast.Name)
             ):
-                v = node.value
-                if isinstance(v, ast.Name) and v.id in local:
-                    local[node.targets[0].id] = local[v.id]
-                elif (
-                    isinstance(v, ast.Attribute)
-                    and isinstance(v.value, ast.Name)
-                    and v.value.id == "self"
-                    and v.attr in fields
-                ):
-                    local[node.targets[0].id] = fields[v.attr]
+                p = port_of(node.value, local, fields)
+                if p is not None:
+                    local[node.targets[0].id] = p
         for node in ast.walk(fn):
-            if not isinstance(node, ast.Attribute):
-                continue
-            v = node.value
-            if isinstance(v, ast.Name) and v.id in local:
-                found.append((where, local[v.id].__name__, node.attr))
-            elif (
-                isinstance(v, ast.Attribute)
-                and isinstance(v.value, ast.Name)
-                and v.value.id == "self"
-                and v.attr in fields
-            ):
-                found.append((where, fields[v.attr].__name__, node.attr))
+            if isinstance(node, ast.Attribute):
+                p = port_of(node.value, local, fields)
+                if p is not None:
+                    found.append((where, p.__name__, node.attr))
 
     def args_of(fn: ast.FunctionDef) -> dict[str, type]:
         a = fn.args
@@ -481,8 +487,12 @@ def test_lower_layers_reach_only_what_their_ports_declare():
 def test_the_port_scan_sees_fields_arguments_and_aliases():
     from typing import Protocol
 
+    class Inner(Protocol):
+        x: int
+
     class Port(Protocol):
         a: int
+        inner: Inner
 
     src = (
         "class C:\n"
@@ -492,7 +502,15 @@ def test_the_port_scan_sees_fields_arguments_and_aliases():
         "        eng = self.port\n"
         "        return self.port.a + eng.b\n"
         "def g(q: 'Port'):\n"
-        "    return q.c\n"
+        "    e = q.inner\n"
+        "    return q.c + e.y + q.inner.z\n"
     )
-    got = {(w, a) for w, _, a in port_reaches(ast.parse(src), {"Port": Port})}
-    assert got == {("C.f", "a"), ("C.f", "b"), ("g", "c")}
+    got = {(w, p, a) for w, p, a in port_reaches(ast.parse(src), {"Port": Port, "Inner": Inner})}
+    assert got == {
+        ("C.f", "Port", "a"),
+        ("C.f", "Port", "b"),
+        ("g", "Port", "c"),
+        ("g", "Port", "inner"),
+        ("g", "Inner", "y"),
+        ("g", "Inner", "z"),
+    }

@@ -32,7 +32,7 @@ from lightning_replay.core.mechanisms.arguments import flatten_call, unflatten_c
 from lightning_replay.core.replay.checks import SegmentChecks
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract
 from lightning_replay.core.base.clock import clock
-from lightning_replay.core.base.ports import CostSource, ReplayHost
+from lightning_replay.core.base.ports import CheckHost, CostSource, ProbeHost, ReplayHost
 from lightning_replay.core.mechanisms.costs import saved_tensor_overhead
 from lightning_replay.errors import ContractViolation, ReplayConfigError
 from lightning_replay.core.mechanisms.guards import OUTSIDE, Guard
@@ -50,10 +50,12 @@ from lightning_replay.core.base.state import storage_key, strided_copy
 from lightning_replay.core.base.state import unique_bytes as _unique_bytes
 
 
-class RuntimeHost(ReplayHost, CostSource, Protocol):
-    """The engine as a segment's runtime sees it: what probe, restore and checks use
-    (:class:`~lightning_replay.core.base.ports.ReplayHost`), and the window and calibration
-    controls the runtime's dispatch reads. :class:`~lightning_replay.engine.ReplayEngine` is
+class RuntimeHost(ReplayHost, ProbeHost, CheckHost, CostSource, Protocol):
+    """The engine as a segment's runtime sees it: what restore, the probe and the checks use
+    (:class:`~lightning_replay.core.base.ports.ReplayHost`,
+    :class:`~lightning_replay.core.base.ports.ProbeHost`,
+    :class:`~lightning_replay.core.base.ports.CheckHost`: the runtime hands its engine to them),
+    and the window and calibration controls the runtime's dispatch reads. :class:`~lightning_replay.engine.ReplayEngine` is
     one; the runtime never names it (it is the layer above)."""
 
     budget: int | None

@@ -63,23 +63,18 @@ class Accounting(Protocol):
 
 
 class Window(Protocol):
-    """The current step and window as a segment's call sees it: the step number, the region
+    """The current step and window as a segment's replay sees it: the step number, the region
     log and its capture, generators seen moving, how deep in segment calls and replays the
     step is, and the model the segments belong to."""
 
     step: int
     model: Any
-    config: Any
     log: Any
     host_watch: Any
     last_replay: Any
     _capturing: Any
     _segment_depth: int
     _replays_this_step: int
-    _window_size: int
-    _external: list
-    _pending_probes: set
-    _check_bytes: bool
 
     def state_name(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -91,8 +86,9 @@ class Window(Protocol):
 
 
 class ReplayHost(Device, Accounting, Window, Protocol):
-    """Everything around a segment's call that probe, restore and checks use: its records, its
-    device, its accounting and its window. The engine is one."""
+    """Everything around a segment's replay that restore and a replayed probe's replay use:
+    its records, its device, its accounting and its window. The engine is one. (The probe and
+    the checks take their own, :class:`ProbeHost` and :class:`CheckHost`.)"""
 
     records: RecordSink
 
