@@ -840,13 +840,5 @@ def test_activation_argument_written_after_the_forward() -> None:
     _check(ActWrittenNet, _act_written_step, PRES)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=lr.ReplayError,
-    reason="measured: ReplayError at step 1 under budget='min' (recorded divergence, loud): "
-    "the replayed probe does not copy arguments that are activations of the window (outputs "
-    "of autograd ops: copying each would add every segment's input to the probe step's "
-    "peak), and the write after the forward is outside any capture",
-)
 def test_activation_argument_written_after_the_forward_under_a_budget() -> None:
     _check(ActWrittenNet, _act_written_step, [{"budget": "min"}])

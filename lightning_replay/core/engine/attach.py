@@ -19,6 +19,8 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from lightning_replay._compat import saved_tensors_hooks_disabled, under_functorch
+from lightning_replay.core.base.state import storage_bytes, storage_key
+from lightning_replay.core.mechanisms.arguments import held_tensors
 
 #: module_globals: this module's globals are machinery, never user state
 _REPLAY_MACHINERY = True
@@ -104,15 +106,54 @@ def _root_class(cls: type) -> type:
             # segments run plain, see runtime)
             return cls.forward(self, *args, **kwargs)
         eng._explicit_windows += 1
+        opens = eng._window_depth == 0
         eng.begin_window(continuation=not torch.is_grad_enabled(), inputs=(args, kwargs))
         try:
-            return cls.forward(self, *args, **kwargs)
+            out = cls.forward(self, *args, **kwargs)
         finally:
             eng.end_forward()
+        if opens and eng._pending_probes:
+            copy_held_activations(eng, out)
+        return out
 
     new = _swapped_class(cls, forward)
     _ROOT_CLASSES[cls] = new
     return new
+
+
+def copy_held_activations(engine: Any, outputs: Any) -> None:
+    """Copy, as the window's forward ends, the activations a replayed probe passed to its
+    segment uncopied that the step can still reach (the root's outputs, a module attribute):
+    the step may write one in place before backward (``model.last.mul_(0.5)``), where no
+    capture runs, and the probe's replay must read the bytes its forward read.
+
+    A replayed probe (under a byte budget) copies the arguments made outside autograd at first
+    touch, but not the window's activations (outputs of autograd ops, most often an earlier
+    segment's output): copying each would add every segment's input to the probe step's peak.
+    Only the ones held here are copied (a plain chain of blocks holds none); an activation
+    written in the window after its segment ran (a logged write, undone at the replay) is left
+    to its log. What the model does not hold (a global list, a hook's closure) stays
+    uncopied: a write there is caught by the probe's comparison (a recorded ``ReplayError``).
+    """
+    probes = [
+        p
+        for rt in engine._pending_probes
+        for p in rt.probes
+        if p.replayed and p.observations is None and p.mode.uncopied
+    ]
+    if not probes:
+        return
+    held = {storage_key(t) for t in held_tensors(list(engine.model.modules()), outputs)}
+    with torch.no_grad():
+        for p in probes:
+            for key, touch in p.mode.touched.items():
+                if (
+                    touch.snapshot is None
+                    and key in p.mode.uncopied
+                    and key in held
+                    and not engine.log.since(key, touch.mark)
+                ):
+                    touch.snapshot = storage_bytes(touch.tensor).clone()
 
 
 def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
