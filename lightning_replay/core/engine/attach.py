@@ -12,6 +12,7 @@ engine.installation.install` builds the engine, so this module is below both.
 from __future__ import annotations
 
 import copyreg
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -61,6 +62,8 @@ def _replay_class(cls: type) -> type:
         return _REPLAY_CLASSES[cls]
 
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # (dynamo traces: it does not see RUNTIME_KEY)
+            return _eager_under_compile(self, RUNTIME_KEY, lambda: forward(self, *args, **kwargs))
         rt = _own(self, RUNTIME_KEY)
         if rt is None:
             return cls.forward(self, *args, **kwargs)
@@ -100,6 +103,8 @@ def _root_class(cls: type) -> type:
         return _ROOT_CLASSES[cls]
 
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # (dynamo traces: it does not see ENGINE_KEY)
+            return _eager_under_compile(self, ENGINE_KEY, lambda: forward(self, *args, **kwargs))
         eng = _own(self, ENGINE_KEY)
         if eng is None or under_functorch() or saved_tensors_hooks_disabled():
             # (a torch.func transform, or saved-tensor hooks switched off: no window, the
@@ -154,6 +159,47 @@ def copy_held_activations(engine: Any, outputs: Any) -> None:
                     and not engine.log.since(key, touch.mark)
                 ):
                     touch.snapshot = storage_bytes(touch.tensor).clone()
+
+
+@torch.compiler.disable
+def _eager_under_compile(module: nn.Module, key: str, call: Callable[[], Any]) -> Any:
+    """Run an installed forward that ``torch.compile`` reached (the model compiled after
+    :func:`install`, or a module holding it) eagerly, with one warning and one record.
+
+    Traced by dynamo, the engine's own code would be compiled into the graph or skipped around
+    it: the segments then run their original forwards on every later step, never replayed, and
+    a byte budget is silently not held (measured: 1 probed forward, 0 replays in 4 steps). Run
+    eagerly, the window and the segments work as without compile; the code around them stays
+    compiled. The graph break this makes is the price; compile the modules apart from the
+    segments (``model.head.compile()``) to keep compiling those.
+    """
+    held = _own(module, key)
+    engine = held if key == ENGINE_KEY else getattr(held, "engine", None)
+    if engine is not None and not getattr(engine, "_warned_compile", False):
+        engine._warned_compile = True
+        segment = held.name if key == RUNTIME_KEY else None
+        where = f"segment {segment!r}" if segment is not None else "the installed model"
+        engine.records.append(
+            step=engine.step,
+            segment=segment or "*",
+            contract_version=0,
+            check="install",
+            outcome="rejection",
+            detail={
+                "what": f"torch.compile reached {where} after install",
+                "action": "eager (graph break): the window and its segments are not compiled",
+            },
+        )
+        warnings.warn(
+            f"torch.compile reached {where}, installed for replay: its forward runs eagerly "
+            "(a graph break), so that the segments replay and the window's state is watched "
+            "as without compile; a compiled engine would run the original forwards and replay "
+            "nothing. To compile, compile the modules apart from the segments (a head, the "
+            "loss), or uninstall the engine.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return call()
 
 
 def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
