@@ -662,30 +662,23 @@ def _loader(n: int = 32) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(ds, batch_size=B)
 
 
-_PINNED_REGIONS = pytest.mark.xfail(
-    strict=True,
-    raises=lr.ReplayConfigError,
-    reason="measured: ReplayConfigError at the first plan (after the probe and calibration "
-    "steps, not before the first step): 'segment enc.0 is pinned to [recompute, regions], but "
-    "its measured options are [retain]'. The segments' own parameters are written inside the "
-    "window (opt_e.step in training_step, after the segment's last replay of the step) and a "
-    "parameter written in the window is never regions-restorable (discovery.observe_window); "
-    "auto and whole are exact",
-)
-
-
 @pytest.mark.parametrize(
     "lit,preservation",
     [
         ("two_optimizers", "auto"),
         ("two_optimizers", "whole"),
-        pytest.param("two_optimizers", "regions", marks=_PINNED_REGIONS),
+        ("two_optimizers", "regions"),
         ("swa", "auto"),
         ("swa", "whole"),
         ("swa", "regions"),
     ],
 )
 def test_lightning_recipes_match_plain_trainer(tmp_path, lit: str, preservation: str) -> None:
+    """24 steps, past the first plan. Two optimizers under pinned ``regions`` failed before
+    with ``ReplayConfigError`` at the first plan ("pinned to [recompute, regions], but its
+    measured options are [retain]"): the optimizer writes the segments' own parameters inside
+    the window (after their last replay of the step), and a parameter written in the window
+    was never regions-restorable though its writes were all logged."""
     make = LitTwo if lit == "two_optimizers" else LitSwa
 
     def extra() -> dict:
