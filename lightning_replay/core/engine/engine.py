@@ -165,9 +165,6 @@ class ReplayEngine:
         self._truth_rounds = 0  # steps measured so far
         self._truth_off = False  # another profiler refused ours: measure nothing more
         self._profiler_warned = False  # a step's real peak went unmeasured: said once
-        # the probe step's real peak is being measured (under a byte budget, on CPU): it is
-        # compared with the budget, never folded into the plans' figures (see _probe_peak)
-        self._probe_truth = False
         self._next_truth = 0  # the step of the next periodic measurement
         self._truth_gap = self.TRUTH_EVERY[0]
         self._truth_plan: _planner.Plan | None = None  # the plan the measured step ran
@@ -807,18 +804,6 @@ class ReplayEngine:
                 self._measure_plan(periodic=True, gap=False)
             elif self.step >= self._next_truth:
                 self._measure_plan(periodic=True)  # state that grows later is seen, too
-        if (
-            self.step == 0
-            and self._budget is not None
-            and self.real_peak
-            and self.measure_costs
-            and not self._cuda
-            and not self._truth_off
-            and self.accountant is not None
-            and _rank_count() == 1
-        ):
-            # the probe step: measured so that a budget it breaks is said (see _probe_peak)
-            self._truth_pending = self._probe_truth = True
         if self._truth_pending and self.accountant is not None and profiler_busy():
             self._profiler_blinds()  # another profiler runs: measure a later step
         elif (
@@ -827,7 +812,7 @@ class ReplayEngine:
             and (_rank_count() == 1 or self._ranks_base is not None)
         ):
             self._truth_pending = False
-            self._truth_rounds += not self._probe_truth
+            self._truth_rounds += 1
             self._truth_plan = self.plan
             self._truth_inputs = _input_bytes(inputs)
             size = self._truth_step_size = self._window_size
@@ -960,11 +945,6 @@ class ReplayEngine:
         if self._truth is not None:
             self._stop_truth(self._truth)
         measured = self._truth_peak is not None
-        if self._probe_truth:
-            self._probe_truth = False
-            if measured:
-                self._probe_peak()
-            return
         plan = self._truth_plan if measured else self.plan
         if measured:
             real, self._truth_peak = self._truth_peak, None
@@ -1030,37 +1010,6 @@ class ReplayEngine:
                 RuntimeWarning,
                 stacklevel=3,
             )
-
-    def _probe_peak(self) -> None:
-        """The probe step's real peak, measured under a byte budget: over the budget, say so
-        once and record it. Not folded into the plans' figures: the probe holds what no planned
-        step does (its first-touch copies), and the calibration's first step measures what
-        the plans are made with."""
-        real, self._truth_peak = self._truth_peak, None
-        self.last_real_peak = (self._last_step, real)
-        budget = self.budget
-        if budget is None or real <= budget:
-            return
-        self.records.append(
-            step=self._last_step,
-            segment="*",
-            contract_version=self.plan_version,
-            check="plan",
-            outcome="rejection",
-            detail={"event": "probe_over_budget", "real_peak": real, "budget": budget},
-        )
-        warnings.warn(
-            f"the probe step (step {self._last_step}) held {format_bytes(real)} ({real} bytes) "
-            f"of real memory, over the budget ({format_bytes(budget)}) by "
-            f"{format_bytes(real - budget)}: the probe keeps a copy of each segment's "
-            "non-parameter state (buffers, tensor attributes) from the segment's first touch "
-            "to its backward, whole, since it cannot know beforehand which part the step "
-            "writes, and of the segments' arguments made outside autograd. The steps after it "
-            "are planned within the budget; to keep the first one within it too, raise the "
-            f"budget by {format_bytes(real - budget)}.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
     def _phase_residuals(
         self,
