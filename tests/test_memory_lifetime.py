@@ -301,7 +301,9 @@ def _run(name: str, arm: str) -> dict[str, Any]:
         alive = [r() for r in refs]
         out["alive"] = [(tuple(t.shape), str(t.dtype)) for t in alive if t is not None]
         # who holds them (the first few): the failure message names the holders
-        out["holders"] = [_holders(t, (alive, refs)) for t in alive if t is not None][:5]
+        survivors = [t for t in alive if t is not None][:5]
+        out["holders"] = [_holders(t, (alive, refs, survivors)) for t in survivors]
+        del survivors
         out["watched"] = len(refs)
         out["engine"] = engine
         del alive
