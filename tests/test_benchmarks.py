@@ -48,7 +48,13 @@ def test_overhead_saves_the_same_bytes_as_torch_checkpoint(smoke):
     assert len(m["cells"]) == 4
     for c in m["cells"]:
         assert {"state_ratio", "write_fraction", "budget_position", "budget_bytes"} <= set(c)
-        assert set(c["methods"]) == {"joint", "eager_whole", "fixed_regions", "whole_all"}
+        assert set(c["methods"]) == {
+            "joint",
+            "eager_whole",
+            "fixed_regions",
+            "whole_all",
+            "selective_all",
+        }
         # joint is optimal over every option: feasible wherever any baseline is
         assert c["methods"]["joint"]["feasible"]
         for d in c["methods"].values():
