@@ -309,3 +309,27 @@ def test_a_selective_forward_pays_for_its_caching_mode():
     meter.add_option_forward("c", "whole", 2.0)
     meter.add_option_forward("c", "selective_whole", 1.0)
     assert meter.forward_extra("c", "selective_whole") == 0.0  # faster: noise, not a saving
+
+
+def test_a_segment_timed_once_a_side_takes_the_caching_cost_pooled_over_segments():
+    """At the default calibration steps a segment's forward is timed once or twice a side;
+    one forward's noise is the size of the caching mode's cost (measured: 2.0-5.6 ms on four
+    identical Llama blocks, in a run that charged ~0 to some). Below three a side, the ratio of
+    medians is pooled over the segments timed both ways."""
+    from lightning_replay.costs import CostMeter
+
+    meter = CostMeter()
+    for seg in ("a", "b", "c"):
+        for t in (10.0, 10.2, 9.8):
+            meter.add_option_forward(seg, "recompute", t / 1e3)
+        for t in (13.0, 13.1, 12.9):
+            meter.add_option_forward(seg, "selective", t / 1e3)
+    # d: one noisy forward a side, the selective one even faster
+    meter.add_option_forward("d", "recompute", 20.0 / 1e3)
+    meter.add_option_forward("d", "selective", 19.5 / 1e3)
+    assert meter.forward_extra("a", "selective") == pytest.approx(3.0e-3)  # its own, as before
+    # pooled ratio 1.3 (a, b, c) applied to d's own full-replay forward
+    assert meter.forward_extra("d", "selective") == pytest.approx(0.3 * 20.0e-3)
+    # e: its selective forward ran only in capture-sampled steps (not timed alone)
+    meter.add_option_forward("e", "whole", 5.0 / 1e3)
+    assert meter.forward_extra("e", "selective") == pytest.approx(0.3 * 5.0e-3)
