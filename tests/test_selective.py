@@ -333,3 +333,32 @@ def test_a_segment_timed_once_a_side_takes_the_caching_cost_pooled_over_segments
     # e: its selective forward ran only in capture-sampled steps (not timed alone)
     meter.add_option_forward("e", "whole", 5.0 / 1e3)
     assert meter.forward_extra("e", "selective") == pytest.approx(0.3 * 5.0e-3)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_replay_that_stops_early_leaves_no_kept_output_behind(bias):
+    """Checkpoint stops a replay once backward has every tensor it saves: a block ending in a
+    product (whose input is the last tensor saved, packed before the product runs) never
+    reaches that product's call. Its kept output goes with the replay, not with the frame,
+    which lives as long as the checkpoint's graph (measured: a Llama's four blocks all
+    selective peaked 4 MiB higher, 48.7 against 44.7 MiB; torch's own SAC 45.2)."""
+    from lightning_replay.selective import checkpoint_kwargs
+
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(16, 32, bias=bias), nn.Linear(32, 16, bias=bias)
+
+    def block(x):
+        return x + fc2(torch.relu(fc1(x)))
+
+    x = torch.randn(8, 16, requires_grad=True)
+    frame = SelectiveFrame("matmul")
+    out = checkpoint(
+        block, x, use_reentrant=False, context_fn=frame.contexts, **checkpoint_kwargs()
+    )
+    assert len(frame.kept_tensors()) == 2  # both products kept by the forward
+    out.sum().backward()
+    assert frame.kept_tensors() == []
+    # and the gradients are plain PyTorch's
+    ref_x = x.detach().clone().requires_grad_()
+    grads = torch.autograd.grad(block(ref_x).sum(), [ref_x, fc1.weight, fc2.weight])
+    assert torch.equal(grads[0], x.grad)
