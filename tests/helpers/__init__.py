@@ -9,6 +9,8 @@
 * :mod:`tests.helpers.torch_memory` — an independent memory referee (``torch.profiler``).
 * :mod:`tests.helpers.noisy_kernels` — backward kernels with ulp-level noise from ``os.urandom``
   (GPU atomics' stand-in, issue 32).
+* :mod:`tests.helpers.recipes` — the adversary recipe files' referee: plain PyTorch against
+  ``install`` under several options, gradients compared bit for bit.
 
 ``setup.cfg`` puts the repository root on ``sys.path`` (``pythonpath = .``), so both
 ``pytest`` and ``python -m pytest`` find this package under any import mode.

@@ -164,6 +164,7 @@ class ReplayEngine:
         self._truth_hook: Any = None
         self._truth_rounds = 0  # steps measured so far
         self._truth_off = False  # another profiler refused ours: measure nothing more
+        self._profiler_warned = False  # a step's real peak went unmeasured: said once
         self._next_truth = 0  # the step of the next periodic measurement
         self._truth_gap = self.TRUTH_EVERY[0]
         self._truth_plan: _planner.Plan | None = None  # the plan the measured step ran
@@ -191,6 +192,10 @@ class ReplayEngine:
         self._floor_inputs = 0  # grows with the input size: _floor_size)
         self._floor_size = 0
         self._truth_phases: dict[str, int] = {}  # the measured step's real peak per phase
+        # per replay phase of the step in hand: the preserved bytes its call gave back at the
+        # replay's end (see _phase_residuals)
+        self._replay_released: dict[str, int] = {}
+        self._truth_released: dict[str, int] = {}  # those of the measured step
         self._truth_pre_hook: Any = None
         # CUDA: the allocator's peak per phase of the step (read and reset as each begins)
         self._cuda_phases: dict[str, int] = {}
@@ -799,11 +804,12 @@ class ReplayEngine:
                 self._measure_plan(periodic=True, gap=False)
             elif self.step >= self._next_truth:
                 self._measure_plan(periodic=True)  # state that grows later is seen, too
-        if (
+        if self._truth_pending and self.accountant is not None and profiler_busy():
+            self._profiler_blinds()  # another profiler runs: measure a later step
+        elif (
             self._truth_pending
             and self.accountant is not None
             and (_rank_count() == 1 or self._ranks_base is not None)
-            and not profiler_busy()  # another profiler runs: measure a later step
         ):
             self._truth_pending = False
             self._truth_rounds += 1
@@ -841,6 +847,7 @@ class ReplayEngine:
             )
             torch.cuda.reset_peak_memory_stats(dev)
             self._cuda_phases, self._cuda_label = {}, "start"
+            self._replay_released = {}
             # held as the step begins (host-side counter, no synchronization): the peak counts
             # it, and what of it is not the model's does not grow with the input
             self._cuda_held = int(torch.cuda.memory_allocated(dev))
@@ -955,7 +962,8 @@ class ReplayEngine:
         self.last_real_peak = (self._last_step, real)
         size = self._truth_step_size if measured else self._window_size
         if size <= self.probe_size or not self.probe_size:
-            fwd, replays, floor = self._phase_residuals(real, phases, segments, plan)
+            released = self._truth_released if measured else self._replay_released
+            fwd, replays, floor = self._phase_residuals(real, phases, segments, plan, released)
         else:
             # inputs larger than the costs were measured at: the formula's figures and the
             # replays' (re-materialized bytes from the costs) are stale, the accountant's whole
@@ -1009,6 +1017,7 @@ class ReplayEngine:
         phases: Mapping[str, int],
         segments: Mapping[str, int],
         plan: _planner.Plan | None,
+        released: Mapping[str, int] | None = None,
     ) -> tuple[int, dict[str, int], int]:
         """What a measured step held beyond the plan formula's figures, per phase: (the
         forward's end, loss and backward until the first replay; per segment replayed, its
@@ -1042,7 +1051,15 @@ class ReplayEngine:
         replays: dict[str, int] = {}
         for label, peak in phases.items():
             if label.startswith(_REPLAY) and label in figures:
-                replays[label[len(_REPLAY) :]] = peak - (base + figures[label])
+                # The formula's figure holds the segment's preserved bytes at its replay; the
+                # call gives them back as the replay ends, before the backward's temporaries
+                # peak. Paired with the figure as it holds them, the residual would come out
+                # that much short, and a plan that retains the segment (nothing preserved,
+                # the same temporaries) would be predicted that much low. Paired without them,
+                # it is the temporaries; a replayed option is then charged them on top of its
+                # preserved bytes (never under).
+                held = figures[label] - (released or {}).get(label, 0)
+                replays[label[len(_REPLAY) :]] = peak - (base + held)
             elif label != "optimizer":  # nothing to pair it with: counted in the first
                 start = max(start, peak)
         return start - (base + figures.get("start", 0)), replays, phases.get("optimizer", 0)
@@ -1083,6 +1100,39 @@ class ReplayEngine:
             )
             self._plan_extras = (self.plan, extras)
 
+    def _profiler_blinds(self) -> None:
+        """A step whose real peak was due to be measured runs under someone else's profiler
+        (one at a time per process): it is measured later. Under a budget, while that lasts
+        (a profiler on every step) the plan is never checked against the real peak and the
+        budget can be broken unseen: say so once, and record it."""
+        if self._profiler_warned or self.budget is None:
+            return
+        self._profiler_warned = True
+        detail = {
+            "event": "real_peak_unmeasured",
+            "reason": "profiler_active",
+            "plan_version": self.plan_version,
+            "budget": self.budget,
+        }
+        self.records.append(
+            step=self.step,
+            segment="*",
+            contract_version=self.plan_version,
+            check="plan",
+            outcome="rejection",
+            detail=detail,
+        )
+        warnings.warn(
+            f"step {self.step}: the real memory peak of this step was due to be measured "
+            f"against the budget ({format_bytes(self.budget)}), but another torch.profiler is "
+            "running (one per process), so it was not: the plan's prediction counts only what "
+            "the engine accounts, and the budget can be broken without a warning while a "
+            "profiler runs on every step. Profile only some steps (torch.profiler's schedule) "
+            "or pass budget=None while profiling.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
     #: steps between the periodic measurements of the real peak (CPU): doubling from the first
     #: to the last, so that state that grows after a plan's first steps is seen early
     TRUTH_EVERY = (2, 128)
@@ -1116,6 +1166,7 @@ class ReplayEngine:
             self._truth_off = True
             return
         self._truth = truth
+        self._replay_released = {}
         # what the process held beyond the model's own tensors (gradients that exist now
         # included) and the batch: optimizer state and whatever anyone keeps between steps
         self._truth_held = truth.base - live_model_bytes(self.model) - self._truth_inputs
@@ -1146,6 +1197,7 @@ class ReplayEngine:
             # the batch, whatever anyone kept) + the step's net peak: nothing to add
             self._truth_peak = truth.stop()
             self._truth_phases = dict(truth.phases)
+            self._truth_released = dict(self._replay_released)
             # held between steps, not growing with the input: the optimizer's state and
             # whatever else the process kept beyond the model's own tensors and the batch
             self._truth_opt = max(self._optimizer_bytes(), self._truth_held)
@@ -1612,7 +1664,11 @@ class ReplayEngine:
             )
         self.meter.add_time(inv.rt.name, inv.option, total)
 
-    def _replay_started(self, activation_bytes: int) -> None:
+    def _replay_started(self, activation_bytes: int, released: int = 0) -> None:
+        """A replay begins: a phase of the step (see :meth:`_phase_residuals`). ``released``:
+        the preserved bytes the call gives back when its replay ends, before the backward of
+        what it re-materialized (where that phase peaks, a retained segment's backward holds
+        no such bytes)."""
         acct = self.accountant
         if acct.replay_bytes == 0:
             # the re-materialized activations are gone when this backward ends
@@ -1631,6 +1687,7 @@ class ReplayEngine:
                 self._cuda_phases[last] = max(self._cuda_phases.get(last, 0), peak)
                 torch.cuda.reset_peak_memory_stats(dev)
                 self._cuda_label = label
+        self._replay_released[label] = max(self._replay_released.get(label, 0), released)
         acct.set_replay(activation_bytes)
 
     @contextlib.contextmanager
