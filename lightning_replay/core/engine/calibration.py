@@ -47,12 +47,14 @@ def calibration_held(eng, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
     phase; until then, as many bytes as its activations), and its replay re-materializes
     its activations less the kept ones autograd saves."""
     c = rt.contract
+    k = max(getattr(rt, "window_calls", 1), 1)  # called k times per window: k calls' worth
     if o == "retain":
-        return c.activation_bytes + rt.input_saved_bytes, None
-    held = rt.input_bytes + c.preserved_bytes(o)
+        kept_act = eng.meter.window_activation_bytes(rt.name, c.activation_bytes, k)
+        return kept_act + k * rt.input_saved_bytes, None
+    held = k * (rt.input_bytes + c.preserved_bytes(o))
     if o not in SELECTIVE:
         return held, None
-    kept = eng.meter.selective_bytes.get(rt.name, c.activation_bytes)
+    kept = k * eng.meter.selective_bytes.get(rt.name, c.activation_bytes)
     saved = eng.meter.selective_saved_bytes.get(rt.name, 0)
     return held + kept, max(c.activation_bytes - saved, 0)
 
