@@ -86,3 +86,43 @@ def test_a_block_called_k_times_holds_a_halfway_budget(calls, referee):
 @pytest.fixture(scope="module")
 def referee():
     yield from every_step.referee.__wrapped__()
+
+
+def test_a_cost_the_meter_missed_is_charged_to_the_option_not_the_base(referee, monkeypatch):
+    """A measured step whose segments held more than the plan's options were costed (here the
+    per-window sum is switched off, as before the fix: ALBERT's layer costed as one of its 3
+    calls) charges the difference to those options. Before, it went into the measured
+    forward's residual every plan carries: the lowest plan was then predicted over the budget
+    (4.54 MiB against 4.10; real 2.30) and run as a fallback. Now the re-plan fits and holds."""
+    adv = pytest.importorskip("tests.test_adversary_round3_models")
+    from lightning_replay.core.mechanisms.costs import CostMeter
+
+    build = adv._budget_builder("albert")
+    plain = max(p for p, _ in every_step._run(build, "plain", 3, referee)[1:])
+    ckpt = max(p for p, _ in every_step._run(build, "checkpoint", 3, referee)[1:])
+    budget = (plain + ckpt) // 2
+    monkeypatch.setattr(CostMeter, "window_activation_bytes", lambda self, s, per, k: per)
+    torch.manual_seed(0)
+    model, pattern, make, loss = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = every_step.lr.install(model, pattern, budget=budget)
+    seen = []
+    with pytest.warns(RuntimeWarning):  # the overrun step is said
+        for s in range(9):
+            x = make(s)
+            opt.zero_grad(set_to_none=True)
+
+            def step() -> None:
+                loss(model, x).backward()
+                opt.step()
+
+            peak, _ = referee(step, engine)
+            plan = engine.plan
+            seen.append((s, peak, plan.peak_memory if plan else None))
+    engine.uninstall()
+    over = [i for i, (_, p, _) in enumerate(seen) if p > 1.02 * budget]
+    assert over, f"the missed cost did not show (the test's premise): {seen}"
+    after = seen[over[-1] + 1 :]
+    assert after, seen
+    assert all(pred is not None and pred <= budget for _, _, pred in after), (budget, seen)
+    assert all(p <= 1.02 * budget for _, p, _ in after), (budget, seen)

@@ -21,6 +21,8 @@ machine are not counted); otherwise wall time.
 
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 from collections import defaultdict, deque
 from typing import Any
@@ -62,6 +64,10 @@ class CostMeter:
         # all k calls' activations when retained: (step, bytes summed over the window's
         # measured calls, calls measured), the probe's or a checked step's (issue 31)
         self.window_activation: dict[str, tuple[int, int, int]] = {}
+        # bytes a measured step's options held beyond their costs (the accountant's figure at
+        # the forward's end over the formula's): charged to those options, not to the base
+        # every plan is made with (see real_peak.phase_residuals)
+        self.option_extra: dict[tuple[str, str], int] = {}
         # ops the capture mode saw in one step's forward, per timed step that ran it
         self.capture_ops: deque = deque(maxlen=_KEEP)
         # a segment's own forward seconds without and with a capture mode of its own, and the
@@ -86,6 +92,18 @@ class CostMeter:
         else:
             self.activation_bytes[segment] = max(self.activation_bytes.get(segment, 0), nbytes)
         self.window_activation[segment] = (step, total + nbytes, n + 1)
+
+    def charge_miss(self, chosen: dict[str, tuple[str, int]], miss: int) -> None:
+        """A measured step's segments held ``miss`` bytes more than the costs of the options
+        it ran (``chosen``: segment -> (option, its costed bytes)): each option is charged its
+        share, by its costed bytes, so that the plans choosing it again predict it."""
+        total = sum(b for _, b in chosen.values())
+        if miss <= 0 or total <= 0:
+            return
+        for name, (o, b) in chosen.items():
+            share = miss * b // total
+            if share:
+                self.option_extra[(name, o)] = self.option_extra.get((name, o), 0) + share
 
     def window_activation_bytes(self, segment: str, per_call: int, calls: int) -> int:
         """Bytes a retained segment called ``calls`` times per window keeps: the window's
@@ -208,6 +226,10 @@ class CostMeter:
                     capture=c.needs_capture(o),
                     replay=replay,
                 )
+            for o, opt in list(opts.items()):
+                more = self.option_extra.get((name, o), 0)
+                if more:
+                    opts[o] = dataclasses.replace(opt, memory=opt.memory + more)
             out.append(SegmentCost(name=name, activation_bytes=act, options=opts))
         return CostTable(out, capture_time=self.capture_time)
 
