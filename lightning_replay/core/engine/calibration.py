@@ -15,6 +15,7 @@ from typing import Mapping
 
 from lightning_replay.core.base.contract import SELECTIVE, base_option
 from lightning_replay.core.engine import planner as _planner
+from lightning_replay.core.mechanisms.costs import peak_order
 from lightning_replay.core.runtime import SegmentRuntime
 
 
@@ -24,7 +25,7 @@ def calibration_peak(eng, choices: Mapping[str, str], base: int) -> int:
     calibration option
     (its activations where it keeps them), and each replay's activations on top."""
     costs, picks = [], {}
-    for name in eng.segments:
+    for name in peak_order(eng):  # (a segment called k times: at its last call)
         rt = eng.runtimes[name]
         c = rt.contract
         if c is None:

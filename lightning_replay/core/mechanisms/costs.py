@@ -173,13 +173,7 @@ class CostMeter:
         """One :class:`SegmentCost` per probed segment, in forward order, with every option
         that has been measured (``retain`` always is), and the capture mode's time."""
         out = []
-        names = list(engine.segments)
-        if any(getattr(engine.runtimes[n], "window_calls", 1) > 1 for n in names):
-            # a segment called again later in the forward (block 0 of 0, 1, 0, 2) replays
-            # first at its last call's backward, holding what every segment before that call
-            # holds: the peak formula's prefix order is the order of the segments' last calls
-            names.sort(key=lambda n: getattr(engine.runtimes[n], "last_call", -1))
-        for name in names:
+        for name in peak_order(engine):
             rt = engine.runtimes[name]
             c = rt.contract
             if c is None:
@@ -245,6 +239,17 @@ class CostMeter:
             "window_activation": {k: list(v) for k, v in self.window_activation.items()},
             "capture_ops": list(self.capture_ops),
         }
+
+
+def peak_order(engine: CostSource) -> list[str]:
+    """The segments in the order the peak formula sums them: forward order, or where a
+    segment is called again later in the forward (block 0 of 0, 1, 0, 2), the order of the
+    segments' last calls: its first replay comes at its last call's backward, holding what
+    every segment before that call holds."""
+    names = list(engine.segments)
+    if any(getattr(engine.runtimes[n], "window_calls", 1) > 1 for n in names):
+        names.sort(key=lambda n: getattr(engine.runtimes[n], "last_call", -1))
+    return names
 
 
 _DISPATCH_OVERHEAD: float | None = None
