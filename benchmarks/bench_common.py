@@ -51,10 +51,18 @@ def measure_costs(
     segments: list[str],
     make_input: Callable[[int], torch.Tensor],
     calibration_steps: int = 5,
+    selective: str | None = None,
 ) -> tuple[list, int]:
-    """Probe + calibrate once, as ``install(budget=...)`` does; return (costs, base memory)."""
+    """Probe + calibrate once, as ``install(budget=...)`` does; return (costs, base memory).
+
+    The budget is one no run reaches, so every option is timed: under ``budget="min"``
+    calibration times only each segment's lowest option, and the others (``whole`` where
+    ``regions`` holds less, the selective options) would be missing from the table.
+    ``selective``: a selective policy, to offer (and time) the selective options too."""
     model = make_model()
-    engine = lr.install(model, segments, budget="min", calibration_steps=calibration_steps)
+    engine = lr.install(
+        model, segments, budget=2**60, calibration_steps=calibration_steps, selective=selective
+    )
     step = 0
     while engine.plan is None:
         timed_step(model, make_input(step))
@@ -73,8 +81,15 @@ def run_plans(
     dev: torch.device,
     clock: Callable[[], float] = time.perf_counter,
     copies: int = 1,
+    others: dict[str, Callable[[], torch.nn.Module]] | None = None,
 ) -> dict[str, dict]:
     """Run each plan on its own model copies, interleaved; median step time, measured peak.
+
+    ``others``: more arms without lightning_replay (a baseline that wraps the model itself),
+    each built by its callable, stepping in the same rounds; their entry has the times and
+    ``peak_bytes`` (the largest in-step peak a :class:`~lightning_replay.memory.StepPeak`
+    measured over one step per copy, after the rounds, plus the bytes the model's parameters
+    and buffers hold: this arm's own, whatever else the process holds).
 
     A model without lightning_replay (every activation kept, nothing replayed) runs in the same
     rounds: its median step time plus a plan's predicted extra time is that plan's predicted
@@ -90,6 +105,11 @@ def run_plans(
     for m in plain:
         timed_step(m, make_input(0))
     runs["__plain__"] = {"models": plain, "engines": [None] * copies, "times": [], "peak": 0}
+    for name, make in (others or {}).items():
+        models = [make() for _ in range(copies)]
+        for m in models:
+            timed_step(m, make_input(0))
+        runs[name] = {"models": models, "engines": [None] * copies, "times": [], "peak": 0}
     for name, p in plans.items():
         models, engines = [], []
         for _ in range(copies):
@@ -114,6 +134,15 @@ def run_plans(
     plain_times = runs.pop("__plain__")["times"]
     plain_time = statistics.median(plain_times)
     out = {}
+    for name in others or {}:
+        run = runs.pop(name)
+        out[name] = {
+            "step_time_s": statistics.median(run["times"]),
+            "step_times_s": run["times"],
+            "peak_bytes": max(_own_step_peak(m, make_input(0), dev) for m in run["models"]),
+            "plain_step_time_s": plain_time,
+            "plain_step_times_s": plain_times,
+        }
     for name, run in runs.items():
         out[name] = {
             "step_time_s": statistics.median(run["times"]),
@@ -128,6 +157,26 @@ def run_plans(
         for engine in run["engines"]:
             engine.uninstall()
     return out
+
+
+def _own_step_peak(model: torch.nn.Module, x: torch.Tensor, dev: torch.device) -> int:
+    """One step's in-step peak (StepPeak's, less what was live when it began) plus the bytes
+    of the model's parameters and buffers: the model's own peak, whatever else is alive."""
+    from lightning_replay.memory import StepPeak
+
+    meter = StepPeak(model, dev)
+    meter.start()  # (CUDA: the allocator's peak over the step; CPU: the live bytes + in-step)
+    began = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else meter.base
+    try:
+        model(x).float().pow(2).mean().backward()
+    finally:
+        peak = meter.stop()
+    model.zero_grad(set_to_none=True)
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in [*model.parameters(), *model.buffers()]
+    }
+    return int(peak - began) + sum(held.values())
 
 
 def paired_ratio(a: list[float], b: list[float]) -> float:

@@ -28,7 +28,6 @@ those over both models. ``plot(result, path)`` draws the frontier.
 
 from __future__ import annotations
 
-import copy
 import gc
 import io
 import os
@@ -140,10 +139,26 @@ def torch_sac(model: nn.Module, names: list[str], policy: str = POLICY) -> nn.Mo
     return model
 
 
-def _measure_costs(proto, names, batch, clock, calibration_steps: int):
-    model = copy.deepcopy(proto)
+#: the cost-measuring run's budget: more bytes than any run holds, so every option is timed
+#: (under ``budget="min"`` calibration times only each segment's lowest option: the selective
+#: options, which hold more than a full recompute, would never enter the table)
+_UNBOUNDED = 2**60
+
+
+def _load(proto_bytes: io.BytesIO) -> nn.Module:
+    """A fresh copy of the prototype, which lives only as bytes: no other model is alive."""
+    proto_bytes.seek(0)
+    return torch.load(proto_bytes, weights_only=False)
+
+
+def _measure_costs(proto_bytes, names, batch, clock, calibration_steps: int):
+    """Install and calibrate one copy with nothing else of the benchmark alive (the prototype
+    is bytes), so the engine's whole-process base is this model's own: what a user's process
+    training it would hold. Every option is timed (an unreachable byte budget)."""
+    gc.collect()
+    model = _load(proto_bytes)
     engine = lr.install(
-        model, names, budget="min", selective=POLICY, calibration_steps=calibration_steps
+        model, names, budget=_UNBOUNDED, selective=POLICY, calibration_steps=calibration_steps
     )
     step = 0
     with warnings.catch_warnings():
@@ -154,7 +169,25 @@ def _measure_costs(proto, names, batch, clock, calibration_steps: int):
     costs, base = list(engine.costs), engine.real_base_memory
     phases = engine.phase_peak_args  # the forward end's and the optimizer's measured phases
     engine.uninstall()
+    del model, engine
+    gc.collect()
     return costs, base, phases
+
+
+def segment_options(costs: list[SegmentCost]) -> dict[str, dict[str, dict]]:
+    """Each segment's measured options: bytes held, bytes its replay re-materializes, and
+    seconds added per step (what the planner weighs)."""
+    return {
+        c.name: {
+            o: {
+                "memory_bytes": opt.memory,
+                "replay_bytes": c.activation_bytes if opt.replay is None else opt.replay,
+                "time_s": opt.time,
+            }
+            for o, opt in c.options.items()
+        }
+        for c in costs
+    }
 
 
 def _without_selective(costs: list[SegmentCost]) -> list[SegmentCost]:
@@ -183,8 +216,7 @@ def _alone_peak(proto_bytes, names, batch, dev, clock, choices) -> int:
     """One arm's whole-process peak with nothing else of the benchmark alive: ``choices`` a
     plan (lightning_replay with it in force), ``None`` torch SAC, ``"plain"`` plain training."""
     gc.collect()
-    proto_bytes.seek(0)
-    m = torch.load(proto_bytes, weights_only=False)
+    m = _load(proto_bytes)
     engine = None
     if choices == "plain":
         pass
@@ -214,9 +246,27 @@ def frontier(
     torch.manual_seed(0)
     proto, names = BUILDERS[name](size)
     proto.to(dev).train()
+    # The prototype lives as bytes: every engine's budget is whole-process, so a model left
+    # alive beside the one being calibrated would be counted in its base (measured: +10.7 MiB
+    # on the predicted GPT-2 peaks at the quick size, one model's parameters less slack)
+    proto_bytes = io.BytesIO()
+    torch.save(proto, proto_bytes)
+    del proto
     make = _batches(size)
     batch = lambda s: make(s).to(dev)  # noqa: E731
-    costs, base, phases = _measure_costs(proto, names, batch, clock, calibration_steps)
+    costs, base, phases = _measure_costs(proto_bytes, names, batch, clock, calibration_steps)
+    options = segment_options(costs)
+    for seg, opts in options.items():
+        print(
+            f"[frontier] {name} {seg}: "
+            + ", ".join(
+                f"{o} {v['memory_bytes'] / 2**20:.2f} MiB held, replay "
+                f"{v['replay_bytes'] / 2**20:.2f} MiB, {v['time_s'] * 1e3:.1f} ms"
+                for o, v in opts.items()
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     plain_costs = _without_selective(costs)
     low = min_feasible_budget(costs, base, **phases)
     retain = {c.name: "retain" for c in costs}
@@ -241,14 +291,16 @@ def frontier(
                 "predicted_peak_bytes": p.peak_memory,
             }
         rows.append(row)
-    # the arms: each distinct plan, torch SAC, and torch SAC again (the noise control)
+    # the arms: each distinct plan, torch SAC, and torch SAC again (the noise control). The
+    # plans are frozen (set_options, no budget: nothing re-plans), so the arms can now live
+    # side by side for the timing without changing any choice
     keys = list(plans)
     arms: list[list[nn.Module]] = []
     engines = []
     for key in keys:
         copies_ = []
         for _ in range(copies):
-            m = copy.deepcopy(proto)
+            m = _load(proto_bytes)
             engine = lr.install(m, names, selective=POLICY, track_memory=dev.type == "cpu")
             _step(m, batch(0), clock)  # the probe
             engine.set_options(plans[key].choices)
@@ -257,7 +309,7 @@ def frontier(
             engines.append(engine)
         arms.append(copies_)
     for _ in range(2):
-        arms.append([torch_sac(copy.deepcopy(proto), names) for _ in range(copies)])
+        arms.append([torch_sac(_load(proto_bytes), names) for _ in range(copies)])
         for m in arms[-1]:
             for s in range(2):
                 _step(m, batch(s), clock)
@@ -270,9 +322,6 @@ def frontier(
         e.uninstall()
     # (the loops' last copies too: three GPT-2 models, 39 MiB, were counted in every peak)
     engines = arms = copies_ = m = engine = None
-    proto_bytes = io.BytesIO()
-    torch.save(proto, proto_bytes)
-    del proto
     peaks = [_alone_peak(proto_bytes, names, batch, dev, clock, plans[key].choices) for key in keys]
     peaks.append(_alone_peak(proto_bytes, names, batch, dev, clock, None))
     peaks.append(peaks[-1])
@@ -306,6 +355,8 @@ def frontier(
         "copies": copies,
         "policy": POLICY,
         "base_bytes": base,
+        "phases": phases,
+        "segment_options": options,
         "lowest_plan_peak_bytes": low,
         "plain_predicted_peak_bytes": high,
         "plain_peak_bytes": plain_peak,
@@ -314,6 +365,12 @@ def frontier(
         "points": rows,
         "worst_vs_best_other": worst,
         "distinct_plans": len(keys),
+        "plans_over_budget": sum(
+            1
+            for row in rows
+            for a in ("joint_selective", "joint")
+            if row[a]["feasible"] and not row[a]["within_budget"]
+        ),
     }
 
 
@@ -338,6 +395,7 @@ def run(cfg: dict) -> dict:
         out["worst_vs_best_other"] = (
             max(r for r in ratios if r is not None) if any(r is not None for r in ratios) else None
         )
+        out["plans_over_budget"] = sum(out[n]["plans_over_budget"] for n in cfg["models"])
         out["points_le_0_95"] = sum(
             1
             for n in cfg["models"]

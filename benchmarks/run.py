@@ -90,8 +90,11 @@ SUITES = {
             points=6,
             rounds=16,  # 2 copies per arm
             copies=2,
-            # a selective option's forward cost is a difference of two forward medians
-            calibration_steps=5,
+            # a selective option's forward cost is a difference of two forward medians, each
+            # over the phase's steps that time the forward alone (about half): at 5 steps that
+            # is 2-3 forwards a side, and its noise (measured 2.0-5.6 ms on four identical Llama
+            # blocks) is the size of the cost itself
+            calibration_steps=9,
             png=os.path.join(HERE, "results", "frontier-latest.png"),
             # at width 128 x 64 tokens the dispatch modes of a selective replay cost more than
             # the products it keeps (every selective arm slower than a full replay on CPU)

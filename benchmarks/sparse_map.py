@@ -18,9 +18,17 @@ Three axes, fixed before measuring (see :data:`GRID`):
   and ``retain_all``'s peak (1).
 
 Costs are measured once per (state_ratio, write_fraction) pair, as ``install(budget=...)``
-measures them; every method plans from those costs at each budget; every distinct plan runs on
-its own copy of the model, all copies and a plain model (no lightning_replay) stepping in the
-same rounds. A plan two methods share is one run: their ratio is 1 by construction.
+measures them, with the selective option offered (policy :data:`POLICY`); every method plans
+from those costs at each budget; every distinct plan runs on its own copy of the model, all
+copies and a plain model (no lightning_replay) stepping in the same rounds. A plan two methods
+share is one run: their ratio is 1 by construction.
+
+Two selective baselines: ``selective_all`` (every block its lowest-memory selective option,
+state preserved as for a full replay) and ``torch_sac`` (``torch.utils.checkpoint`` with
+torch's selective checkpoint under the same policy on every block: one configuration, in the
+same rounds, feasible at a budget when its measured peak is within it). torch's is
+state-unaware: its replay reads the bank as the step left it, so its gradients are wrong here
+(``torch_sac_gradients_match_plain``, one step compared bit for bit with plain training).
 """
 
 from __future__ import annotations
@@ -36,11 +44,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench_common import device, measure_costs, median_se, paired_ratio, run_plans
+from frontier import torch_sac
 from lightning_replay.planner import InfeasibleBudget, costs_to_dict, min_feasible_budget, plan
 
 #: The methods compared in every cell (``retain_all`` only fits at position 1, off the grid).
-METHODS = ("joint", "eager_whole", "fixed_regions", "whole_all")
-BASELINES = ("eager_whole", "fixed_regions", "whole_all")
+METHODS = ("joint", "eager_whole", "fixed_regions", "whole_all", "selective_all")
+BASELINES = ("eager_whole", "fixed_regions", "whole_all", "selective_all")
+#: the selective policy of the selective options and of torch's selective checkpoint
+POLICY = "matmul"
 
 #: The full grid, fixed before any measurement.
 #:
@@ -150,7 +161,11 @@ def run_pair(
         cfg["batch"], cfg["dim"], generator=torch.Generator().manual_seed(s)
     ).to(dev)
     costs, base = measure_costs(
-        make_model, proto.segments, make_input, calibration_steps=cfg.get("calibration_steps", 5)
+        make_model,
+        proto.segments,
+        make_input,
+        calibration_steps=cfg.get("calibration_steps", 5),
+        selective=POLICY,
     )
     mins = {m: min_feasible_budget(costs, base, m) for m in (*METHODS, "retain_all")}
     lo, hi = min(mins[m] for m in METHODS), mins["retain_all"]
@@ -201,8 +216,11 @@ def run_pair(
         dev,
         clock=_clock(dev),
         copies=cfg.get("copies", 1),
+        others={"torch_sac": lambda: torch_sac(make_model(), proto.segments, POLICY)},
     )
     retained = measured.pop("retain_all")
+    sac = measured.pop("torch_sac")
+    sac_exact = _gradients_match_plain(make_model, proto.segments, make_input(0))
     for cell in cells:
         ms = cell["methods"]
         for m, d in ms.items():
@@ -233,6 +251,19 @@ def run_pair(
         best = min(feasible, key=lambda b: ms[b]["step_time_s"]) if feasible else None
         cell["best_baseline"] = best
         cell["joint_vs_best_baseline"] = _joint_vs(ms, best) if best else None
+        fits = sac["peak_bytes"] <= cell["budget_bytes"]
+        cell["torch_sac"] = {
+            "feasible": fits,
+            "step_time_s": sac["step_time_s"] if fits else None,
+            "peak_bytes": sac["peak_bytes"],
+            "gradients_match_plain": sac_exact,
+        }
+        # (reported, not a target: torch's selective checkpoint is silently wrong here)
+        cell["joint_vs_torch_sac"] = (
+            paired_ratio(ms["joint"]["step_times_s"], sac["step_times_s"])
+            if fits and ms["joint"]["feasible"]
+            else None
+        )
         # what the measured costs predict for the same pair (the cost model's own view)
         cell["predicted_joint_vs_eager_whole"] = (
             ms["joint"]["predicted_step_time_s"] / ms["eager_whole"]["predicted_step_time_s"]
@@ -251,6 +282,9 @@ def run_pair(
         "min_feasible_bytes": mins,
         "costs": costs_to_dict(costs),
         "distinct_plans": len(plans),
+        "torch_sac_peak_bytes": sac["peak_bytes"],
+        "torch_sac_step_time_s": sac["step_time_s"],
+        "torch_sac_gradients_match_plain": sac_exact,
         "plain_step_time_s": retained["plain_step_time_s"],
         "retain_all_step_time_s": retained["step_time_s"],
         # the engine's fixed cost per step (nothing replayed) over the plain model
@@ -259,6 +293,16 @@ def run_pair(
         ),
     }
     return cells, pair
+
+
+def _gradients_match_plain(make_model, segments: list[str], x: torch.Tensor) -> bool:
+    """One step of torch's selective checkpoint against plain training, bit for bit."""
+    plain, sac = make_model(), torch_sac(make_model(), segments, POLICY)
+    grads = []
+    for m in (plain, sac):
+        m(x).float().pow(2).mean().backward()
+        grads.append([p.grad for p in m.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def _joint_vs(methods: dict, other: str) -> float | None:

@@ -259,13 +259,17 @@ training it: a few training steps on copies of the model, with and without torch
 strategy='replay' would preserve instead. The trainer/model/data sections are those of `fit`
 (segments: the strategy's segments=, else the module's configure_replay_segments(), else its
 largest block list). Prints the table; writes doctor.json and doctor.html into
-trainer.default_root_dir. Example:
-  lightning-replay doctor --config configs/dense_queue_cpu.yaml --steps 2"""
+trainer.default_root_dir. --selective POLICY (default matmul; none: left out) adds torch's
+selective checkpoint and replay's selective option under that policy to the table. Example:
+  lightning-replay doctor --config configs/dense_queue_cpu.yaml --steps 2 --selective matmul"""
 
 
 def parse_doctor_args(argv: Sequence[str]) -> Any:
-    """The trainer, model and data of a ``fit`` config, instantiated, plus ``--steps``."""
+    """The trainer, model and data of a ``fit`` config, instantiated, plus ``--steps`` and
+    ``--selective``."""
     import lightning as L
+
+    from lightning_replay.core.mechanisms.selective import POLICIES
 
     cli_cls = _cli_class()
 
@@ -274,6 +278,14 @@ def parse_doctor_args(argv: Sequence[str]) -> Any:
             super().add_arguments_to_parser(parser)
             parser.add_argument(
                 "--steps", type=int, default=2, help="training steps per compared run (default 2)"
+            )
+            parser.add_argument(
+                "--selective",
+                type=str,
+                default="matmul",
+                choices=[*POLICIES, "none"],
+                help="selective policy compared in the methods table: torch's selective "
+                "checkpoint and replay's selective option (default matmul; none: left out)",
             )
 
     with warnings.catch_warnings():
@@ -314,6 +326,7 @@ def run_doctor_command(argv: Sequence[str]) -> int:
         )
         return 2
     module, trainer, steps = cli.model, cli.trainer, cli.config["steps"]
+    selective = None if cli.config["selective"] == "none" else cli.config["selective"]
     if not module.automatic_optimization:
         print(
             f"lightning-replay doctor: error: {type(module).__name__} uses manual "
@@ -373,7 +386,9 @@ def run_doctor_command(argv: Sequence[str]) -> int:
     if spec is None and callable(getattr(module, "configure_replay_segments", None)):
         spec = module.configure_replay_segments()
     try:
-        report = diagnose(module, batches.__getitem__, loss_fn, segments=spec, steps=steps)
+        report = diagnose(
+            module, batches.__getitem__, loss_fn, segments=spec, steps=steps, selective=selective
+        )
     except (ReplayError, ValueError) as exc:
         print(f"lightning-replay doctor: error: {exc}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lightning_replay as lr
+from tests.helpers.budget_runner import run_arm
 from tests.helpers.torch_memory import (
     StepReferee,
     process_tensor_bytes,
@@ -451,38 +452,15 @@ NB = 4 * N  # activations dominate the parameters and AdamW's state: checkpointi
 
 def _run_budget(shape: str, arm: str, referee: StepReferee, budget=None, steps: int = 3):
     cls, names = BUDGET_SHAPES[shape]
-    torch.manual_seed(0)
-    model = cls()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = None
-    if arm == "ckpt":
-        for n in names:
-            mod = model.get_submodule(n)
-            f = mod.forward
-            mod.forward = lambda *a, _f=f, **k: checkpoint(_f, *a, use_reentrant=False, **k)
-    elif arm == "replay":
-        engine = lr.install(model, names, budget=budget)
-    peaks, planned = [], 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for s in range(steps + 30):
-            if (engine is None and s == steps) or planned == steps:
-                break
-            planned += engine is not None and engine.plan is not None
-            x = torch.randn(NB, W, generator=torch.Generator().manual_seed(s))
-            gc.collect()
-
-            def step() -> None:
-                model(x).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            peaks.append(referee(step, engine)[0])
-    if engine is not None:
-        engine.uninstall()
-    step = None  # the closure held the model and optimizer
-    gc.collect()
-    return peaks
+    return run_arm(
+        cls,
+        names,
+        arm,
+        referee,
+        lambda s: torch.randn(NB, W, generator=torch.Generator().manual_seed(s)),
+        budget=budget,
+        steps=steps,
+    ).peaks
 
 
 @pytest.fixture(scope="module")

@@ -20,72 +20,16 @@ from torch import nn
 
 import lightning_replay as lr
 
-D = 8
-B = 4
-STEPS = 4
-PRES = [{"preservation": "auto"}, {"preservation": "whole"}, {"preservation": "regions"}]
-WITH_BUDGET = PRES + [{"budget": "min"}]
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _run(model: nn.Module, step: Callable, opt: str, steps: int = STEPS) -> list[dict]:
-    torch.manual_seed(11)
-    g = torch.Generator().manual_seed(7)
-    params = list(model.parameters())
-    o = (
-        torch.optim.AdamW(params, lr=1e-2)
-        if opt == "adamw"
-        else torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    )
-    out = []
-    for s in range(steps):
-        o.zero_grad(set_to_none=True)
-        extra = step(model, g, s) or {}
-        got = _grads(model)
-        got.update({f"extra.{k}": v.detach().clone() for k, v in extra.items()})
-        out.append(got)
-        o.step()
-    return out
-
-
-def _diff(a: list[dict], b: list[dict]) -> list[tuple[int, str]]:
-    assert len(a) == len(b)
-    out = []
-    for s, (ga, gb) in enumerate(zip(a, b)):
-        assert ga.keys() == gb.keys(), (s, sorted(ga), sorted(gb))
-        out += [(s, k) for k in ga if not torch.equal(ga[k], gb[k])]
-    return out
-
-
-def _check(
-    make: Callable[[], nn.Module],
-    step: Callable,
-    kws: list[dict] = PRES,
-    opt: str = "sgd",
-    spec: Any = "blocks.*",
-    replays: bool = True,
-) -> None:
-    torch.manual_seed(0)
-    ref = make()
-    expected = _run(copy.deepcopy(ref), step, opt)
-    for kw in kws:
-        model = copy.deepcopy(ref)
-        eng = lr.install(model, spec, **kw)
-        try:
-            got = _run(model, step, opt)
-            bad = _diff(expected, got)
-            worst = max(
-                (float((expected[i][k] - got[i][k]).abs().max()) for i, k in bad), default=0
-            )
-            assert bad == [], (kw, len(bad), sum(map(len, expected)), f"max|diff|={worst:.3g}")
-            if replays:
-                summ = eng.summary()
-                assert sum(v.get("replays", 0) for v in summ.values() if isinstance(v, dict)), summ
-        finally:
-            eng.uninstall()
+from tests.helpers.recipes import (
+    B,
+    D,
+    PRES,
+    WITH_BUDGET,
+    check,
+    diff,
+    grads,
+    run,
+)
 
 
 def _loss_step(fwd: Callable, after: Callable | None = None) -> Callable:
@@ -295,7 +239,7 @@ OBJ_XFAIL = {}
 def test_argument_object_variants(name: str) -> None:
     make_arg, read, after = OBJ_CASES[name]
     make, step = _obj_case(make_arg, read, after)
-    _check(make, step, WITH_BUDGET if "rebind" in name else PRES)
+    check(make, step, WITH_BUDGET if "rebind" in name else PRES)
 
 
 def test_kw_only_dataclass_as_keyword_argument() -> None:
@@ -312,7 +256,7 @@ def test_kw_only_dataclass_as_keyword_argument() -> None:
         k.gain = 7.0
 
     make = lambda: ObjNet(read, lambda h, kw: h)  # noqa: E731
-    _check(make, _loss_step(fwd, after), PRES, opt="adamw")
+    check(make, _loss_step(fwd, after), PRES, opt="adamw")
 
 
 def test_self_copying_object_is_not_written_by_the_replay() -> None:
@@ -373,7 +317,7 @@ def test_argument_object_shared_by_two_segments() -> None:
     def after(m: nn.Module, b: Any) -> None:
         b.x.add_(3.0)
 
-    _check(SharedNet, _loss_step(fwd, after), PRES)
+    check(SharedNet, _loss_step(fwd, after), PRES)
 
 
 class MutatingBlock(nn.Module):
@@ -428,7 +372,7 @@ def test_segment_that_writes_its_tensor_argument_in_place() -> None:
         model(torch.randn(B, D, generator=g), acc).pow(2).mean().backward()
         return {"acc": acc}
 
-    _check(DirectMutatingNet, step, PRES)
+    check(DirectMutatingNet, step, PRES)
 
 
 def test_segment_that_writes_a_tensor_of_its_argument_object() -> None:
@@ -442,7 +386,7 @@ def test_segment_that_writes_a_tensor_of_its_argument_object() -> None:
         model(b).pow(2).mean().backward()
         return {"acc": b.acc}
 
-    _check(MutatingNet, step, PRES)
+    check(MutatingNet, step, PRES)
 
 
 class StoringBlock(nn.Module):
@@ -472,7 +416,7 @@ def test_segment_that_rebinds_a_field_of_its_argument_object() -> None:
         model(b).pow(2).mean().backward()
         return {"x": b.x}
 
-    _check(StoringNet, step, PRES)
+    check(StoringNet, step, PRES)
 
 
 class FilledCache:
@@ -514,7 +458,7 @@ def test_segment_that_appends_to_a_list_of_tensors_in_its_argument_object() -> N
         model(torch.randn(B, D, generator=g), c).pow(2).mean().backward()
         return {"n": torch.tensor(len(c.keys)), "seen": torch.tensor(c.seen)}
 
-    _check(CacheNet, step, WITH_BUDGET)
+    check(CacheNet, step, WITH_BUDGET)
 
 
 class Counter:
@@ -563,7 +507,7 @@ class ParamViewNet(nn.Module):
 
 def test_argument_is_a_view_of_a_parameter() -> None:
     step = _loss_step(lambda m, x: (m(x), None))
-    _check(ParamViewNet, step, WITH_BUDGET, opt="adamw")
+    check(ParamViewNet, step, WITH_BUDGET, opt="adamw")
 
 
 class ModuleArgNet(nn.Module):
@@ -584,7 +528,7 @@ class ModuleArgNet(nn.Module):
 
 
 def test_module_argument_whose_buffer_changes() -> None:
-    _check(ModuleArgNet, _loss_step(lambda m, x: (m(x), None)), PRES)
+    check(ModuleArgNet, _loss_step(lambda m, x: (m(x), None)), PRES)
 
 
 class GradCarryNet(nn.Module):
@@ -600,7 +544,7 @@ class GradCarryNet(nn.Module):
 
 
 def test_dataclass_field_carries_gradient_between_segments() -> None:
-    _check(GradCarryNet, _loss_step(lambda m, x: (m(x), None)), WITH_BUDGET)
+    check(GradCarryNet, _loss_step(lambda m, x: (m(x), None)), WITH_BUDGET)
 
 
 def test_real_torchvision_image_list() -> None:
@@ -615,7 +559,7 @@ def test_real_torchvision_image_list() -> None:
         a.image_sizes = [(1, 1)] * B
 
     make = lambda: ObjNet(lambda b, kw: b.tensors * len(b.image_sizes[0]))  # noqa: E731
-    _check(make, _loss_step(fwd, after), PRES)
+    check(make, _loss_step(fwd, after), PRES)
 
 
 def test_real_hf_batch_encoding_with_to() -> None:
@@ -631,7 +575,7 @@ def test_real_hf_batch_encoding_with_to() -> None:
         a["input_ids"] = a["input_ids"] * 0
 
     make = lambda: ObjNet(lambda b, kw: b.input_ids * b["attention_mask"])  # noqa: E731
-    _check(make, _loss_step(fwd, after), PRES)
+    check(make, _loss_step(fwd, after), PRES)
 
 
 # ============================================================ functional_call (class 1/7 nbr)
@@ -673,7 +617,7 @@ def _substituted_params_step(model: nn.Module, g: torch.Generator, s: int) -> An
     "step", [_substituted_params_step, _fast_weights_step], ids=["substituted", "maml"]
 )
 def test_functional_call_with_substituted_parameters(step: Callable) -> None:
-    _check(FcNet, step, PRES)
+    check(FcNet, step, PRES)
 
 
 # ============================================================ class 2: strided inputs
@@ -722,7 +666,7 @@ def test_strided_input_variants(name: str) -> None:
     def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
         model(base()).pow(2).mean().backward()
 
-    _check(lambda: StridedNet(view), step, PRES)
+    check(lambda: StridedNet(view), step, PRES)
 
 
 class QueueNet(nn.Module):
@@ -747,7 +691,7 @@ def test_offset_view_into_a_buffer_the_step_writes() -> None:
     def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
         model(torch.randn(B, 16, generator=g)).pow(2).mean().backward()
 
-    _check(QueueNet, step, WITH_BUDGET)
+    check(QueueNet, step, WITH_BUDGET)
 
 
 # ============================================================ class 3: saved-tensor hooks
@@ -792,7 +736,7 @@ def test_nested_saved_tensor_hooks() -> None:
             loss = model(torch.randn(16, D, generator=g)).pow(2).sum()
         loss.backward()
 
-    _check(make, step, WITH_BUDGET + [{"track_memory": True}])
+    check(make, step, WITH_BUDGET + [{"track_memory": True}])
 
 
 def test_save_on_cpu_unpinned_with_adamw() -> None:
@@ -801,7 +745,7 @@ def test_save_on_cpu_unpinned_with_adamw() -> None:
             loss = model(torch.randn(16, D, generator=g)).pow(2).sum()
         loss.backward()
 
-    _check(HookNet, step, WITH_BUDGET, opt="adamw")
+    check(HookNet, step, WITH_BUDGET, opt="adamw")
 
 
 def test_hooks_entered_only_around_backward() -> None:
@@ -812,7 +756,7 @@ def test_hooks_entered_only_around_backward() -> None:
         with _bf16():
             loss.backward()
 
-    _check(HookNet, step, WITH_BUDGET)
+    check(HookNet, step, WITH_BUDGET)
 
 
 class InsideHookBlock(Blk):
@@ -835,7 +779,7 @@ class InsideHookNet(nn.Module):
 
 
 def test_hooks_entered_inside_the_segment() -> None:
-    _check(InsideHookNet, _loss_step(lambda m, x: (m(x), None)), PRES)
+    check(InsideHookNet, _loss_step(lambda m, x: (m(x), None)), PRES)
 
 
 def test_counting_hooks_gradients_and_counts() -> None:
@@ -863,12 +807,12 @@ def test_counting_hooks_gradients_and_counts() -> None:
 
     torch.manual_seed(0)
     ref = HookNet()
-    expected = _run(copy.deepcopy(ref), make_step("plain"), "sgd")
+    expected = run(copy.deepcopy(ref), make_step("plain"), "sgd")
     model = copy.deepcopy(ref)
     eng = lr.install(model, "blocks.*")
-    got = _run(model, make_step("replay"), "sgd")
+    got = run(model, make_step("replay"), "sgd")
     eng.uninstall()
-    assert _diff(expected, got) == []
+    assert diff(expected, got) == []
     # measured: 116 packs over 4 steps in both (the replay's happen in backward instead)
     assert counts["replay"] == counts["plain"] > 0, counts
 
@@ -884,15 +828,15 @@ def test_disable_saved_tensors_hooks_around_the_step() -> None:
 
     torch.manual_seed(0)
     ref = HookNet()
-    expected = _run(copy.deepcopy(ref), step, "sgd")
+    expected = run(copy.deepcopy(ref), step, "sgd")
     model = copy.deepcopy(ref)
     eng = lr.install(model, "blocks.*")
     try:
         with pytest.warns(RuntimeWarning, match="'blocks.0'.*disable_saved_tensors_hooks"):
-            got = _run(model, step, "sgd")
-        assert _diff(expected, got) == []  # the segments ran plain
+            got = run(model, step, "sgd")
+        assert diff(expected, got) == []  # the segments ran plain
         # and ordinary steps after it still replay
-        _run(model, lambda m, g, s: m(torch.randn(16, D, generator=g)).sum().backward(), "sgd")
+        run(model, lambda m, g, s: m(torch.randn(16, D, generator=g)).sum().backward(), "sgd")
         assert eng.summary()["blocks.0"]["replays"] > 0
     finally:
         eng.uninstall()
@@ -930,7 +874,7 @@ def test_hessian_over_functional_call() -> None:
             for m in (ref, model):
                 m.zero_grad(set_to_none=True)
                 m(x).pow(2).sum().backward()
-            assert _diff([_grads(ref)], [_grads(model)]) == []
+            assert diff([grads(ref)], [grads(model)]) == []
 
             def f(m: nn.Module) -> Callable:
                 params = {k: v.detach() for k, v in m.named_parameters()}
@@ -959,7 +903,7 @@ def test_func_grad_inside_step_then_backward() -> None:
         (model(x).pow(2).mean() * (1 + norm.mean().detach())).backward()
         return {"norm": norm}
 
-    _check(LnNet, step, PRES)
+    check(LnNet, step, PRES)
 
 
 def test_vmap_ensemble_over_installed_model_with_backward() -> None:
@@ -1015,7 +959,7 @@ def test_float_of_own_zero_dim_buffer_changed_by_root() -> None:
         for b in m.blocks:
             b.scale.mul_(1.25)
 
-    _check(ScaleNet, _loss_step(lambda m, x: (m(x), None), after), PRES)
+    check(ScaleNet, _loss_step(lambda m, x: (m(x), None), after), PRES)
 
 
 def test_python_attribute_schedule_changed_after_forward() -> None:
@@ -1026,7 +970,7 @@ def test_python_attribute_schedule_changed_after_forward() -> None:
         for b in m.blocks:
             b.temperature = b.temperature * 0.5 + 0.3
 
-    _check(ScaleNet, _loss_step(lambda m, x: (m(x), None), after), PRES)
+    check(ScaleNet, _loss_step(lambda m, x: (m(x), None), after), PRES)
 
 
 class DropBlock(Blk):
@@ -1053,7 +997,7 @@ def test_train_flag_toggled_between_forward_and_backward() -> None:
         loss.backward()
         model.train()
 
-    _check(DropNet, step, PRES)
+    check(DropNet, step, PRES)
 
 
 class ViewReadBlock(nn.Module):
@@ -1082,7 +1026,7 @@ class ViewReadNet(nn.Module):
 
 
 def test_tolist_of_a_view_of_root_state() -> None:
-    _check(ViewReadNet, _loss_step(lambda m, x: (m(x), None)), PRES)
+    check(ViewReadNet, _loss_step(lambda m, x: (m(x), None)), PRES)
 
 
 # ============================================================ classes 8, 9: jit / compile
@@ -1125,7 +1069,7 @@ def test_scripted_function_inside_a_segment() -> None:
     rewrapped by the TorchScript interpreter). Exact with the JIT's optimising executor off;
     with it on see the next test."""
     with torch.jit.optimized_execution(False):
-        _check(ScriptFnNet, _loss_step(lambda m, x: (m(x), None)), PRES)
+        check(ScriptFnNet, _loss_step(lambda m, x: (m(x), None)), PRES)
 
 
 def test_scripted_function_inside_a_segment_optimised_executor() -> None:
@@ -1135,14 +1079,15 @@ def test_scripted_function_inside_a_segment_optimised_executor() -> None:
     executor warmed both runs are comparable; a fresh-process referee that sees replay's own
     difference is in test_adversary_recipes2.py. The probe keeps such segments retained."""
     step = _loss_step(lambda m, x: (m(x), None))
-    _run(ScriptFnNet(), step, "sgd")  # warm the executor: plain is then reproducible
+    run(ScriptFnNet(), step, "sgd")  # warm the executor: plain is then reproducible
     with pytest.warns(RuntimeWarning, match=r"segment 'blocks.0' calls TorchScript"):
-        _check(ScriptFnNet, step, PRES, replays=False)
+        check(ScriptFnNet, step, PRES, replays=False)
 
 
 def test_compile_after_install_is_exact() -> None:
-    """Documented as not detected: the compiled graph runs the original forwards. Measured:
-    exact, with 0 segment forwards seen by the engine."""
+    """Detected since round 3: the installed forwards run eagerly under dynamo (a graph
+    break), with one warning, and replay. Before: exact, but 0 replays (the compiled graph ran
+    the original forwards, silently)."""
     torch.manual_seed(0)
     ref = FcNet()
     model = copy.deepcopy(ref)
@@ -1150,13 +1095,13 @@ def test_compile_after_install_is_exact() -> None:
     try:
         compiled = torch.compile(model, backend="eager")
         g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-        for _ in range(3):
-            for m, g in ((ref, g1), (compiled, g2)):
-                m.zero_grad(set_to_none=True)
-                m(torch.randn(B, D, generator=g)).pow(2).sum().backward()
-            assert _diff([_grads(ref)], [_grads(model)]) == []
-        # not detected: dynamo runs the original forwards, nothing is replayed
-        assert eng.summary()["blocks.0"].get("replays", 0) == 0, eng.summary()
+        with pytest.warns(RuntimeWarning, match="torch.compile reached the installed model"):
+            for _ in range(3):
+                for m, g in ((ref, g1), (compiled, g2)):
+                    m.zero_grad(set_to_none=True)
+                    m(torch.randn(B, D, generator=g)).pow(2).sum().backward()
+                assert diff([grads(ref)], [grads(model)]) == []
+        assert eng.summary()["blocks.0"].get("replays", 0) > 0, eng.summary()
     finally:
         eng.uninstall()
         torch._dynamo.reset()
@@ -1204,7 +1149,7 @@ def test_unregistered_tensor_state_written_after_forward(what: str) -> None:
         inner(model, g, s)
 
     try:
-        _check(AttrNet, step, PRES)
+        check(AttrNet, step, PRES)
     finally:
         GLOBAL_GAIN.copy_(saved)
 
@@ -1221,7 +1166,7 @@ def test_hf_model_output_argument() -> None:
         a.hidden_states[0].add_(1.0)
 
     make = lambda: ObjNet(lambda b, kw: b.last_hidden_state * b.hidden_states[0])  # noqa: E731
-    _check(make, _loss_step(fwd, after), PRES)
+    check(make, _loss_step(fwd, after), PRES)
 
 
 # ============================================================ more neighbours
@@ -1253,7 +1198,7 @@ def test_packed_sequence_argument() -> None:
         packed = pack_padded_sequence(x, torch.tensor([5, 4, 2, 1]), batch_first=True)
         model(packed).pow(2).mean().backward()  # (LSTM saves its input: no write after)
 
-    _check(LstmNet, step, PRES, opt="adamw")
+    check(LstmNet, step, PRES, opt="adamw")
 
 
 def test_view_as_real_of_a_complex_base() -> None:
@@ -1267,7 +1212,7 @@ def test_view_as_real_of_a_complex_base() -> None:
             w.mul_(0.5)
             return self.blocks[1](h)
 
-    _check(lambda: Net(lambda w: w), step, PRES)
+    check(lambda: Net(lambda w: w), step, PRES)
 
 
 class RootAttrBlock(Blk):
@@ -1292,7 +1237,7 @@ class RootAttrNet(nn.Module):
 
 
 def test_root_python_attribute_read_by_segment_changes_after_forward() -> None:
-    _check(RootAttrNet, _loss_step(lambda m, x: (m(x), None)), PRES)
+    check(RootAttrNet, _loss_step(lambda m, x: (m(x), None)), PRES)
 
 
 class ScaledPacker:
@@ -1326,7 +1271,7 @@ def test_stateful_pack_hook_order_dependent(kw: dict) -> None:
         loss.backward()
 
     with pytest.warns(RuntimeWarning, match=r"segment 'blocks.0'.*ScaledPacker.scale"):
-        _check(HookNet, step, [kw], replays=False)
+        check(HookNet, step, [kw], replays=False)
 
 
 def test_autograd_functional_jacobian_of_installed_model() -> None:
@@ -1338,4 +1283,4 @@ def test_autograd_functional_jacobian_of_installed_model() -> None:
         jac = torch.autograd.functional.jacobian(model, x, create_graph=True)
         (model(x).pow(2).mean() + 0.01 * jac.pow(2).sum()).backward()
 
-    _check(LnNet, step, PRES)
+    check(LnNet, step, PRES)

@@ -24,70 +24,16 @@ from torch import nn
 
 import lightning_replay as lr
 
-D = 8
-B = 4
-STEPS = 4
-PRES = [{"preservation": "auto"}, {"preservation": "whole"}, {"preservation": "regions"}]
-WITH_BUDGET = PRES + [{"budget": "min"}]
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _run(model: nn.Module, step: Callable, steps: int = STEPS) -> list[dict]:
-    torch.manual_seed(11)
-    g = torch.Generator().manual_seed(7)
-    o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    out = []
-    for s in range(steps):
-        o.zero_grad(set_to_none=True)
-        extra = step(model, g, s) or {}
-        got = _grads(model)
-        got.update({f"extra.{k}": v.detach().clone() for k, v in extra.items()})
-        out.append(got)
-        o.step()
-    return out
-
-
-def _diff(a: list[dict], b: list[dict]) -> list[tuple[int, str]]:
-    assert len(a) == len(b)
-    out = []
-    for s, (ga, gb) in enumerate(zip(a, b)):
-        assert ga.keys() == gb.keys(), (s, sorted(ga), sorted(gb))
-        out += [(s, k) for k in ga if not torch.equal(ga[k], gb[k])]
-    return out
-
-
-def _replays(eng: Any) -> int:
-    return sum(v.get("replays", 0) for v in eng.summary().values() if isinstance(v, dict))
-
-
-def _check(
-    make: Callable[[], nn.Module],
-    step: Callable,
-    kws: list[dict] = PRES,
-    spec: Any = "blocks.*",
-    replays: bool = True,
-) -> None:
-    torch.manual_seed(0)
-    ref = make()
-    expected = _run(copy.deepcopy(ref), step)
-    for kw in kws:
-        model = copy.deepcopy(ref)
-        eng = lr.install(model, spec, **kw)
-        try:
-            got = _run(model, step)
-            bad = _diff(expected, got)
-            worst = max(
-                (float((expected[i][k] - got[i][k]).abs().max()) for i, k in bad), default=0
-            )
-            assert bad == [], (kw, len(bad), sum(map(len, expected)), f"max|diff|={worst:.3g}")
-            if replays:
-                assert _replays(eng), (kw, eng.summary())
-            assert eng.preserved_bytes == 0, kw
-        finally:
-            eng.uninstall()
+from tests.helpers.recipes import (
+    B,
+    D,
+    PRES,
+    WITH_BUDGET,
+    check,
+    diff,
+    replay_count,
+    run,
+)
 
 
 class Blk(nn.Module):
@@ -238,7 +184,7 @@ def _written_after(make_input: Callable, write: Callable, net: Callable = Net2) 
             write(target)
         out.pow(2).mean().backward()
 
-    _check(net, step, WITH_BUDGET)
+    check(net, step, WITH_BUDGET)
 
 
 BUDGET_ARG_CASES: dict[str, tuple[Callable, Callable, Callable]] = {
@@ -308,7 +254,7 @@ def _arg_case(pick: Callable, call: Callable, make: Callable, after: Callable) -
             after(inp)
         out.pow(2).mean().backward()
 
-    _check(lambda: AnyNet(pick, call), step, WITH_BUDGET)
+    check(lambda: AnyNet(pick, call), step, WITH_BUDGET)
 
 
 def _nested_make(b: torch.Tensor) -> dict:
@@ -391,7 +337,7 @@ class InViewNet(nn.Module):
 
 
 def test_segment_writes_a_view_of_its_argument() -> None:
-    _check(InViewNet, lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward())
+    check(InViewNet, lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward())
 
 
 # ============================================================ class 11: call patterns
@@ -422,7 +368,7 @@ def test_segment_called_with_other_structures_on_other_steps() -> None:
     def step(model: nn.Module, g: torch.Generator, s: int) -> Any:
         model(torch.randn(B, D, generator=g)).pow(2).mean().backward()
 
-    _check(VaryNet, step, WITH_BUDGET)
+    check(VaryNet, step, WITH_BUDGET)
 
 
 # ============================================================ class 5: second order
@@ -434,7 +380,7 @@ def test_hessian_vector_product_through_replayed_segments() -> None:
         hv = sum((gr * torch.ones_like(gr)).sum() for gr in grads)
         (loss + 0.1 * hv).backward()
 
-    _check(Net2, step, WITH_BUDGET)
+    check(Net2, step, WITH_BUDGET)
 
 
 def test_input_gradient_penalty_then_second_backward_with_retain() -> None:
@@ -445,7 +391,7 @@ def test_input_gradient_penalty_then_second_backward_with_retain() -> None:
         out.pow(2).mean().backward(retain_graph=True)
         gx.pow(2).sum().backward()
 
-    _check(Net2, step, PRES)
+    check(Net2, step, PRES)
 
 
 # ============================================================ class 6: grad inside forward
@@ -468,7 +414,7 @@ class EnergyNet(nn.Module):
 
 
 def test_energy_blocks_chained_grad_inside_forward() -> None:
-    _check(EnergyNet, lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward())
+    check(EnergyNet, lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward())
 
 
 # ============================================================ class 7: torch.func
@@ -483,7 +429,7 @@ def test_jvp_over_functional_call_then_ordinary_backward() -> None:
         )
         (model(x).pow(2).mean() + 0.0 * tangent.sum()).backward()
 
-    _check(LnNet, step, PRES)
+    check(LnNet, step, PRES)
 
 
 def test_vmap_of_the_model_without_grad_transform() -> None:
@@ -491,7 +437,7 @@ def test_vmap_of_the_model_without_grad_transform() -> None:
         x = torch.randn(3, B, D, generator=g)
         torch.func.vmap(model)(x).pow(2).mean().backward()
 
-    _check(LnNet, step, PRES, replays=False)
+    check(LnNet, step, PRES, replays=False)
 
 
 class LnBlk(nn.Module):
@@ -540,7 +486,7 @@ def test_gradient_hook_calls_a_segment() -> None:
         model(torch.randn(B, D, generator=g)).pow(2).mean().backward()
         return {"seen": model.seen}
 
-    _check(HookCallNet, step, PRES)
+    check(HookCallNet, step, PRES)
 
 
 # ============================================================ class 4: windows and no_grad
@@ -559,15 +505,15 @@ def test_manual_window_with_no_grad_calls_interleaved() -> None:
                 loss = out.pow(2).mean()
             loss.backward()
 
-        return _run(model, step)
+        return run(model, step)
 
     expected = train(copy.deepcopy(ref))
     for kw in PRES:
         model = copy.deepcopy(ref)
         eng = lr.install(model, "blocks.*", **kw)
         try:
-            assert _diff(expected, train(model, eng)) == [], kw
-            assert _replays(eng), kw
+            assert diff(expected, train(model, eng)) == [], kw
+            assert replay_count(eng), kw
         finally:
             eng.uninstall()
 
@@ -605,7 +551,7 @@ def test_channels_last_conv_segments_with_input_written_after(amp: bool) -> None
             x.mul_(0.5)
         out.float().pow(2).mean().backward()
 
-    _check(make, step, WITH_BUDGET)
+    check(make, step, WITH_BUDGET)
 
 
 def test_autocast_entered_inside_the_step_around_one_segment_only() -> None:
@@ -615,7 +561,7 @@ def test_autocast_entered_inside_the_step_around_one_segment_only() -> None:
                 h = self.blocks[0](x)
             return self.blocks[1](h.float())
 
-    _check(
+    check(
         AmpNet,
         lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward(),
         WITH_BUDGET,
@@ -637,7 +583,7 @@ def test_func_grad_as_the_whole_training_step() -> None:
             v.grad = gr[k]
         return {"rm": model.blocks[0].ln.weight}
 
-    _check(LnNet, step, PRES, replays=False)
+    check(LnNet, step, PRES, replays=False)
 
 
 class UnrolledNet(nn.Module):
@@ -659,7 +605,7 @@ class UnrolledNet(nn.Module):
 
 
 def test_one_segment_unrolled_three_times_per_step() -> None:
-    _check(
+    check(
         UnrolledNet,
         lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward(),
         WITH_BUDGET,
@@ -690,7 +636,7 @@ def test_full_backward_hook_calls_a_segment() -> None:
         model(torch.randn(B, D, generator=g)).pow(2).mean().backward()
         return {"diag": model.diag}
 
-    _check(BwdHookNet, step, PRES)
+    check(BwdHookNet, step, PRES)
 
 
 class DropAmpNet(nn.Module):
@@ -705,7 +651,7 @@ class DropAmpNet(nn.Module):
 
 
 def test_dropout_segment_under_autocast() -> None:
-    _check(
+    check(
         DropAmpNet,
         lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward(),
         WITH_BUDGET,
@@ -770,7 +716,7 @@ def test_stateful_pack_hooks_keep_segments_retained(hooks: Callable, kw: dict) -
         loss.backward()
 
     with pytest.warns(RuntimeWarning, match=r"segment 'blocks.0': the saved-tensor hook"):
-        _check(HNet, step, [kw], replays=False)
+        check(HNet, step, [kw], replays=False)
 
 
 def test_offloading_store_hook_still_replays() -> None:
@@ -792,7 +738,7 @@ def test_offloading_store_hook_still_replays() -> None:
             loss = model(torch.randn(16, D, generator=g)).pow(2).sum()
         loss.backward()
 
-    _check(HNet, step, WITH_BUDGET)
+    check(HNet, step, WITH_BUDGET)
 
 
 class WritesInputNet(nn.Module):
@@ -807,7 +753,7 @@ class WritesInputNet(nn.Module):
 
 
 def test_segment_writes_a_view_of_the_batch_itself() -> None:
-    _check(
+    check(
         WritesInputNet,
         lambda m, g, s: m(torch.randn(B, D, generator=g)).pow(2).mean().backward(),
         WITH_BUDGET,
@@ -837,16 +783,8 @@ def _act_written_step(model: nn.Module, g: torch.Generator, s: int) -> Any:
 
 
 def test_activation_argument_written_after_the_forward() -> None:
-    _check(ActWrittenNet, _act_written_step, PRES)
+    check(ActWrittenNet, _act_written_step, PRES)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=lr.ReplayError,
-    reason="measured: ReplayError at step 1 under budget='min' (recorded divergence, loud): "
-    "the replayed probe does not copy arguments that are activations of the window (outputs "
-    "of autograd ops: copying each would add every segment's input to the probe step's "
-    "peak), and the write after the forward is outside any capture",
-)
 def test_activation_argument_written_after_the_forward_under_a_budget() -> None:
-    _check(ActWrittenNet, _act_written_step, [{"budget": "min"}])
+    check(ActWrittenNet, _act_written_step, [{"budget": "min"}])

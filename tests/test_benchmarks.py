@@ -48,7 +48,13 @@ def test_overhead_saves_the_same_bytes_as_torch_checkpoint(smoke):
     assert len(m["cells"]) == 4
     for c in m["cells"]:
         assert {"state_ratio", "write_fraction", "budget_position", "budget_bytes"} <= set(c)
-        assert set(c["methods"]) == {"joint", "eager_whole", "fixed_regions", "whole_all"}
+        assert set(c["methods"]) == {
+            "joint",
+            "eager_whole",
+            "fixed_regions",
+            "whole_all",
+            "selective_all",
+        }
         # joint is optimal over every option: feasible wherever any baseline is
         assert c["methods"]["joint"]["feasible"]
         for d in c["methods"].values():
@@ -281,6 +287,39 @@ def test_frontier_writes_every_documented_key(smoke, tmp_path):
                 if p[arm]["feasible"]:
                     assert p[arm]["step_s"] > 0
                     assert p[arm]["predicted_peak_bytes"] <= p["budget_bytes"]
+                    # the budget is a whole-process promise: each plan's peak, measured with
+                    # only its own model alive, is within it
+                    assert p[arm]["within_budget"] and p[arm]["peak_bytes"] <= p["budget_bytes"]
+        assert m["plans_over_budget"] == 0
+        # the selective option is offered and measured for every segment (costs are measured
+        # with every option timed, not only those the lowest plan picks)
+        assert len(m["segment_options"]) == m["segments"]
+        for opts in m["segment_options"].values():
+            assert {"retain", "recompute", "selective"} <= set(opts)
+            assert opts["selective"]["memory_bytes"] > opts["recompute"]["memory_bytes"]
+            assert opts["selective"]["time_s"] > 0
+    assert f["plans_over_budget"] == 0
     out = tmp_path / "frontier.png"
     frontier.plot(f, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sparse_map_has_the_selective_baselines(smoke):
+    """The map's selective baselines: ``selective_all`` as a planning method beside the others,
+    and torch's selective checkpoint (same policy) in the same rounds, with its own peak and
+    its gradients against plain training (wrong here: its replay reads the bank as the step
+    left it)."""
+    _, r, _ = smoke
+    m = r["sparse_write_map"]
+    for pair in m["pairs"]:
+        assert pair["torch_sac_peak_bytes"] > 0 and pair["torch_sac_step_time_s"] > 0
+        assert pair["torch_sac_gradients_match_plain"] is False
+        for c in pair["costs"]["segments"]:
+            assert any(o.startswith("selective") for o in c["options"])
+    for c in m["cells"]:
+        assert "selective_all" in c["methods"]
+        d = c["methods"]["selective_all"]
+        if d["feasible"]:
+            assert all(o.startswith("selective") for o in d["choices"].values())
+        assert {"feasible", "step_time_s", "peak_bytes"} <= set(c["torch_sac"])
+        assert c["torch_sac"]["gradients_match_plain"] is False

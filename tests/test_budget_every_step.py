@@ -77,7 +77,21 @@ def _resnet() -> tuple[nn.Module, str, Callable, Callable]:
     )
 
 
-MODELS = {"gpt2": _gpt2, "llama": _llama, "resnet18": _resnet}
+def _resnet50() -> tuple[nn.Module, str, Callable, Callable]:
+    """Issue 31's done-when model: torchvision's ResNet-50 at 64 px, every bottleneck block a
+    segment, batch 16 (the issue's CPU figure). At batch 4 the optimizer step's peak (94 MiB
+    of parameters, their gradients and AdamW's two moments) is every arm's peak: plain and
+    checkpoint tie to the byte (395,742,944 B) and no budget lies between them."""
+    torchvision = pytest.importorskip("torchvision")
+    return (
+        torchvision.models.resnet50(num_classes=10),
+        "layer*.*",
+        lambda s: torch.randn(16, 3, 64, 64, generator=torch.Generator().manual_seed(s)),
+        lambda m, x: m(x).float().pow(2).mean(),
+    )
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama, "resnet18": _resnet, "resnet50": _resnet50}
 
 
 def _checkpointed(model: nn.Module, pattern: str) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable
@@ -201,6 +202,50 @@ def _live_tensors(exclude: set[int]) -> tuple[int, list[weakref.ref]]:
     return sum(seen.values()), refs
 
 
+def _describe(obj: object) -> str:
+    """A short name for an object that holds a tensor: its type, and what says where it is
+    from (a function's or frame's code, a dict's keys, a module-level name)."""
+    kind = type(obj).__name__
+    if isinstance(obj, dict):
+        keys = [k for k in list(obj)[:6] if isinstance(k, str)]
+        return f"dict{keys}"
+    if isinstance(obj, (list, tuple, set)):
+        return f"{kind}[{len(obj)}]"
+    code = getattr(obj, "f_code", None) or getattr(obj, "__code__", None)
+    if code is not None:
+        return f"{kind} {code.co_qualname} ({code.co_filename.rsplit('/', 2)[-1]}:{code.co_firstlineno})"
+    return f"{type(obj).__module__}.{kind}"
+
+
+def _holders(t: torch.Tensor, skip: tuple = (), depth: int = 3) -> list[str]:
+    """The chains of referrers of ``t`` up to ``depth`` levels (``gc.get_referrers``), as
+    ``holder <- holder's holder`` lines; frames of this file and the objects in ``skip`` (the
+    caller's own lists) left out."""
+    chains: list[str] = []
+    ours = {id(o) for o in skip}
+
+    def walk(obj: object, path: list[str], seen: frozenset) -> None:
+        found = gc.get_referrers(obj)
+        ours.add(id(found))  # (this walk's own lists refer to what they hold)
+        refs = tuple(
+            r
+            for r in found
+            if id(r) not in ours
+            and id(r) not in seen
+            and not (inspect.isframe(r) and r.f_code.co_filename == __file__)
+        )
+        ours.add(id(refs))
+        del found
+        if not refs or len(path) >= depth:
+            chains.append(" <- ".join(path) or "(no referrer: a C reference)")
+            return
+        for k in range(min(len(refs), 3)):
+            walk(refs[k], path + [_describe(refs[k])], seen | {id(refs[k])})
+
+    walk(t, [], frozenset({id(chains)}))
+    return chains
+
+
 @functools.cache
 def _run(name: str, arm: str) -> dict[str, Any]:
     """Train a copy of the model for ``STEPS`` steps with AdamW under torch checkpoint
@@ -255,6 +300,10 @@ def _run(name: str, arm: str) -> dict[str, Any]:
         del model, opt, x
         alive = [r() for r in refs]
         out["alive"] = [(tuple(t.shape), str(t.dtype)) for t in alive if t is not None]
+        # who holds them (the first few): the failure message names the holders
+        survivors = [t for t in alive if t is not None][:5]
+        out["holders"] = [_holders(t, (alive, refs, survivors)) for t in survivors]
+        del survivors
         out["watched"] = len(refs)
         out["engine"] = engine
         del alive
@@ -290,7 +339,9 @@ def test_held_between_steps_is_torch_checkpoints(name, arm):
     "run stayed alive after uninstall with gc off. One cause is fixed (a model installed and "
     "never uninstalled by an earlier test lived for the process, see "
     "tests/test_install_lifetime.py, and made test_adversary_memory_numerics's survivors); "
-    "whether it was this one's is not verified: no shorter order reproduced it (issue 31)",
+    "whether it was this one's is not verified: no shorter order reproduced it (issue 31). "
+    "Should it fail again, its message names each survivor's holders (gc.get_referrers, 3 "
+    "levels)",
 )
 def test_uninstall_leaves_no_tensor_alive_without_the_cyclic_collector(name, arm):
     """(b) After uninstall and ``del model, optimizer``, with the cyclic garbage collector off
@@ -299,7 +350,10 @@ def test_uninstall_leaves_no_tensor_alive_without_the_cyclic_collector(name, arm
     rep = _run(name, arm)
     assert rep["watched"]
     alive = rep["alive"]
-    assert not alive, f"{len(alive)} tensors still alive, e.g. {sorted(set(alive))[:20]}"
+    assert not alive, (
+        f"{len(alive)} tensors still alive, e.g. {sorted(set(alive))[:20]}; held by "
+        f"{rep['holders']}"
+    )
     assert rep["engine"].summary()  # the engine itself stays usable for its records
     assert rep["engine"].model is None
 

@@ -66,3 +66,36 @@ def test_doctor_bad_segments_is_one_clear_error(tmp_path, tiny_data, capsys):
         "lightning-replay doctor: error: segment 'nope' is not a submodule of DenseQueueModule"
     )
     assert "Traceback" not in err and not (tmp_path / "doctor.json").exists()
+
+
+def test_doctor_selective_flag_names_the_policy_in_the_methods_table(tmp_path, tiny_data, capsys):
+    """``--selective POLICY`` reaches diagnose: the methods table compares torch's selective
+    checkpoint and replay's selective option under that policy; torch's is not exact on the
+    MoCo queue and batch norm, ours is."""
+    assert _doctor(tmp_path, tiny_data, "--selective", "every_other_matmul") == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "doctor.json").read_text())
+    assert data["selective_policy"] == "every_other_matmul"
+    assert "torch selective checkpoint ('every_other_matmul')" in out
+    assert "lightning_replay selective ('every_other_matmul')" in out
+    assert data["torch_selective"]["exact"] is False
+    assert data["replay_selective"]["exact"] is True
+
+
+def test_doctor_selective_none_leaves_the_selective_runs_out(tmp_path, tiny_data, capsys):
+    assert _doctor(tmp_path, tiny_data, "--selective", "none") == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "doctor.json").read_text())
+    assert data["selective_policy"] is None and data["torch_selective"] is None
+    assert "torch selective checkpoint" not in out
+
+
+def test_doctor_unknown_selective_policy_is_a_usage_error(tmp_path, tiny_data, capsys):
+    try:
+        rc = _doctor(tmp_path, tiny_data, "--selective", "matmull")
+    except SystemExit as exc:  # argparse's usage error
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert rc == 2 and "argument --selective: invalid choice: 'matmull'" in err
+    assert "every_other_matmul" in err  # the choices are listed
+    assert not (tmp_path / "doctor.json").exists()

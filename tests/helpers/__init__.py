@@ -7,6 +7,8 @@
 * :mod:`tests.helpers.lit_hazards` — LightningModules with state hazards and Trainer helpers.
 * :mod:`tests.helpers.wandb_reader` — read an offline wandb run's ``.wandb`` file back.
 * :mod:`tests.helpers.torch_memory` — an independent memory referee (``torch.profiler``).
+* :mod:`tests.helpers.recipes` — the adversary recipe files' referee: plain PyTorch against
+  ``install`` under several options, gradients compared bit for bit.
 
 ``setup.cfg`` puts the repository root on ``sys.path`` (``pythonpath = .``), so both
 ``pytest`` and ``python -m pytest`` find this package under any import mode.

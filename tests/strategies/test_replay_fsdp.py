@@ -524,7 +524,6 @@ def test_a_budget_holds_on_every_rank(budget_runs):
     # merge at 00:40 one rank's engine measured every planned step itself, once)
     refereed = [row for rank in got for row in _planned(rank) if row["source"] == "referee"]
     assert len(refereed) >= 3, [rank["rows"] for rank in got]
-    known: list = []
     for r in (0, 1):
         planned = _planned(got[r])
         assert len(planned) >= 3, got[r]["rows"]
@@ -533,28 +532,13 @@ def test_a_budget_holds_on_every_rank(budget_runs):
             for i, row in enumerate(planned)
             if not row["real"] <= row["predicted"] <= budget
         ]
-        # known (see _FIRST_STEP): the first step of a plan, which the engine measures itself,
-        # over its prediction, within issue 31's 1.02 x the budget; when it is also over the
-        # budget the engine re-plans after it (seen at 7707af3: 87,642 B against a prediction
-        # of 87,184, within the budget 91,244: no re-plan; at 0181259, in the full suite:
-        # 92,672 B, 1.016 x the budget, predicted 91,200)
-        first = [
-            o
-            for o in over
-            if o[2] == "engine"
-            and o[3] <= 1.02 * budget
-            and (o[0] == 0 or planned[o[0] - 1]["choices"] != planned[o[0]]["choices"])
-            and (
-                o[3] <= budget
-                or (
-                    o[0] + 1 < len(planned)
-                    and planned[o[0] + 1]["choices"] != planned[o[0]]["choices"]
-                )
-            )
-        ]
-        hard = [o for o in over if o not in first]
-        assert not hard, (r, budget, hard, got[r]["rows"])
-        known += [(r, *o[1:], planned[o[0]]["choices"]) for o in first]
+        # (a plan's first step, which the engine measures itself, is held to it too: it ran
+        # 240-392 B over when a replay phase's residual was paired with the preserved bytes
+        # its call had already given back; see the note below this test)
+        print(
+            f"rank {r}: planned steps {[(row['choices'], row['real'], row['predicted']) for row in planned]}"
+        )
+        assert not over, (r, budget, over, got[r]["rows"])
         for row in planned:
             assert row["accounted"] <= row["predicted"], (r, row, budget)
         # the base holds the gathered parameters: the root (kept from forward to backward)
@@ -564,25 +548,18 @@ def test_a_budget_holds_on_every_rank(budget_runs):
     choices = [_planned(rank)[-1]["choices"] for rank in got]
     assert choices[0] == choices[1]
     assert any(o != "retain" for o in choices[0].values()), choices
-    if known:  # (rank, step, source, real, predicted, the plan's choices)
-        pytest.xfail(f"{_FIRST_STEP} Measured: {known}, budget {budget}")
 
 
-#: Measured after merging main at 00:40 (issue 31's per-phase residuals), in 1 run of 2 (the
-#: other picked whole, whole, retain: every step within): the plan's first step (retain,
-#: regions, retain) held 91,456 B on rank 0 against the prediction 91,216 and the budget
-#: 91,244 (+240 B), 91,388 on rank 1; the engine measured it and re-planned (regions,
-#: retain, retain: 86,616 B, within). A replayed block's residual is measured per replay
-#: phase in calibration, where every block replays; what a rank holds beyond the formula
-#: grows from one replay to the next (308 B at the first, 3,468 at the second; by the sizes,
-#: FSDP's gradient buffers of the units whose backward is done: not confirmed), so a plan that retains the block
-#: backwarded before is predicted with another combination's figure. Not FSDP's gathered
-#: parameters: those are the base's (``gathered_bytes``) at every replay.
-_FIRST_STEP = (
-    "the first step of a plan that replays a middle block ran over its prediction (and at times "
-    "the budget) by < 2 % (the engine re-plans after measuring it): a replay phase's residual "
-    "measured with other choices for the blocks backwarded before it."
-)
+# Measured after merging main at 00:40 (issue 31's per-phase residuals), in 3 runs of 4: the
+# plan's first step (retain, regions, retain) held 91,456 B on rank 0 against the prediction
+# 91,216 and the budget 91,244 (+240 B); the engine measured it and re-planned. The cause (found
+# on one process, tests/test_budget_probe_steps.py's big_buffer_last, 256 KiB low): a replay
+# phase's residual was paired with the formula's figure, which holds the segment's preserved
+# bytes, but the call gives them back as its replay ends, before the backward's temporaries
+# peak; the residual came out that much short, and a plan that retains the block (nothing
+# preserved, the same temporaries) was predicted that much low. The engine now pairs it
+# without them (engine._phase_residuals; restore.py no longer holds the entries through the
+# backward either). 3 runs of 3 within since (i31-steps).
 
 
 def test_the_plan_frees_real_memory_on_every_rank(budget_runs):

@@ -12,6 +12,7 @@ engine.installation.install` builds the engine, so this module is below both.
 from __future__ import annotations
 
 import copyreg
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -19,6 +20,8 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from lightning_replay._compat import saved_tensors_hooks_disabled, under_functorch
+from lightning_replay.core.base.state import storage_bytes, storage_key
+from lightning_replay.core.mechanisms.arguments import held_tensors
 
 #: module_globals: this module's globals are machinery, never user state
 _REPLAY_MACHINERY = True
@@ -59,6 +62,8 @@ def _replay_class(cls: type) -> type:
         return _REPLAY_CLASSES[cls]
 
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # (dynamo traces: it does not see RUNTIME_KEY)
+            return _eager_under_compile(self, RUNTIME_KEY, lambda: forward(self, *args, **kwargs))
         rt = _own(self, RUNTIME_KEY)
         if rt is None:
             return cls.forward(self, *args, **kwargs)
@@ -98,21 +103,106 @@ def _root_class(cls: type) -> type:
         return _ROOT_CLASSES[cls]
 
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # (dynamo traces: it does not see ENGINE_KEY)
+            return _eager_under_compile(self, ENGINE_KEY, lambda: forward(self, *args, **kwargs))
         eng = _own(self, ENGINE_KEY)
         if eng is None or under_functorch() or saved_tensors_hooks_disabled():
             # (a torch.func transform, or saved-tensor hooks switched off: no window, the
             # segments run plain, see runtime)
             return cls.forward(self, *args, **kwargs)
         eng._explicit_windows += 1
+        opens = eng._window_depth == 0
         eng.begin_window(continuation=not torch.is_grad_enabled(), inputs=(args, kwargs))
         try:
-            return cls.forward(self, *args, **kwargs)
+            out = cls.forward(self, *args, **kwargs)
         finally:
             eng.end_forward()
+        if opens and eng._pending_probes:
+            copy_held_activations(eng, out)
+        return out
 
     new = _swapped_class(cls, forward)
     _ROOT_CLASSES[cls] = new
     return new
+
+
+def copy_held_activations(engine: Any, outputs: Any) -> None:
+    """Copy, as the window's forward ends, the activations a replayed probe passed to its
+    segment uncopied that the step can still reach (the root's outputs, a module attribute):
+    the step may write one in place before backward (``model.last.mul_(0.5)``), where no
+    capture runs, and the probe's replay must read the bytes its forward read.
+
+    A replayed probe (under a byte budget) copies the arguments made outside autograd at first
+    touch, but not the window's activations (outputs of autograd ops, most often an earlier
+    segment's output): copying each would add every segment's input to the probe step's peak.
+    Only the ones held here are copied (a plain chain of blocks holds none); an activation
+    written in the window after its segment ran (a logged write, undone at the replay) is left
+    to its log. What the model does not hold (a global list, a hook's closure) stays
+    uncopied: a write there is caught by the probe's comparison (a recorded ``ReplayError``).
+    """
+    probes = [
+        p
+        for rt in engine._pending_probes
+        for p in rt.probes
+        if p.replayed and p.observations is None and p.mode.uncopied
+    ]
+    if not probes:
+        return
+    try:
+        held = {storage_key(t) for t in held_tensors(list(engine.model.modules()), outputs)}
+    except Exception:  # noqa: BLE001 (an attribute no walk can read: the probe's comparison stays)
+        return
+    with torch.no_grad():
+        for p in probes:
+            for key, touch in p.mode.touched.items():
+                if (
+                    touch.snapshot is None
+                    and key in p.mode.uncopied
+                    and key in held
+                    and not engine.log.since(key, touch.mark)
+                ):
+                    touch.snapshot = storage_bytes(touch.tensor).clone()
+
+
+@torch.compiler.disable
+def _eager_under_compile(module: nn.Module, key: str, call: Callable[[], Any]) -> Any:
+    """Run an installed forward that ``torch.compile`` reached (the model compiled after
+    :func:`install`, or a module holding it) eagerly, with one warning and one record.
+
+    Traced by dynamo, the engine's own code would be compiled into the graph or skipped around
+    it: the segments then run their original forwards on every later step, never replayed, and
+    a byte budget is silently not held (measured: 1 probed forward, 0 replays in 4 steps). Run
+    eagerly, the window and the segments work as without compile; the code around them stays
+    compiled. The graph break this makes is the price; compile the modules apart from the
+    segments (``model.head.compile()``) to keep compiling those.
+    """
+    held = _own(module, key)
+    engine = held if key == ENGINE_KEY else getattr(held, "engine", None)
+    if engine is not None and not getattr(engine, "_warned_compile", False):
+        engine._warned_compile = True
+        segment = held.name if key == RUNTIME_KEY else None
+        where = f"segment {segment!r}" if segment is not None else "the installed model"
+        engine.records.append(
+            step=engine.step,
+            segment=segment or "*",
+            contract_version=0,
+            check="install",
+            outcome="rejection",
+            detail={
+                "what": f"torch.compile reached {where} after install",
+                "action": "eager (graph break): the window and its segments are not compiled",
+            },
+        )
+        warnings.warn(
+            f"torch.compile reached {where}, installed for replay: its forward runs eagerly "
+            "(a graph break), so that the segments replay and the window's state is watched "
+            "as without compile; a compiled engine would run the original forwards and replay "
+            "nothing. To compile, compile the modules apart from the segments (a head, the "
+            "loss), or uninstall the engine.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return call()
 
 
 def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:

@@ -171,6 +171,7 @@ class ReplayEngine:
         self._truth_hook: Any = None
         self._truth_rounds = 0  # steps measured so far
         self._truth_off = False  # another profiler refused ours: measure nothing more
+        self._profiler_warned = False  # a step's real peak went unmeasured: said once
         self._next_truth = 0  # the step of the next periodic measurement
         self._truth_gap = self.TRUTH_EVERY[0]
         self._truth_plan: _planner.Plan | None = None  # the plan the measured step ran
@@ -188,8 +189,9 @@ class ReplayEngine:
         self._over_budget_warned = -1  # the plan version last warned for a real overrun
         self._optimizers: list[Any] = []
         self._residual = 0  # bytes a measured step held beyond the accountant's figures
-        # ... per phase (see _phase_residuals), the largest measured: the forward's end, loss
-        # and backward until the first replay; each segment's replay (backward from it on).
+        # ... per phase (see real_peak.phase_residuals), the largest measured: the forward's
+        # end, loss and backward until the first replay; each segment's replay (backward from
+        # it on).
         # The residual above is the least of them, held in the base; the rest is charged at
         # its own moment (phase_peak_args)
         self._over_fwd: int | None = None
@@ -198,6 +200,10 @@ class ReplayEngine:
         self._floor_inputs = 0  # grows with the input size: _floor_size)
         self._floor_size = 0
         self._truth_phases: dict[str, int] = {}  # the measured step's real peak per phase
+        # per replay phase of the step in hand: the preserved bytes its call gave back at the
+        # replay's end (see real_peak.phase_residuals)
+        self._replay_released: dict[str, int] = {}
+        self._truth_released: dict[str, int] = {}  # those of the measured step
         self._truth_pre_hook: Any = None
         # CUDA: the allocator's peak per phase of the step (read and reset as each begins)
         self._cuda_phases: dict[str, int] = {}
@@ -806,11 +812,12 @@ class ReplayEngine:
                 self._measure_plan(periodic=True, gap=False)
             elif self.step >= self._next_truth:
                 self._measure_plan(periodic=True)  # state that grows later is seen, too
-        if (
+        if self._truth_pending and self.accountant is not None and profiler_busy():
+            self._profiler_blinds()  # another profiler runs: measure a later step
+        elif (
             self._truth_pending
             and self.accountant is not None
             and (_rank_count() == 1 or self._ranks_base is not None)
-            and not profiler_busy()  # another profiler runs: measure a later step
         ):
             self._truth_pending = False
             self._truth_rounds += 1
@@ -848,6 +855,7 @@ class ReplayEngine:
             )
             torch.cuda.reset_peak_memory_stats(dev)
             self._cuda_phases, self._cuda_label = {}, "start"
+            self._replay_released = {}
             # held as the step begins (host-side counter, no synchronization): the peak counts
             # it, and what of it is not the model's does not grow with the input
             self._cuda_held = int(torch.cuda.memory_allocated(dev))
@@ -968,6 +976,39 @@ class ReplayEngine:
                 base_memory=max(self.real_base_memory, plan.base_memory),
             )
             self._plan_extras = (self.plan, extras)
+
+    def _profiler_blinds(self) -> None:
+        """A step whose real peak was due to be measured runs under someone else's profiler
+        (one at a time per process): it is measured later. Under a budget, while that lasts
+        (a profiler on every step) the plan is never checked against the real peak and the
+        budget can be broken unseen: say so once, and record it."""
+        if self._profiler_warned or self.budget is None:
+            return
+        self._profiler_warned = True
+        detail = {
+            "event": "real_peak_unmeasured",
+            "reason": "profiler_active",
+            "plan_version": self.plan_version,
+            "budget": self.budget,
+        }
+        self.records.append(
+            step=self.step,
+            segment="*",
+            contract_version=self.plan_version,
+            check="plan",
+            outcome="rejection",
+            detail=detail,
+        )
+        warnings.warn(
+            f"step {self.step}: the real memory peak of this step was due to be measured "
+            f"against the budget ({format_bytes(self.budget)}), but another torch.profiler is "
+            "running (one per process), so it was not: the plan's prediction counts only what "
+            "the engine accounts, and the budget can be broken without a warning while a "
+            "profiler runs on every step. Profile only some steps (torch.profiler's schedule) "
+            "or pass budget=None while profiling.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     #: steps between the periodic measurements of the real peak (CPU): doubling from the first
     #: to the last, so that state that grows after a plan's first steps is seen early
@@ -1248,7 +1289,12 @@ class ReplayEngine:
             )
         self.meter.add_time(inv.rt.name, inv.option, total)
 
-    def _replay_started(self, activation_bytes: int) -> None:
+    def _replay_started(self, activation_bytes: int, released: int = 0) -> None:
+        """A replay begins: a phase of the step (see
+        :func:`~lightning_replay.core.engine.real_peak.phase_residuals`). ``released``:
+        the preserved bytes the call gives back when its replay ends, before the backward of
+        what it re-materialized (where that phase peaks, a retained segment's backward holds
+        no such bytes)."""
         acct = self.accountant
         if acct.replay_bytes == 0:
             # the re-materialized activations are gone when this backward ends
@@ -1267,6 +1313,7 @@ class ReplayEngine:
                 self._cuda_phases[last] = max(self._cuda_phases.get(last, 0), peak)
                 torch.cuda.reset_peak_memory_stats(dev)
                 self._cuda_label = label
+        self._replay_released[label] = max(self._replay_released.get(label, 0), released)
         acct.set_replay(activation_bytes)
 
     @contextlib.contextmanager

@@ -64,7 +64,8 @@ def settle_real_peak(eng) -> None:
     eng.last_real_peak = (eng._last_step, real)
     size = eng._truth_step_size if measured else eng._window_size
     if size <= eng.probe_size or not eng.probe_size:
-        fwd, replays, floor = phase_residuals(eng, real, phases, segments, plan)
+        released = eng._truth_released if measured else eng._replay_released
+        fwd, replays, floor = phase_residuals(eng, real, phases, segments, plan, released)
     else:
         # inputs larger than the costs were measured at: the formula's figures and the
         # replays' (re-materialized bytes from the costs) are stale, the accountant's whole
@@ -115,6 +116,7 @@ def phase_residuals(
     phases: Mapping[str, int],
     segments: Mapping[str, int],
     plan: _planner.Plan | None,
+    released: Mapping[str, int] | None = None,
 ) -> tuple[int, dict[str, int], int]:
     """What a measured step held beyond the plan formula's figures, per phase: (the
     forward's end, loss and backward until the first replay; per segment replayed, its
@@ -161,7 +163,15 @@ def phase_residuals(
     replays: dict[str, int] = {}
     for label, peak in phases.items():
         if label.startswith(_REPLAY) and label in figures:
-            replays[label[len(_REPLAY) :]] = peak - (base + figures[label])
+            # The formula's figure holds the segment's preserved bytes at its replay; the
+            # call gives them back as the replay ends, before the backward's temporaries
+            # peak. Paired with the figure as it holds them, the residual would come out
+            # that much short, and a plan that retains the segment (nothing preserved,
+            # the same temporaries) would be predicted that much low. Paired without them,
+            # it is the temporaries; a replayed option is then charged them on top of its
+            # preserved bytes (never under).
+            held = figures[label] - (released or {}).get(label, 0)
+            replays[label[len(_REPLAY) :]] = peak - (base + held)
         elif label != "optimizer":  # nothing to pair it with: counted in the first
             start = max(start, peak)
     return start - (base + figures.get("start", 0)), replays, phases.get("optimizer", 0)
@@ -181,6 +191,7 @@ def start_truth(eng) -> None:
         eng._truth_off = True
         return
     eng._truth = truth
+    eng._replay_released = {}
     # what the process held beyond the model's own tensors (gradients that exist now
     # included) and the batch: optimizer state and whatever anyone keeps between steps
     eng._truth_held = truth.base - live_model_bytes(eng.model) - eng._truth_inputs
@@ -210,6 +221,7 @@ def stop_truth(eng, truth: StepPeak, optimizer: Any = None) -> None:
         # the batch, whatever anyone kept) + the step's net peak: nothing to add
         eng._truth_peak = truth.stop()
         eng._truth_phases = dict(truth.phases)
+        eng._truth_released = dict(eng._replay_released)
         # held between steps, not growing with the input: the optimizer's state and
         # whatever else the process kept beyond the model's own tensors and the batch
         eng._truth_opt = max(optimizer_bytes(eng), eng._truth_held)

@@ -432,3 +432,24 @@ def call_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """Every tensor :func:`flatten_call` reaches in a call, in its order."""
     flat, _ = flatten_call(args, kwargs)
     return [x for x in flat if isinstance(x, torch.Tensor)]
+
+
+def held_tensors(modules: list[nn.Module], outputs: Any) -> list[torch.Tensor]:
+    """The tensors a step can still reach once a forward has returned: its outputs and what the
+    modules keep in plain attributes and buffers (``self.last = h``, a list of features), walked
+    as :func:`flatten_call` walks arguments. A tensor reached here may be written in place
+    before backward; one reached nowhere can only be written through a reference the model
+    does not hold.
+
+    Example:
+        >>> m = nn.Linear(2, 2)
+        >>> m.last = [torch.ones(1)]
+        >>> [t.tolist() for t in held_tensors([m], (torch.zeros(1),))]
+        [[1.0], [0.0]]
+    """
+    internals = frozenset(nn.Module().__dict__) - {"_buffers"}
+    held = []
+    for m in modules:
+        d = object.__getattribute__(m, "__dict__")
+        held += [v for k, v in d.items() if k not in internals and not k.startswith("_lightning")]
+    return call_tensors((held, outputs), {})

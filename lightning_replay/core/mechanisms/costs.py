@@ -38,6 +38,11 @@ from lightning_replay.core.base.plan_types import CostTable, Option, SegmentCost
 _KEEP = 16  # samples kept per segment and option
 
 
+#: forwards a side from which a segment's selective forward cost is its own difference of
+#: medians (fewer: the ratio pooled over segments, see CostMeter.forward_extra)
+_OWN_FORWARDS = 3
+
+
 class CostMeter:
     """Timing and byte samples per segment and option."""
 
@@ -123,16 +128,38 @@ class CostMeter:
     def add_option_forward(self, segment: str, option: str, seconds: float) -> None:
         self.option_forward[segment][option].append(seconds)
 
+    def _forward_sides(self, segment: str, option: str) -> tuple[list[float], list[float]]:
+        """``segment``'s own forward seconds under ``option`` and under the full replays."""
+        times = self.option_forward.get(segment, {})
+        mine = list(times.get(option, ()))
+        others = [t for o, d in times.items() if o not in SELECTIVE and o != "retain" for t in d]
+        return mine, others
+
     def forward_extra(self, segment: str, option: str) -> float:
         """Seconds ``option`` adds to ``segment``'s own forward over the full replays (the
         median of its forwards under ``option`` less that under the other replayed options;
-        0 until both were timed, or where the difference is negative: noise)."""
-        times = self.option_forward.get(segment, {})
-        mine = times.get(option)
-        others = [t for o, d in times.items() if o not in SELECTIVE and o != "retain" for t in d]
-        if not mine or not others:
+        0 until both were timed, or where the difference is negative: noise).
+
+        With fewer than :data:`_OWN_FORWARDS` forwards on either side (calibration times only
+        the steps that run no capture sample, about half of each phase: one or two forwards a
+        side at the default ``calibration_steps``), one forward's noise is the size of the cost:
+        the segment takes the median, over every segment timed both ways, of the ratio of its
+        medians, times its own full-replay forward (or, without one, its own under ``option``).
+        """
+        mine, others = self._forward_sides(segment, option)
+        if len(mine) >= _OWN_FORWARDS and len(others) >= _OWN_FORWARDS:
+            return max(float(statistics.median(mine) - statistics.median(others)), 0.0)
+        ratios = []
+        for name in self.option_forward:
+            m, o = self._forward_sides(name, option)
+            if m and o and statistics.median(o) > 0:
+                ratios.append(statistics.median(m) / statistics.median(o))
+        if not ratios or not (mine or others):
             return 0.0
-        return max(float(statistics.median(mine) - statistics.median(others)), 0.0)
+        r = float(statistics.median(ratios))
+        if others:
+            return max((r - 1.0) * float(statistics.median(others)), 0.0)
+        return max(float(statistics.median(mine)) * (1.0 - 1.0 / r), 0.0) if r > 0 else 0.0
 
     def add_forward_time(self, segment: str, seconds: float, capture: Any = None) -> None:
         """A segment's own forward time; ``capture``: the capture mode it ran under, if any."""

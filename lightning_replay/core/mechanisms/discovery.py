@@ -293,11 +293,14 @@ def observe_window(
                 src = touch.source() if touch.source is not None else None
                 moved = src is not None and storage_identity(src) != storage_identity(touch.tensor)
                 changed = bool(entries) or touch.annotated_write or moved
+                # every change logged, region by region (an optimizer's step inside a manual
+                # window): undoing the log restores it, as for a copied storage
+                logged = bool(entries) and not moved and not touch.is_input
                 out.append(
                     Observation(
                         touch,
                         changed,
-                        False,
+                        logged,
                         sum(e.nbytes for e in entries),
                         entries if keep_changed and entries else None,
                     )

@@ -634,6 +634,7 @@ class SegmentProbe:
         before = [_parts_token(parts) for parts in live_parts]
         probe = _Probe(mode, slots, leaf_keys, eng.step)
         probe.replayed = replayed
+        probe.params = params  # (its replay's: functional_call may have swapped them in)
         if replayed:  # where the replay draws from (generators the mode meets are added)
             probe.gens = capture_generators(slot_generators(slots))
         probe.start_index = start_index

@@ -71,9 +71,11 @@ class _ProbeReplay:
         rt = self.rt
         if probe.observations is None:
             rt._observe(probe)  # the window ends here if no saved tensor was unpacked first
+        # the parameters now, and those the forward ran with (``functional_call`` swaps other
+        # tensors in for one call: the slots put back are those): neither is compared
         self.params = {
             k for k in (storage_key(p) for p in rt.engine.model.parameters()) if k is not None
-        }
+        } | getattr(probe, "params", set())
         self.saved_tokens = []
         self.saved = []
         self.producers.clear()

@@ -495,7 +495,10 @@ class _ReplayContext:
             act = eng.meter.activation_bytes.get(rt.name, rt.contract.activation_bytes)
             if inv.option in SELECTIVE:  # the kept outputs autograd saves are held already
                 act = max(act - eng.meter.selective_saved_bytes.get(rt.name, 0), 0)
-            eng._replay_started(act)
+            # what this call gives back when its replay ends (before its backward's peak)
+            eng._replay_started(
+                act, inv.preserved_bytes + sum(e.held for es in self._regions for e in es)
+            )
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         inv = self.inv
@@ -534,6 +537,10 @@ class _ReplayContext:
             try:
                 for entries in self._regions:
                     redo(entries)
+                # Checkpoint's frame keeps this context until the segment's backward ends:
+                # the entries' bytes (the live ones, swapped in by the redo) would be held
+                # through it, past the log's release of them.
+                self._regions = ()
                 for sw, _ in reversed(inv.shared):
                     sw.swap_back()
                 if inv.whole is not None:
