@@ -529,6 +529,45 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def _past_limit(results: dict, name: str, arm: str, t_run: float, limit: float) -> bool:
+    """Whether the run is past its time limit before ``name``'s ``arm`` (then recorded as
+    skipped)."""
+    elapsed = time.perf_counter() - t_run
+    if elapsed > limit:
+        results["skipped"].append(f"{name}/{arm}: time limit ({elapsed:.0f} s)")
+        print(f"SKIPPED {name}/{arm}: past the time limit", flush=True)
+    return elapsed > limit
+
+
+def _recorded_arm(
+    results: dict,
+    into: dict,
+    name: str,
+    spec: Spec,
+    arm: str,
+    device: torch.device,
+    steady: int,
+    budget: int | None,
+    **kwargs: Any,
+) -> dict | None:
+    """:func:`run_arm` for ``name``'s ``arm``, its result put in ``into[arm]``; or, where it
+    raised, its error and traceback there (and in ``results["failures"]``), its memory freed,
+    and None: a report records a failing arm and goes on."""
+    try:
+        r = run_arm(spec, arm, device, Meter(device), steady, budget, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a report: record, free and go on
+        msg = f"{type(exc).__name__}: {exc}"
+        into[arm] = {"error": msg, "traceback": traceback.format_exc().splitlines()[-12:]}
+        results["failures"].append(f"{name}/{arm}: {msg}")
+        print(f"FAILED {name}/{arm}: {msg}", flush=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None
+    into[arm] = r
+    return r
+
+
 def _selective_arms(
     name: str,
     spec: Spec,
@@ -549,34 +588,21 @@ def _selective_arms(
         return
     budget = int(SELECTIVE_BUDGET * a["torch_checkpoint"]["peak_bytes"])
     for arm in SELECTIVE_ARMS:
-        elapsed = time.perf_counter() - t_run
-        if elapsed > limit:
-            results["skipped"].append(f"{name}/{arm}: time limit ({elapsed:.0f} s)")
-            print(f"SKIPPED {name}/{arm}: past the time limit", flush=True)
+        if _past_limit(results, name, arm, t_run, limit):
             continue
-        try:
-            r = run_arm(
-                spec,
-                arm,
-                device,
-                Meter(device),
-                steady,
-                budget if arm == "replay_selective" else None,
-                sweep_high=a["plain"]["peak_bytes"] if arm == "replay_selective" else None,
-            )
-        except Exception as exc:  # noqa: BLE001 - a report: record, free and go on
-            msg = f"{type(exc).__name__}: {exc}"
-            sel["arms"][arm] = {
-                "error": msg,
-                "traceback": traceback.format_exc().splitlines()[-12:],
-            }
-            results["failures"].append(f"{name}/{arm}: {msg}")
-            print(f"FAILED {name}/{arm}: {msg}", flush=True)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        r = _recorded_arm(
+            results,
+            sel["arms"],
+            name,
+            spec,
+            arm,
+            device,
+            steady,
+            budget if arm == "replay_selective" else None,
+            sweep_high=a["plain"]["peak_bytes"] if arm == "replay_selective" else None,
+        )
+        if r is None:
             continue
-        sel["arms"][arm] = r
         print(
             f"{name}/{arm}: {r['step_time_s'] * 1e3:.1f} ms/step, peak {_fmt(r['peak_bytes'])} "
             f"GiB ({r['arm_seconds']} s)",
@@ -661,10 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = all_specs[name]
         res = results["models"][name] = {"what": spec.what, "arms": {}}
         for arm in arms:
-            elapsed = time.perf_counter() - t_run
-            if elapsed > args.time_limit:
-                results["skipped"].append(f"{name}/{arm}: time limit ({elapsed:.0f} s)")
-                print(f"SKIPPED {name}/{arm}: past the time limit", flush=True)
+            if _past_limit(results, name, arm, t_run, args.time_limit):
                 continue
             budget = None
             if arm == "replay_budget":
@@ -676,21 +699,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"SKIPPED {name}/{arm}: no plain or torch_checkpoint peak", flush=True)
                     continue
                 budget = (a["plain"]["peak_bytes"] + a["torch_checkpoint"]["peak_bytes"]) // 2
-            try:
-                r = run_arm(spec, arm, device, Meter(device), steady, budget)
-            except Exception as exc:  # noqa: BLE001 - a report: record, free and go on
-                msg = f"{type(exc).__name__}: {exc}"
-                res["arms"][arm] = {
-                    "error": msg,
-                    "traceback": traceback.format_exc().splitlines()[-12:],
-                }
-                results["failures"].append(f"{name}/{arm}: {msg}")
-                print(f"FAILED {name}/{arm}: {msg}", flush=True)
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            else:
-                res["arms"][arm] = r
+            r = _recorded_arm(results, res["arms"], name, spec, arm, device, steady, budget)
+            if r is not None:
                 print(
                     f"{name}/{arm}: {r['step_time_s'] * 1e3:.1f} ms/step, peak "
                     f"{_fmt(r['peak_bytes'])} GiB, held {_fmt(r['held_between_steps_bytes'])} "

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 import lightning_replay as lr
 from tests.helpers.budget_runner import run_arm
+from tests.helpers.noisy_kernels import noisy_linear, ulp_noise
 from tests.helpers.torch_memory import (
     StepReferee,
     process_tensor_bytes,
@@ -513,82 +514,45 @@ def test_every_step_holds_a_halfway_budget_for_unusual_shapes(shape, referee):
 D, B, STEPS = 8, 6, 8
 
 
-def _ulp(t: torch.Tensor, ulps: int = 1) -> torch.Tensor:
-    """``t`` moved by up to ``ulps`` ulps per element, from ``os.urandom``."""
-    r = torch.frombuffer(bytearray(os.urandom(t.numel())), dtype=torch.uint8).reshape(t.shape)
-    out = t
-    for k in range(ulps):
-        up = torch.nextafter(out, torch.full_like(out, float("inf")))
-        down = torch.nextafter(out, torch.full_like(out, float("-inf")))
-        pick = (r >> (2 * k)) % 3
-        out = torch.where(pick == 0, up, torch.where(pick == 1, down, out))
-    return out
-
-
 def _coin(p: float) -> bool:
     return os.urandom(1)[0] < 256 * p
 
 
-class SometimesNoisy(torch.autograd.Function):
-    """``x @ w.T``: the weight gradient carries 1-ulp noise in only ~40 % of the calls (atomics
-    that collide only sometimes)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        gw = g.t() @ x
-        return g @ w, (_ulp(gw) if _coin(0.4) else gw)
+SometimesNoisy = noisy_linear(
+    "SometimesNoisy",
+    "``x @ w.T``: the weight gradient carries 1-ulp noise in only ~40 % of the calls (atomics "
+    "that collide only sometimes).",
+    weight=lambda gw: ulp_noise(gw) if _coin(0.4) else gw,
+)
+InputOnlyNoisy = noisy_linear(
+    "InputOnlyNoisy",
+    "Noise in the input gradient only, weight gradient exact.",
+    input=lambda gx: ulp_noise(gx, 2),
+)
 
 
-class InputOnlyNoisy(torch.autograd.Function):
-    """Noise in the input gradient only, weight gradient exact."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return _ulp(g @ w, 2), g.t() @ x
+def _tiny_with_absolute_noise(gw: torch.Tensor) -> torch.Tensor:
+    r = torch.frombuffer(bytearray(os.urandom(gw.numel())), dtype=torch.int8)
+    gw = gw * 1e-3  # tiny gradients: absolute noise is many of their ulps
+    return gw + r.view(gw.shape).sign().to(gw.dtype) * 1e-9
 
 
-class AbsNoisy(torch.autograd.Function):
-    """Absolute noise (1e-7 x a random sign) on a weight gradient whose entries are tiny."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        r = torch.frombuffer(bytearray(os.urandom(w.numel())), dtype=torch.int8)
-        gw = g.t() @ x * 1e-3  # tiny gradients: absolute noise is many of their ulps
-        return g @ w, gw + r.view(w.shape).sign().to(gw.dtype) * 1e-9
+def _relative_noise(gw: torch.Tensor) -> torch.Tensor:
+    r = torch.frombuffer(bytearray(os.urandom(gw.numel())), dtype=torch.int8).view(gw.shape)
+    return gw * (1 + r.to(gw.dtype) / 127 * 1e-6)
 
 
-class RelNoisy(torch.autograd.Function):
-    """Relative noise of 1e-6 (about 8 float32 ulps) on the weight gradient."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        gw = g.t() @ x
-        r = torch.frombuffer(bytearray(os.urandom(w.numel())), dtype=torch.int8).view(w.shape)
-        return g @ w, gw * (1 + r.to(gw.dtype) / 127 * 1e-6)
+AbsNoisy = noisy_linear(
+    "AbsNoisy",
+    "Absolute noise (1e-9 x a random sign) on a weight gradient whose entries are tiny (the "
+    "true gradient x 1e-3).",
+    weight=_tiny_with_absolute_noise,
+)
+RelNoisy = noisy_linear(
+    "RelNoisy",
+    "Relative noise of 1e-6 (about 8 float32 ulps) on the weight gradient.",
+    weight=_relative_noise,
+)
 
 
 class EmptyAux(torch.autograd.Function):
@@ -624,7 +588,7 @@ def _nh_setup(ctx, inputs, output):
 
 def _nh_backward(ctx, g):
     x, w = ctx.saved_tensors
-    return _ulp(g @ w, 2), _ulp(g.t() @ x)
+    return ulp_noise(g @ w, 2), ulp_noise(g.t() @ x)
 
 
 noisy_head.register_autograd(_nh_backward, setup_context=_nh_setup)

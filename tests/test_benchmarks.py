@@ -33,17 +33,32 @@ def test_json_has_every_documented_key(smoke):
     assert r["overhead"]["replay_saved_bytes"] > 0 and r["overhead"]["torch_saved_bytes"] > 0
 
 
+def test_overhead_saves_the_same_bytes_as_torch_checkpoint(smoke):
+    """On a stateless model the forward holds for backward exactly what torch checkpoint's
+    does: measured by the allocator (the bytes the forward allocates and still holds when
+    backward begins), not by a saved-tensor hook, which sees other tensors under each method
+    (12,196 B each on the smoke sizes; by hook 1,184 against 3,232)."""
+    _, r, _ = smoke
+    assert r["overhead"]["replay_saved_bytes"] == r["overhead"]["torch_saved_bytes"] > 0
+
+
 @pytest.mark.xfail(
     strict=False,
-    reason="since user saved-tensor hooks apply to replays (issue 33), a replayed segment's "
-    "checkpoint inputs no longer pass through the benchmark's counting hook: it counts 1184 "
-    "bytes for replay against 3232 for torch checkpoint on the smoke sizes (31904 before the "
-    "benchmark stopped counting backward-time packs); the counter needs a hook-independent "
-    "measure of what the forward holds",
+    reason="benchmarks/bench_real_models.py still counts saved bytes with a saved-tensor hook, "
+    "which a replayed segment's inputs no longer pass through since issue 33 (user hooks apply "
+    "to replays): gpt2 on the smoke sizes 131,652 B for replay against 132,676 for torch "
+    "checkpoint; benchmarks/overhead.py measures by the allocator instead "
+    "(_held_for_backward) and agrees exactly",
 )
-def test_overhead_saves_the_same_bytes_as_torch_checkpoint(smoke):
+def test_real_models_save_the_same_bytes_as_torch_checkpoint(smoke):
     _, r, _ = smoke
-    assert r["overhead"]["replay_saved_bytes"] == r["overhead"]["torch_saved_bytes"]
+    for name in ("gpt2", "vit", "resnet18"):
+        d = r["real_models"][name]
+        assert d["replay_saved_bytes"] == d["torch_saved_bytes"] > 0, name
+
+
+def test_the_smoke_suite_figures_hold(smoke):
+    _, r, _ = smoke
     m = r["sparse_write_map"]
     assert len(m["cells"]) == 4
     for c in m["cells"]:
@@ -71,7 +86,7 @@ def test_overhead_saves_the_same_bytes_as_torch_checkpoint(smoke):
         d = r["real_models"][name]
         assert d["ratio_vs_torch_checkpoint"] > 0 and d["torch_vs_torch"] > 0
         assert d["copies"] == 2 and d["modes"]
-        assert d["replay_saved_bytes"] == d["torch_saved_bytes"] > 0
+        assert d["replay_saved_bytes"] > 0 and d["torch_saved_bytes"] > 0
         assert d["checks_ratio_every_50"] > 0
         assert d["check_records"]["match"] > 0 and d["check_records"]["divergence"] == 0
     # batch norm's running statistics are written in every ResNet block: kept to replay exactly

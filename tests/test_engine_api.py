@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import pickle
 import sqlite3
 
@@ -21,6 +20,7 @@ from tests.helpers.compare import (
     snapshot_state,
     train_steps,
 )
+from tests.helpers.noisy_kernels import noisy_linear, ulp_step
 
 
 class StructBlock(nn.Module):
@@ -702,22 +702,12 @@ def test_checked_step_backward_twice_matches_plain():
     assert [r.outcome for r in engine.records.read(check="grad")] == ["match"]
 
 
-class _NoisyBackwardLinear(torch.autograd.Function):
-    """``x @ w.T`` whose weight gradient moves by one ulp at random (``os.urandom``): a
-    backward that, like atomics on a GPU, is not bitwise reproducible."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        gw = g.t() @ x
-        r = torch.frombuffer(bytearray(os.urandom(gw.numel())), dtype=torch.uint8)
-        step = torch.where(r.view(gw.shape) % 2 == 0, float("inf"), float("-inf"))
-        return g @ w, torch.nextafter(gw, step.to(gw.dtype))
+_NoisyBackwardLinear = noisy_linear(
+    "_NoisyBackwardLinear",
+    "``x @ w.T`` whose weight gradient moves by one ulp at random (``os.urandom``): a backward "
+    "that, like atomics on a GPU, is not bitwise reproducible.",
+    weight=ulp_step,
+)
 
 
 class _NoisyExternalReader(ExternalReader):

@@ -7,6 +7,8 @@
 * :mod:`tests.helpers.lit_hazards` — LightningModules with state hazards and Trainer helpers.
 * :mod:`tests.helpers.wandb_reader` — read an offline wandb run's ``.wandb`` file back.
 * :mod:`tests.helpers.torch_memory` — an independent memory referee (``torch.profiler``).
+* :mod:`tests.helpers.noisy_kernels` — backward kernels with ulp-level noise from ``os.urandom``
+  (GPU atomics' stand-in, issue 32).
 * :mod:`tests.helpers.recipes` — the adversary recipe files' referee: plain PyTorch against
   ``install`` under several options, gradients compared bit for bit.
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -331,3 +331,215 @@ class _no_autocast:
     def __exit__(self, *exc: Any) -> None:
         for ctx in reversed(self._stack):
             ctx.__exit__(*exc)
+
+
+# ------------------------------------------------------------------ a backward's own noise
+#: further passes taken first where a replay's gradients differ from the reference's: this
+#: many of the reference's backward, and one of the replay's own
+NOISE_SAMPLES = 2
+#: where that leaves a gradient close (see :meth:`GradNoise.close`), more of the reference's,
+#: doubling, up to this many in all: enough that a kernel's noise is seen at its full width
+NOISE_SAMPLES_MAX = 16
+#: a replay within this many times the spread of the passes matches
+NOISE_FACTOR = 4.0
+#: and, where the reference is noisy at all, within this many units in the last place of the
+#: gradient's dtype at its largest magnitude (a tensor whose passes agreed by chance)
+NOISE_FLOOR_ULPS = 4.0
+#: a gradient beyond its allowance by less than this factor is close: a noise-sized gap, which
+#: more passes settle; a missed state's effect is orders of magnitude beyond (no more passes)
+NOISE_CLOSE = 256.0
+
+
+class GradNoise:
+    """The kernels' own run-to-run spread, per gradient: the widest an element of it ranges
+    over the reference's backward passes (all from the forward's saved tensors), or over the
+    replay's passes (all from its own): a spread is the kernels' nondeterminism, never a
+    difference of state, since each range is taken over passes from the same saved tensors.
+
+    A reference whose passes agree bit for bit is exact: the replay must then be too. A noisy
+    one admits, per gradient, :data:`NOISE_FACTOR` times its spread, and at least
+    :data:`NOISE_FLOOR_ULPS` units in the last place of the gradient's dtype at its largest
+    magnitude. A replay that misses state differs by the size of that state's effect, orders
+    of magnitude above the last bits.
+
+    Why a range, and why more passes when close (see :func:`measure_noise`): with an exact
+    replay, its first pass is one more draw of the same noise as the reference's passes, so
+    its gap to the reference's first pass is one of the pairwise differences of those draws.
+    Measured against the first pass alone, from 2 further passes, the spread is the largest
+    of 2 such differences, and a third (the replay's gap) exceeds 4 times it whenever those
+    2 fell small by chance (a tensor of few elements, ulp noise that is often 0): a false
+    divergence, now and then. The range over all passes is the largest pairwise difference,
+    and from 17 passes the chance that one more difference exceeds 4 times the largest of
+    their 136 is nil for any noise of bounded width (ulps moved, atomics' order).
+
+    Example:
+        >>> ref = (torch.ones(3),)
+        >>> noise = GradNoise(ref, [(torch.ones(3) + torch.tensor([0.0, 1e-7, 0.0]),)])
+        >>> noise.noisy, noise.allowance(0, ref[0]) > 1e-7
+        (True, True)
+        >>> GradNoise(ref, [(torch.ones(3),)]).noisy
+        False
+    """
+
+    def __init__(
+        self,
+        ref: tuple,
+        samples: list[tuple] | tuple = (),
+        rep: tuple = (),
+        rep_samples: list[tuple] | tuple = (),
+    ) -> None:
+        self.ref, self.rep = tuple(ref), tuple(rep)
+        self.spread = [0.0] * len(self.ref)
+        self.samples = 1  # the reference's passes
+        self.replay_passes = 1 if self.rep else 0
+        self._bounds: dict[str, list] = {
+            "reference": [_bounds(t) for t in self.ref],
+            "replay": [_bounds(t) for t in self.rep],
+        }
+        self._gaps: list[float | None] | None = None
+        for s in samples:
+            self.add(s)
+        for s in rep_samples:
+            self.add(s, replay=True)
+
+    @property
+    def noisy(self) -> bool:
+        return any(s > 0 for s in self.spread)
+
+    def add(self, grads: tuple, replay: bool = False) -> None:
+        """One more backward pass: of the replay's graph from its own saved tensors
+        (``replay``), else from the forward's (the reference's). Kept as a range, not kept."""
+        bounds = self._bounds["replay" if replay else "reference"]
+        if replay:
+            self.replay_passes += 1
+        else:
+            self.samples += 1
+        for i, g in enumerate(grads):
+            if i >= len(bounds) or g is None or bounds[i] is None:
+                continue
+            lo, hi = bounds[i]
+            g = _real(g.detach())
+            if g.shape != lo.shape or g.dtype != lo.dtype:
+                continue
+            lo, hi = torch.fmin(lo, g), torch.fmax(hi, g)
+            bounds[i] = (lo, hi)
+            width = (hi.double() - lo.double()).nan_to_num(nan=0.0)
+            if width.numel():
+                self.spread[i] = max(self.spread[i], float(width.max()))
+
+    def allowance(self, i: int, ref: torch.Tensor) -> float:
+        """How far the replay's gradient ``i`` may be from the reference's ``ref``."""
+        floor = 0.0
+        if ref.is_floating_point() and ref.numel():
+            top = float(ref.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
+            floor = NOISE_FLOOR_ULPS * torch.finfo(ref.dtype).eps * top
+        return max(NOISE_FACTOR * self.spread[i], floor)
+
+    def gaps(self) -> list[float | None]:
+        """Per gradient, the largest elementwise difference between the replay's first pass
+        and the reference's, or None where they agree bit for bit (or one is missing)."""
+        if self._gaps is None:
+            self._gaps = [
+                None if a is None or b is None or bitwise_equal(a, b) else max_abs_diff(a, b)
+                for a, b in zip(self.ref, self.rep)
+            ]
+        return self._gaps
+
+    def beyond(self) -> list[int]:
+        """The gradients the replay differs in beyond what the passes so far admit: any
+        difference while every pass agreed, else one past :meth:`allowance`."""
+        noisy = self.noisy
+        return [
+            i
+            for i, gap in enumerate(self.gaps())
+            if gap is not None and (not noisy or not gap <= self.allowance(i, self.ref[i]))
+        ]
+
+    def close(self) -> bool:
+        """Some gradient is beyond what the passes admit, each such by a noise-sized gap
+        (within :data:`NOISE_CLOSE` times its allowance, floor included): more passes may
+        show the kernels' noise wider than the first few did."""
+        out = self.beyond()
+        return bool(out) and all(
+            self.gaps()[i] <= NOISE_CLOSE * self.allowance(i, self.ref[i]) for i in out
+        )
+
+    def detail(self, within: list[str], matched: bool) -> dict[str, Any]:
+        """The record's account of the noise (its ``detail["noise"]``)."""
+        top = max(self.spread) if self.spread else 0.0
+        summary = (
+            f"matched within the kernels' own run-to-run spread of {top:.3g}"
+            if matched
+            else f"differs beyond the kernels' own run-to-run spread of {top:.3g}"
+        )
+        return {
+            "summary": summary,
+            "spread": top,
+            "reference_passes": self.samples,
+            "replay_passes": self.replay_passes,
+            "factor": NOISE_FACTOR,
+            "floor_ulps": NOISE_FLOOR_ULPS,
+            "tensors": within[:16],
+        }
+
+
+def measure_noise(
+    ref: tuple,
+    rep: tuple,
+    reference_pass: Callable[[], tuple],
+    replay_pass: Callable[[], tuple],
+) -> GradNoise:
+    """The spread of the backward's own noise where the replay's gradients ``rep`` differ
+    from the reference's ``ref``: one more pass of the replay's and :data:`NOISE_SAMPLES` of
+    the reference's; then, while a gradient is :meth:`~GradNoise.close`, as many more of the
+    reference's as it has had (2, 4, 8, 16), up to :data:`NOISE_SAMPLES_MAX`. A replay that
+    missed state is far from close and costs no more passes; an exact one of a noisy kernel
+    whose first passes agreed by chance is judged against the noise's full width.
+
+    Example:
+        >>> import os
+        >>> def noisy():  # 1 ulp up or not at random, as atomics' order moves a sum
+        ...     up = torch.frombuffer(bytearray(os.urandom(4)), dtype=torch.uint8) % 2
+        ...     return (torch.where(up == 1, torch.ones(4).nextafter(torch.full((4,), 2.0)), 1.0),)
+        >>> noise = measure_noise(noisy(), noisy(), noisy, noisy)
+        >>> noise.beyond(), noise.samples >= 1 + NOISE_SAMPLES
+        ([], True)
+    """
+    noise = GradNoise(ref, rep=rep)
+    noise.add(replay_pass(), replay=True)
+    for _ in range(NOISE_SAMPLES):
+        noise.add(reference_pass())
+    while noise.samples - 1 < NOISE_SAMPLES_MAX and noise.close():
+        for _ in range(min(noise.samples - 1, NOISE_SAMPLES_MAX - (noise.samples - 1))):
+            noise.add(reference_pass())
+    return noise
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest elementwise difference (NaN in the same place as the other: none)."""
+    d = (a.detach().double() - b.detach().double()).abs()
+    d = torch.where(torch.isnan(a) & torch.isnan(b), torch.zeros_like(d), d)
+    return float(d.max()) if d.numel() else 0.0
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _bounds(t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The elementwise (low, high) of one pass: where a range starts."""
+    if t is None or not (t.is_floating_point() or t.is_complex()):
+        return None
+    t = _real(t.detach())
+    return t, t
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit: a NaN where the other has the same NaN is equal (a model that blew up is
+    not a divergence of the replay)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    a, b = a.detach().contiguous(), b.detach().contiguous()
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))

@@ -5,10 +5,12 @@ training on that step is plain PyTorch's; its outputs pass through a tap
 (:class:`_CheckTap`) whose backward replays the segment under its contract and differentiates
 the replay twice: from the tensors the forward saved (the reference) and from its own.
 Gradients are compared bit for bit. Where they differ, both are differentiated again (the
-reference :data:`NOISE_SAMPLES` times, the replay once): passes from the same saved tensors
+reference :data:`NOISE_SAMPLES` times, the replay once, and the reference up to
+``NOISE_SAMPLES_MAX`` times where the gap is noise-sized): passes from the same saved tensors
 that differ among themselves are the kernels' noise (atomics), and the replay is then judged
-against that measured spread with a floor by dtype (:class:`_Noise`), the spread recorded
-with the check; where the passes agree, the check stays bitwise. Byte checks compare digests of contract state and outputs.
+against that measured spread with a floor by dtype (:class:`_Noise`, in
+:mod:`~lightning_replay.core.mechanisms.kernel_noise`), the spread recorded with the check;
+where the passes agree, the check stays bitwise. Byte checks compare digests of contract state and outputs.
 A divergence makes the segment react (re-probe, then retain).
 """
 
@@ -27,6 +29,15 @@ from lightning_replay._compat import (
     tree_map,
 )
 from lightning_replay.core.mechanisms.arguments import call_tensors, unflatten_call
+from lightning_replay.core.mechanisms.kernel_noise import (  # noqa: F401 - NOISE_*: this API
+    NOISE_FACTOR,
+    NOISE_FLOOR_ULPS,
+    NOISE_SAMPLES,
+    GradNoise as _Noise,
+    bitwise_equal as _bitwise_equal,
+    max_abs_diff as _max_abs_diff,
+    measure_noise,
+)
 from lightning_replay.core.mechanisms.accounting import Saved
 from lightning_replay.errors import ReplayError
 from lightning_replay.core.base.contract import SELECTIVE
@@ -82,30 +93,8 @@ def _forked_rng(states: tuple) -> Iterator[None]:
         yield
 
 
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit: a NaN where the reference has the same NaN is equal (a model that blew up
-    is not a divergence of the replay)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if torch.equal(a, b):
-        return True
-    a, b = a.detach().contiguous(), b.detach().contiguous()
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
 def _nondeterministic(t: torch.Tensor) -> bool:
     return t.device.type != "cpu" and not torch.are_deterministic_algorithms_enabled()
-
-
-#: further passes taken where the replay's gradients differ from the reference's: this many
-#: of the reference's backward, and one of the replay's own. Kernels that accumulate with
-#: atomics (SDPA's backward on CUDA) rarely agree twice, but may by chance on small tensors
-NOISE_SAMPLES = 2
-#: a replay within this many times the reference's own spread matches
-NOISE_FACTOR = 4.0
-#: and, where the reference is noisy at all, within this many units in the last place of the
-#: gradient's dtype at its largest magnitude (a tensor whose passes agreed by chance)
-NOISE_FLOOR_ULPS = 4.0
 
 
 def _same_grad(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -114,88 +103,17 @@ def _same_grad(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return _bitwise_equal(a, b)
 
 
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest elementwise difference (NaN in the same place as the other: none)."""
-    d = (a.detach().double() - b.detach().double()).abs()
-    d = torch.where(torch.isnan(a) & torch.isnan(b), torch.zeros_like(d), d)
-    return float(d.max()) if d.numel() else 0.0
+def _noise_samples(
+    pairing: "_Pairing", sel: list, wrt: list, grads: list, ref: tuple, rep: tuple
+) -> _Noise:
+    """The backward's own noise (:func:`measure_noise`): more passes of the replay's graph,
+    from the forward's saved tensors (the reference) and from its own."""
 
+    def grad(forward: bool) -> tuple:
+        pairing.forward = forward
+        return torch.autograd.grad(sel, wrt, grads, retain_graph=True, allow_unused=True)
 
-def _noise_samples(pairing: "_Pairing", sel: list, wrt: list, grads: list) -> tuple[list, list]:
-    """:data:`NOISE_SAMPLES` more backward passes of the reference (the graph differentiated
-    from the forward's saved tensors) and one more of the replay's own, the last pass freeing
-    the graph: (reference passes, replay passes)."""
-    refs, reps = [], []
-    pairing.forward = False
-    reps.append(torch.autograd.grad(sel, wrt, grads, retain_graph=True, allow_unused=True))
-    pairing.forward = True
-    for k in range(NOISE_SAMPLES):
-        last = k == NOISE_SAMPLES - 1
-        refs.append(torch.autograd.grad(sel, wrt, grads, retain_graph=not last, allow_unused=True))
-    return refs, reps
-
-
-class _Noise:
-    """The kernels' own run-to-run spread, per gradient: the largest difference between the
-    reference's first backward pass and any later one, and between the replay's first and any
-    later one (each taken from the same saved tensors, so a spread is the kernels' own
-    nondeterminism, never a difference of state).
-
-    A reference whose passes agree bit for bit is exact: the replay must then be too. A noisy
-    one admits, per gradient, :data:`NOISE_FACTOR` times its spread, and at least
-    :data:`NOISE_FLOOR_ULPS` units in the last place of the gradient's dtype at its largest
-    magnitude. A replay that misses state differs by the size of that state's effect, orders
-    of magnitude above the last bits.
-
-    Example:
-        >>> ref = (torch.ones(3),)
-        >>> noise = _Noise(ref, [(torch.ones(3) + torch.tensor([0.0, 1e-7, 0.0]),)])
-        >>> noise.noisy, noise.allowance(0, ref[0]) > 1e-7
-        (True, True)
-        >>> _Noise(ref, [(torch.ones(3),)]).noisy
-        False
-    """
-
-    def __init__(
-        self, ref: tuple, samples: list[tuple], rep: tuple = (), rep_samples: list[tuple] = ()
-    ) -> None:
-        self.samples = len(samples) + 1
-        self.replay_passes = len(rep_samples) + 1 if rep else 0
-        self.spread = [0.0] * len(ref)
-        # each pass against the first of its kind: the reference's from the forward's saved
-        # tensors, the replay's from its own (the same kernels, run again)
-        pairs = [(ref, s) for s in samples] + [(rep, s) for s in rep_samples]
-        for first, sample in pairs:
-            for i, (a, b) in enumerate(zip(first, sample)):
-                if a is not None and b is not None and not _bitwise_equal(a, b):
-                    self.spread[i] = max(self.spread[i], _max_abs_diff(a, b))
-        self.noisy = any(s > 0 for s in self.spread)
-
-    def allowance(self, i: int, ref: torch.Tensor) -> float:
-        """How far the replay's gradient ``i`` may be from the reference's ``ref``."""
-        floor = 0.0
-        if ref.is_floating_point() and ref.numel():
-            top = float(ref.detach().abs().nan_to_num(0.0, 0.0, 0.0).max())
-            floor = NOISE_FLOOR_ULPS * torch.finfo(ref.dtype).eps * top
-        return max(NOISE_FACTOR * self.spread[i], floor)
-
-    def detail(self, within: list[str], matched: bool) -> dict[str, Any]:
-        """The record's account of the noise (its ``detail["noise"]``)."""
-        top = max(self.spread)
-        summary = (
-            f"matched within the kernels' own run-to-run spread of {top:.3g}"
-            if matched
-            else f"differs beyond the kernels' own run-to-run spread of {top:.3g}"
-        )
-        return {
-            "summary": summary,
-            "spread": top,
-            "reference_passes": self.samples,
-            "replay_passes": self.replay_passes,
-            "factor": NOISE_FACTOR,
-            "floor_ulps": NOISE_FLOOR_ULPS,
-            "tensors": within[:16],
-        }
+    return measure_noise(ref, rep, lambda: grad(True), lambda: grad(False))
 
 
 @contextlib.contextmanager
@@ -579,8 +497,7 @@ class SegmentChecks:
         timed = eng.measure_costs and (eng._sync or not eng._cuda)
         pairing = _Pairing(fwd, self.seg.name, self.clock if timed else None)
         ref = rep = None
-        samples: list = []  # further passes of the reference, where it differs from the replay
-        rep_samples: list = []  # ... and of the replay
+        noise = None  # the backward's own noise, measured where the replay differs
         bad: list[str] = []
         # A checked replay leaks nothing into the model, whatever the contract missed: every
         # buffer and tensor attribute of the segment is put back byte for byte (slots,
@@ -622,7 +539,7 @@ class SegmentChecks:
                     rep = torch.autograd.grad(sel, wrt, grads, retain_graph=True, allow_unused=True)
                     if not all(_same_grad(a, b) for a, b in zip(ref, rep)):
                         # the kernels' own run-to-run spread: differentiate both again
-                        samples, rep_samples = _noise_samples(pairing, sel, wrt, grads)
+                        noise = _noise_samples(pairing, sel, wrt, grads, ref, rep)
                 if timed:
                     # inside the replay context (its swapped-in state must hold for them), but
                     # the check's pairing and backward passes are no part of what a replay costs
@@ -635,7 +552,8 @@ class SegmentChecks:
         ]
         tolerated = []
         tol = (GRAD_RTOL, GRAD_ATOL)
-        noise = _Noise(ref, samples, rep, rep_samples) if ref is not None else None
+        if noise is None and ref is not None:
+            noise = _Noise(ref, rep=rep)
         within_noise: list[str] = []
         # The reference pass takes its saved tensors from the forward, but the rest of each
         # node (a Python scalar factor, a shape) from the replay: a replay that differs there
