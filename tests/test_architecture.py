@@ -369,7 +369,7 @@ PORT_SIZES = {
     "ReplaySegment": 19,
     "ProbeHost": 12,
     "ProbedSegment": 21,
-    "CheckHost": 12,
+    "CheckHost": 13,
     "CheckedSegment": 15,
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import types
 import warnings
 import weakref
@@ -48,6 +49,9 @@ from lightning_replay.core.mechanisms.selective import SelectiveFrame
 from lightning_replay.core.mechanisms.slots import capture_generators
 from lightning_replay.core.base.state import storage_key, strided_copy
 from lightning_replay.core.base.state import unique_bytes as _unique_bytes
+
+#: calls of every segment's forward, in order: where each segment was last called
+_CALL_SEQ = itertools.count()
 
 
 class RuntimeHost(ReplayHost, ProbeHost, CheckHost, CostSource, Protocol):
@@ -162,6 +166,10 @@ class SegmentRuntime:
         self.probes: list[_Probe] = []
         self.forwards = 0
         self.calls = 0  # every call of its forward, with autograd or not
+        # the most forwards (with autograd) one window made of it, and this window's so far
+        self.window_calls = 1
+        self._window_step, self._window_forwards = -1, 0
+        self.last_call = -1
         self.backward_calls = 0  # ... of them made while a backward ran (see __call__)
         self.replays = 0
         self.violations = 0
@@ -280,6 +288,12 @@ class SegmentRuntime:
             self.backward_calls += 1
             return self.orig_forward(*args, **kwargs)
         self.forwards += 1
+        if self._window_step != eng.step:  # calls per window: the costs charge each (issue 31)
+            self._window_step, self._window_forwards = eng.step, 0
+        self._window_forwards += 1
+        if self._window_forwards > self.window_calls:
+            self.window_calls = self._window_forwards
+        self.last_call = next(_CALL_SEQ)  # (the costs' order: a segment at its last call)
         if self.order < 0:
             self.order = eng._next_order()
         if self.status in ("active", "retain") and not self.demoted:

@@ -197,15 +197,16 @@ class ProbedSegment(Protocol):
 
 
 class CheckHost(Protocol):
-    """The engine as the checks see it: whether bytes are checked and costs measured, how the
-    step is timed (device and synchronization), the accounting and cost meter a checked call
-    charges, the window's size and segment depth, the state names, the selective policy
+    """The engine as the checks see it: whether bytes are checked and costs measured, the window
+    (step), how the step is timed (device and synchronization), the accounting and cost meter a
+    checked call charges, the window's size and segment depth, the state names, the selective policy
     (``config``), and where a reaction is announced."""
 
     config: Any
     meter: Any
     accountant: Any
     measure_costs: bool
+    step: int  # the window a measured call's bytes add up in (a segment called k times)
     _check_bytes: bool
     _cuda: bool
     _cuda_device: Any

@@ -15,6 +15,7 @@ from typing import Mapping
 
 from lightning_replay.core.base.contract import SELECTIVE, base_option
 from lightning_replay.core.engine import planner as _planner
+from lightning_replay.core.mechanisms.costs import peak_order
 from lightning_replay.core.runtime import SegmentRuntime
 
 
@@ -24,7 +25,7 @@ def calibration_peak(eng, choices: Mapping[str, str], base: int) -> int:
     calibration option
     (its activations where it keeps them), and each replay's activations on top."""
     costs, picks = [], {}
-    for name in eng.segments:
+    for name in peak_order(eng):  # (a segment called k times: at its last call)
         rt = eng.runtimes[name]
         c = rt.contract
         if c is None:
@@ -47,12 +48,14 @@ def calibration_held(eng, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
     phase; until then, as many bytes as its activations), and its replay re-materializes
     its activations less the kept ones autograd saves."""
     c = rt.contract
+    k = max(getattr(rt, "window_calls", 1), 1)  # called k times per window: k calls' worth
     if o == "retain":
-        return c.activation_bytes + rt.input_saved_bytes, None
-    held = rt.input_bytes + c.preserved_bytes(o)
+        kept_act = eng.meter.window_activation_bytes(rt.name, c.activation_bytes, k)
+        return kept_act + k * rt.input_saved_bytes, None
+    held = k * (rt.input_bytes + c.preserved_bytes(o))
     if o not in SELECTIVE:
         return held, None
-    kept = eng.meter.selective_bytes.get(rt.name, c.activation_bytes)
+    kept = k * eng.meter.selective_bytes.get(rt.name, c.activation_bytes)
     saved = eng.meter.selective_saved_bytes.get(rt.name, 0)
     return held + kept, max(c.activation_bytes - saved, 0)
 

@@ -21,6 +21,8 @@ machine are not counted); otherwise wall time.
 
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 from collections import defaultdict, deque
 from typing import Any
@@ -60,8 +62,17 @@ class CostMeter:
         self.selective_bytes: dict[str, int] = {}
         # of those, the ones autograd saves too: a selective replay does not re-materialize them
         self.selective_saved_bytes: dict[str, int] = {}
-        # A(s) measured on a derivative-checked step (the probe's until then)
+        # A(s) measured on a derivative-checked step (the probe's until then): one call's (the
+        # most a call of the window saved), what one replay re-materializes
         self.activation_bytes: dict[str, int] = {}
+        # a segment called k times in a window (a shared layer, a block applied twice) keeps
+        # all k calls' activations when retained: (step, bytes summed over the window's
+        # measured calls, calls measured), the probe's or a checked step's (issue 31)
+        self.window_activation: dict[str, tuple[int, int, int]] = {}
+        # bytes a measured step's options held beyond their costs (the accountant's figure at
+        # the forward's end over the formula's): charged to those options, not to the base
+        # every plan is made with (see real_peak.phase_residuals)
+        self.option_extra: dict[tuple[str, str], int] = {}
         # ops the capture mode saw in one step's forward, per timed step that ran it
         self.capture_ops: deque = deque(maxlen=_KEEP)
         # a segment's own forward seconds without and with a capture mode of its own, and the
@@ -75,6 +86,35 @@ class CostMeter:
         self.option_forward: dict[str, dict[str, deque]] = defaultdict(
             lambda: defaultdict(lambda: deque(maxlen=_KEEP))
         )
+
+    def add_call_activation(self, segment: str, step: int, nbytes: int) -> None:
+        """One measured call's activation bytes in window ``step``: the calls of one window
+        add up (a retained segment keeps them all), the per-call figure is their largest."""
+        st, total, n = self.window_activation.get(segment, (-1, 0, 0))
+        if st != step:
+            total, n = 0, 0
+            self.activation_bytes[segment] = nbytes
+        else:
+            self.activation_bytes[segment] = max(self.activation_bytes.get(segment, 0), nbytes)
+        self.window_activation[segment] = (step, total + nbytes, n + 1)
+
+    def charge_miss(self, chosen: dict[str, tuple[str, int]], miss: int) -> None:
+        """A measured step's segments held ``miss`` bytes more than the costs of the options
+        it ran (``chosen``: segment -> (option, its costed bytes)): each option is charged its
+        share, by its costed bytes, so that the plans choosing it again predict it."""
+        total = sum(b for _, b in chosen.values())
+        if miss <= 0 or total <= 0:
+            return
+        for name, (o, b) in chosen.items():
+            share = miss * b // total
+            if share:
+                self.option_extra[(name, o)] = self.option_extra.get((name, o), 0) + share
+
+    def window_activation_bytes(self, segment: str, per_call: int, calls: int) -> int:
+        """Bytes a retained segment called ``calls`` times per window keeps: the window's
+        measured calls, and ``per_call`` (the largest call's) for each call not measured."""
+        _, total, n = self.window_activation.get(segment, (-1, 0, 0))
+        return max(total + max(calls - n, 0) * per_call, per_call)
 
     def add_time(self, segment: str, option: str, seconds: float) -> None:
         self.times[segment][option].append(seconds)
@@ -160,18 +200,27 @@ class CostMeter:
         """One :class:`SegmentCost` per probed segment, in forward order, with every option
         that has been measured (``retain`` always is), and the capture mode's time."""
         out = []
-        for name in engine.segments:
+        for name in peak_order(engine):
             rt = engine.runtimes[name]
             c = rt.contract
             if c is None:
                 continue
             inputs = self.input_bytes.get(name, rt.input_bytes)
             act = self.activation_bytes.get(name, c.activation_bytes)
+            # called k times per window (issue 31): retained, it keeps k calls' activations and
+            # saved inputs at once; replayed, it keeps k calls' inputs, generator states and
+            # preserved copies, and replays k times (each re-materializing one call's)
+            k = max(getattr(rt, "window_calls", 1), 1)
+            kept_act = self.window_activation_bytes(name, act, k)
             # measured at smaller inputs than the largest seen: scaled up with the input size
             grow = engine.size_scale(self.activation_size.get(name, engine.probe_size))
             grow_in = engine.size_scale(self.input_size.get(name, engine.probe_size))
-            act, inputs = int(act * grow), int(inputs * grow_in)
-            opts = {"retain": Option(memory=act + int(rt.input_saved_bytes * grow_in), time=0.0)}
+            act, inputs, kept_act = int(act * grow), int(inputs * grow_in), int(kept_act * grow)
+            opts = {
+                "retain": Option(
+                    memory=kept_act + k * int(rt.input_saved_bytes * grow_in), time=0.0
+                )
+            }
             for o in c.available_options():
                 if o == "retain" or not self.has(name, o):
                     continue
@@ -192,12 +241,16 @@ class CostMeter:
                     replay = max(act - int(self.selective_saved_bytes.get(name, 0) * grow_in), 0)
                 rng = self.rng_bytes.get(name, 0)
                 opts[o] = Option(
-                    memory=inputs + rng + held,
-                    time=self.median(name, o)
-                    + (self.forward_extra(name, o) if o in SELECTIVE else 0.0),
+                    memory=k * (inputs + rng + held),
+                    time=k * self.median(name, o)
+                    + (k * self.forward_extra(name, o) if o in SELECTIVE else 0.0),
                     capture=c.needs_capture(o),
                     replay=replay,
                 )
+            for o, opt in list(opts.items()):
+                more = self.option_extra.get((name, o), 0)
+                if more:
+                    opts[o] = dataclasses.replace(opt, memory=opt.memory + more)
             out.append(SegmentCost(name=name, activation_bytes=act, options=opts))
         return CostTable(out, capture_time=self.capture_time)
 
@@ -210,8 +263,20 @@ class CostMeter:
             "selective_bytes": dict(self.selective_bytes),
             "selective_saved_bytes": dict(self.selective_saved_bytes),
             "activation_bytes": dict(self.activation_bytes),
+            "window_activation": {k: list(v) for k, v in self.window_activation.items()},
             "capture_ops": list(self.capture_ops),
         }
+
+
+def peak_order(engine: CostSource) -> list[str]:
+    """The segments in the order the peak formula sums them: forward order, or where a
+    segment is called again later in the forward (block 0 of 0, 1, 0, 2), the order of the
+    segments' last calls: its first replay comes at its last call's backward, holding what
+    every segment before that call holds."""
+    names = list(engine.segments)
+    if any(getattr(engine.runtimes[n], "window_calls", 1) > 1 for n in names):
+        names.sort(key=lambda n: getattr(engine.runtimes[n], "last_call", -1))
+    return names
 
 
 _DISPATCH_OVERHEAD: float | None = None

@@ -392,7 +392,8 @@ class SegmentChecks:
         finally:
             eng._segment_depth -= 1
         if eng.measure_costs:
-            eng.meter.activation_bytes[self.seg.name] = sum(saved.values())
+            # the window's calls add up (a segment called k times keeps k calls' worth)
+            eng.meter.add_call_activation(self.seg.name, eng.step, sum(saved.values()))
             eng.meter.activation_size[self.seg.name] = eng._window_size
         return out
 

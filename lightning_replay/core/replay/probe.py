@@ -959,8 +959,12 @@ class SegmentProbe:
         act = 0
         self.seg.state_keys = set()
         eng.meter.activation_bytes.pop(self.seg.name, None)  # the new probe's figure is current
+        # the probes of one window are its calls: a retained segment keeps them all (issue 31)
+        per_window: dict[int, tuple[int, int]] = {}
         for p in probes:
             act = max(act, p.activation_bytes)
+            total, n = per_window.get(p.step, (0, 0))
+            per_window[p.step] = (total + p.activation_bytes, n + 1)
             self.seg.state_keys.update(p.mode.touched)
             uses_rng |= p.mode.uses_global_rng
             if p.sparse_reads and not self.seg.demoted:
@@ -1018,6 +1022,9 @@ class SegmentProbe:
         self.seg.version += 1
         if old is not None:
             act = max(act, old.activation_bytes) if not probes else act
+        if per_window:
+            step, (total, n) = max(per_window.items(), key=lambda kv: kv[1])
+            eng.meter.window_activation[self.seg.name] = (step, total, n)
         c = ReplayContract(
             segment=self.seg.name,
             version=self.seg.version,

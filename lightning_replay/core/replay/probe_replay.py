@@ -275,11 +275,17 @@ class _ProbeReplay:
             for k, n in self.saved_bytes.items()
             if k not in mode.touched and k not in inputs and k not in mode.parameter_traffic
         )
-        probe.activation_bytes = act
+        before, probe.activation_bytes = probe.activation_bytes, act
         c = self.rt.contract
+        meter = self.rt.engine.meter
         if c is not None and c.probed_at_step == probe.step and act > c.activation_bytes:
             c.activation_bytes = act
-        self.rt.engine.meter.activation_bytes.pop(self.rt.name, None)
+        # this call's share of its window's bytes (the contract summed the forward's figures,
+        # which a checkpointed forward undercounts): a segment called k times keeps k calls'
+        step, total, n = meter.window_activation.get(self.rt.name, (-1, 0, 0))
+        if step == probe.step and act > before:
+            meter.window_activation[self.rt.name] = (step, total + act - before, n)
+        meter.activation_bytes.pop(self.rt.name, None)
 
     def __exit__(self, *exc) -> bool:
         self.box.pop("replay", None)
