@@ -25,6 +25,7 @@ from torch.nn.utils import parametrizations
 
 import lightning_replay as lr
 from lightning_replay import ReplayStrategy
+from tests.helpers.fresh_process import in_fresh_process
 from tests.helpers.lit_hazards import differing, state, trainer
 from tests.helpers.recipes import B, D, PRES, WITH_BUDGET, check, diff, replay_count, run
 
@@ -519,10 +520,12 @@ def test_backward_to_the_head_then_a_full_backward_each_step() -> None:
 
 # ============================================================ torch.compile after install
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compile_after_install_runs_the_installed_forwards_eagerly(backend: str) -> None:
+def test_compile_after_install_runs_the_installed_forwards_eagerly(backend: str, request) -> None:
     """``torch.compile(model)`` after ``install``: one warning and one record naming it, and
     the model trains exactly with its segments replayed (before: 1 probed forward, then the
     compiled graph ran the original forwards, 0 replays, silently)."""
+    if in_fresh_process(request):  # dynamo's process-wide state stays out of later tests
+        return
     torch._dynamo.reset()
 
     def step(m: nn.Module, g: torch.Generator, s: int) -> None:
@@ -552,9 +555,11 @@ def test_compile_after_install_runs_the_installed_forwards_eagerly(backend: str)
             torch._dynamo.reset()
 
 
-def test_compile_of_a_module_holding_the_installed_model() -> None:
+def test_compile_of_a_module_holding_the_installed_model(request) -> None:
     """A wrapper compiled around the installed model (its code before and after stays
     compiled); the segments still replay, exactly."""
+    if in_fresh_process(request):  # dynamo's process-wide state stays out of later tests
+        return
     torch._dynamo.reset()
     import copy
 
