@@ -118,6 +118,7 @@ class _Probe:
         self.script_calls: list[str] = []  # TorchScript functions its forward called
         self.stateful_hooks: list[str] = []  # state of the user's pack hooks it changed
         self.replay_done = False  # (replayed) its replay has run: nothing more needs its data
+        self.param_aliases: list[torch.Tensor] = []  # the parameters its forward ran with
 
     def release(self) -> None:
         """Drop everything the probe holds for its window and its replay: the discovery mode's
@@ -138,6 +139,7 @@ class _Probe:
         self.outside = None
         self.start_index = None
         self.host = []
+        self.param_aliases = []
         self.created = []
 
 
@@ -634,7 +636,11 @@ class SegmentProbe:
         before = [_parts_token(parts) for parts in live_parts]
         probe = _Probe(mode, slots, leaf_keys, eng.step)
         probe.replayed = replayed
-        probe.params = params  # (its replay's: functional_call may have swapped them in)
+        # the parameters it ran with, as aliases (its replay's: functional_call may have swapped
+        # them in). Not their keys: FSDP2 frees a gathered parameter after the forward and
+        # gathers it again elsewhere, and the replay's own activations may land where it was
+        if replayed:
+            probe.param_aliases = [p.detach() for p in eng.model.parameters()]
         if replayed:  # where the replay draws from (generators the mode meets are added)
             probe.gens = capture_generators(slot_generators(slots))
         probe.start_index = start_index

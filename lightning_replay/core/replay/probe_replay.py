@@ -72,10 +72,11 @@ class _ProbeReplay:
         if probe.observations is None:
             rt._observe(probe)  # the window ends here if no saved tensor was unpacked first
         # the parameters now, and those the forward ran with (``functional_call`` swaps other
-        # tensors in for one call: the slots put back are those): neither is compared
-        self.params = {
-            k for k in (storage_key(p) for p in rt.engine.model.parameters()) if k is not None
-        } | getattr(probe, "params", set())
+        # tensors in for one call: the slots put back are those): neither is compared. Their
+        # storages where they are now: one FSDP2 freed and gathered again has moved, and its
+        # old address may hold one of this replay's own activations
+        live = [*rt.engine.model.parameters(), *probe.param_aliases]
+        self.params = {k for k in map(storage_key, live) if k is not None}
         self.saved_tokens = []
         self.saved = []
         self.producers.clear()
