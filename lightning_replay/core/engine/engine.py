@@ -59,6 +59,9 @@ from lightning_replay.core.engine.calibration import fit_calibration, fit_to
 from lightning_replay.core.engine.check_steps import check_step_plan, checked_peak, select_checked
 from lightning_replay.core.engine.real_peak import (
     _REPLAY,
+    grad_credits,
+    observe_fresh_grads,
+    observe_grads,
     settle_real_peak,
     start_truth,
     stop_truth,
@@ -205,6 +208,18 @@ class ReplayEngine:
         self._replay_released: dict[str, int] = {}
         self._truth_released: dict[str, int] = {}  # those of the measured step
         self._truth_pre_hook: Any = None
+        # gradients that do not exist yet (real_peak.grad_credits): storage key -> bytes of
+        # those None as every window so far began (None before the first), as this window
+        # began (when any are still credited) and as the measured step began; where a
+        # measured step found each made (the least segment position whose replay found it
+        # None, the greatest that found it made); the measured step's observations
+        self._grad_fresh: dict | None = None
+        self._grad_now: dict = {}
+        self._truth_fresh: dict = {}
+        self._grad_none_at: dict = {}
+        self._grad_made_at: dict = {}
+        self._grad_seen: list = []
+        self._grad_end_hooked = False
         # CUDA: the allocator's peak per phase of the step (read and reset as each begins)
         self._cuda_phases: dict[str, int] = {}
         self._cuda_label = "start"
@@ -330,14 +345,19 @@ class ReplayEngine:
         """:attr:`base_memory` plus what a measured step held beyond the accountant's figures
         (backward temporaries, optimizer state; see :mod:`lightning_replay.memory`): the base
         plans are made with, so that their predicted peak bounds the real one. On ranks that
-        run one plan, the largest rank's (:meth:`agree_real_base`) where it is larger."""
+        run one plan, the largest rank's (:meth:`agree_real_base`) where it is larger.
+
+        Less the gradients that do not exist at the forward's end (None as every window
+        began, once a step was measured against that figure: ``zero_grad(set_to_none=True)``);
+        :attr:`phase_peak_args` charges each segment's moment those that exist by then."""
         # the part that is not optimizer state (backward temporaries, the batch) grows with
         # the input, like the activations (see size_scale)
         residual = self._scaled_residual()
         fixed = min(self._residual_fixed, residual)
         grows = (residual - fixed) * self.size_scale(self._residual_size)
-        own = self.base_memory + fixed + int(grows)
-        return own if self._ranks_base is None else max(own, self._ranks_base)
+        credit = grad_credits(self)[0]
+        own = self.base_memory + fixed + int(grows) - credit
+        return own if self._ranks_base is None else max(own, self._ranks_base - credit)
 
     @property
     def phase_peak_args(self) -> dict[str, int]:
@@ -362,13 +382,19 @@ class ReplayEngine:
             "forward_extra": beyond(self._over_fwd) if self._over_fwd is not None else 0,
             "floor": floor,
         }
+        # the gradients the base leaves out (real_base_memory) that exist at each segment's
+        # moment: those backward has made by then
+        credit, made = grad_credits(self)
         if self._over_replay:
             # a segment never measured replaying: the largest any replay held
             most = beyond(max(self._over_replay.values()))
             args["replay_extra"] = {
-                n: beyond(self._over_replay[n]) if n in self._over_replay else most
+                n: (beyond(self._over_replay[n]) if n in self._over_replay else most)
+                + made.get(n, 0)
                 for n in self.segments
             }
+        elif credit:
+            args["replay_extra"] = {n: made.get(n, 0) for n in self.segments}
         return args
 
     def _scaled_residual(self) -> int:
@@ -781,7 +807,9 @@ class ReplayEngine:
         self._replays_last_step = self._replays_this_step
         self._last_step = self.step
         self._preserved_last_step = sum(rt.last_preserved_bytes for rt in self.runtimes.values())
+        grads_now = observe_fresh_grads(self)  # before a re-fit: the plan holds for this step
         settle_real_peak(self)
+        self._grad_now = grads_now
         policy = self.replan_policy
         if policy is not None:  # install(replan_on=...): judge the step just trained
             if self.step > 0:
@@ -1204,7 +1232,9 @@ class ReplayEngine:
             held = int(torch.cuda.memory_allocated(dev))
         else:
             held = process_tensor_bytes()
-        return max(self.real_base_memory, held + grads + self._base_saved)
+        # (less the gradients the phases charge at their own moments, as the real base)
+        credit = grad_credits(self)[0]
+        return max(self.real_base_memory, held + grads + self._base_saved - credit)
 
     def _never_trained(self, rt: SegmentRuntime) -> bool:
         """A segment that has not run under autograd in training mode through two whole steps
@@ -1306,6 +1336,7 @@ class ReplayEngine:
             acct.begin_phase(label)
             if self._truth is not None:
                 self._truth.mark(label)
+                observe_grads(self, self.last_replay[0].name if self.last_replay else "")
             elif self._cuda and self._cuda_device is not None and self.plan is not None:
                 dev = self._cuda_device  # host-side counters: no synchronization
                 last = self._cuda_label

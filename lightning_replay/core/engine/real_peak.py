@@ -27,7 +27,9 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from lightning_replay._compat import at_backward_end
 from lightning_replay.core.base.budget import format_bytes
+from lightning_replay.core.base.state import storage_key
 from lightning_replay.core.engine import planner as _planner
 from lightning_replay.core.mechanisms.memory import StepPeak, live_model_bytes
 
@@ -63,14 +65,21 @@ def settle_real_peak(eng) -> None:
         return
     eng.last_real_peak = (eng._last_step, real)
     size = eng._truth_step_size if measured else eng._window_size
+    # the gradients missing as the step began (paired with the figures the plans credit)
+    if measured:
+        learn_grad_order(eng)
+        fresh = eng._truth_fresh
+    else:
+        fresh = eng._grad_now
     if size <= eng.probe_size or not eng.probe_size:
         released = eng._truth_released if measured else eng._replay_released
-        fwd, replays, floor = phase_residuals(eng, real, phases, segments, plan, released)
+        fwd, replays, floor = phase_residuals(eng, real, phases, segments, plan, released, fresh)
     else:
         # inputs larger than the costs were measured at: the formula's figures and the
         # replays' (re-materialized bytes from the costs) are stale, the accountant's whole
         # step is not: one residual against it, at every moment
-        fwd, replays, floor = real - accounted, {}, phases.get("optimizer", 0)
+        fwd = real - accounted + sum(fresh.values())
+        replays, floor = {}, phases.get("optimizer", 0)
         if size > eng._residual_size:  # figures at smaller inputs are stale
             eng._over_fwd, eng._over_replay = None, {}
     grew = eng._over_fwd is None or fwd > eng._over_fwd
@@ -117,6 +126,7 @@ def phase_residuals(
     segments: Mapping[str, int],
     plan: _planner.Plan | None,
     released: Mapping[str, int] | None = None,
+    fresh: Mapping | None = None,
 ) -> tuple[int, dict[str, int], int]:
     """What a measured step held beyond the plan formula's figures, per phase: (the
     forward's end, loss and backward until the first replay; per segment replayed, its
@@ -130,8 +140,15 @@ def phase_residuals(
     one moment and added to every other would count twice what the base charges and the
     step freed before its replays, or miss what the head and loss add on top of the
     segments the forward retained; and the gradients made by each replay's moment differ
-    from one replay to the next (the formula charges them all step)."""
+    from one replay to the next (the formula charges them all step).
+
+    ``fresh``: the gradients that were None as the step began (storage key -> bytes). Each
+    phase is paired with the base less those of them its moment is credited (all at the
+    forward's end; at a replay, those :func:`grad_credit` knows to be made later), as the
+    plans are predicted (:func:`grad_credits`): what the phase held beyond is its
+    temporaries, not minus the gradients that did not exist yet."""
     base = eng.base_memory
+    fresh = fresh or {}
     figures = dict(segments)  # label -> the segments' bytes at that phase's peak
     if plan is not None and not eng._truth_checked:
         costs = [c for c in eng.costs or [] if plan.choices.get(c.name) in c.options]
@@ -171,10 +188,13 @@ def phase_residuals(
             # it is the temporaries; a replayed option is then charged them on top of its
             # preserved bytes (never under).
             held = figures[label] - (released or {}).get(label, 0)
-            replays[label[len(_REPLAY) :]] = peak - (base + held)
+            name = label[len(_REPLAY) :]
+            credit = grad_credit(eng, fresh, name) if fresh else 0
+            replays[name] = peak - (base - credit + held)
         elif label != "optimizer":  # nothing to pair it with: counted in the first
             start = max(start, peak)
-    return start - (base + figures.get("start", 0)), replays, phases.get("optimizer", 0)
+    at_start = base - sum(fresh.values())
+    return start - (at_start + figures.get("start", 0)), replays, phases.get("optimizer", 0)
 
 
 def start_truth(eng) -> None:
@@ -192,6 +212,8 @@ def start_truth(eng) -> None:
         return
     eng._truth = truth
     eng._replay_released = {}
+    eng._truth_fresh = fresh_grads(eng.model)  # the gradients this step has yet to make
+    eng._grad_seen, eng._grad_end_hooked = [], False
     # what the process held beyond the model's own tensors (gradients that exist now
     # included) and the batch: optimizer state and whatever anyone keeps between steps
     eng._truth_held = truth.base - live_model_bytes(eng.model) - eng._truth_inputs
@@ -242,3 +264,115 @@ def adopt_optimizer(eng, optimizer: Any) -> bool:
 
 def optimizer_bytes(eng) -> int:
     return live_model_bytes(nn.Module(), eng._optimizers) if eng._optimizers else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradients that do not exist yet (issue 30). The base charges every parameter's gradient at
+# every moment of the step; with ``zero_grad(set_to_none=True)`` none exists at the forward's
+# end, and at a segment's replay only those backward has reached. A gradient is credited
+# (left out of a moment's figure) only where the engine has seen it missing:
+# - at the forward's end, every gradient that was None as every window so far began (one
+#   that existed as any window began, with gradients kept or in an accumulation window, is
+#   never credited again: the plan holds for every step);
+# - at segment ``s``'s moment (its replay, or a retained segment's backward, and what backward
+#   runs until it reaches the segment before ``s``), a gradient a measured step found still
+#   None at the replay of a segment before ``s`` and never found made at the replay of a
+#   segment at or before that one (its grad is made later in backward: it belongs to earlier
+#   segments, or to code before them, as an untied embedding). A head's gradients come first
+#   in backward: found made at every replay, they are charged at every segment's moment; a
+#   parameter shared between segments is charged from the first backward that reaches it.
+# The measured phases are paired with the same figures, so what they held beyond them is the
+# step's temporaries alone, and the residual is no longer clamped at 0 for the gradients.
+
+
+def fresh_grads(model: nn.Module) -> dict:
+    """Storage key -> gradient bytes of the trainable parameters whose gradients are all None
+    now (each parameter's own bytes, at most its storage's: what the base charges for it).
+    Sharded (FSDP2) parameters are left out: their gradients are accounted by their strategy."""
+    seen: dict = {}
+    for p in model.parameters():
+        if not p.requires_grad or hasattr(p, "_local_tensor"):
+            continue
+        key = storage_key(p)
+        if key is None:
+            continue
+        none, nbytes = seen.get(key, (True, 0))
+        seen[key] = (
+            none and p.grad is None,
+            min(nbytes + p.numel() * p.element_size(), p.untyped_storage().nbytes()),
+        )
+    return {k: b for k, (none, b) in seen.items() if none}
+
+
+def observe_fresh_grads(eng) -> dict:
+    """As a window begins: the gradients None now (returned), and those None as every window
+    so far began (the credit only shrinks)."""
+    if eng._grad_fresh is not None and not eng._grad_fresh:
+        return {}  # a gradient existed as every one began: nothing is credited again
+    now = fresh_grads(eng.model)
+    if eng._grad_fresh is None:
+        eng._grad_fresh = dict(now)
+    else:
+        eng._grad_fresh = {k: b for k, b in eng._grad_fresh.items() if k in now}
+    return now
+
+
+def observe_grads(eng, segment: str | None) -> None:
+    """On a measured step: which of the step's missing gradients are still None at the
+    replay of ``segment`` (None: as the backward ends)."""
+    if eng._truth is None or not eng._truth_fresh:
+        return
+    keys = set(eng._truth_fresh)
+    still = set(fresh_grads(eng.model)) & keys
+    eng._grad_seen.append((segment, still))
+    if segment is not None and not eng._grad_end_hooked:
+        eng._grad_end_hooked = True
+        at_backward_end(lambda: observe_grads(eng, None))
+
+
+def learn_grad_order(eng) -> None:
+    """Fold the measured step's observations into where each gradient is made: for a gradient
+    the step made, the least segment position whose replay found it None, and the greatest
+    whose replay found it made."""
+    seen, eng._grad_seen = eng._grad_seen, []
+    eng._grad_end_hooked = False
+    if not seen:
+        return
+    ends = [still for seg, still in seen if seg is None]
+    made = set(eng._truth_fresh) - (ends[-1] if ends else seen[-1][1])
+    order = {name: i for i, name in enumerate(eng.segments)}
+    for seg, still in seen:
+        if seg is None or seg not in order:
+            continue
+        pos = order[seg]
+        for key in made:
+            if key in still:
+                eng._grad_none_at[key] = min(eng._grad_none_at.get(key, pos), pos)
+            else:
+                eng._grad_made_at[key] = max(eng._grad_made_at.get(key, pos), pos)
+
+
+def grad_credit(eng, fresh: Mapping, segment: str) -> int:
+    """Bytes of ``fresh``'s gradients known not to exist yet at ``segment``'s moment (see
+    above): found None at the replay of a segment before it, never found made at or before."""
+    order = {name: i for i, name in enumerate(eng.segments)}
+    pos = order.get(segment)
+    if pos is None:
+        return 0
+    credit = 0
+    for key, nbytes in fresh.items():
+        none_at = eng._grad_none_at.get(key)
+        if none_at is not None and none_at < pos and none_at > eng._grad_made_at.get(key, -1):
+            credit += nbytes
+    return credit
+
+
+def grad_credits(eng) -> tuple[int, dict[str, int]]:
+    """The plans' credit: (bytes left out of the base: every gradient missing as every window
+    began, once a measured step's phases were paired with it; per segment, the bytes of them
+    its moment holds, given back to it). (0, {}) with gradients kept."""
+    fresh = eng._grad_fresh
+    if not fresh or eng._over_fwd is None:
+        return 0, {}
+    total = sum(fresh.values())
+    return total, {n: total - grad_credit(eng, fresh, n) for n in eng.segments}
