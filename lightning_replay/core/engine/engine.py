@@ -220,6 +220,11 @@ class ReplayEngine:
         self._grad_made_at: dict = {}
         self._grad_seen: list = []
         self._grad_end_hooked = False
+        # the phases' figures as if every gradient were charged all step (no credit), for
+        # inputs larger than measured; what each phase of the last measured step was credited
+        self._raw_fwd: int | None = None
+        self._raw_replay: dict[str, int] = {}
+        self._phase_credit: dict[str, int] = {}
         # CUDA: the allocator's peak per phase of the step (read and reset as each begins)
         self._cuda_phases: dict[str, int] = {}
         self._cuda_label = "start"
@@ -371,6 +376,7 @@ class ReplayEngine:
         residual = self._scaled_residual()
         fixed = min(self._residual_fixed, residual)
         scale = self.size_scale(self._residual_size)
+        over_fwd, over_replay = self._phase_overs()
 
         def beyond(over: int) -> int:  # beyond the base's residual, grown with the input
             return max(int((over - fixed) * scale) - int((residual - fixed) * scale), 0)
@@ -379,18 +385,17 @@ class ReplayEngine:
         if floor:
             floor += int(self._floor_inputs * (self.size_scale(self._floor_size) - 1))
         args: dict[str, Any] = {
-            "forward_extra": beyond(self._over_fwd) if self._over_fwd is not None else 0,
+            "forward_extra": beyond(over_fwd) if over_fwd is not None else 0,
             "floor": floor,
         }
         # the gradients the base leaves out (real_base_memory) that exist at each segment's
         # moment: those backward has made by then
         credit, made = grad_credits(self)
-        if self._over_replay:
+        if over_replay:
             # a segment never measured replaying: the largest any replay held
-            most = beyond(max(self._over_replay.values()))
+            most = beyond(max(over_replay.values()))
             args["replay_extra"] = {
-                n: (beyond(self._over_replay[n]) if n in self._over_replay else most)
-                + made.get(n, 0)
+                n: (beyond(over_replay[n]) if n in over_replay else most) + made.get(n, 0)
                 for n in self.segments
             }
         elif credit:
@@ -403,11 +408,20 @@ class ReplayEngine:
         largest, at every moment: which phase's excess grows with the input (backward and loss
         temporaries) and which does not (gradients made by a replay's moment) is not known."""
         if self.size_scale(self._residual_size) > 1.0:
-            overs = [self._residual, *self._over_replay.values()]
-            if self._over_fwd is not None:
-                overs.append(self._over_fwd)
+            over_fwd, over_replay = self._phase_overs()
+            overs = [*over_replay.values()] + ([over_fwd] if over_fwd is not None else [])
+            overs.append(max(min(overs), 0) if overs else self._residual)
             return max(overs)
         return self._residual
+
+    def _phase_overs(self) -> tuple[int | None, dict[str, int]]:
+        """What measured steps held beyond the formula's figures at the forward's end and at
+        each replay: beyond the figures that credit gradients which do not exist yet, or, at
+        inputs larger than measured (where nothing is credited), beyond those that charge every
+        gradient all step."""
+        if self.size_scale(self._residual_size) > 1.0 and self._raw_fwd is not None:
+            return self._raw_fwd, self._raw_replay
+        return self._over_fwd, self._over_replay
 
     def agree_real_base(self, nbytes: int) -> None:
         """Plan with ``nbytes`` as the real base where it exceeds this rank's own: the largest

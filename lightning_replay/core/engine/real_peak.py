@@ -78,10 +78,23 @@ def settle_real_peak(eng) -> None:
         # inputs larger than the costs were measured at: the formula's figures and the
         # replays' (re-materialized bytes from the costs) are stale, the accountant's whole
         # step is not: one residual against it, at every moment
-        fwd = real - accounted + sum(fresh.values())
-        replays, floor = {}, phases.get("optimizer", 0)
+        # (and against every gradient: which of them the whole step's peak held is not told
+        # apart, and a credit scaled with the input would not be one; from here on the plans
+        # charge every gradient all step, as with gradients kept)
+        fwd, replays, floor = real - accounted, {}, phases.get("optimizer", 0)
+        eng._grad_fresh, eng._phase_credit = {}, {}
         if size > eng._residual_size:  # figures at smaller inputs are stale
             eng._over_fwd, eng._over_replay = None, {}
+    # ... and as the formula charged every gradient all step (the plans' figures at inputs
+    # larger than measured, where no gradient is credited: grad_credits)
+    credits = eng._phase_credit
+    raw_fwd = fwd - credits.get("start", 0)
+    if size > eng.probe_size and eng.probe_size and size > eng._residual_size:
+        eng._raw_fwd, eng._raw_replay = None, {}
+    eng._raw_fwd = raw_fwd if eng._raw_fwd is None else max(eng._raw_fwd, raw_fwd)
+    for name, over in replays.items():
+        raw = over - credits.get(name, 0)
+        eng._raw_replay[name] = max(eng._raw_replay.get(name, raw), raw)
     grew = eng._over_fwd is None or fwd > eng._over_fwd
     eng._over_fwd = fwd if eng._over_fwd is None else max(eng._over_fwd, fwd)
     for name, over in replays.items():
@@ -149,6 +162,7 @@ def phase_residuals(
     temporaries, not minus the gradients that did not exist yet."""
     base = eng.base_memory
     fresh = fresh or {}
+    eng._phase_credit = {"start": sum(fresh.values())}  # (what each phase was credited)
     figures = dict(segments)  # label -> the segments' bytes at that phase's peak
     if plan is not None and not eng._truth_checked:
         costs = [c for c in eng.costs or [] if plan.choices.get(c.name) in c.options]
@@ -189,7 +203,7 @@ def phase_residuals(
             # preserved bytes (never under).
             held = figures[label] - (released or {}).get(label, 0)
             name = label[len(_REPLAY) :]
-            credit = grad_credit(eng, fresh, name) if fresh else 0
+            credit = eng._phase_credit[name] = grad_credit(eng, fresh, name) if fresh else 0
             replays[name] = peak - (base - credit + held)
         elif label != "optimizer":  # nothing to pair it with: counted in the first
             start = max(start, peak)
@@ -372,7 +386,9 @@ def grad_credits(eng) -> tuple[int, dict[str, int]]:
     began, once a measured step's phases were paired with it; per segment, the bytes of them
     its moment holds, given back to it). (0, {}) with gradients kept."""
     fresh = eng._grad_fresh
-    if not fresh or eng._over_fwd is None:
+    if not fresh or eng._over_fwd is None or eng.size_scale(eng._residual_size) > 1.0:
+        # (at inputs larger than measured, the residual is scaled with them: the measured
+        # figures as if every gradient were charged all step are, and nothing is credited)
         return 0, {}
     total = sum(fresh.values())
     return total, {n: total - grad_credit(eng, fresh, n) for n in eng.segments}
