@@ -237,14 +237,6 @@ def test_held_between_steps(name, arm, monkeypatch):
 @pytest.mark.parametrize(
     "name,arm", _cases(UNINSTALL_XFAIL, [(n, a) for n in MODELS for a in ("none", "min")])
 )
-@pytest.mark.xfail(
-    strict=False,
-    reason="measured: passes alone and in its file; in the full suite's order (6 of 6 cases run "
-    "by default) a probe's observations (discovery.Touch <- Observation <- a list held from C, "
-    "no Python referrer) stay alive after uninstall with gc off. One earlier trigger found: a "
-    "torch.compile'd (aot_eager) wrapper test in the same process (now in a fresh process); "
-    "another remains unfound (issue 31)",
-)
 def test_uninstall_leaves_nothing_alive(name, arm, monkeypatch):
     """After uninstall and dropping model and optimizer, weak references to every tensor
     alive between steps are dead, with the cyclic collector off."""
