@@ -141,14 +141,6 @@ def _run(
     return peaks
 
 
-@pytest.fixture(scope="module")
-def referee():
-    gc.collect()
-    r = StepReferee()
-    yield r
-    r.close()
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_step_holds_a_budget_halfway_between_checkpoint_and_plain(name, referee):
     build = MODELS[name]
