@@ -39,7 +39,12 @@ from lightning_replay.core.mechanisms.arguments import (
 )
 from lightning_replay.core.base.ports import ProbedSegment, ProbeHost, RecordSink
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract, StateEntry
-from lightning_replay.core.mechanisms.discovery import DiscoveryMode, Observation, observe_window
+from lightning_replay.core.mechanisms.discovery import (
+    COPY_BELOW,
+    DiscoveryMode,
+    Observation,
+    observe_window,
+)
 from lightning_replay.core.replay.probe_replay import _ProbeReplay
 from lightning_replay.errors import ReplayConfigError, ReplayError
 from lightning_replay.core.mechanisms.host_rng import (
@@ -160,15 +165,17 @@ class _HostReads:
         for name in self._NAMES:
             orig = torch.Tensor.__dict__.get(name, _MISSING)
             self._saved.append((name, orig))
-            setattr(torch.Tensor, name, self._watch(getattr(torch.Tensor, name)))
+            watched = self._watch(getattr(torch.Tensor, name), name != "tolist")
+            setattr(torch.Tensor, name, watched)
         return self
 
-    def _watch(self, fn: Callable) -> Callable:
+    def _watch(self, fn: Callable, writable: bool) -> Callable:
         mode = self.mode
 
         def watched(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
-                mode.touch_all([t])
+                # (a host view that can be written: no log sees a write through it)
+                mode.touch_all([t], copy=writable)
             return fn(t, *args, **kwargs)
 
         return watched
@@ -621,7 +628,19 @@ class SegmentProbe:
             if replayed
             else ()
         )
-        mode = DiscoveryMode(eng.log, input_keys, params - input_keys, uncopied)
+        # ... and copies those made outside autograd that are no model state, at first touch:
+        # other state keeps a digest, its old bytes in its region log (discovery.py)
+        copied = (
+            {k for k in fresh if k is not None and not start_index.lookup(k)} if replayed else ()
+        )
+        mode = DiscoveryMode(
+            eng.log,
+            input_keys,
+            params - input_keys,
+            uncopied,
+            copied,
+            copy_below=COPY_BELOW if replayed else 0,
+        )
         slots = capture_slots(self.seg.modules)
         # State the dispatch mode may never see read (host reads such as .tolist(), reads
         # after a warm-up) is watched all the same: every buffer and tensor attribute.

@@ -98,8 +98,19 @@ class _ProbeReplay:
             for ob in probe.observations:
                 t = ob.touch
                 if ob.entries:  # a parameter written in the window: its logged writes undone
+                    # (state the segment writes: the replay writes those regions again, and the
+                    # redo would leave the replay's bytes in the entries, where a later reader
+                    # of the same log (a segment sharing the storage, still armed) or the
+                    # replay after a backward that keeps its graph undoes them. The old bytes
+                    # are kept apart until the redo)
+                    olds = None
+                    writes = t.annotated_write or t.changed_in_segment
+                    if self.keep or (writes and t.key in rt.engine.log.armed):
+                        olds = [
+                            e.saved.clone() if e.saved is not None else None for e in ob.entries
+                        ]
                     undo(ob.entries)
-                    self.undone.append(ob.entries)
+                    self.undone.append((ob.entries, olds))
                     continue
                 src = t.source() if t.source is not None else None
                 if src is not None and storage_identity(src) != storage_identity(t.tensor):
@@ -225,6 +236,16 @@ class _ProbeReplay:
             return
         detail["differing_outputs"] = differ[:16]
         detail["action"] = "next probe retained"
+        # state the probe kept only a digest of (a big storage, under a byte budget) that
+        # changed with no logged write: written after the window's forward, where no capture
+        # runs (discovery.COPY_BELOW)
+        unlogged = [
+            eng.state_name(ob.touch.tensor) or f"a tensor {_meta(ob.touch.tensor)}"
+            for ob in probe.observations or []
+            if getattr(ob, "unrestorable", False)
+        ]
+        if unlogged:
+            detail["unlogged_writes"] = unlogged[:16]
         eng.records.append(
             step=probe.step,
             segment=rt.name,
@@ -260,6 +281,14 @@ class _ProbeReplay:
             "in the window, a storage resized or swapped, a value drawn outside the model); "
             "recorded as a divergence. Its next probe runs retained."
         )
+        if unlogged:
+            message += (
+                f" {', '.join(unlogged[:4])} changed after the window's forward ended (no "
+                "capture logged the write), and under a byte budget the probe keeps a digest, "
+                "not a copy, of such big state: write it inside the window (in "
+                "training_step, or inside `with engine.window():` around the step's forward "
+                "and that write), or train without a byte budget for the probe step."
+            )
         if eng.on_violation == "raise":
             raise ReplayError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -296,8 +325,10 @@ class _ProbeReplay:
         with torch.no_grad():
             for t, snap, _ in self.swapped:
                 storage_bytes(t).copy_(snap)  # the live bytes the swap left in the copy
-            for entries in reversed(self.undone):
+            for entries, olds in reversed(self.undone):
                 redo(entries)
+                for e, saved in zip(entries, olds or ()):
+                    e.saved = saved
             for src, live, _ in reversed(self.repointed):
                 src.set_(*live)
         set_versions([src for src, _, _ in self.repointed], [v for _, _, v in self.repointed])
