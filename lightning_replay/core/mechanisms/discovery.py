@@ -2,12 +2,13 @@
 
 During the segment's probe forward (which runs retained, so it is always exact) a dispatch mode
 sees every aten op. A tensor argument whose storage was not produced inside the segment is
-state; its bytes are copied at first touch (before the op runs). Arguments the schema marks as
-written are writes, and from that moment the window's region log is armed for that storage.
+state; its bytes are copied, or digested, at first touch (before the op runs). Arguments the
+schema marks as written are writes, and from that moment the window's region log is armed for
+that storage.
 ``generator=`` arguments name private generators; seeded ops without one use the global RNG.
 
 When the segment's backward starts (its replay time, had it been replayed), every touched
-storage is compared byte for byte with its first-touch copy: that finds what changed in the
+storage is compared byte for byte with its first-touch copy (or digest): that finds what changed in the
 window, including writes that bump no version counter and carry no schema annotation (eager
 CPU batch norm). Undoing the logged regions on the live bytes tells whether ``regions`` alone
 explains each change.
@@ -20,8 +21,9 @@ the change when undoing the log gives the first-touch digest back (a replayed pr
 undoes the same log). A copy is still taken where a write can come unlogged: before an op that
 writes its arguments without a schema annotation (:data:`UNANNOTATED_WRITERS`, eager batch
 norm's running statistics; the copy is the first-touch bytes, rebuilt by undoing the log), before
-a host view that can be written (``.numpy()``), and of a replayed probe's arguments (the step
-may write its batch in place before backward, where no capture runs).
+a host view that can be written (``.numpy()``), and, in a replayed probe, of storages up to
+:data:`COPY_BELOW` bytes (a write after the window's forward, where no capture runs, is then
+put back for its replay).
 """
 
 from __future__ import annotations
@@ -46,10 +48,13 @@ from lightning_replay.core.base.state import (
 _SEEDED = torch.Tag.nondeterministic_seeded
 _aten = torch.ops.aten
 
-#: a replayed probe still copies state storages up to this size at first touch: a write
-#: after the window's forward (between the step's forward and its backward, where no capture
-#: runs) is then put back for its replay, at a small cost. A bigger storage keeps a digest:
-#: such a write to it is caught by the replay's comparison (a divergence), not put back
+#: a replayed probe still copies the storages it touches up to this size at first touch (state,
+#: and arguments made outside autograd: a batch): a write after the window's forward (between
+#: the step's forward and its backward, where no capture runs) is then put back for its replay,
+#: at a small cost. A bigger storage keeps a digest: such a write to it is caught by the
+#: replay's comparison (a recorded divergence, a ``ReplayError`` under
+#: ``on_violation="raise"``), not put back. Issue 31: a copy of a big buffer, held from first
+#: touch to the segment's backward, put the probe step over the byte budget planned steps hold
 COPY_BELOW = 64 * 1024
 
 #: ops that write tensor arguments their schema does not mark as written (batch norm in
@@ -100,17 +105,14 @@ class DiscoveryMode(TorchDispatchMode):
         input_keys: set[StorageKey],
         params: Collection[StorageKey] = frozenset(),
         uncopied: Collection[StorageKey] = frozenset(),
-        copied: Collection[StorageKey] = frozenset(),
         copy_below: int = 0,
     ) -> None:
         super().__init__()
         self.log = log
         self.input_keys = input_keys
-        #: storages copied at first touch (a replayed probe's arguments that are no model
-        #: state: see the module's docstring); other state keeps a digest
-        self.copied = copied
-        #: state storages up to this many bytes are copied at first touch too (a replayed
-        #: probe's: :data:`COPY_BELOW`); 0: none (a retained probe puts nothing back)
+        #: storages up to this many bytes are copied at first touch, bigger ones keep a digest
+        #: (a replayed probe's: :data:`COPY_BELOW`); 0: none (a retained probe puts nothing
+        #: back, a digest is all it compares)
         self.copy_below = copy_below
         #: storages compared by their logged writes, as parameters are, not copied (a
         #: replayed probe's arguments that are no model state: its activations)
@@ -148,7 +150,7 @@ class DiscoveryMode(TorchDispatchMode):
             is_input = key in self.input_keys
             if key not in self.params and key not in self.uncopied:
                 with torch.no_grad():
-                    if key in self.copied or t.untyped_storage().nbytes() <= self.copy_below:
+                    if t.untyped_storage().nbytes() <= self.copy_below:
                         snap = storage_bytes(t).clone()
                     else:
                         first = digest(storage_bytes(t))
@@ -358,6 +360,9 @@ class Observation:
     #: a digested storage changed in a way its log does not explain: no bytes to put back
     #: (a replayed probe's replay reads it as it is now; its comparison says if that mattered)
     unrestorable: bool = False
+    #: a digested storage's digest at the window's end (a replayed probe's): its replay must
+    #: leave these bytes (see probe_replay._check_unlogged_writes)
+    after: int | None = None
 
 
 def observe_window(
@@ -437,9 +442,10 @@ def _observe_digested(touch: Touch, entries: list, keep_changed: bool) -> Observ
     moved = src is not None and storage_identity(src) != storage_identity(t)
     live = storage_bytes(t)
     resized = live.numel() != touch.first_nbytes
-    changed = (
-        resized or bool(entries) or touch.annotated_write or digest(live) != touch.first_digest
+    now = (
+        digest(live) if keep_changed or not (resized or entries or touch.annotated_write) else None
     )
+    changed = resized or bool(entries) or touch.annotated_write or now != touch.first_digest
     regions_ok = False
     if changed and not (moved or resized) and all(e.saved is not None for e in entries):
         undo(entries)
@@ -454,4 +460,5 @@ def _observe_digested(touch: Touch, entries: list, keep_changed: bool) -> Observ
         sum(e.nbytes for e in entries),
         entries if keep_changed and changed and regions_ok and entries else None,
         unrestorable=changed and not regions_ok,
+        after=now if keep_changed else None,
     )

@@ -617,28 +617,26 @@ class SegmentProbe:
         input_keys = {k for k in leaf_keys if k}
         params = {k for k in (storage_key(p) for p in eng.model.parameters()) if k is not None}
         start_index = StateIndex(eng.model)  # who held each storage when it began
-        # A replayed probe does not copy the arguments that are no model state (the window's
-        # activations, kept alive by the call anyway) ... except those made outside autograd
-        # (a batch, a detached tensor): the step may write one in place before backward
-        # (``x.mul_(0.5)`` after the forward), where no capture sees it, and its replay must
-        # read the forward's bytes
+        # A replayed probe watches the arguments that are no model state (the window's
+        # activations, kept alive by the call anyway) by their logged writes only ... except
+        # those made outside autograd (a batch, a detached tensor), watched as state: the step
+        # may write one in place before backward (``x.mul_(0.5)`` after the forward), where no
+        # capture sees it, and its replay must read the forward's bytes (a small one's copy; a
+        # big one's digest tells the comparison, discovery.COPY_BELOW)
         fresh = {storage_key(t) for t in leaves if t.grad_fn is None}
         uncopied = (
             {k for k in input_keys if not start_index.lookup(k) and k not in fresh}
             if replayed
             else ()
         )
-        # ... and copies those made outside autograd that are no model state, at first touch:
-        # other state keeps a digest, its old bytes in its region log (discovery.py)
-        copied = (
-            {k for k in fresh if k is not None and not start_index.lookup(k)} if replayed else ()
-        )
+        # State and arguments keep a digest of their first-touch bytes, not a copy, except
+        # small ones in a replayed probe (discovery.COPY_BELOW): the old bytes of written regions
+        # are in the region log
         mode = DiscoveryMode(
             eng.log,
             input_keys,
             params - input_keys,
             uncopied,
-            copied,
             copy_below=COPY_BELOW if replayed else 0,
         )
         slots = capture_slots(self.seg.modules)

@@ -28,6 +28,7 @@ from lightning_replay.core.mechanisms.slot_restore import (
 )
 from lightning_replay.core.mechanisms.slots import MISSING
 from lightning_replay.core.base.state import (
+    digest,
     digests,
     resolve_tokens,
     storage_bytes,
@@ -283,11 +284,13 @@ class _ProbeReplay:
         )
         if unlogged:
             message += (
-                f" {', '.join(unlogged[:4])} changed after the window's forward ended (no "
-                "capture logged the write), and under a byte budget the probe keeps a digest, "
-                "not a copy, of such big state: write it inside the window (in "
-                "training_step, or inside `with engine.window():` around the step's forward "
-                "and that write), or train without a byte budget for the probe step."
+                f" {', '.join(unlogged[:4])} changed with no logged write (after the "
+                "window's forward ended, where no capture runs, or by an op whose schema "
+                "declares no write), and under a byte budget the probe keeps a digest, not a "
+                "copy, of such big state: write it inside the window (in training_step, or "
+                "inside `with engine.window():` around the step's forward and that write), "
+                "declare the op's write (Tensor(a!)), or train without a byte budget for the "
+                "probe step."
             )
         if eng.on_violation == "raise":
             raise ReplayError(message)
@@ -333,6 +336,8 @@ class _ProbeReplay:
                 src.set_(*live)
         set_versions([src for src, _, _ in self.repointed], [v for _, _, v in self.repointed])
         set_versions([t for t, _, _ in self.swapped], [v for _, _, v in self.swapped])
+        if exc[0] is None:
+            self._check_unlogged_writes()
         # kept whole for the replay a backward that keeps its graph is followed by (see keep)
         probe = self.box.get("probe") if not self.keep else None
         self.swapped = []
@@ -354,6 +359,52 @@ class _ProbeReplay:
                     if ob.touch.snapshot is not None and ob.touch.snapshot.numel():
                         ob.touch.snapshot = ob.touch.snapshot.new_empty(0)
         return False
+
+    def _check_unlogged_writes(self) -> None:
+        """State the probe kept only a digest of (discovery.COPY_BELOW) must hold the window's
+        bytes again once the replay is swapped out. A write the replay made that no log saw
+        (an op writing without a schema annotation that the probe does not know) cannot be
+        undone without a copy: it is recorded as a divergence, never left silent."""
+        probe = self.box["probe"]
+        rt = self.rt
+        eng = rt.engine
+        with torch.no_grad():
+            leaked = [
+                ob
+                for ob in probe.observations or []
+                if ob.after is not None and digest(storage_bytes(ob.touch.tensor)) != ob.after
+            ]
+        if not leaked:
+            return
+        names = [
+            eng.state_name(ob.touch.tensor) or f"a tensor {_meta(ob.touch.tensor)}" for ob in leaked
+        ]
+        eng.records.append(
+            step=probe.step,
+            segment=rt.name,
+            contract_version=rt.version,
+            check="probe",
+            outcome="divergence",
+            detail={
+                "what": "replayed probe: its replay wrote state no log saw",
+                "state": names[:16],
+                "action": "next probe retained",
+            },
+        )
+        rt.divergences += 1
+        rt.retained_probe = True
+        eng._contracts_changed()
+        message = (
+            f"segment {rt.name!r}: the replay of its probe (step {probe.step}) wrote "
+            f"{', '.join(names[:4])} with an op that no capture logs (a write its schema does "
+            "not declare), and under a byte budget the probe keeps a digest, not a copy, of "
+            "such big state: the replay's write stays, so that state has been written twice "
+            "this step. Recorded as a divergence; its next probe runs retained. Declare the "
+            "write in the op's schema (Tensor(a!)), or keep the op outside segments."
+        )
+        if eng.on_violation == "raise":
+            raise ReplayError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _check_next_step(eng: Any, segment: str) -> None:
