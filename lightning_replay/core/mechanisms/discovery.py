@@ -114,6 +114,7 @@ class DiscoveryMode(TorchDispatchMode):
         #: (a replayed probe's: :data:`COPY_BELOW`); 0: none (a retained probe puts nothing
         #: back, a digest is all it compares)
         self.copy_below = copy_below
+        self._busy = 0  # > 0 while it digests or copies (their host reads are its own)
         #: storages compared by their logged writes, as parameters are, not copied (a
         #: replayed probe's arguments that are no model state: its activations)
         self.uncopied = uncopied
@@ -149,11 +150,15 @@ class DiscoveryMode(TorchDispatchMode):
             snap = first = None
             is_input = key in self.input_keys
             if key not in self.params and key not in self.uncopied:
-                with torch.no_grad():
-                    if t.untyped_storage().nbytes() <= self.copy_below:
-                        snap = storage_bytes(t).clone()
-                    else:
-                        first = digest(storage_bytes(t))
+                self._busy += 1
+                try:
+                    with torch.no_grad():
+                        if t.untyped_storage().nbytes() <= self.copy_below:
+                            snap = storage_bytes(t).clone()
+                        else:
+                            first = digest(storage_bytes(t))
+                finally:
+                    self._busy -= 1
             touch = Touch(
                 key,
                 t.detach(),
@@ -190,6 +195,8 @@ class DiscoveryMode(TorchDispatchMode):
         """Watch state the segment may read without an op the mode sees (``.tolist()`` and
         other host reads, or reads that start after a warm-up). ``copy``: a host view that
         can be written (``.numpy()``) was handed out: no log sees a write through it."""
+        if self._busy:  # (a digest's own host read: no read of the segment's)
+            return
         for t in tensors:
             touch = self._touch(t)
             if copy and touch is not None:
