@@ -464,14 +464,6 @@ def _run_budget(shape: str, arm: str, referee: StepReferee, budget=None, steps: 
     ).peaks
 
 
-@pytest.fixture(scope="module")
-def referee():
-    gc.collect()
-    r = StepReferee()
-    yield r
-    r.close()
-
-
 #: none left: big_preserved_state's probe step was 1.092 x (its first-touch copies of both
 #: 1 MiB buffers and of the batch); the probe keeps digests of big storages since (issue 31,
 #: i31-probemin), 0.965 x

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import gc
 import os
 import warnings
 from types import SimpleNamespace
@@ -37,7 +36,6 @@ import lightning_replay as lr
 from tests import test_budget_every_step as every_step
 from tests import test_memory_lifetime as lifetime
 from tests.adversary_round3_zoo import MODELS, build
-from tests.helpers.torch_memory import StepReferee
 
 STEPS = 6
 MEMORY_BATCH = {"mamba": 1}  # else 4; a case "name@n" runs the model at n x its batch
@@ -143,14 +141,6 @@ def _budget_builder(case: str):
         return model, pattern, inputs, lambda m, x: m(x)
 
     return make
-
-
-@pytest.fixture(scope="module")
-def referee():
-    gc.collect()
-    r = StepReferee()
-    yield r
-    r.close()
 
 
 _REGNET = (
