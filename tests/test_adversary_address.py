@@ -154,6 +154,57 @@ class QueueShrinksInWindow(Stack):
                 blk.q[n:].copy_(y.detach()[:2])
 
 
+class QueueWrittenThenGrown(Stack):
+    """A logged write (``mul_``) to the queue, then ``resize_`` moves it: the log's entries
+    name the old address, whose bytes are gone."""
+
+    def after_block(self, i, blk, y):
+        with torch.no_grad():
+            blk.q.mul_(0.5)
+            n = blk.q.shape[0]
+            blk.q.resize_(n + 1, D)
+            blk.q[n].copy_(y.detach().mean(0))
+
+
+class QueueGrownThenWritten(Stack):
+    """``resize_`` first, then in-place writes to the new storage (an address nothing armed
+    at the forward)."""
+
+    def after_block(self, i, blk, y):
+        with torch.no_grad():
+            n = blk.q.shape[0]
+            blk.q.resize_(n + 1, D)
+            blk.q[n].copy_(y.detach().mean(0))
+            blk.q.mul_(0.5)
+
+
+class TwoQueues(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("r", torch.randn(2, D))
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x) + self.q.mean(0) * self.r.mean(0))
+
+
+class GrowThenRebindIntoOldAddress(Stack):
+    """The queue grows (its old bytes freed), then the block's second buffer is rebound to a
+    tensor of the queue's old size, which the allocator may place at the queue's old address,
+    and written in place there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TwoQueues() for _ in range(3))
+
+    def after_block(self, i, blk, y):
+        with torch.no_grad():
+            n = blk.q.shape[0]
+            blk.q.resize_(n + 1, D)
+            blk.q[n].copy_(y.detach().mean(0))
+            blk.r = torch.empty(n, D).copy_(blk.r.mean(0).expand(n, D))
+            blk.r.mul_(0.9)
+
+
 # --------------------------------------------------------------------------- rebinding
 class RebindInWindow(Stack):
     """``blk.q = new`` after the forward; the old tensor is dropped (nothing in plain PyTorch
@@ -269,6 +320,9 @@ CASES = {
     "queue_resize_grows_in_window": Case(QueueGrowsInWindow),
     "queue_resize_grows_between_steps": Case(QueueGrowsBetweenSteps, between=lambda m: m.grow()),
     "queue_resize_shrinks_in_window": Case(QueueShrinksInWindow),
+    "queue_written_then_grown_in_window": Case(QueueWrittenThenGrown),
+    "queue_grown_then_written_in_window": Case(QueueGrownThenWritten),
+    "queue_grown_then_buffer_at_its_address": Case(GrowThenRebindIntoOldAddress),
     "buffer_rebound_in_window": Case(RebindInWindow),
     "buffer_data_rebound_in_window": Case(DataRebindInWindow),
     "buffer_set_in_window": Case(SetInWindow),
