@@ -15,8 +15,7 @@ Referee: plain PyTorch with the same seeds, bit for bit (every step's gradients 
 state), and no record other than ``match`` (no false divergence, no false rejection), with
 checks requested on every step. Under every engine setting: no budget (``auto``, ``whole``,
 ``regions``), ``budget="min"``, a budget every plan meets (the replayed probe) and a budget
-(At these sizes retaining every block is also the lowest plan, 99,664 bytes predicted against
-100,816 for the lowest with recomputation: there is no budget halfway between.)
+halfway between the lowest plan's peak and retaining every block.
 """
 
 from __future__ import annotations
@@ -33,24 +32,27 @@ from torch import nn
 import lightning_replay as lr
 from tests.helpers.compare import diff_state, grad_diffs, snapshot_state
 
-D, B = 8, 256
+D, B, H = 8, 256, 64
 HUGE = 1 << 40
 STEPS = 7
 
 
 # --------------------------------------------------------------------------- blocks
 class Block(nn.Module):
-    """``tanh(W x + b + q)``: tanh saves its output, so a replay that reads another ``q``
-    differentiates another activation; ``q`` itself is never saved for backward (an add), so
-    plain PyTorch lets the root move or rewrite it after the forward."""
+    """``x + out(tanh(lin(x + q)))``, ``H`` wide inside (its activations outweigh what a
+    recomputed call keeps, so the lowest plan recomputes): ``lin`` saves ``x + q``, so a replay
+    that reads another ``q`` differentiates another activation; ``q`` itself is never saved
+    for backward (an add), so plain PyTorch lets the root move or rewrite it after the
+    forward."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(D, D)
+        self.lin = nn.Linear(D, H)
+        self.out = nn.Linear(H, D)
         self.register_buffer("q", torch.randn(2, D))
 
     def forward(self, x):
-        return x + torch.tanh(self.lin(x) + self.q.mean(0))
+        return x + self.out(torch.tanh(self.lin(x + self.q.mean(0))))
 
 
 class Stack(nn.Module):
@@ -102,7 +104,7 @@ class _Regather:
                     p.copy_(keep)
         if self.steal:  # the blockers stay: one as a buffer the block reads next step
             with torch.no_grad():
-                blockers[0].copy_(self.blk.q.repeat(D // 2, 1)[: blockers[0].shape[0]])
+                blockers[0].copy_(self.blk.q.repeat(blockers[0].shape[0] // 2, 1))
             self.blk.q = blockers[0][:2]
         self.keep = []
         return g
@@ -138,7 +140,7 @@ class QueueGrowsBetweenSteps(Stack):
             for blk in self.blocks:
                 n = blk.q.shape[0]
                 blk.q.resize_(n + 1, D)
-                blk.q[n].copy_(blk.lin.bias.detach())
+                blk.q[n].copy_(blk.out.bias.detach())
 
 
 class QueueShrinksInWindow(Stack):
@@ -184,7 +186,7 @@ class TwoQueues(Block):
         self.register_buffer("r", torch.randn(2, D))
 
     def forward(self, x):
-        return x + torch.tanh(self.lin(x) + self.q.mean(0) * self.r.mean(0))
+        return x + self.out(torch.tanh(self.lin(x + self.q.mean(0) * self.r.mean(0))))
 
 
 class GrowThenRebindIntoOldAddress(Stack):
@@ -246,7 +248,7 @@ class ReadsS(Block):
         self.register_buffer("s", torch.zeros(B, D))
 
     def forward(self, x):
-        return x + torch.tanh(self.lin(x) + self.q.mean(0) + self.s)
+        return x + self.out(torch.tanh(self.lin(x + self.q.mean(0) + self.s)))
 
 
 class NewBufferEachStep(Stack):
@@ -338,6 +340,10 @@ SETTINGS = {
     "regions": {"preservation": "regions"},
     "min": {"budget": "min", "calibration_steps": 1},
     "huge": {"budget": HUGE, "calibration_steps": 1},
+    # halfway between the lowest plan's accounted peak (135,488 bytes) and retaining every
+    # block (256,448), measured on ``Stack`` at these sizes. In the accountant's terms: a real
+    # peak counts every tensor the process holds, the other tests' included
+    "half": {"budget": 196_000, "calibration_steps": 1, "real_peak": False},
 }
 
 
