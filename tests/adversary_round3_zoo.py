@@ -3,6 +3,8 @@
 Each builder returns ``(model, pattern, make_input)``: ``model`` is a root module whose forward
 takes one tensor and returns the training loss (a scalar), ``pattern`` a glob naming its
 segments, ``make_input(step)`` the step's batch. Dropout, drop path and router noise stay on.
+Where :mod:`tests.real_models` builds the architecture too, its builder makes the model, with
+this file's sizes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any, Callable
 import pytest
 import torch
 from torch import nn
+
+from tests.real_models import models as real, zoo
 
 Builder = Callable[[], tuple[nn.Module, str, Callable[[int], torch.Tensor]]]
 
@@ -47,22 +51,14 @@ def _logits_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x).float().pow(2).mean()
 
 
+def _causal_lm_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=x, labels=x).loss
+
+
 def vit() -> tuple[nn.Module, str, Callable]:
     """timm ViT, tiny dims, dropout + attention dropout + drop path."""
-    vt = pytest.importorskip("timm.models.vision_transformer")
-    m = vt.VisionTransformer(
-        img_size=32,
-        patch_size=8,
-        embed_dim=32,
-        depth=3,
-        num_heads=2,
-        mlp_ratio=2,
-        num_classes=10,
-        drop_rate=0.1,
-        proj_drop_rate=0.1,
-        attn_drop_rate=0.1,
-        drop_path_rate=0.2,
-    )
+    pytest.importorskip("timm")
+    m = real._vit(proj_drop_rate=0.1, attn_drop_rate=0.1)
     return Root(m, _logits_loss), "m.blocks.*", _images(4, 32)
 
 
@@ -75,10 +71,8 @@ def convnext() -> tuple[nn.Module, str, Callable]:
 
 def timm_mobilenetv3() -> tuple[nn.Module, str, Callable]:
     """timm MobileNetV3 (BN, squeeze-excite, hard-swish, drop path)."""
-    timm = pytest.importorskip("timm")
-    m = timm.create_model(
-        "mobilenetv3_small_050", pretrained=False, num_classes=10, drop_path_rate=0.2, drop_rate=0.1
-    )
+    pytest.importorskip("timm")
+    m = zoo._timm("mobilenetv3_small_050", drop_rate=0.1, drop_path_rate=0.2)()
     return Root(m, _logits_loss), "m.blocks.*", _images(4, 32)
 
 
@@ -109,6 +103,17 @@ def tv_regnet() -> tuple[nn.Module, str, Callable]:
     return Root(m, _logits_loss), "m.trunk_output.*.*", _images(4, 32)
 
 
+#: BERT's and RoBERTa's sizes here (the real-model zoo's BERT is smaller)
+_ENCODER = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
+
+
 def _bert_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     n, seq = x.shape
     mask = torch.ones_like(x)
@@ -119,32 +124,15 @@ def _bert_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def bert_mlm() -> tuple[nn.Module, str, Callable]:
     """HF BERT for masked LM (decoder tied to the word embeddings), token types, padding."""
-    tr = pytest.importorskip("transformers")
-    cfg = tr.BertConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        type_vocab_size=2,
-    )
-    return Root(tr.BertForMaskedLM(cfg), _bert_loss), "m.bert.encoder.layer.*", _tokens(4, 32)
+    pytest.importorskip("transformers")
+    m = real._bert(**_ENCODER)
+    return Root(m, _bert_loss), "m.bert.encoder.layer.*", _tokens(4, 32)
 
 
 def roberta() -> tuple[nn.Module, str, Callable]:
     """HF RoBERTa for masked LM: padding-aware position ids, tied decoder."""
     tr = pytest.importorskip("transformers")
-    cfg = tr.RobertaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        type_vocab_size=1,
-        pad_token_id=0,
-    )
+    cfg = tr.RobertaConfig(**_ENCODER, type_vocab_size=1, pad_token_id=0)
 
     def loss(m, x):
         mask = torch.ones_like(x)
@@ -156,74 +144,29 @@ def roberta() -> tuple[nn.Module, str, Callable]:
 
 def albert() -> tuple[nn.Module, str, Callable]:
     """HF ALBERT: one shared layer called for every depth, a segment called 3 times a step."""
-    tr = pytest.importorskip("transformers")
-    cfg = tr.AlbertConfig(
-        vocab_size=128,
-        embedding_size=16,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
-    )
-    return (
-        Root(tr.AlbertForMaskedLM(cfg), _bert_loss),
-        "m.albert.encoder.albert_layer_groups.*",
-        _tokens(4, 32),
-    )
+    pytest.importorskip("transformers")
+    m = zoo._albert(vocab_size=128, num_attention_heads=2, max_position_embeddings=64)
+    return Root(m, _bert_loss), "m.albert.encoder.albert_layer_groups.*", _tokens(4, 32)
 
 
 def t5() -> tuple[nn.Module, str, Callable]:
     """HF T5 encoder-decoder: relative position bias (computed by block 0, passed on), cross
     attention, tied embeddings, dropout."""
-    tr = pytest.importorskip("transformers")
-    cfg = tr.T5Config(
-        vocab_size=128,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        dropout_rate=0.1,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        use_cache=False,
-    )
+    pytest.importorskip("transformers")
+    # relative_attention_max_distance: T5's default (the real-model zoo's T5 sets 16)
+    m = zoo._t5(vocab_size=128, relative_attention_max_distance=128)
 
     def loss(m, x):
         return m(input_ids=x, labels=x.flip(1)).loss
 
-    return Root(tr.T5ForConditionalGeneration(cfg), loss), "m.*coder.block.*", _tokens(4, 16)
+    return Root(m, loss), "m.*coder.block.*", _tokens(4, 16)
 
 
 def mixtral() -> tuple[nn.Module, str, Callable]:
     """HF Mixtral MoE: top-2 routing over 4 experts, router jitter noise (RNG), aux loss."""
-    tr = pytest.importorskip("transformers")
-    cfg = tr.MixtralConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        output_router_logits=True,
-        router_jitter_noise=0.1,
-        router_aux_loss_coef=0.01,
-        max_position_embeddings=64,
-        attention_dropout=0.1,
-        use_cache=False,
-    )
-
-    def loss(m, x):
-        return m(input_ids=x, labels=x).loss
-
-    return Root(tr.MixtralForCausalLM(cfg), loss), "m.model.layers.*", _tokens(4, 32)
+    pytest.importorskip("transformers")
+    m = zoo._mixtral(True, vocab_size=128, intermediate_size=64, max_position_embeddings=64)()
+    return Root(m, _causal_lm_loss), "m.model.layers.*", _tokens(4, 32)
 
 
 def qwen_moe() -> tuple[nn.Module, str, Callable]:
@@ -244,30 +187,14 @@ def qwen_moe() -> tuple[nn.Module, str, Callable]:
         max_position_embeddings=64,
         use_cache=False,
     )
-
-    def loss(m, x):
-        return m(input_ids=x, labels=x).loss
-
-    return Root(tr.Qwen2MoeForCausalLM(cfg), loss), "m.model.layers.*", _tokens(4, 32)
+    return Root(tr.Qwen2MoeForCausalLM(cfg), _causal_lm_loss), "m.model.layers.*", _tokens(4, 32)
 
 
 def mamba() -> tuple[nn.Module, str, Callable]:
     """HF Mamba (the slow, pure-torch scan on CPU): selective state space, depthwise conv."""
-    tr = pytest.importorskip("transformers")
-    cfg = tr.MambaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        state_size=8,
-        num_hidden_layers=2,
-        expand=2,
-        conv_kernel=4,
-        use_cache=False,
-    )
-
-    def loss(m, x):
-        return m(input_ids=x, labels=x).loss
-
-    return Root(tr.MambaForCausalLM(cfg), loss), "m.backbone.layers.*", _tokens(4, 32)
+    pytest.importorskip("transformers")
+    m = zoo._mamba(vocab_size=128, state_size=8)
+    return Root(m, _causal_lm_loss), "m.backbone.layers.*", _tokens(4, 32)
 
 
 class _SharedNet(nn.Module):

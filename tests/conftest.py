@@ -6,6 +6,7 @@ see the same world: see :mod:`tests.helpers.isolation` for what is restored and 
 
 from __future__ import annotations
 
+import gc
 import os
 
 # One intra-op thread everywhere, set before torch starts its pool: bit-exact comparisons need
@@ -24,6 +25,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.helpers.isolation import isolated_globals, torch_switches  # noqa: E402
+from tests.helpers.torch_memory import StepReferee  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 BASELINE = torch_switches()
@@ -48,3 +50,14 @@ def tokens(request, monkeypatch):
         monkeypatch.setattr(slots, "dict_version", None)
         monkeypatch.setattr(guards, "dict_version", None)
     return request.param
+
+
+@pytest.fixture(scope="module")
+def referee():
+    """One whole-process memory referee (:class:`tests.helpers.torch_memory.StepReferee`) for a
+    module's budget tests, started after a collection of what earlier tests left behind and
+    closed after the module's last test. A module may define its own (``gc.freeze`` first)."""
+    gc.collect()
+    r = StepReferee()
+    yield r
+    r.close()

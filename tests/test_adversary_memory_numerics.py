@@ -464,14 +464,6 @@ def _run_budget(shape: str, arm: str, referee: StepReferee, budget=None, steps: 
     ).peaks
 
 
-@pytest.fixture(scope="module")
-def referee():
-    gc.collect()
-    r = StepReferee()
-    yield r
-    r.close()
-
-
 _BUDGET_XFAIL: dict[str, str] = {
     "big_preserved_state": (
         "measured (i31-probe): halfway budget 8301192 B (plain 8.91 MiB, torch checkpoint 6.92); "

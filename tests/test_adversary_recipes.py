@@ -23,6 +23,7 @@ import lightning_replay as lr
 from tests.helpers.fresh_process import in_fresh_process
 from tests.helpers.recipes import (
     B,
+    Blk,
     D,
     PRES,
     WITH_BUDGET,
@@ -45,18 +46,6 @@ def _loss_step(fwd: Callable, after: Callable | None = None) -> Callable:
         out.pow(2).mean().backward()
 
     return step
-
-
-class Blk(nn.Module):
-    """A stateful block: a reduction over the batch and a BatchNorm."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-        self.bn = nn.BatchNorm1d(D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.lin(x - x.mean(0))).tanh()
 
 
 # ============================================================ class 1: argument objects

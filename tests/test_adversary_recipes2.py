@@ -26,6 +26,7 @@ import lightning_replay as lr
 
 from tests.helpers.recipes import (
     B,
+    Blk,
     D,
     PRES,
     WITH_BUDGET,
@@ -34,18 +35,6 @@ from tests.helpers.recipes import (
     replay_count,
     run,
 )
-
-
-class Blk(nn.Module):
-    """A stateful block: a reduction over the batch and a BatchNorm."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-        self.bn = nn.BatchNorm1d(D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.lin(x - x.mean(0))).tanh()
 
 
 # ============================================================ TorchScript (class 8 follow-up)

@@ -27,19 +27,7 @@ import lightning_replay as lr
 from lightning_replay import ReplayStrategy
 from tests.helpers.fresh_process import in_fresh_process
 from tests.helpers.lit_hazards import differing, state, trainer
-from tests.helpers.recipes import B, D, PRES, WITH_BUDGET, check, diff, replay_count, run
-
-
-class Blk(nn.Module):
-    """A stateful block: a reduction over the batch and a BatchNorm."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-        self.bn = nn.BatchNorm1d(D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.lin(x - x.mean(0))).tanh()
+from tests.helpers.recipes import B, Blk, D, PRES, WITH_BUDGET, check, diff, replay_count, run
 
 
 def _x(g: torch.Generator) -> torch.Tensor:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import gc
 import os
 import warnings
 from types import SimpleNamespace
@@ -37,7 +36,6 @@ import lightning_replay as lr
 from tests import test_budget_every_step as every_step
 from tests import test_memory_lifetime as lifetime
 from tests.adversary_round3_zoo import MODELS, build
-from tests.helpers.torch_memory import StepReferee
 
 STEPS = 6
 MEMORY_BATCH = {"mamba": 1}  # else 4; a case "name@n" runs the model at n x its batch
@@ -145,14 +143,6 @@ def _budget_builder(case: str):
     return make
 
 
-@pytest.fixture(scope="module")
-def referee():
-    gc.collect()
-    r = StepReferee()
-    yield r
-    r.close()
-
-
 _REGNET = (
     "measured: not the engine's: torch checkpoint's whole-process peak on RegNet's blocks is "
     "not below plain's (3,610,712 B against 3,605,656 at 4 x batch): the peak is outside the "
@@ -236,14 +226,6 @@ def test_held_between_steps(name, arm, monkeypatch):
 
 @pytest.mark.parametrize(
     "name,arm", _cases(UNINSTALL_XFAIL, [(n, a) for n in MODELS for a in ("none", "min")])
-)
-@pytest.mark.xfail(
-    strict=False,
-    reason="measured: passes alone and in its file; in the full suite's order (6 of 6 cases run "
-    "by default) a probe's observations (discovery.Touch <- Observation <- a list held from C, "
-    "no Python referrer) stay alive after uninstall with gc off. One earlier trigger found: a "
-    "torch.compile'd (aot_eager) wrapper test in the same process (now in a fresh process); "
-    "another remains unfound (issue 31)",
 )
 def test_uninstall_leaves_nothing_alive(name, arm, monkeypatch):
     """After uninstall and dropping model and optimizer, weak references to every tensor

@@ -34,17 +34,28 @@ TOLERANCE = 1.02  # the issue's bound: every step at most 2 % over the budget
 PLANNED = 4  # planned steps judged after the first plan
 
 
+def _tokens(s: int) -> torch.Tensor:
+    return torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(s))
+
+
+def _lm_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=x, labels=x).loss
+
+
+def _images(s: int) -> torch.Tensor:
+    return torch.randn(16, 3, 64, 64, generator=torch.Generator().manual_seed(s))
+
+
+def _logits_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return m(x).float().pow(2).mean()
+
+
 def _gpt2() -> tuple[nn.Module, str, Callable, Callable]:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(
         n_layer=3, n_embd=64, n_head=4, vocab_size=256, n_positions=64, use_cache=False
     )
-    return (
-        transformers.GPT2LMHeadModel(cfg),
-        "transformer.h.*",
-        lambda s: torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(s)),
-        lambda m, x: m(input_ids=x, labels=x).loss,
-    )
+    return transformers.GPT2LMHeadModel(cfg), "transformer.h.*", _tokens, _lm_loss
 
 
 def _llama() -> tuple[nn.Module, str, Callable, Callable]:
@@ -59,22 +70,12 @@ def _llama() -> tuple[nn.Module, str, Callable, Callable]:
         max_position_embeddings=128,
         use_cache=False,
     )
-    return (
-        transformers.LlamaForCausalLM(cfg),
-        "model.layers.*",
-        lambda s: torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(s)),
-        lambda m, x: m(input_ids=x, labels=x).loss,
-    )
+    return transformers.LlamaForCausalLM(cfg), "model.layers.*", _tokens, _lm_loss
 
 
 def _resnet() -> tuple[nn.Module, str, Callable, Callable]:
     torchvision = pytest.importorskip("torchvision")
-    return (
-        torchvision.models.resnet18(num_classes=10),
-        "layer*.*",
-        lambda s: torch.randn(16, 3, 64, 64, generator=torch.Generator().manual_seed(s)),
-        lambda m, x: m(x).float().pow(2).mean(),
-    )
+    return torchvision.models.resnet18(num_classes=10), "layer*.*", _images, _logits_loss
 
 
 def _resnet50() -> tuple[nn.Module, str, Callable, Callable]:
@@ -83,12 +84,7 @@ def _resnet50() -> tuple[nn.Module, str, Callable, Callable]:
     of parameters, their gradients and AdamW's two moments) is every arm's peak: plain and
     checkpoint tie to the byte (395,742,944 B) and no budget lies between them."""
     torchvision = pytest.importorskip("torchvision")
-    return (
-        torchvision.models.resnet50(num_classes=10),
-        "layer*.*",
-        lambda s: torch.randn(16, 3, 64, 64, generator=torch.Generator().manual_seed(s)),
-        lambda m, x: m(x).float().pow(2).mean(),
-    )
+    return torchvision.models.resnet50(num_classes=10), "layer*.*", _images, _logits_loss
 
 
 MODELS = {"gpt2": _gpt2, "llama": _llama, "resnet18": _resnet, "resnet50": _resnet50}
@@ -139,14 +135,6 @@ def _run(
         engine.uninstall()
     gc.collect()
     return peaks
-
-
-@pytest.fixture(scope="module")
-def referee():
-    gc.collect()
-    r = StepReferee()
-    yield r
-    r.close()
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

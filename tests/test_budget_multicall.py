@@ -83,11 +83,6 @@ def test_a_block_called_k_times_holds_a_halfway_budget(calls, referee):
     assert not over, f"x{calls}: steps over 1.02 x the budget {over}; {report}"
 
 
-@pytest.fixture(scope="module")
-def referee():
-    yield from every_step.referee.__wrapped__()
-
-
 def test_a_cost_the_meter_missed_is_charged_to_the_option_not_the_base(referee, monkeypatch):
     """A measured step whose segments held more than the plan's options were costed (here the
     per-window sum is switched off, as before the fix: ALBERT's layer costed as one of its 3

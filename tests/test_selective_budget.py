@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import gc
 
-import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lightning_replay as lr
-from tests.helpers.torch_memory import StepReferee
 
 D, H, B = 128, 512, 1024
 BLOCKS = 4
@@ -78,14 +76,6 @@ def _run(referee, arm, steps, budget=None):
         kept = {}
     gc.collect()
     return peaks, modes, kept
-
-
-@pytest.fixture(scope="module")
-def referee():
-    gc.collect()
-    r = StepReferee()
-    yield r
-    r.close()
 
 
 def test_calibrating_selective_options_holds_the_budget(referee):

@@ -718,23 +718,28 @@ def _check_known_kwargs(kwargs: Mapping[str, Any]) -> None:
 
 def register(registry: Any = StrategyRegistry) -> None:
     """Register the strategy names once; a name held by another class is an error."""
-    for name in STRATEGY_NAMES:
+    register_names(ReplayStrategy, STRATEGY_NAMES, registry)
+
+
+def register_names(cls: type, names: Mapping[str, str], registry: Any) -> None:
+    """Register ``cls`` under each of ``names`` (name -> ``start_method``) once; a name held by
+    another class is an error. ``cls`` from a reloaded module counts as the same class."""
+    for name, start_method in names.items():
         if name in registry:
             held = registry[name]["strategy"]
             if (
-                getattr(held, "__qualname__", None) == ReplayStrategy.__qualname__
-                and getattr(held, "__module__", None) == ReplayStrategy.__module__
+                getattr(held, "__qualname__", None) == cls.__qualname__
+                and getattr(held, "__module__", None) == cls.__module__
             ):
                 continue  # ours (possibly from a reloaded module): nothing to do
             raise ReplayConfigError(
                 f"strategy name {name!r} is already registered by {held!r}; lightning_replay "
-                "cannot register ReplayStrategy under it. Remove the other registration or use "
-                "ReplayStrategy(...) directly."
+                f"cannot register {cls.__name__} under it. Remove the other registration or use "
+                f"{cls.__name__}(...) directly."
             )
         registry.register(
             name,
-            ReplayStrategy,
-            description=f"lightning_replay ReplayStrategy with start_method "
-            f"{STRATEGY_NAMES[name]!r}",
-            start_method=STRATEGY_NAMES[name],
+            cls,
+            description=f"lightning_replay {cls.__name__} with start_method {start_method!r}",
+            start_method=start_method,
         )

@@ -78,6 +78,7 @@ from lightning_replay.strategies.launchers import RankExitLauncher
 from lightning_replay.strategies.replay import (
     ReplayStrategy,
     _check_replay_args,
+    register_names,
     replay_errors,
 )
 
@@ -534,23 +535,4 @@ def fsdp_mesh(
 
 def register(registry: Any = StrategyRegistry) -> None:
     """Register the strategy names once; a name held by another class is an error."""
-    for name in STRATEGY_NAMES:
-        if name in registry:
-            held = registry[name]["strategy"]
-            if (
-                getattr(held, "__qualname__", None) == ReplayFSDPStrategy.__qualname__
-                and getattr(held, "__module__", None) == ReplayFSDPStrategy.__module__
-            ):
-                continue  # ours (possibly from a reloaded module): nothing to do
-            raise ReplayConfigError(
-                f"strategy name {name!r} is already registered by {held!r}; lightning_replay "
-                "cannot register ReplayFSDPStrategy under it. Remove the other registration or "
-                "use ReplayFSDPStrategy(...) directly."
-            )
-        registry.register(
-            name,
-            ReplayFSDPStrategy,
-            description=f"lightning_replay ReplayFSDPStrategy with start_method "
-            f"{STRATEGY_NAMES[name]!r}",
-            start_method=STRATEGY_NAMES[name],
-        )
+    register_names(ReplayFSDPStrategy, STRATEGY_NAMES, registry)

@@ -38,6 +38,19 @@ WITH_BUDGET = PRES + [{"budget": "min"}]
 Step = Callable[[nn.Module, torch.Generator, int], Any]
 
 
+class Blk(nn.Module):
+    """A stateful block: a reduction over the batch and a BatchNorm (the recipe files' base
+    block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.bn = nn.BatchNorm1d(D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x - x.mean(0))).tanh()
+
+
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Each parameter's gradient, cloned (parameters without one are left out)."""
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

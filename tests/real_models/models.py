@@ -36,6 +36,12 @@ class RealModel:
         return self.name
 
 
+def _make(cls: Callable[..., Any], overrides: dict[str, Any], **fields: Any) -> Any:
+    """``cls(**fields)``, with ``overrides`` in place of fields or beside them: one builder
+    serves another file's sizes (``tests/adversary_round3_zoo.py``)."""
+    return cls(**{**fields, **overrides})
+
+
 def _gen(step: int) -> torch.Generator:
     return torch.Generator().manual_seed(1000 + step)
 
@@ -75,10 +81,12 @@ def _resnet18() -> nn.Module:
     return torchvision.models.resnet18(num_classes=10)
 
 
-def _vit() -> nn.Module:
+def _vit(**overrides: Any) -> nn.Module:
     from timm.models.vision_transformer import VisionTransformer
 
-    return VisionTransformer(
+    return _make(
+        VisionTransformer,
+        overrides,
         img_size=32,
         patch_size=8,
         embed_dim=32,
@@ -127,10 +135,12 @@ def _llama() -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-def _bert() -> nn.Module:
+def _bert(**overrides: Any) -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(
+    config = _make(
+        BertConfig,
+        overrides,
         vocab_size=VOCAB,
         hidden_size=32,
         num_hidden_layers=2,

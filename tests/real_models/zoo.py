@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import BATCH, SEQ, VOCAB, RealModel, _classify, _gen, _images, _tokens
+from .models import BATCH, SEQ, VOCAB, RealModel, _classify, _gen, _images, _make, _tokens
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -114,10 +114,12 @@ def _googlenet_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 _TINY_TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2)
 
 
-def _t5() -> nn.Module:
+def _t5(**overrides: Any) -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(
+    config = _make(
+        T5Config,
+        overrides,
         vocab_size=VOCAB,
         d_model=32,
         d_kv=8,
@@ -265,10 +267,12 @@ def _falcon() -> nn.Module:
     return FalconForCausalLM(config)
 
 
-def _mamba() -> nn.Module:
+def _mamba(**overrides: Any) -> nn.Module:
     from transformers import MambaConfig, MambaForCausalLM
 
-    config = MambaConfig(
+    config = _make(
+        MambaConfig,
+        overrides,
         vocab_size=VOCAB,
         hidden_size=32,
         state_size=4,
@@ -419,10 +423,12 @@ def _hf_convnext() -> nn.Module:
     return ConvNextForImageClassification(config)
 
 
-def _albert() -> nn.Module:
+def _albert(**overrides: Any) -> nn.Module:
     from transformers import AlbertConfig, AlbertForMaskedLM
 
-    config = AlbertConfig(
+    config = _make(
+        AlbertConfig,
+        overrides,
         vocab_size=VOCAB,
         embedding_size=16,
         hidden_size=32,
@@ -437,11 +443,13 @@ def _albert() -> nn.Module:
     return AlbertForMaskedLM(config)
 
 
-def _mixtral(router_logits: bool) -> Callable[[], nn.Module]:
+def _mixtral(router_logits: bool, **overrides: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        config = MixtralConfig(
+        config = _make(
+            MixtralConfig,
+            overrides,
             **_TINY_TEXT,
             intermediate_size=32,
             num_key_value_heads=2,
@@ -577,23 +585,29 @@ def _funnel() -> nn.Module:
     return FunnelForMaskedLM(config)
 
 
+#: the HF ViT-like image classifiers' sizes and their dropout and drop path
+_TINY_HF_VIT = dict(
+    image_size=32,
+    patch_size=8,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    drop_path_rate=0.2,
+    hidden_dropout_prob=0.1,
+    attention_probs_dropout_prob=0.1,
+    num_labels=10,
+)
+
+
 def _hf_beit() -> nn.Module:
     from transformers import BeitConfig, BeitForImageClassification
 
     config = BeitConfig(
-        image_size=32,
-        patch_size=8,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **_TINY_HF_VIT,
         intermediate_size=64,
         use_shared_relative_position_bias=True,  # one bias module, its output fed to every layer
         use_relative_position_bias=False,
         layer_scale_init_value=0.1,
-        drop_path_rate=0.2,
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
-        num_labels=10,
     )
     return BeitForImageClassification(config)
 
@@ -601,23 +615,25 @@ def _hf_beit() -> nn.Module:
 def _dinov2() -> nn.Module:
     from transformers import Dinov2Config, Dinov2ForImageClassification
 
-    config = Dinov2Config(
-        image_size=32,
-        patch_size=8,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        mlp_ratio=2,
-        layerscale_value=0.1,
-        drop_path_rate=0.2,
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
-        num_labels=10,
-    )
+    config = Dinov2Config(**_TINY_HF_VIT, mlp_ratio=2, layerscale_value=0.1)
     return Dinov2ForImageClassification(config)
 
 
 # ------------------------------------------------------------------------------ timm
+#: the ViT-like timm models' sizes and their dropout and drop path
+_TINY_VIT = dict(
+    img_size=32,
+    patch_size=8,
+    embed_dim=32,
+    depth=2,
+    num_heads=2,
+    mlp_ratio=2.0,
+    num_classes=10,
+    drop_rate=0.1,
+    drop_path_rate=0.2,
+)
+
+
 def _timm(name: str, **kwargs) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import timm
@@ -687,17 +703,7 @@ def _timm_swin() -> nn.Module:
 def _timm_deit_distilled() -> nn.Module:
     from timm.models.deit import VisionTransformerDistilled
 
-    return VisionTransformerDistilled(
-        img_size=32,
-        patch_size=8,
-        embed_dim=32,
-        depth=2,
-        num_heads=2,
-        mlp_ratio=2.0,
-        num_classes=10,
-        drop_rate=0.1,
-        drop_path_rate=0.2,
-    )
+    return VisionTransformerDistilled(**_TINY_VIT)
 
 
 def _timm_resnet_dropblock() -> nn.Module:
@@ -719,19 +725,11 @@ def _timm_vit_patch_drop() -> nn.Module:
     from timm.models.vision_transformer import VisionTransformer
 
     return VisionTransformer(
-        img_size=32,
-        patch_size=8,
-        embed_dim=32,
-        depth=2,
-        num_heads=2,
-        mlp_ratio=2.0,
-        num_classes=10,
-        drop_rate=0.1,
+        **_TINY_VIT,
         pos_drop_rate=0.1,
         patch_drop_rate=0.25,  # a random subset of patch tokens per sample, drawn before the blocks
         proj_drop_rate=0.1,
         attn_drop_rate=0.1,
-        drop_path_rate=0.2,
         init_values=1e-2,
         reg_tokens=2,
     )
@@ -740,20 +738,7 @@ def _timm_vit_patch_drop() -> nn.Module:
 def _timm_beit() -> nn.Module:
     from timm.models.beit import Beit
 
-    return Beit(
-        img_size=32,
-        patch_size=8,
-        embed_dim=32,
-        depth=2,
-        num_heads=2,
-        mlp_ratio=2.0,
-        num_classes=10,
-        use_shared_rel_pos_bias=True,
-        use_abs_pos_emb=False,
-        init_values=0.1,
-        drop_rate=0.1,
-        drop_path_rate=0.2,
-    )
+    return Beit(**_TINY_VIT, use_shared_rel_pos_bias=True, use_abs_pos_emb=False, init_values=0.1)
 
 
 # ------------------------------------------------------------------------------ torchvision

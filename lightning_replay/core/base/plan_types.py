@@ -21,19 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_replay.core.base.budget import format_bytes
+from lightning_replay.core.base.contract import OPTIONS
 from lightning_replay.errors import ReplayError
 
-#: Preservation options a segment may have. Iteration order everywhere in the planner is this
-#: order, so results never depend on the order a caller happened to build its dicts in.
-OPTION_NAMES: tuple[str, ...] = (
-    "retain",
-    "recompute",
-    "whole",
-    "regions",
-    "selective",
-    "selective_whole",
-    "selective_regions",
-)
+#: Preservation options a segment may have (the contract's :data:`OPTIONS`). Iteration order
+#: everywhere in the planner is this order, so results never depend on the order a caller
+#: happened to build its dicts in.
+OPTION_NAMES: tuple[str, ...] = OPTIONS
 
 #: Planning methods :func:`plan` accepts. ``joint`` is exact; the others are baselines.
 METHODS: tuple[str, ...] = (
