@@ -428,21 +428,12 @@ def _problems(name: str, setting: str, checked: bool = True) -> list[str]:
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_moved_storage_trains_as_plain(name, setting, checked, request):
+def test_moved_storage_trains_as_plain(name, setting, checked):
     """Checked: a derivative and byte check every step (a wrong replay is a record, and the
     step trains on the forward's graph). Unchecked: what a user trains, the replays' own
     gradients (before the fix, a queue grown or cut by ``resize_`` after a block's forward
     was read new by the replayed probe under a budget: every gradient of 7 steps wrong, one
-    probe divergence record)."""
-    if name == "queue_grown_then_buffer_at_its_address":
-        # non-strict: it turns on where the allocator places the rebound buffer
-        reason = (
-            "open: a queue grown by resize_ after the forward and a rebound buffer placed at the "
-            "queue's old address: on some runs (the allocator's placement, in the full file's "
-            "order 6 of 12 settings) the replay from step 3 differs - checked: a grad and bytes "
-            "divergence record at step 3; unchecked: every gradient from step 3 on wrong with no "
-            "record (silent). Not root-caused (see /work/notes/adv-address.md)"
-        )
-        request.applymarker(pytest.mark.xfail(strict=False, reason=reason))
+    probe divergence record; and a buffer rebound into a grown queue's old address took the
+    queue's name in the contract: every gradient from step 3 wrong, no record at all)."""
     problems = _problems(name, setting, checked)
     assert not problems, "; ".join(problems)
