@@ -93,16 +93,18 @@ def test_parameters_moved_by_the_optimizer_are_not_measured_as_activations():
     assert moved == _figures(Stack, SGD, SETTINGS["min"])
 
 
-def _landing() -> tuple[torch.nn.Parameter, MemoryAccountant, torch.Tensor] | None:
+def _landing(
+    shape: tuple[int, int],
+) -> tuple[torch.nn.Parameter, MemoryAccountant, torch.Tensor] | None:
     """A weight set static, freed (FSDP2's reshard after forward), a tensor the allocator
     placed at its old address, and the weight refilled elsewhere; None if none landed there
     (the allocator's choice: tried again by the caller)."""
     acct = MemoryAccountant()
-    w = torch.nn.Parameter(torch.randn(16, 16))
+    w = torch.nn.Parameter(torch.randn(*shape))
     acct.set_static([w])
     old, nbytes = w.data_ptr(), w.untyped_storage().nbytes()
     w.untyped_storage().resize_(0)
-    pool = [torch.empty(16, 16) for _ in range(8)]
+    pool = [torch.empty(*shape) for _ in range(8)]
     landed = [a for a in pool if a.data_ptr() == old]
     w.untyped_storage().resize_(nbytes)
     return (w, acct, landed[0]) if landed and w.data_ptr() != old else None
@@ -113,8 +115,9 @@ def test_an_activation_at_a_freed_parameters_address_is_counted():
     address: a weight freed after its forward and refilled elsewhere is still static, and a
     saved activation the allocator places at the weight's old address is counted (before the
     fix, a set of the window's first addresses took it for the weight: 0 bytes counted)."""
-    for _ in range(500):
-        found = _landing()
+    shapes = [(16, 16), (64, 8), (32, 32), (128, 128)]
+    for i in range(500):
+        found = _landing(shapes[i % len(shapes)])
         if found is not None:
             break
     else:
