@@ -464,18 +464,10 @@ def _run_budget(shape: str, arm: str, referee: StepReferee, budget=None, steps: 
     ).peaks
 
 
-_BUDGET_XFAIL: dict[str, str] = {
-    "big_preserved_state": (
-        "measured (i31-probe): halfway budget 8301192 B (plain 8.91 MiB, torch checkpoint 6.92); "
-        "only the probe step is over: 8.64 MiB (1.092 x; 10.14 MiB, 1.28 x, before the region log "
-        "kept no second copy of what the probe copied). The rest is the probe's first-touch "
-        "copies of both 1 MiB buffers (all of each storage, as the probe cannot know before the "
-        "step which part the window writes; regions later keeps 512 KiB each): no correct mode "
-        "of an unprobed stateful segment holds less (retaining it costs its activations, here "
-        "also about 1 MiB over checkpoint). Calibration steps now hold 1.001 x (were 1.127 x), "
-        "the first plan is no longer refused, planned steps 0.937 x"
-    ),
-}
+#: none left: big_preserved_state's probe step was 1.092 x (its first-touch copies of both
+#: 1 MiB buffers and of the batch); the probe keeps digests of big storages since (issue 31,
+#: i31-probemin), 0.965 x
+_BUDGET_XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

@@ -2,15 +2,28 @@
 
 During the segment's probe forward (which runs retained, so it is always exact) a dispatch mode
 sees every aten op. A tensor argument whose storage was not produced inside the segment is
-state; its bytes are copied at first touch (before the op runs). Arguments the schema marks as
-written are writes, and from that moment the window's region log is armed for that storage.
+state; its bytes are copied, or digested, at first touch (before the op runs). Arguments the
+schema marks as written are writes, and from that moment the window's region log is armed for
+that storage.
 ``generator=`` arguments name private generators; seeded ops without one use the global RNG.
 
 When the segment's backward starts (its replay time, had it been replayed), every touched
-storage is compared byte for byte with its first-touch copy: that finds what changed in the
+storage is compared byte for byte with its first-touch copy (or digest): that finds what changed in the
 window, including writes that bump no version counter and carry no schema annotation (eager
 CPU batch norm). Undoing the logged regions on the live bytes tells whether ``regions`` alone
 explains each change.
+
+Most touched state keeps no copy (issue 31: a whole copy of each big buffer, held from first
+touch to the segment's backward, put the probe step over a byte budget that planned steps
+hold). It keeps a digest of its first-touch bytes instead, and its storage's region log keeps
+the old bytes of each region written: changed is a digest that differs, and ``regions`` explains
+the change when undoing the log gives the first-touch digest back (a replayed probe's replay
+undoes the same log). A copy is still taken where a write can come unlogged: before an op that
+writes its arguments without a schema annotation (:data:`UNANNOTATED_WRITERS`, eager batch
+norm's running statistics; the copy is the first-touch bytes, rebuilt by undoing the log), before
+a host view that can be written (``.numpy()``), and, in a replayed probe, of storages up to
+:data:`COPY_BELOW` bytes (a write after the window's forward, where no capture runs, is then
+put back for its replay).
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from lightning_replay._compat import TorchDispatchMode, op_arguments, tree_leave
 from lightning_replay.core.mechanisms.preservation import RegionLog, redo, undo, write_args
 from lightning_replay.core.base.state import (
     StorageKey,
+    digest,
     same_generator,
     storage_bytes,
     storage_identity,
@@ -32,6 +46,30 @@ from lightning_replay.core.base.state import (
 )
 
 _SEEDED = torch.Tag.nondeterministic_seeded
+_aten = torch.ops.aten
+
+#: a replayed probe still copies the storages it touches up to this size at first touch (state,
+#: and arguments made outside autograd: a batch): a write after the window's forward (between
+#: the step's forward and its backward, where no capture runs) is then put back for its replay,
+#: at a small cost. A bigger storage keeps a digest: such a write to it is caught by the
+#: replay's comparison (a recorded divergence, a ``ReplayError`` under
+#: ``on_violation="raise"``), not put back. Issue 31: a copy of a big buffer, held from first
+#: touch to the segment's backward, put the probe step over the byte budget planned steps hold
+COPY_BELOW = 64 * 1024
+
+#: ops that write tensor arguments their schema does not mark as written (batch norm in
+#: training writes ``running_mean`` and ``running_var``; no version counter moves): a probe
+#: copies a state storage before such an op touches it, as no log sees the write
+UNANNOTATED_WRITERS = frozenset(
+    op
+    for name, overloads in (
+        ("native_batch_norm", ("default", "out")),
+        ("cudnn_batch_norm", ("default", "out")),
+        ("miopen_batch_norm", ("default", "out")),
+    )
+    for op in (getattr(getattr(_aten, name, None), o, None) for o in overloads)
+    if op is not None
+)
 
 
 @dataclasses.dataclass
@@ -40,8 +78,15 @@ class Touch:
 
     key: StorageKey
     tensor: torch.Tensor  # the first tensor seen on this storage (for external state)
-    snapshot: torch.Tensor | None  # storage bytes at first touch (None: parameters)
+    #: storage bytes at first touch (None: parameters, uncopied arguments, or digested)
+    snapshot: torch.Tensor | None
     mark: int  # region-log position at first touch
+    #: the digest of its bytes at first touch, where no copy was taken (see the module's
+    #: docstring); None once a copy is taken after all (:meth:`DiscoveryMode.copy_now`)
+    first_digest: int | None = None
+    first_nbytes: int = 0  # (and its storage's size then)
+    #: its log was armed as copied (entries keep only a digest of the old bytes)
+    arm_copied: bool = False
     read: bool = False
     annotated_write: bool = False
     changed_in_segment: bool = False
@@ -60,10 +105,16 @@ class DiscoveryMode(TorchDispatchMode):
         input_keys: set[StorageKey],
         params: Collection[StorageKey] = frozenset(),
         uncopied: Collection[StorageKey] = frozenset(),
+        copy_below: int = 0,
     ) -> None:
         super().__init__()
         self.log = log
         self.input_keys = input_keys
+        #: storages up to this many bytes are copied at first touch, bigger ones keep a digest
+        #: (a replayed probe's: :data:`COPY_BELOW`); 0: none (a retained probe puts nothing
+        #: back, a digest is all it compares)
+        self.copy_below = copy_below
+        self._busy = 0  # > 0 while it digests or copies (their host reads are its own)
         #: storages compared by their logged writes, as parameters are, not copied (a
         #: replayed probe's arguments that are no model state: its activations)
         self.uncopied = uncopied
@@ -96,31 +147,65 @@ class DiscoveryMode(TorchDispatchMode):
                 # parameter traffic that FSDP keeps consistent, not state to preserve.
                 self.parameter_traffic.add(key)
                 return None
-            snap = None
+            snap = first = None
+            is_input = key in self.input_keys
             if key not in self.params and key not in self.uncopied:
-                with torch.no_grad():
-                    snap = storage_bytes(t).clone()
+                self._busy += 1
+                try:
+                    with torch.no_grad():
+                        if t.untyped_storage().nbytes() <= self.copy_below:
+                            snap = storage_bytes(t).clone()
+                        else:
+                            first = digest(storage_bytes(t))
+                finally:
+                    self._busy -= 1
             touch = Touch(
                 key,
                 t.detach(),
                 snap,
                 self.log.arm(key, copied=snap is not None),
-                is_input=key in self.input_keys,
+                first_digest=first,
+                first_nbytes=t.untyped_storage().nbytes(),
+                arm_copied=snap is not None,
+                is_input=is_input,
                 source=weakref.ref(t),
             )
             self.touched[key] = touch
         return touch
 
-    def touch_all(self, tensors: list[torch.Tensor]) -> None:
+    def copy_now(self, touch: Touch) -> None:
+        """Take a digested storage's first-touch copy now, before a write no log sees: its
+        live bytes with the writes logged since first touch undone (then redone)."""
+        if touch.first_digest is None:
+            return
+        entries = self.log.since(touch.key, touch.mark)
+        self.log.paused += 1  # (these swaps are no write of the window's)
+        try:
+            with torch.no_grad():
+                undo(entries)
+                try:
+                    touch.snapshot = storage_bytes(touch.tensor).clone()
+                finally:
+                    redo(entries)
+        finally:
+            self.log.paused -= 1
+        touch.first_digest = None
+
+    def touch_all(self, tensors: list[torch.Tensor], copy: bool = False) -> None:
         """Watch state the segment may read without an op the mode sees (``.tolist()`` and
-        other host reads, or reads that start after a warm-up)."""
+        other host reads, or reads that start after a warm-up). ``copy``: a host view that
+        can be written (``.numpy()``) was handed out: no log sees a write through it."""
+        if self._busy:  # (a digest's own host read: no read of the segment's)
+            return
         for t in tensors:
-            self._touch(t)
+            touch = self._touch(t)
+            if copy and touch is not None:
+                self.copy_now(touch)
 
     def release(self) -> None:
         """Disarm the region log for a probe that will never be observed."""
         for key, touch in self.touched.items():
-            self.log.release(key, copied=touch.snapshot is not None)
+            self.log.release(key, copied=touch.arm_copied)
         self.touched = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -139,6 +224,8 @@ class DiscoveryMode(TorchDispatchMode):
                     empty.append(t)
                 touch = self._touch(t)
                 if touch is not None:
+                    if func in UNANNOTATED_WRITERS:
+                        self.copy_now(touch)
                     if a.name in written:
                         touch.annotated_write = True
                     else:
@@ -162,6 +249,7 @@ class DiscoveryMode(TorchDispatchMode):
                     t.detach(),
                     torch.empty(0, dtype=torch.uint8, device=t.device),
                     self.log.arm(key, copied=True),
+                    arm_copied=True,
                     annotated_write=True,
                     source=weakref.ref(t),
                 )
@@ -176,7 +264,12 @@ class DiscoveryMode(TorchDispatchMode):
         """Called when the segment's forward returns: which state did it change itself?"""
         with torch.no_grad():
             for touch in self.touched.values():
-                if touch.snapshot is None:
+                if touch.first_digest is not None:
+                    live = storage_bytes(touch.tensor)
+                    touch.changed_in_segment = (
+                        live.numel() != touch.first_nbytes or digest(live) != touch.first_digest
+                    )
+                elif touch.snapshot is None:
                     touch.changed_in_segment = touch.annotated_write
                 else:
                     touch.changed_in_segment = not torch.equal(
@@ -268,8 +361,15 @@ class Observation:
     regions_ok: bool
     region_bytes: int
     #: a parameter's logged writes in the window, kept for a replayed probe's replay (it
-    #: undoes them, as parameters are not copied)
+    #: undoes them, as parameters are not copied), or those of a digested storage whose
+    #: change they explain
     entries: list | None = None
+    #: a digested storage changed in a way its log does not explain: no bytes to put back
+    #: (a replayed probe's replay reads it as it is now; its comparison says if that mattered)
+    unrestorable: bool = False
+    #: a digested storage's digest at the window's end (a replayed probe's): its replay must
+    #: leave these bytes (see probe_replay._check_unlogged_writes)
+    after: int | None = None
 
 
 def observe_window(
@@ -284,6 +384,10 @@ def observe_window(
     with torch.no_grad():
         for key, touch in mode.touched.items():
             entries = log.since(key, touch.mark)
+            if touch.first_digest is not None:
+                out.append(_observe_digested(touch, entries, keep_changed))
+                log.release(key)
+                continue
             if touch.snapshot is None:
                 # a parameter (or an uncopied argument): its writes in the window are annotated
                 # and logged (the optimizer writes it between steps); a version counter is no
@@ -329,7 +433,39 @@ def observe_window(
                 for e in light:
                     e.saved = None
             out.append(Observation(touch, changed, regions_ok, sum(e.nbytes for e in entries)))
-            log.release(key, copied=True)
+            log.release(key, copied=touch.arm_copied)
             if not (keep_changed and changed):
                 touch.snapshot = touch.snapshot.new_empty(0)  # the probe's copies go now
     return out
+
+
+def _observe_digested(touch: Touch, entries: list, keep_changed: bool) -> Observation:
+    """A storage the probe kept only a digest of: changed if its digest differs (or a write was
+    seen); ``regions`` explains the change if undoing its log gives the first-touch digest back.
+    The entries hold the old bytes (its arm was not a copied one): a replayed probe's replay
+    undoes them (``keep_changed``)."""
+    t = touch.tensor
+    src = touch.source() if touch.source is not None else None
+    moved = src is not None and storage_identity(src) != storage_identity(t)
+    live = storage_bytes(t)
+    resized = live.numel() != touch.first_nbytes
+    now = (
+        digest(live) if keep_changed or not (resized or entries or touch.annotated_write) else None
+    )
+    changed = resized or bool(entries) or touch.annotated_write or now != touch.first_digest
+    regions_ok = False
+    if changed and not (moved or resized) and all(e.saved is not None for e in entries):
+        undo(entries)
+        try:
+            regions_ok = digest(live) == touch.first_digest
+        finally:
+            redo(entries)
+    return Observation(
+        touch,
+        changed,
+        regions_ok,
+        sum(e.nbytes for e in entries),
+        entries if keep_changed and changed and regions_ok and entries else None,
+        unrestorable=changed and not regions_ok,
+        after=now if keep_changed else None,
+    )

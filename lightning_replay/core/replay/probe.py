@@ -39,7 +39,12 @@ from lightning_replay.core.mechanisms.arguments import (
 )
 from lightning_replay.core.base.ports import ProbedSegment, ProbeHost, RecordSink
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract, StateEntry
-from lightning_replay.core.mechanisms.discovery import DiscoveryMode, Observation, observe_window
+from lightning_replay.core.mechanisms.discovery import (
+    COPY_BELOW,
+    DiscoveryMode,
+    Observation,
+    observe_window,
+)
 from lightning_replay.core.replay.probe_replay import _ProbeReplay
 from lightning_replay.errors import ReplayConfigError, ReplayError
 from lightning_replay.core.mechanisms.host_rng import (
@@ -160,15 +165,17 @@ class _HostReads:
         for name in self._NAMES:
             orig = torch.Tensor.__dict__.get(name, _MISSING)
             self._saved.append((name, orig))
-            setattr(torch.Tensor, name, self._watch(getattr(torch.Tensor, name)))
+            watched = self._watch(getattr(torch.Tensor, name), name != "tolist")
+            setattr(torch.Tensor, name, watched)
         return self
 
-    def _watch(self, fn: Callable) -> Callable:
+    def _watch(self, fn: Callable, writable: bool) -> Callable:
         mode = self.mode
 
         def watched(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
-                mode.touch_all([t])
+                # (a host view that can be written: no log sees a write through it)
+                mode.touch_all([t], copy=writable)
             return fn(t, *args, **kwargs)
 
         return watched
@@ -610,18 +617,28 @@ class SegmentProbe:
         input_keys = {k for k in leaf_keys if k}
         params = {k for k in (storage_key(p) for p in eng.model.parameters()) if k is not None}
         start_index = StateIndex(eng.model)  # who held each storage when it began
-        # A replayed probe does not copy the arguments that are no model state (the window's
-        # activations, kept alive by the call anyway) ... except those made outside autograd
-        # (a batch, a detached tensor): the step may write one in place before backward
-        # (``x.mul_(0.5)`` after the forward), where no capture sees it, and its replay must
-        # read the forward's bytes
+        # A replayed probe watches the arguments that are no model state (the window's
+        # activations, kept alive by the call anyway) by their logged writes only ... except
+        # those made outside autograd (a batch, a detached tensor), watched as state: the step
+        # may write one in place before backward (``x.mul_(0.5)`` after the forward), where no
+        # capture sees it, and its replay must read the forward's bytes (a small one's copy; a
+        # big one's digest tells the comparison, discovery.COPY_BELOW)
         fresh = {storage_key(t) for t in leaves if t.grad_fn is None}
         uncopied = (
             {k for k in input_keys if not start_index.lookup(k) and k not in fresh}
             if replayed
             else ()
         )
-        mode = DiscoveryMode(eng.log, input_keys, params - input_keys, uncopied)
+        # State and arguments keep a digest of their first-touch bytes, not a copy, except
+        # small ones in a replayed probe (discovery.COPY_BELOW): the old bytes of written regions
+        # are in the region log
+        mode = DiscoveryMode(
+            eng.log,
+            input_keys,
+            params - input_keys,
+            uncopied,
+            copy_below=COPY_BELOW if replayed else 0,
+        )
         slots = capture_slots(self.seg.modules)
         # State the dispatch mode may never see read (host reads such as .tolist(), reads
         # after a warm-up) is watched all the same: every buffer and tensor attribute.

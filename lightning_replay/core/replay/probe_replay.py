@@ -28,6 +28,7 @@ from lightning_replay.core.mechanisms.slot_restore import (
 )
 from lightning_replay.core.mechanisms.slots import MISSING
 from lightning_replay.core.base.state import (
+    digest,
     digests,
     resolve_tokens,
     storage_bytes,
@@ -103,8 +104,19 @@ class _ProbeReplay:
             for ob in probe.observations:
                 t = ob.touch
                 if ob.entries:  # a parameter written in the window: its logged writes undone
+                    # (state the segment writes: the replay writes those regions again, and the
+                    # redo would leave the replay's bytes in the entries, where a later reader
+                    # of the same log (a segment sharing the storage, still armed) or the
+                    # replay after a backward that keeps its graph undoes them. The old bytes
+                    # are kept apart until the redo)
+                    olds = None
+                    writes = t.annotated_write or t.changed_in_segment
+                    if self.keep or (writes and t.key in rt.engine.log.armed):
+                        olds = [
+                            e.saved.clone() if e.saved is not None else None for e in ob.entries
+                        ]
                     undo(ob.entries)
-                    self.undone.append(ob.entries)
+                    self.undone.append((ob.entries, olds))
                     continue
                 src = t.source() if t.source is not None else None
                 if src is not None and (
@@ -258,6 +270,16 @@ class _ProbeReplay:
             return
         detail["differing_outputs"] = differ[:16]
         detail["action"] = "next probe retained"
+        # state the probe kept only a digest of (a big storage, under a byte budget) that
+        # changed with no logged write: written after the window's forward, where no capture
+        # runs (discovery.COPY_BELOW)
+        unlogged = [
+            eng.state_name(ob.touch.tensor) or f"a tensor {_meta(ob.touch.tensor)}"
+            for ob in probe.observations or []
+            if getattr(ob, "unrestorable", False)
+        ]
+        if unlogged:
+            detail["unlogged_writes"] = unlogged[:16]
         eng.records.append(
             step=probe.step,
             segment=rt.name,
@@ -293,6 +315,16 @@ class _ProbeReplay:
             "in the window, a storage resized or swapped, a value drawn outside the model); "
             "recorded as a divergence. Its next probe runs retained."
         )
+        if unlogged:
+            message += (
+                f" {', '.join(unlogged[:4])} changed with no logged write (after the "
+                "window's forward ended, where no capture runs, or by an op whose schema "
+                "declares no write), and under a byte budget the probe keeps a digest, not a "
+                "copy, of such big state: write it inside the window (in training_step, or "
+                "inside `with engine.window():` around the step's forward and that write), "
+                "declare the op's write (Tensor(a!)), or train without a byte budget for the "
+                "probe step."
+            )
         if eng.on_violation == "raise":
             raise ReplayError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -329,12 +361,16 @@ class _ProbeReplay:
         with torch.no_grad():
             for t, snap, _ in self.swapped:
                 storage_bytes(t).copy_(snap)  # the live bytes the swap left in the copy
-            for entries in reversed(self.undone):
+            for entries, olds in reversed(self.undone):
                 redo(entries)
+                for e, saved in zip(entries, olds or ()):
+                    e.saved = saved
             for src, live, _ in reversed(self.repointed):
                 src.set_(*live)
         set_versions([src for src, _, _ in self.repointed], [v for _, _, v in self.repointed])
         set_versions([t for t, _, _ in self.swapped], [v for _, _, v in self.swapped])
+        if exc[0] is None:
+            self._check_unlogged_writes()
         # kept whole for the replay a backward that keeps its graph is followed by (see keep)
         probe = self.box.get("probe") if not self.keep else None
         self.swapped = []
@@ -356,6 +392,52 @@ class _ProbeReplay:
                     if ob.touch.snapshot is not None and ob.touch.snapshot.numel():
                         ob.touch.snapshot = ob.touch.snapshot.new_empty(0)
         return False
+
+    def _check_unlogged_writes(self) -> None:
+        """State the probe kept only a digest of (discovery.COPY_BELOW) must hold the window's
+        bytes again once the replay is swapped out. A write the replay made that no log saw
+        (an op writing without a schema annotation that the probe does not know) cannot be
+        undone without a copy: it is recorded as a divergence, never left silent."""
+        probe = self.box["probe"]
+        rt = self.rt
+        eng = rt.engine
+        with torch.no_grad():
+            leaked = [
+                ob
+                for ob in probe.observations or []
+                if ob.after is not None and digest(storage_bytes(ob.touch.tensor)) != ob.after
+            ]
+        if not leaked:
+            return
+        names = [
+            eng.state_name(ob.touch.tensor) or f"a tensor {_meta(ob.touch.tensor)}" for ob in leaked
+        ]
+        eng.records.append(
+            step=probe.step,
+            segment=rt.name,
+            contract_version=rt.version,
+            check="probe",
+            outcome="divergence",
+            detail={
+                "what": "replayed probe: its replay wrote state no log saw",
+                "state": names[:16],
+                "action": "next probe retained",
+            },
+        )
+        rt.divergences += 1
+        rt.retained_probe = True
+        eng._contracts_changed()
+        message = (
+            f"segment {rt.name!r}: the replay of its probe (step {probe.step}) wrote "
+            f"{', '.join(names[:4])} with an op that no capture logs (a write its schema does "
+            "not declare), and under a byte budget the probe keeps a digest, not a copy, of "
+            "such big state: the replay's write stays, so that state has been written twice "
+            "this step. Recorded as a divergence; its next probe runs retained. Declare the "
+            "write in the op's schema (Tensor(a!)), or keep the op outside segments."
+        )
+        if eng.on_violation == "raise":
+            raise ReplayError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _check_next_step(eng: Any, segment: str) -> None:
