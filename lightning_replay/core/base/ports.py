@@ -220,17 +220,18 @@ class CheckHost(Protocol):
 
 
 class CheckedSegment(Protocol):
-    """One segment as its checks see it. Read: its name, module(s), forward, the storages the
-    probe saw as state, the selective calls not kept, its contract. Written: the counters
-    (``checks``, ``divergences``, ``reactions``) and the reaction to a divergence (``status``,
-    ``demoted``, ``planned_option``). ``_prepare`` takes one call's entry state (restore's
-    invocation), ``_derive`` refreshes the cached figures after the contract changed."""
+    """One segment as its checks see it. Read: its name, module(s), forward, its contract's state
+    bound to the live model (where it is now), the selective calls not kept, its contract.
+    Written: the counters (``checks``, ``divergences``, ``reactions``) and the reaction to a
+    divergence (``status``, ``demoted``, ``planned_option``). ``_prepare`` takes one call's
+    entry state (restore's invocation), ``_derive`` refreshes the cached figures after the
+    contract changed."""
 
     name: str
     module: Any
     modules: list
     orig_forward: Any
-    state_keys: set
+    bound: list  # the contract's state bound to the live model (where it is now)
     sac_skip: set
     contract: ReplayContract | None
     status: str

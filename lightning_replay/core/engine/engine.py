@@ -903,9 +903,7 @@ class ReplayEngine:
             self._cuda_held = int(torch.cuda.memory_allocated(dev))
         if acct is not None:
             self._last_peak = acct.peak
-            acct.static = {
-                storage_key(t) for t in list(self.model.parameters()) + list(self.model.buffers())
-            }
+            acct.set_static([*self.model.parameters(), *self.model.buffers()])
             acct.reset_peak()
             # (the user's hooks below it still apply to what replays save: runtime.py)
             self._hooks_below_accountant = top_saved_tensors_hooks()

@@ -19,6 +19,7 @@ leave them out too, so the plan's costs and the accountant's figures agree.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Hashable, Iterable
 
 import torch
@@ -73,7 +74,9 @@ class MemoryAccountant:
     """Live and peak bytes, counted per storage (a storage held twice counts once)."""
 
     def __init__(self) -> None:
-        self.static: set = set()
+        #: the storages of the model's parameters and buffers as the window began, by storage
+        #: object (see :meth:`set_static`)
+        self.static: weakref.WeakSet = weakref.WeakSet()
         self._live: dict[Hashable, list] = {}
         self.by_tag: dict[str, int] = {}
         self.tag = "base"  # who is running: "base" or a segment name
@@ -132,9 +135,20 @@ class MemoryAccountant:
         between a forward and its replay (the refilled storage may lie at another address)."""
         return self.counted_elsewhere is not None and self.counted_elsewhere(t)
 
+    def set_static(self, tensors: Iterable[torch.Tensor]) -> None:
+        """The model's parameters and buffers, held all step in the base: saved, they count
+        nothing. By storage object, not address: FSDP2 frees a gathered parameter after the
+        forward and refills it elsewhere (it stays static), and an activation that lands at
+        its old address is the step's, counted (weak: a buffer rebound in the window is not
+        kept alive)."""
+        self.static = weakref.WeakSet()
+        for t in tensors:
+            if storage_key(t) is not None:
+                self.static.add(t.untyped_storage())
+
     def hold_tensor(self, t: torch.Tensor, tag: str | None = None) -> Hashable | None:
         key = storage_key(t)
-        if key is None or key in self.static:
+        if key is None or t.untyped_storage() in self.static:
             return None
         if self.elsewhere(t):
             return None

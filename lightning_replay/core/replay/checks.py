@@ -155,6 +155,15 @@ def _saving_counted(
         saved = {}
 
 
+def _state_keys_now(seg: CheckedSegment) -> set:
+    """Where the segment's state is now: its contract's tensors, looked up in the live model.
+    Not the addresses its probe saw: a parameter FSDP2 freed and gathered again, a queue grown
+    by ``resize_`` or a weight an optimizer put on new storage has moved since, and one of this
+    call's activations may lie where it was (it is this call's, and counts)."""
+    keys = {storage_key(t) for t in (b.get() for b in seg.bound) if isinstance(t, torch.Tensor)}
+    return keys - {None}
+
+
 def _grad_outputs(out: Any) -> list[torch.Tensor]:
     """The differentiable tensors of a segment's output, each once, in order."""
     seen: set[int] = set()
@@ -382,7 +391,7 @@ class SegmentChecks:
         change). ``record`` gets the tensors it saves, in order (see :func:`_saving_counted`)."""
         eng = self.host
         saved: dict = {}
-        exclude = self.seg.state_keys | {storage_key(t) for t in call_tensors(args, kwargs)}
+        exclude = _state_keys_now(self.seg) | {storage_key(t) for t in call_tensors(args, kwargs)}
         eng._segment_depth += 1
         try:
             with _saving_counted(

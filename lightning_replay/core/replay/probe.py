@@ -1006,10 +1006,12 @@ class SegmentProbe:
                 refs = index.lookup(t.key)
                 if not refs and t.is_input:
                     continue  # an argument of this call (see written_inputs), not state
-                if not refs and p.start_index is not None:
-                    # a slot whose tensor got a new storage in the window (resize_, set_,
-                    # ``.data = ...``): the entry follows the slot, not the dead storage
-                    refs = p.start_index.lookup(t.key)
+                # who held the storage as the forward began comes first: a slot whose tensor
+                # got a new storage in the window (resize_, set_, ``.data = ...``) is named by
+                # it, and after ``resize_`` (the old bytes freed in place) another state tensor
+                # may live at the old address now (a buffer rebound there)
+                start = p.start_index.lookup(t.key) if p.start_index is not None else []
+                refs = start or refs
                 entry, b = self._entry_for(t, refs, eng)
                 if entry.name in merged:
                     prev = merged[entry.name]

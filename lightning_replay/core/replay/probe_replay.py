@@ -43,6 +43,11 @@ from lightning_replay.core.base.state import (
 _Probe = Any
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    """Which elements of its storage ``t`` reads: offset, shape and strides."""
+    return t.storage_offset(), tuple(t.shape), t.stride()
+
+
 class _ProbeReplay:
     """Around a replayed probe's replay: the window's changes swapped out, the forward's state
     swapped in, the replay's outputs compared with the forward's, and the live state put back.
@@ -114,8 +119,12 @@ class _ProbeReplay:
                     self.undone.append((ob.entries, olds))
                     continue
                 src = t.source() if t.source is not None else None
-                if src is not None and storage_identity(src) != storage_identity(t.tensor):
-                    # the object the forward read now has another storage: point it back
+                if src is not None and (
+                    storage_identity(src) != storage_identity(t.tensor)
+                    or _layout(src) != _layout(t.tensor)
+                ):
+                    # the object the forward read now has another storage, or another view of
+                    # it (a queue cut or regrown by ``resize_`` within its storage): point it back
                     self.repointed.append(
                         (
                             src,
@@ -133,7 +142,31 @@ class _ProbeReplay:
                     continue
                 live = storage_bytes(t.tensor)
                 if live.numel() != t.snapshot.numel():
-                    continue  # resized since: the output comparison says if it mattered
+                    # resized since (a queue grown by ``resize_`` reallocates its storage in
+                    # place: the tensor the forward read and its alias now both reach the new
+                    # bytes): pointed at the first-touch copy, as the forward laid it out
+                    src = t.source() if t.source is not None else None
+                    if src is not None:
+                        snap = t.snapshot.clone() if self.keep else t.snapshot
+                        self.repointed.append(
+                            (
+                                src,
+                                (
+                                    src.untyped_storage(),
+                                    src.storage_offset(),
+                                    src.shape,
+                                    src.stride(),
+                                ),
+                                src._version,
+                            )
+                        )
+                        src.set_(
+                            snap.untyped_storage(),
+                            t.tensor.storage_offset(),
+                            t.tensor.shape,
+                            t.tensor.stride(),
+                        )
+                    continue
                 if self.keep:
                     self.swapped.append((t.tensor, live.clone(), t.tensor._version))
                     live.copy_(t.snapshot)
