@@ -73,6 +73,8 @@ class RuntimeHost(ReplayHost, ProbeHost, CheckHost, CostSource, Protocol):
 
     def _implicit_window(self) -> Any: ...
 
+    def _capture_if_open(self) -> None: ...
+
     def _tagged(self, name: str) -> Any: ...
 
     def _capture_sampling(self) -> bool: ...
@@ -367,6 +369,10 @@ class SegmentRuntime:
             detail={"changed": names[:16], "action": "re-probe"},
         )
         eng._contracts_changed()
+        # the window's forward may have begun without a capture (a plan that logs nothing):
+        # the re-probe's state written later in it (by the root, after this segment) must
+        # be logged, as a probe under a byte budget keeps only a digest of big state
+        eng._capture_if_open()
 
     def _field_name(self, key: Any) -> str:
         if not isinstance(key, tuple):

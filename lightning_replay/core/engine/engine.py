@@ -779,6 +779,13 @@ class ReplayEngine:
             if self._needs_capture:
                 self._start_capture()
 
+    def _capture_if_open(self) -> None:
+        """Start the capture now if a window's forward is open without one, no segment runs
+        and a contract needs it (a segment re-probed mid-window: its guard fired)."""
+        if self._needs_capture and self._forward_open and self._capture is None:
+            if not self._segment_depth:
+                self._start_capture()
+
     def _start_capture(self) -> None:
         """Run the capture mode (writes to armed storages are logged) until the window's
         forward ends."""

@@ -51,6 +51,28 @@ def write_args(func: Any) -> tuple[tuple[int, str], ...]:
     return cached
 
 
+def _unannotated_writes() -> dict[Any, tuple[tuple[int, str], ...]]:
+    out = {}
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
+        for overload in ("default", "out"):
+            op = getattr(getattr(_aten, name, None), overload, None)
+            if op is not None:
+                out[op] = tuple(
+                    (i, a.name)
+                    for i, a in enumerate(op_arguments(op))
+                    if a.name in ("running_mean", "running_var")
+                )
+    return out
+
+
+#: ops that write arguments their schema does not mark as written, and which ones: batch norm
+#: in training writes ``running_mean`` and ``running_var`` (no version bump either). The
+#: capture logs them as writes: a probe under a byte budget keeps only a digest of big state,
+#: and a batch norm the window runs outside the segments (after them, in the root's forward or
+#: ``training_step``) must leave the old bytes of statistics a segment read
+UNANNOTATED_WRITES = _unannotated_writes()
+
+
 def arg_value(func: Any, args: tuple, kwargs: dict, pos: int, name: str) -> Any:
     if pos < len(args):
         return args[pos]
@@ -303,7 +325,10 @@ class CaptureMode(TorchDispatchMode):
         armed = log.armed
         written = None
         if armed and not log.paused:
-            for pos, name in write_args(func):
+            writes = write_args(func)
+            if func in UNANNOTATED_WRITES and arg_value(func, args, kwargs, 5, "training"):
+                writes = writes + UNANNOTATED_WRITES[func]
+            for pos, name in writes:
                 v = arg_value(func, args, kwargs, pos, name)
                 # a Tensor(a!)[] argument (the _foreach_ ops) writes each of its tensors
                 for t in v if isinstance(v, (list, tuple)) else (v,):
