@@ -570,3 +570,35 @@ def test_lightning_reprobe_mid_run_then_write_in_training_step_is_exact(tmp_path
     t.fit(model, _loader())
     assert differing(state(ref), state(model)) == []
     assert _nonmatch(t.strategy.engine) == []
+
+
+class LitRootNorm(L.LightningModule):
+    """``training_step`` runs a batch norm after the segments; a segment reads its big running
+    statistics (eager batch norm writes them with no version bump, no schema annotation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.net = RootNorm()
+
+    def training_step(self, batch, batch_idx):
+        net = self.net
+        h = net.blocks[1](net.blocks[0](batch[0]))
+        return (h + net.norm(h.repeat(1, BIG // D)).reshape(B, -1, D).mean(1)).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_lightning_batch_norm_after_the_segments_in_training_step_is_exact(tmp_path):
+    ref = LitRootNorm()
+    L.seed_everything(7)
+    trainer(tmp_path, max_steps=4).fit(ref, _loader())
+    model = LitRootNorm()
+    L.seed_everything(7)
+    t = trainer(
+        tmp_path, strategy=ReplayStrategy(segments=["net.blocks.*"], budget="min"), max_steps=4
+    )
+    t.fit(model, _loader())
+    assert differing(state(ref), state(model)) == []
+    assert _nonmatch(t.strategy.engine) == []
