@@ -299,10 +299,6 @@ def optimizer_bytes(eng) -> int:
 # step's temporaries alone, and the residual is no longer clamped at 0 for the gradients.
 
 
-#: bytes of the credit never given (see grad_credits): a few pages
-CREDIT_MARGIN = 16 * 1024
-
-
 def fresh_grads(model: nn.Module) -> dict:
     """Storage key -> gradient bytes of the trainable parameters whose gradients are all None
     now (each parameter's own bytes, at most its storage's: what the base charges for it).
@@ -394,9 +390,5 @@ def grad_credits(eng) -> tuple[int, dict[str, int]]:
         # (at inputs larger than measured, the residual is scaled with them: the measured
         # figures as if every gradient were charged all step are, and nothing is credited)
         return 0, {}
-    # less a margin: a credited moment is predicted to the byte of the measured step, and a
-    # scalar placed on the other side of a phase boundary would put a step a few bytes over
-    total = max(sum(fresh.values()) - CREDIT_MARGIN, 0)
-    return total, {
-        n: total - max(grad_credit(eng, fresh, n) - CREDIT_MARGIN, 0) for n in eng.segments
-    }
+    total = sum(fresh.values())
+    return total, {n: total - grad_credit(eng, fresh, n) for n in eng.segments}
