@@ -29,9 +29,10 @@ def storage_key(t: torch.Tensor) -> StorageKey | None:
         st = t.untyped_storage()
         # A wrapper subclass (an FSDP2 sharded parameter is a DTensor) has a storage object
         # with no data behind it: its data pointer raises. Freed storage (FSDP2's unsharded
-        # parameters between all-gathers) has a null pointer.
+        # parameters between all-gathers) has a null pointer. A lazy module's uninitialized
+        # parameter refuses to give its storage.
         ptr = st.data_ptr()
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError, ValueError):  # (ValueError: a lazy parameter)
         return None
     if ptr == 0 or st.nbytes() == 0:
         return None
