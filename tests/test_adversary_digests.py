@@ -534,19 +534,25 @@ def _loader():
     return torch.utils.data.DataLoader(ds, batch_size=B)
 
 
-@pytest.mark.parametrize("budget", BUDGETS)
-def test_lightning_ema_teacher_and_queue_in_training_step_are_exact(tmp_path, budget):
-    ref = LitEMA()
+def _fit_both(tmp_path, make: Callable[[], L.LightningModule], budget: Any, steps: int) -> None:
+    """Fit ``make()`` under plain ``Trainer()`` and under ``ReplayStrategy(budget=...)`` with
+    the same seed and batches: equal state, and no record but matches."""
+    ref = make()
     L.seed_everything(7)
-    trainer(tmp_path, max_steps=6).fit(ref, _loader())
-    model = LitEMA()
+    trainer(tmp_path, max_steps=steps).fit(ref, _loader())
+    model = make()
     L.seed_everything(7)
     t = trainer(
-        tmp_path, strategy=ReplayStrategy(segments=["net.blocks.*"], budget=budget), max_steps=6
+        tmp_path, strategy=ReplayStrategy(segments=["net.blocks.*"], budget=budget), max_steps=steps
     )
     t.fit(model, _loader())
     assert differing(state(ref), state(model)) == []
     assert _nonmatch(t.strategy.engine) == []
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_lightning_ema_teacher_and_queue_in_training_step_are_exact(tmp_path, budget):
+    _fit_both(tmp_path, LitEMA, budget, steps=6)
 
 
 class LitResized(L.LightningModule):
@@ -576,17 +582,7 @@ def test_lightning_reprobe_mid_run_then_write_in_training_step_is_exact(tmp_path
     """A plan that logs nothing runs its windows without a capture; a guard that fires then
     re-probes the segments mid-window, and their big buffer, written later in
     ``training_step``, must be logged (it was a ``ReplayError`` under a byte budget)."""
-    ref = LitResized()
-    L.seed_everything(7)
-    trainer(tmp_path, max_steps=6).fit(ref, _loader())
-    model = LitResized()
-    L.seed_everything(7)
-    t = trainer(
-        tmp_path, strategy=ReplayStrategy(segments=["net.blocks.*"], budget=budget), max_steps=6
-    )
-    t.fit(model, _loader())
-    assert differing(state(ref), state(model)) == []
-    assert _nonmatch(t.strategy.engine) == []
+    _fit_both(tmp_path, LitResized, budget, steps=6)
 
 
 class LitRootNorm(L.LightningModule):
@@ -608,14 +604,4 @@ class LitRootNorm(L.LightningModule):
 
 
 def test_lightning_batch_norm_after_the_segments_in_training_step_is_exact(tmp_path):
-    ref = LitRootNorm()
-    L.seed_everything(7)
-    trainer(tmp_path, max_steps=4).fit(ref, _loader())
-    model = LitRootNorm()
-    L.seed_everything(7)
-    t = trainer(
-        tmp_path, strategy=ReplayStrategy(segments=["net.blocks.*"], budget="min"), max_steps=4
-    )
-    t.fit(model, _loader())
-    assert differing(state(ref), state(model)) == []
-    assert _nonmatch(t.strategy.engine) == []
+    _fit_both(tmp_path, LitRootNorm, "min", steps=4)

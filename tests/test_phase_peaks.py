@@ -29,21 +29,12 @@ from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.verify import torch_checkpoint
+from tests.helpers.budget_runner import ResidualMlp as _Mlp
 from tests.helpers.torch_memory import whole_step_peak
 
 PAGE = 4096  # bytes a bound is checked to (see the assertion)
 MiB = 2**20
 REFEREED = 3  # planned steps refereed, after the plan's first (which the engine measures)
-
-
-class _Mlp(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, hidden)
-        self.down = nn.Linear(hidden, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
 
 
 class _Stack(nn.Module):

@@ -23,6 +23,18 @@ from lightning_replay.planner import InfeasibleBudget
 ARMS = ("plain", "checkpoint", "replay")
 
 
+class ResidualMlp(nn.Module):
+    """``x + down(tanh(up(x)))``: the budget tests' block."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
 @dataclasses.dataclass
 class ArmRun:
     """What one run measured."""
