@@ -864,7 +864,7 @@ class SelfLog(nn.Module):
         self.log: list[float] = []
 
     def forward(self, x):
-        self.log.append(float(x.mean()))
+        self.log.append(float(x.detach().mean()))
         if len(self.log) % 3 == 0:
             return x + self.g(self.f(x))
         return x + self.f(x)
