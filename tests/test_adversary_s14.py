@@ -1238,6 +1238,103 @@ class AuxNet(Net):
         return self.head(x) + aux
 
 
+# ====================================================================== late onset
+class WarmQueue(nn.Module):
+    """Reads its queue only once a step-count buffer (bumped by the root after the forward)
+    reaches 3, via ``.item()``; the root writes the queue after every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("n", torch.zeros((), dtype=torch.long))
+        self.register_buffer("q", torch.randn(4, D))
+
+    def forward(self, x):
+        y = x + self.f(x)
+        if self.n.item() >= 3:
+            y = y + self.q.mean(0)
+        return y
+
+
+def _warm_queue_after(m, h):
+    for b in m.blocks:
+        b.n.add_(1)
+        b.q.mul_(0.5).add_(h[:4])
+
+
+class LateWriter(nn.Module):
+    """Writes its centre in place only when the batch is large (data-dependent: never on
+    the probe's batch), after reading it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("c", torch.zeros(D))
+
+    def forward(self, x):
+        y = x + self.f(x - self.c)
+        if x.abs().mean() > 1.5:
+            with torch.no_grad():
+                self.c.add_(x.mean(0))
+        return y
+
+
+class LateGen(nn.Module):
+    """Draws from a generator it holds only once a buffer flag, set by the root after the
+    third forward, is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.gen = torch.Generator().manual_seed(17)
+        self.register_buffer("on", torch.zeros((), dtype=torch.bool))
+
+    def forward(self, x):
+        y = x + self.f(x)
+        if bool(self.on):
+            y = y * (torch.rand(y.shape, generator=self.gen) > 0.3)
+        return y
+
+
+def _late_gen_on(m, h):
+    if m.t >= 2:
+        for b in m.blocks:
+            b.on.fill_(True)
+
+
+class SharedLateWriter(nn.Module):
+    def __init__(self, buf: torch.Tensor, writes: bool) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("buf", buf)
+        self.writes = writes
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = x + self.f(x + self.buf)
+        if self.writes and self.calls > 2:
+            with torch.no_grad():
+                self.buf.mul_(0.5).add_(x.mean(0))
+        return y
+
+
+class SharedLateNet(nn.Module):
+    """Both blocks read one buffer; block 0 starts writing it in its forward (after its own
+    read, before block 1's) from its third call: a write the probe never saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        buf = torch.zeros(D)
+        self.blocks = nn.ModuleList([SharedLateWriter(buf, True), SharedLateWriter(buf, False)])
+        self.head = nn.Linear(D, D)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1320,6 +1417,16 @@ CASES: dict[str, tuple] = {
     "bfloat16_and_float64_moving_averages": (lambda: Net(HalfEma), _x),
     "segment_raises_every_third_call_root_catches": (lambda: CatchNet(Flaky, n=3), _x),
     "output_structure_changes_every_other_step": (lambda: AuxNet(AuxOut), _x),
+    "queue_read_only_after_warmup_item_branch": (
+        lambda: Net(WarmQueue, after=_warm_queue_after),
+        _x,
+    ),
+    "write_only_on_large_batches_data_dependent": (
+        lambda: Net(LateWriter),
+        lambda s: _x(s) * (3.0 if s >= 3 else 0.5),
+    ),
+    "held_generator_drawn_only_after_a_buffer_flag": (lambda: Net(LateGen, after=_late_gen_on), _x),
+    "shared_buffer_written_from_the_third_call": (SharedLateNet, _x),
 }
 
 #: (case, mode) -> what was measured where a case fails today
