@@ -1501,6 +1501,89 @@ class SparseEmb(nn.Module):
         return x + self.f(x + self.emb(tok))
 
 
+# ====================================================================== cross-segment traffic
+class Pusher(nn.Module):
+    """U-Net style: pushes its output onto a list the root owns (skip connections)."""
+
+    def __init__(self, skips: list) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.skips = skips
+
+    def forward(self, x):
+        y = x + self.f(x)
+        self.skips.append(y)
+        return y
+
+
+class UNetish(nn.Module):
+    """The root clears the list each forward and pops the skips in reverse into a decoder
+    (gradients flow through them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skips: list = []
+        self.blocks = nn.ModuleList([Pusher(self.skips) for _ in range(3)])
+        self.dec = nn.Linear(D, D)
+        self.head = nn.Linear(D, D)
+
+    def forward(self, x):
+        self.skips.clear()
+        for b in self.blocks:
+            x = b(x)
+        while self.skips:
+            x = torch.tanh(self.dec(x + self.skips.pop()))
+        return self.head(x)
+
+
+class CacheWriter(nn.Module):
+    """Block 0 leaves a detached summary on a holder module's attribute (rebinding it); block 1
+    reads it: communication between segments through an attribute."""
+
+    def __init__(self, holder: list, writes: bool) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.holder = holder
+        self.writes = writes
+
+    def forward(self, x):
+        if self.writes:
+            y = x + self.f(x)
+            self.holder[0].summary = y.detach().mean(0)
+            return y
+        return x + self.f(x + self.holder[0].summary)
+
+
+class CacheNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.box = nn.Module()
+        self.box.summary = torch.zeros(D)
+        holder = [self.box]
+        self.blocks = nn.ModuleList([CacheWriter(holder, True), CacheWriter(holder, False)])
+        self.head = nn.Linear(D, D)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x + self.box.summary)
+
+
+class BatchResized(nn.Module):
+    """A mask buffer resized to the batch (``resize_``) and refilled with ``bernoulli_`` in
+    every forward; the batch size changes every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("mask", torch.ones(1, D))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.mask.resize_(x.shape).bernoulli_(0.8)
+        return x + self.f(x) * self.mask.clone()
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1608,6 +1691,12 @@ CASES: dict[str, tuple] = {
     "quantization_aware_training_observers": (_qat_net, _x),
     "quantization_aware_training_per_tensor": (lambda: _qat_net("qnnpack"), _x),
     "sparse_embedding_gradients": (lambda: Net(SparseEmb), _x),
+    "unet_skips_pushed_to_a_root_list": (UNetish, _x),
+    "segments_talk_through_a_holder_attribute": (CacheNet, _x),
+    "mask_buffer_resized_to_a_changing_batch": (
+        lambda: Net(BatchResized),
+        lambda s: _x(s, batch=3 + (s * 5) % 7),
+    ),
 }
 
 #: (case, mode) -> what was measured where a case fails today
