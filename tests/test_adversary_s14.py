@@ -1584,6 +1584,64 @@ class BatchResized(nn.Module):
         return x + self.f(x) * self.mask.clone()
 
 
+# ====================================================================== region writes
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return (x.detach().abs().sum(1) * 7).long() % 12
+
+
+#: ways to write rows of a (12, D) buffer ``m`` from a batch ``x``, data-dependent where
+#: real code is
+REGION_WRITES: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    "bool_mask_setitem": lambda m, x: m.__setitem__(m > 0.5, 0.0),
+    "duplicate_index_put": lambda m, x: m.index_put_((_rows(x),), x.detach()),
+    "two_index_tensors": lambda m, x: m.__setitem__((_rows(x), _rows(x) % D), 1.0),
+    "negative_slice": lambda m, x: m[-3:].copy_(x.detach()[:3]),
+    "strided_columns": lambda m, x: m[..., ::2].mul_(0.5),
+    "wrapping_narrows": lambda m, x: (
+        m.narrow(0, 10, 2).copy_(x.detach()[:2]),
+        m.narrow(0, 0, 2).copy_(x.detach()[2:4]),
+    ),
+    "index_copy_columns": lambda m, x: m.index_copy_(
+        1, torch.tensor([1, 5]), x.detach()[:12, :2].repeat(2, 1)[:12]
+    ),
+    "scatter_add_columns": lambda m, x: m.scatter_add_(
+        1, (_rows(x) % D)[:, None].expand(-1, 2)[:, :2].repeat(2, 1)[:12], torch.ones(12, 2)
+    ),
+    "put_flat_accumulate": lambda m, x: m.put_(_rows(x) * D + 3, x.detach()[:, 0], accumulate=True),
+    "flat_view_setitem": lambda m, x: m.view(-1).__setitem__(_rows(x) * 5, 2.0),
+    "transposed_view_rows": lambda m, x: m.t()[_rows(x) % D].mul_(0.9),
+    "diagonal_and_triu": lambda m, x: (m[:D].diagonal().copy_(x.detach()[0]), m[:D].triu_(2)),
+    "clamp_slice": lambda m, x: m[2:7].clamp_(-0.1, 0.1),
+}
+
+
+class RegionWriter(nn.Module):
+    """Reads its (12, D) memory, then writes part of it with ``write`` (inside the forward)."""
+
+    def __init__(self, write) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("m", torch.randn(12, D))
+        self.write = write
+
+    def forward(self, x):
+        y = x + self.f(x + self.m.mean(0))
+        with torch.no_grad():
+            self.write(self.m, torch.cat([x, x])[:12])
+        return y
+
+
+def _region_net(write):
+    def make():
+        def after(m, h):  # the root writes the same way after the forward
+            for b in m.blocks:
+                write(b.m, torch.cat([h, h])[:12] * 0.5)
+
+        return Net(lambda: RegionWriter(write), after=after)
+
+    return make
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1697,6 +1755,7 @@ CASES: dict[str, tuple] = {
         lambda: Net(BatchResized),
         lambda s: _x(s, batch=3 + (s * 5) % 7),
     ),
+    **{f"region_write_{k}": (_region_net(w), _x) for k, w in REGION_WRITES.items()},
 }
 
 #: (case, mode) -> what was measured where a case fails today
