@@ -21,6 +21,7 @@ measured. See ``/work/notes/adv-s14.md``.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Callable
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_replay as lr
+from tests.helpers.torch_memory import process_tensor_storages
 
 D, B = 8, 6
 STEPS = 6
@@ -1962,3 +1964,52 @@ def test_nested_segments_are_refused_by_name():
         lr.install(model, ["blocks.*", "blocks.*.inner"])
     # nothing is left installed: the plain model trains
     _train(model, _x, steps=1)
+
+
+# ====================================================================== nothing outlives the run
+#: odd state places, for the lifetime referee
+LIFETIME = [
+    "view_buffer_base_written_after",
+    "generator_shared_by_segments_and_root_reseeded",
+    "list_of_tensors_appended_after",
+    "unet_skips_pushed_to_a_root_list",
+    "segments_talk_through_a_holder_attribute",
+    "quantization_aware_training_per_tensor",
+]
+
+
+def _left_alive(name: str, kw: dict | None) -> dict[int, int]:
+    """Tensor storages (address -> bytes) alive after training 4 steps, ``uninstall()`` and
+    dropping model and engine, that were not alive before, with the cyclic collector off
+    (``kw`` None: plain PyTorch, the reference)."""
+    gc.collect()
+    before = set(process_tensor_storages())
+    gc.disable()
+    try:
+        model = _build(name)
+        engine = lr.install(model, "blocks.*", **kw) if kw is not None else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _train(model, CASES[name][1], steps=4)
+        if engine is not None:
+            engine.uninstall()
+        model = engine = None
+        after = process_tensor_storages()
+    finally:
+        gc.enable()
+    return {p: n for p, n in after.items() if p not in before}
+
+
+@pytest.mark.parametrize("mode", ["auto", "min"])
+@pytest.mark.parametrize("name", LIFETIME)
+def test_nothing_outlives_uninstall_with_the_collector_off(name, mode):
+    """Issue 31's lifetime promise on state in odd places: whatever plain PyTorch leaves
+    alive (reference cycles of the model's own) aside, the engine leaves no tensor."""
+    _plain(name)  # cached results made before the referee's baseline
+    plain = _left_alive(name, None)
+    mine = _left_alive(name, MODES[mode])
+    extra = sum(mine.values()) - sum(plain.values())
+    assert extra <= 0, (
+        f"{name} [{mode}]: {len(mine)} storages ({sum(mine.values())} B) alive after uninstall, "
+        f"plain PyTorch leaves {len(plain)} ({sum(plain.values())} B)"
+    )
