@@ -1644,6 +1644,35 @@ def _region_net(write):
     return make
 
 
+# ====================================================================== segments that join late
+class GrowingNet(Net):
+    """Progressive growing: the root uses one more block every other step (the last block is
+    first called at step 5)."""
+
+    def forward(self, x):
+        k = min(1 + self.t // 2, len(self.blocks))
+        self.t += 1
+        for b in self.blocks[:k]:
+            x = b(x)
+        return self.head(x)
+
+
+class WarmFrozenNet(Net):
+    """The first block runs under no_grad for the first two steps (a frozen warm-up), then
+    trains; the second block's parameters are frozen (``requires_grad_(False)``) on odd
+    steps."""
+
+    def forward(self, x):
+        self.t += 1
+        self.blocks[1].requires_grad_(self.t % 2 == 0)
+        if self.t <= 2:
+            with torch.no_grad():
+                x = self.blocks[0](x)
+        else:
+            x = self.blocks[0](x)
+        return self.head(self.blocks[1](x))
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1758,6 +1787,11 @@ CASES: dict[str, tuple] = {
         lambda s: _x(s, batch=3 + (s * 5) % 7),
     ),
     **{f"region_write_{k}": (_region_net(w), _x) for k, w in REGION_WRITES.items()},
+    "progressive_growing_last_block_first_called_at_step_5": (
+        lambda: GrowingNet(BNBlock, n=3),
+        _x,
+    ),
+    "no_grad_warmup_then_trained_and_frozen_on_odd_steps": (lambda: WarmFrozenNet(BNBlock), _x),
 }
 
 #: (case, mode) -> what was measured where a case fails today
