@@ -1673,6 +1673,26 @@ class WarmFrozenNet(Net):
         return self.head(self.blocks[1](x))
 
 
+class CustomCall(nn.Module):
+    """Overrides ``__call__``: bumps a step buffer and a Python counter before calling
+    ``nn.Module.__call__`` (state written outside ``forward``, read inside it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("calls", torch.zeros(()))
+        self.n = 0
+
+    def __call__(self, x):
+        with torch.no_grad():
+            self.calls.add_(1)
+        self.n += 1
+        return super().__call__(x)
+
+    def forward(self, x):
+        return x + self.f(x) * (1 + 0.1 * self.calls) + 0.01 * (self.n % 3)
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1792,6 +1812,7 @@ CASES: dict[str, tuple] = {
         _x,
     ),
     "no_grad_warmup_then_trained_and_frozen_on_odd_steps": (lambda: WarmFrozenNet(BNBlock), _x),
+    "custom_dunder_call_writes_state_before_forward": (lambda: Net(CustomCall), _x),
 }
 
 #: (case, mode) -> what was measured where a case fails today
