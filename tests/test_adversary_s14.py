@@ -1693,6 +1693,22 @@ class CustomCall(nn.Module):
         return x + self.f(x) * (1 + 0.1 * self.calls) + 0.01 * (self.n % 3)
 
 
+class OutResized(nn.Module):
+    """Reads its last batch summary, then writes the new batch into a buffer through
+    ``out=`` (the kernel resizes the buffer to the batch, which changes every step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("last", torch.zeros(1, D))
+
+    def forward(self, x):
+        y = x + self.f(x + self.last.mean(0))
+        with torch.no_grad():
+            torch.mul(x, 0.5, out=self.last)
+        return y
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1813,6 +1829,10 @@ CASES: dict[str, tuple] = {
     ),
     "no_grad_warmup_then_trained_and_frozen_on_odd_steps": (lambda: WarmFrozenNet(BNBlock), _x),
     "custom_dunder_call_writes_state_before_forward": (lambda: Net(CustomCall), _x),
+    "out_buffer_resized_by_the_kernel_to_a_changing_batch": (
+        lambda: Net(OutResized),
+        lambda s: _x(s, batch=3 + (s * 5) % 7),
+    ),
 }
 
 #: (case, mode) -> what was measured where a case fails today
