@@ -1709,6 +1709,25 @@ class OutResized(nn.Module):
         return y
 
 
+class LazyCache(nn.Module):
+    """A rotary-style table cached lazily by batch size in a dict attribute (filled in the
+    forward when a new size comes) and a cached tensor rebound when a larger size comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.cache: dict[int, torch.Tensor] = {}
+        self.table = torch.zeros(0, D)
+
+    def forward(self, x):
+        n = x.shape[0]
+        if n not in self.cache:
+            self.cache[n] = torch.sin(torch.arange(n * D, dtype=x.dtype).reshape(n, D) / 7)
+        if self.table.shape[0] < n:
+            self.table = torch.cos(torch.arange(n * D, dtype=x.dtype).reshape(n, D) / 5)
+        return x + self.f(x * self.cache[n] + self.table[:n])
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1831,6 +1850,10 @@ CASES: dict[str, tuple] = {
     "custom_dunder_call_writes_state_before_forward": (lambda: Net(CustomCall), _x),
     "out_buffer_resized_by_the_kernel_to_a_changing_batch": (
         lambda: Net(OutResized),
+        lambda s: _x(s, batch=3 + (s * 5) % 7),
+    ),
+    "lazy_cache_dict_and_rebound_table_by_batch_size": (
+        lambda: Net(LazyCache),
         lambda s: _x(s, batch=3 + (s * 5) % 7),
     ),
 }
