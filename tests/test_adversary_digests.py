@@ -355,27 +355,72 @@ class SharedWriter(nn.Module):
         return h
 
 
-@pytest.mark.parametrize(
-    "parity",
-    [
-        1,
-        pytest.param(
-            0,
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=lr.ContractViolation,
-                reason="not this change's: the same on main before the digests (4652963), with "
-                "any byte budget or 'min' and any preservation, big or small buffer; exact "
-                "without a budget. A segment first seen writing a shared buffer after its "
-                "(replayed) probe writes it again in its replay, and the other reader's version "
-                "check refuses it ('version 1 at forward, 3 at replay, expected 2')",
-            ),
-        ),
-    ],
-    ids=["writes_at_probe", "writes_from_step_two"],
-)
+@pytest.mark.parametrize("parity", [1, 0], ids=["writes_at_probe", "writes_from_step_two"])
 def test_two_segments_share_a_big_buffer_one_writes_on_alternate_steps(parity):
+    # writes_from_step_two: the writer's guard sees ``calls`` change and re-probes it; its
+    # replayed probe wrote the buffer again in its replay and left the version bumped, so the
+    # other reader's version check refused its replay ('version 1 at forward, 3 at replay,
+    # expected 2': a ContractViolation under any byte budget, exact only without one)
     _check(lambda: Shared(parity), "blocks.*", steps=6)
+
+
+class Sharing(nn.Module):
+    """Segments ``kinds`` (``r``: reads the shared buffer, ``w``: reads it and writes rows of it
+    at the forwards ``writes(call)`` says) around one buffer; with ``root`` the root reads it
+    too after the segments, and writes its last rows every step."""
+
+    def __init__(self, kinds: str, writes: Callable[[int], bool], rows: int, root: bool) -> None:
+        super().__init__()
+        self.register_buffer("buf", torch.randn(rows, D))
+        self.calls = 0
+        self.writes = writes
+        self.root = root
+        self.blocks = nn.ModuleList(
+            [Reader(self, "buf") if k == "r" else SometimesWriter(self) for k in kinds]
+        )
+
+    def forward(self, x):
+        self.calls += 1
+        for b in self.blocks:
+            x = b(x)
+        if self.root:
+            x = x * (1 + self.buf.mean(0))
+            with torch.no_grad():
+                self.buf[-2:] = x.detach()[:2]
+        return x
+
+
+class SometimesWriter(nn.Module):
+    def __init__(self, owner: Sharing) -> None:
+        super().__init__()
+        self.l = nn.Linear(D, D)
+        self._owner = [owner]
+
+    def forward(self, x):
+        owner = self._owner[0]
+        h = torch.tanh(self.l(x)) * (1 + owner.buf.mean(0))
+        if owner.writes(owner.calls):
+            with torch.no_grad():
+                owner.buf[: len(h) // 2] = h.detach()[::2]
+        return h
+
+
+SHARINGS = {
+    # three segments, the writer in the middle, first writing at the second step
+    "three_writer_in_the_middle": ("rwr", lambda c: c >= 2, ROWS, False),
+    # a writer that writes only at steps 2 and 3, then stops (its contract keeps the write)
+    "writer_stops": ("rw", lambda c: c in (2, 3), ROWS, False),
+    # the root reads and writes the buffer too; the second segment writes it from step two
+    "shared_with_the_root": ("rw", lambda c: c >= 2, ROWS, True),
+    # a small buffer (copied whole by the probe, not digested)
+    "small_buffer": ("rw", lambda c: c % 2 == 0, 8, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARINGS))
+def test_a_segment_first_writing_a_shared_buffer_after_its_probe_is_exact(name):
+    kinds, writes, rows, root = SHARINGS[name]
+    _check(lambda: Sharing(kinds, writes, rows, root), "blocks.*", steps=6)
 
 
 class RootNorm(nn.Module):
