@@ -294,6 +294,41 @@ def test_recurrent_segments_flattening_weights_are_exact(kind):
     _check(lambda: Two(Recurrent(kind)), "blocks.*")
 
 
+def test_an_lstm_workspace_differing_in_bytes_the_kernel_leaves_unwritten_is_kernel_noise():
+    """The flake above, made certain: the replay's workspace differs from the forward's only
+    in bytes mkldnn_rnn_layer leaves unwritten (here set to a byte no run left there). The
+    kernel's second run must show that noise: under no_grad it returned an empty workspace,
+    compared nothing, and the difference was called state."""
+    from lightning_replay.core.mechanisms.kernel_noise import ProducerLog
+
+    torch.manual_seed(0)
+    rnn = nn.LSTM(D, 128, batch_first=True)
+    x = torch.randn(B, 4, D, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    log = ProducerLog()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), log:
+        rnn(x)[0].sum()
+    (ws,) = [t for t in saved if t.dtype == torch.uint8 and t.numel() > COPY_BELOW]
+    op = torch.ops.aten.mkldnn_rnn_layer.default
+    (p,) = [p for p in log.produced.values() if p.func is op and p.index == 3]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        runs = []
+        for fill in (0x00, 0xFF):  # which bytes the kernel writes: the same in both runs
+            torch.full((ws.numel(),), fill, dtype=torch.uint8)
+            runs.append(op(*p.args, **p.kwargs)[3].clone())
+    unwritten = runs[0] != runs[1]
+    assert unwritten.any()
+    with torch.no_grad():
+        ws[unwritten] = 0x11
+    assert log.unreproduced(ws) is not None
+    log.clear()
+
+
 class History(nn.Module):
     """A buffer grown by ``torch.cat`` and rebound (a new storage each step), capped."""
 
