@@ -673,3 +673,24 @@ class LitRootNorm(L.LightningModule):
 
 def test_lightning_batch_norm_after_the_segments_in_training_step_is_exact(tmp_path):
     _fit_both(tmp_path, LitRootNorm, "min", steps=4)
+
+
+class LitShared(L.LightningModule):
+    """Two segments share a big buffer; the second first writes rows of it at the second
+    step (after its probe), then on every other step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.net = Shared(parity=0)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("budget", [None, *BUDGETS])
+def test_lightning_segment_first_writing_a_shared_buffer_after_its_probe_is_exact(tmp_path, budget):
+    _fit_both(tmp_path, LitShared, budget, steps=6)
