@@ -21,6 +21,8 @@ measured. See ``/work/notes/adv-s14.md``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import gc
 import warnings
 from typing import Callable
@@ -1728,6 +1730,40 @@ class LazyCache(nn.Module):
         return x + self.f(x * self.cache[n] + self.table[:n])
 
 
+@dataclasses.dataclass
+class _DropCfg:
+    p: float = 0.1
+
+
+class Churned(nn.Module):
+    """Attributes a scheduler rebuilds before every forward: a ``functools.partial``
+    activation, a reseeded ``torch.Generator``, a config dataclass, a 0-dim tensor
+    temperature (annealed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+        self.gen = torch.Generator().manual_seed(0)
+        self.cfg = _DropCfg()
+        self.tau = torch.tensor(0.5)
+
+    def forward(self, x):
+        h = self.act(self.f(x)) * self.tau
+        noise = torch.rand(h.shape, generator=self.gen)
+        return x + F.dropout(h, self.cfg.p, training=True) + 0.01 * noise
+
+
+class ChurnNet(Net):
+    def forward(self, x):
+        for b in self.blocks:
+            b.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+            b.gen = torch.Generator().manual_seed(self.t)
+            b.cfg = _DropCfg(p=0.1)
+            b.tau = torch.tensor(0.5 + 0.01 * self.t)
+        return super().forward(x)
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1856,6 +1892,7 @@ CASES: dict[str, tuple] = {
         lambda: Net(LazyCache),
         lambda s: _x(s, batch=3 + (s * 5) % 7),
     ),
+    "attributes_rebuilt_before_every_forward": (lambda: ChurnNet(Churned), _x),
 }
 
 #: (case, mode) -> what was measured where a case fails today
