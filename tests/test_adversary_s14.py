@@ -1764,6 +1764,35 @@ class ChurnNet(Net):
         return super().forward(x)
 
 
+class _ReadsStateInBackward(torch.autograd.Function):
+    """Keeps a state tensor on ``ctx`` (not ``save_for_backward``: no version check) and
+    reads it in backward: plain PyTorch's backward sees the value at backward time."""
+
+    @staticmethod
+    def forward(ctx, x, state):
+        ctx.state = state
+        return x * 1.5 + state.sum().tanh()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (1 + ctx.state.mean().tanh()), None
+
+
+class CtxState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("s", torch.randn(D) * 0.1)
+
+    def forward(self, x):
+        return x + _ReadsStateInBackward.apply(self.f(x), self.s)
+
+
+def _write_ctx_state(m, h):
+    for b in m.blocks:
+        b.s.mul_(0.5).add_(h.mean(0).tanh(), alpha=0.5)
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1893,6 +1922,10 @@ CASES: dict[str, tuple] = {
         lambda s: _x(s, batch=3 + (s * 5) % 7),
     ),
     "attributes_rebuilt_before_every_forward": (lambda: ChurnNet(Churned), _x),
+    "custom_function_reads_state_on_ctx_in_backward": (
+        lambda: Net(CtxState, after=_write_ctx_state),
+        _x,
+    ),
 }
 
 #: (case, mode) -> what was measured where a case fails today
