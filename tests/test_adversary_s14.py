@@ -1818,6 +1818,36 @@ class MathSdpaNet(Net):
             return super().forward(x)
 
 
+class ConvBlk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(4, 4, 3, padding=1)
+        self.d = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.d(torch.tanh(self.c(x)))
+
+
+class MkldnnOffNet(nn.Module):
+    """The forward runs its conv blocks under ``torch.backends.mkldnn.flags(enabled=False)``;
+    backward runs outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ConvBlk(), ConvBlk()])
+        self.head = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        with torch.backends.mkldnn.flags(enabled=False):
+            for b in self.blocks:
+                x = b(x)
+        return self.head(x)
+
+
+def _img(s: int) -> torch.Tensor:
+    return torch.randn(4, 4, 16, 16, generator=torch.Generator().manual_seed(500 + s))
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1952,6 +1982,7 @@ CASES: dict[str, tuple] = {
         _x,
     ),
     "forward_under_sdpa_kernel_math_backward_outside": (lambda: MathSdpaNet(Attn), _x),
+    "convs_under_mkldnn_disabled_backward_outside": (MkldnnOffNet, _img),
 }
 
 #: (case, mode) -> what was measured where a case fails today
@@ -2004,7 +2035,18 @@ _SDPA = (
     "PyTorch trains it, torch checkpoint raises CheckpointError. The replay should re-enter "
     "the forward's SDPA backend selection, as it does autocast"
 )
+_MKLDNN = (
+    "measured: silently wrong in the last bits (relative 3.1e-7), 52 of 60 gradients from "
+    "step 2, no record: the forward ran its convs under torch.backends.mkldnn.flags("
+    "enabled=False), the replay in backward outside it runs the mkldnn kernels"
+)
 XFAIL: dict[tuple[str, str], str] = {
+    **{("convs_under_mkldnn_disabled_backward_outside", m): _MKLDNN for m in MODES if m != "min"},
+    ("convs_under_mkldnn_disabled_backward_outside", "min"): (
+        "measured: ReplayError at step 1 (the replayed probe of 'blocks.1' did not reproduce "
+        "its forward: caught), where plain PyTorch trains it: the forward ran under "
+        "torch.backends.mkldnn.flags(enabled=False), the replay outside it"
+    ),
     **{("forward_under_sdpa_kernel_math_backward_outside", m): _SDPA for m in MODES if m != "min"},
     ("forward_under_sdpa_kernel_math_backward_outside", "min"): (
         "measured: ReplayError at step 1: the replayed probe of 'blocks.1' did not reproduce "
