@@ -855,50 +855,11 @@ CASES = {
     "forward pre-hook copies the root flag": (PreHookRoot, _use_bank_on, None),
 }
 
-XFAIL: dict[str, str] = {
-    "class attribute set on the class": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: the probe records a class default as MISSING in the instance's __dict__ (outside_reads._trace_class.__getattribute__) and the guard watches only that dict, so Root.use_bank = True on the class moves nothing"
-    ),
-    "classmethod reads a class attribute": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: cls._use inside a classmethod of the root is a read on the class: no traced instance attribute, and globals_read scans only the segment's classes"
-    ),
-    "root property reads a module global": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: the global is named by the root's code, which module_globals.globals_read never scans (only the segment's classes' functions); the tracing sees the property's scalar result as a class-level read (MISSING)"
-    ),
-    "data descriptor with a weak dict": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: the value comes from a data descriptor's own store: _trace_class records it as MISSING in the instance __dict__, which never changes"
-    ),
-    "__getattr__ override reads a dict": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: _trace_class.__getattr__ records only registered buffers; a value the root's own __getattr__ returns (from a dict reached through self.__dict__) is not recorded"
-    ),
-    "flag 6 holders below a root attribute": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: guards._walk stops at _WATCH_DEPTH = 4 levels below the read attribute (5 levels already fails)"
-    ),
-    "flag on item 4096 of a list": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: guards._walk looks at the first _WATCH_LIMIT = 4096 items of a container (item 4095 passes, 4096 fails)"
-    ),
-    "module function two calls down": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: module_globals._DEPTH = 1: a module-level function named by a function the segment calls is not scanned"
-    ),
-    "module-level config two attributes down": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: globals_read follows one attribute down (CFG.model) and drops it as not _plain; CFG.model.use_bank is never watched"
-    ),
-    "module-level dict of 101 items": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: module_globals._plain leaves out containers of more than _MAX_ITEMS = 64 items: the dict is not watched at all"
-    ),
-    "type(self).flag set on the class": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: _global_names sees self.X reads only (LOAD_FAST self; LOAD_ATTR); type(self).use_bank and self.__class__.use_bank are missed"
-    ),
-    "closure dict of a class factory": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: a free variable (LOAD_DEREF) of the segment's methods is neither a module global nor a module attribute: nothing watches closure cells"
-    ),
-    "functools.partial bound to a dict": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: the partial is watched by identity; slots.is_holder refuses callables, so guards._walk never looks into its args"
-    ),
-    "python module object on the root": (
-        "gradients differ from plain PyTorch at steps 3 and 4, no guard record: a Python module read from outside is watched by identity; is_holder refuses ModuleType, so its attributes are never fingerprinted"
-    ),
-}
+#: none left: class-level reads, descriptors and ``__getattr__`` (outside_reads), code the
+#: scan follows (properties and methods of modules outside, closures, ``type(self)``, four
+#: calls and any attributes down, constant keys of a dict of any size: module_globals), the
+#: walk's limits (16 levels, 65,536 items), partials and Python modules (guards._walk)
+XFAIL: dict[str, str] = {}
 
 
 def _params():

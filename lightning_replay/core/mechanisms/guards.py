@@ -38,8 +38,11 @@ everything on the modules around it.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
+import types
+import warnings
 from collections import OrderedDict
 from itertools import islice
 from typing import Any, Hashable
@@ -49,7 +52,8 @@ import torch
 from torch import nn
 
 from lightning_replay._compat import dict_version
-from lightning_replay.core.mechanisms.outside_reads import COMPARE_OPS
+from lightning_replay.core.mechanisms.module_globals import _library
+from lightning_replay.core.mechanisms.outside_reads import COMPARE_OPS, apply_expr
 from lightning_replay.core.mechanisms.slots import (
     HOOK_DICTS,
     MISSING,
@@ -65,8 +69,8 @@ from lightning_replay.core.mechanisms.slots import (
     slot_token,
 )
 
-_WATCH_DEPTH = 4  # levels below a module attribute (as deep as the slot capture looks)
-_WATCH_LIMIT = 4096  # items of one container (or holder) looked at for others inside it
+_WATCH_DEPTH = 16  # levels below a module attribute (deeper: warned, see Guard.warn_cut)
+_WATCH_LIMIT = 1 << 16  # items of one container (or holder) looked at for others inside it
 _CONTAINERS = (list, dict, set)
 _SLOT_DICTS = ("_parameters", "_buffers", "_modules")
 #: the module index of the fields read from outside the segment's modules (Guard.outside)
@@ -93,6 +97,17 @@ def _moved(v: Any, way: tuple[str, Any]) -> Any:
     return v
 
 
+def _computed(v: Any, expr: tuple) -> Any:
+    """``v`` with a forward's arithmetic ``expr`` applied (see ``outside_reads.apply_expr``);
+    None where it fails (a division by zero: an outcome of its own)."""
+    if not expr:
+        return v
+    try:
+        return apply_expr(v, expr)
+    except (ArithmeticError, ValueError, TypeError):
+        return None
+
+
 def _storage_ptr(t: Any) -> int:
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         return 0
@@ -102,7 +117,9 @@ def _storage_ptr(t: Any) -> int:
         return 0
 
 
-def _reachable(modules: list[nn.Module], outside: list[tuple] = ()) -> list[tuple]:
+def _reachable(
+    modules: list[nn.Module], outside: list[tuple] = (), cut: list | None = None
+) -> list[tuple]:
     """The holder objects and containers reachable from the modules' attributes (a config, a
     dict of flags, a registry of configs, a config's list of options), each once, as (module
     index, path, object, and its :func:`_readers`): a container, a holder with a ``__dict__``
@@ -120,15 +137,22 @@ def _reachable(modules: list[nn.Module], outside: list[tuple] = ()) -> list[tupl
         for k in _SLOT_DICTS:  # (an OrderedDict one: its order, which moves no tag)
             if type(d[k]) is not dict:
                 out.append((i, k, d[k], *_readers(d[k])))
-        _walk(out, seen, i, [(k, v, 0) for k, v in d.items() if k not in MODULE_INTERNALS])
+        _walk(out, seen, i, [(k, v, 0) for k, v in d.items() if k not in MODULE_INTERNALS], cut)
     if outside:
-        _walk(out, seen, OUTSIDE, [(label, d.get(n, MISSING), 0) for d, n, label in outside])
+        todo = [(label, d.get(n, MISSING), 0) for d, n, label in outside]
+        _walk(out, seen, OUTSIDE, todo, cut)
     return out
 
 
-def _walk(out: list[tuple], seen: set[int], i: Any, todo: list[tuple]) -> None:
+def _walk(
+    out: list[tuple], seen: set[int], i: Any, todo: list[tuple], cut: list | None = None
+) -> None:
     """The holders and containers reachable from ``todo``'s ``(path, value, depth)``, into
-    ``out`` as :func:`_reachable` lists them (``i``: their module index)."""
+    ``out`` as :func:`_reachable` lists them (``i``: their module index). Besides holders and
+    containers: a ``functools.partial``'s bound arguments and a user's Python module held
+    as an attribute (``self.settings = config``), whose plain values steer a forward too.
+    Where a limit stops the walk (``_WATCH_DEPTH`` levels, ``_WATCH_LIMIT`` items), the path
+    left unwatched goes into ``cut``, so the guard can say so once."""
     while todo:
         path, v, depth = todo.pop()
         t = type(v)  # (by type: ``isinstance`` asks the object, and a dead weak proxy raises)
@@ -138,18 +162,35 @@ def _walk(out: list[tuple], seen: set[int], i: Any, todo: list[tuple]) -> None:
             seen.add(id(v))
             if not isinstance(v, tuple):  # (immutable: who holds it covers it)
                 out.append((i, path, v, *_readers(v)))
-            items, attr = (v.items() if isinstance(v, dict) else enumerate(v)), False
+            items, attr, n = (v.items() if isinstance(v, dict) else enumerate(v)), False, len(v)
+        elif t is functools.partial:  # (its arguments are immutable: who holds it covers it)
+            seen.add(id(v))
+            items, attr, n = [("args", v.args), ("keywords", v.keywords)], True, 2
+        elif issubclass(t, types.ModuleType):
+            if _library(getattr(v, "__name__", None)):
+                continue
+            seen.add(id(v))
+            out.append((i, path, v, *_readers(v)))
+            d = _dict_of(v, "__dict__")
+            items = [(k, x) for k, x in d.items() if not k.startswith("__")]
+            attr, n = True, len(items)
         elif v is not MISSING and is_holder(v):
             seen.add(id(v))
             stores = holder_stores(v)
             out += [(i, path, st, *_readers(st)) for st in stores]
             items, attr = [(k, x) for st in stores for k, x in _attrs(st).items()], True
+            n = len(items)
         else:
             continue
-        if depth < _WATCH_DEPTH:
-            for k, x in islice(items, _WATCH_LIMIT):
-                if not is_scalar(x):
-                    todo.append((f"{path}.{k}" if attr else f"{path}[{k!r}]", x, depth + 1))
+        if depth >= _WATCH_DEPTH:
+            if cut is not None and any(not is_scalar(x) for _, x in islice(items, 64)):
+                cut.append(path)
+            continue
+        if n > _WATCH_LIMIT and cut is not None:
+            cut.append(f"{path} (items past {_WATCH_LIMIT})")
+        for k, x in islice(items, _WATCH_LIMIT):
+            if not is_scalar(x) and not issubclass(type(x), (types.FunctionType, type)):
+                todo.append((f"{path}.{k}" if attr else f"{path}[{k!r}]", x, depth + 1))
 
 
 def _attrs(o: Any) -> Any:
@@ -404,8 +445,10 @@ class Guard:
         []
     """
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], name: str = "") -> None:
         self.modules = modules
+        self.name = name  # the segment's, for the warning a limit of the walk gives
+        self._cut: set[str] = set()  # paths past the walk's limits already warned about
         self.varying: set = set()
         self.seen: dict[Hashable, set] = {}
         self.base: dict[Hashable, Any] | None = None
@@ -449,12 +492,13 @@ class Guard:
         that changes the number before comparing it (``self.calls += 1``) compared another
         value than that: the change is kept as a step (added, and as a factor), and the guard
         compares the number so changed too, each way with the outcomes probes saw that way."""
-        for d, name, label, op, operand, before, value, field in items:
+        for d, name, label, op, operand, before, value, field, *rest in items:
+            expr = rest[0] if rest else ()  # arithmetic on the number before the comparison
             other = operand if field is None else field[2]  # (a number's name: key, record)
-            key = (id(d), name, op, other)
+            key = (id(d), name, op, other, expr)
             entry = self.predicates.get(key)
             if entry is None:
-                entry = self.predicates[key] = [d, name, label, op, other, {}, field]
+                entry = self.predicates[key] = [d, name, label, op, other, {}, field, expr]
             ways = entry[5]
             new = [("as", None)]
             if value != before and len(ways) < _MAX_WAYS:
@@ -462,19 +506,25 @@ class Guard:
                 if before:
                     new.append(("mul", value / before))
             for way in new:
-                ways.setdefault(way, set()).add(_COMPARE[op](_moved(before, way), operand))
+                x = _computed(_moved(before, way), expr)
+                r = "error" if x is None else _COMPARE[op](x, operand)
+                ways.setdefault(way, set()).add(r)
 
     def _outcomes(self, entry: list) -> list[tuple[set, bool]] | None:
         """Each way's outcomes seen (:meth:`add_predicates`) beside its outcome now; None when
         either operand is no longer a number (the fingerprint's own fields say so)."""
-        d, name, _, op, other, ways, field = entry
+        d, name, _, op, other, ways, field, expr = entry
         v = _number(d, name)
         if field is not None:
             other = _number(field[0], field[1])
         if v is None or other is None:
             return None
         compare = _COMPARE[op]
-        return [(seen, compare(_moved(v, way), other)) for way, seen in ways.items()]
+        out = []
+        for way, seen in ways.items():
+            x = _computed(_moved(v, way), expr)
+            out.append((seen, "error" if x is None else compare(x, other)))
+        return out
 
     def _turned(self) -> list[Hashable]:
         """The comparisons (:meth:`add_predicates`) whose outcome now no probe saw."""
@@ -482,7 +532,9 @@ class Guard:
         for entry in self.predicates.values():
             now = self._outcomes(entry)
             if now is not None and any(r not in seen for seen, r in now):
-                label, op, other = entry[2], entry[3], entry[4]
+                label, op, other, expr = entry[2], entry[3], entry[4], entry[7]
+                if expr:
+                    label = f"{label} (after {' '.join(step[0] for step in expr)})"
                 out.append((OUTSIDE, "p", f"{label} {_SYMBOLS[op]} {other!r}"))
         return out
 
@@ -617,7 +669,7 @@ class Guard:
             else:
                 self.varying.add(key)
         self._pending = []
-        watched = _reachable(self.modules, self.outside)
+        watched = self._reach()
         self._settle(
             _identity_signature(self.modules, watched, outside=self.outside), watched=watched
         )
@@ -625,6 +677,25 @@ class Guard:
         for key, value in self.base.items():
             if _discrete(key, value):
                 self.seen.setdefault(key, set()).add(value)
+
+    def _reach(self) -> list[tuple]:
+        """:func:`_reachable` at a probe, warning once per path the walk's limits leave
+        unwatched (a config nested deeper than ``_WATCH_DEPTH``, a list longer than
+        ``_WATCH_LIMIT``): a flag there changed between steps would go unseen."""
+        cut: list = []
+        watched = _reachable(self.modules, self.outside, cut)
+        new = [p for p in cut if p not in self._cut]
+        if new:
+            self._cut.update(new)
+            warnings.warn(
+                f"lightning_replay: segment '{self.name or '?'}': the guard does not watch "
+                f"what lies below {', '.join(map(str, new[:4]))} (deeper than {_WATCH_DEPTH} "
+                f"levels or past {_WATCH_LIMIT} items). A flag there changed between steps is "
+                "seen only by the sampled checks; keep such settings nearer the module, or set "
+                "preservation='retain' for this segment.",
+                stacklevel=3,
+            )
+        return watched
 
     def watch_outside(self, reads: list[tuple[dict, str, str, Any]]) -> None:
         """Attributes a probe's forward read from outside the segment's modules, as (the dict
@@ -636,7 +707,7 @@ class Guard:
         if not new:
             return
         self.outside = self.outside + [(d, n, label) for d, n, label, _ in new]
-        watched = _reachable(self.modules, self.outside)
+        watched = self._reach()
         if self.base is not None:
             now = fingerprint(self.modules, self.varying, watched, self.outside)
             # as the forward first read them, before any write of its own: one it wrote is
