@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import numbers
 import operator
+import sys
 import types
 import warnings
 from collections import OrderedDict
@@ -167,12 +168,13 @@ def _walk(
             seen.add(id(v))
             items, attr, n = [("args", v.args), ("keywords", v.keywords)], True, 2
         elif issubclass(t, types.ModuleType):
-            if _library(getattr(v, "__name__", None)):
+            if not _user_module(v):
                 continue
             seen.add(id(v))
             out.append((i, path, v, *_readers(v)))
-            d = _dict_of(v, "__dict__")
-            items = [(k, x) for k, x in d.items() if not k.startswith("__")]
+            d = _dict_of(v, "__dict__")  # (its plain values and containers of them only:
+            # not the modules, classes and objects it imported, nor what they hold)
+            items = [(k, x) for k, x in d.items() if type(x) in (list, dict, set, tuple)]
             attr, n = True, len(items)
         elif v is not MISSING and is_holder(v):
             seen.add(id(v))
@@ -191,6 +193,15 @@ def _walk(
         for k, x in islice(items, _WATCH_LIMIT):
             if not is_scalar(x) and not issubclass(type(x), (types.FunctionType, type)):
                 todo.append((f"{path}.{k}" if attr else f"{path}[{k!r}]", x, depth + 1))
+
+
+def _user_module(m: types.ModuleType) -> bool:
+    """A Python module of the user's held as an attribute (``self.settings = config``), not a
+    library's or the standard library's (``self.rng = random``), whose values are no settings."""
+    name = getattr(m, "__name__", None)
+    if not isinstance(name, str) or _library(name):
+        return False
+    return name.split(".", 1)[0] not in getattr(sys, "stdlib_module_names", ())
 
 
 def _attrs(o: Any) -> Any:

@@ -138,6 +138,7 @@ def _tracked_number_class(base: type) -> type:
 
 
 _TRACKED = {int: _tracked_number_class(int), float: _tracked_number_class(float)}
+_TRACKED_TYPES = frozenset(_TRACKED.values())
 _MAX_EXPR = 8  # arithmetic steps kept per traced number (more: a plain number)
 
 
@@ -153,6 +154,15 @@ def _derived(src: Any, result: Any, step: tuple) -> Any:
     out._lightning_replay_expr = (*expr, step)
     out._lightning_replay_raw = src._lightning_replay_raw if expr else type(src).__mro__[1](src)
     return out
+
+
+def plain_number(value: Any) -> Any:
+    """``value`` as the plain number it stands for, if it is a traced one: what a forward
+    stores (``self.calls += 1``) is never a traced number."""
+    t = type(value)
+    if t in _TRACKED_TYPES:
+        return t.__mro__[1](value)
+    return value
 
 
 def _tracked(value: Any, d: dict, name: str) -> Any:
@@ -294,8 +304,11 @@ def _trace_class(cls: type) -> type:
                 reads.setdefault(("__get__", name), value)
         return value
 
+    def __setattr__(self, name, value):
+        cls.__setattr__(self, name, plain_number(value))
+
     new = _TRACE_CLASSES[cls] = _recording_subclass(
-        cls, __getattribute__=__getattribute__, __getattr__=__getattr__
+        cls, __getattribute__=__getattribute__, __getattr__=__getattr__, __setattr__=__setattr__
     )
     return new
 
@@ -469,8 +482,13 @@ def _holder_trace_class(cls: type) -> type:
                 return _tracked(value, d, name)
         return value
 
+    setter = cls.__setattr__
+
+    def __setattr__(self, name, value):
+        setter(self, name, plain_number(value))
+
     new = _HOLDER_TRACE_CLASSES[cls] = _recording_subclass(
-        cls, __slots__=(), __getattribute__=__getattribute__
+        cls, __slots__=(), __getattribute__=__getattribute__, __setattr__=__setattr__
     )
     return new
 

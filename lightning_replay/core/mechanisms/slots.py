@@ -838,10 +838,66 @@ def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, 
         if is_scalar(v) or isinstance(v, (torch.Tensor, nn.Module)):
             continue
         if issubclass(type(v), (*_CONTAINERS, tuple)):
+            kept = _kept_holders(m, name, v)
+            if kept is not None:  # the same holders, none written since the last capture
+                out += kept
+                continue
             found = [(f"{name}{p}", h) for p, h in holders_in(v)]
         else:
             found = [(name, v)] if is_holder(v) else []
         seen: set[int] = set()
+        start = len(out)
         for path, h in found:  # (after the attribute: swapped after it, restored before)
             out.append((None, path, _capture_holders(m, path, h, seen)))
+        if issubclass(type(v), (*_CONTAINERS, tuple)) and found:
+            _keep_holders(m, name, v, out[start:])
     return out
+
+
+# Per owner of an outside attribute and its name: the captures of the holders in a container
+# read from outside (a list of 3,000 layer configs on the root, one of them read), with what
+# makes them current: the container's items (ids) and each holder's dict version tag. A
+# forward that finds both unchanged reuses them: no walk of the container, no capture per
+# holder (which costs tens of ms a step at thousands of holders).
+_KEPT: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _keep_holders(m: Any, name: Any, c: Any, captures: list) -> None:
+    if dict_version is None or not _flat(c):
+        return
+    dicts = []
+    for _, _, entries in captures:
+        for owner, _, _, containers in entries:
+            if type(owner) is SlotView or containers:  # (no tag stands for these)
+                return
+            dicts.append(object.__getattribute__(owner, "__dict__"))
+    try:
+        per = _KEPT.setdefault(m, {})
+    except TypeError:  # an owner that takes no weak reference
+        return
+    per[name] = (c, tuple(map(id, _items_values(c))), dicts, _tags(dicts), captures)
+
+
+def _kept_holders(m: Any, name: Any, c: Any) -> list | None:
+    try:
+        kept = _KEPT.get(m, {}).get(name)
+    except TypeError:
+        return None
+    if kept is None or kept[0] is not c:
+        return None
+    if tuple(map(id, _items_values(c))) != kept[1] or _tags(kept[2]) != kept[3]:
+        return None
+    return kept[4]
+
+
+def _tags(dicts: list) -> tuple:
+    return tuple(map(dict_version, dicts))
+
+
+def _items_values(c: Any) -> Any:
+    return c.values() if isinstance(c, dict) else c
+
+
+def _flat(c: Any) -> bool:
+    """Whether no item of ``c`` is itself a container (whose items a tag would not cover)."""
+    return not any(issubclass(type(x), (*_CONTAINERS, tuple)) for x in _items_values(c))
