@@ -45,7 +45,7 @@ import sys
 import types
 import warnings
 from collections import OrderedDict
-from itertools import islice
+from itertools import islice, repeat
 from typing import Any, Hashable
 
 import numpy as np
@@ -131,7 +131,7 @@ def _reachable(
     where it is an OrderedDict (its path the dict's name), whose order changes without its
     tag. ``outside``: the guard's :attr:`Guard.outside` reads, whose holders and containers
     are reachable too (module index :data:`OUTSIDE`, paths from their names)."""
-    out: list[tuple] = []
+    out: list[tuple] = _Watched()
     seen: set[int] = set()
     for i, m in enumerate(modules):
         d = m.__dict__
@@ -189,7 +189,9 @@ def _walk(
                 cut.append(path)
             continue
         if n > _WATCH_LIMIT and cut is not None:
-            cut.append(f"{path} (items past {_WATCH_LIMIT})")
+            rest = islice(items, _WATCH_LIMIT, None)
+            if any(not is_scalar(x) for _, x in rest):  # (plain values: watched by their list)
+                cut.append(f"{path} (items past {_WATCH_LIMIT})")
         for k, x in islice(items, _WATCH_LIMIT):
             if not is_scalar(x) and not issubclass(type(x), (types.FunctionType, type)):
                 todo.append((f"{path}.{k}" if attr else f"{path}[{k!r}]", x, depth + 1))
@@ -295,8 +297,29 @@ def _identity_signature(
     return tuple(out)
 
 
+class _Watched(list):
+    """:func:`_reachable`'s list, with the holders among its entries apart (``split``, made at
+    the first read): their version tags are read at C speed, a Python call per holder
+    costing milliseconds a forward at thousands of them (a list of layer configs)."""
+
+    split: tuple | None = None
+
+
+def _tags_read(watched: list[tuple]) -> tuple:
+    split = getattr(watched, "split", None)
+    if split is None:
+        holders = [w[2] for w in watched if w[3] is _holder_tag]
+        others = [w for w in watched if w[3] is not _holder_tag]
+        split = (holders, others)
+        if type(watched) is _Watched:
+            watched.split = split
+    holders, others = split
+    tags = tuple(map(dict_version, map(_dict_of, holders, repeat("__dict__"))))
+    return tags, tuple([w[3](w[2]) for w in others])
+
+
 def _watched_ids(watched: list[tuple], read: int, outside: list) -> tuple:
-    ids = tuple([w[read](w[2]) for w in watched])
+    ids = _tags_read(watched) if read == 3 else tuple([w[read](w[2]) for w in watched])
     if not outside:
         return ids
     return ids, tuple([_outside_token(d.get(n, MISSING)) for d, n, _ in outside])

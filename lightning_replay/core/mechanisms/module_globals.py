@@ -101,8 +101,9 @@ def _global_names(fn: types.FunctionType) -> "_Names":
                     ("CALL", 1),
                 ]:
                     out.cls_own.add(arg)  # type(self).temp, self.__class__.temp
-            elif op == "LOAD_CONST" and chain is not None and key is MISSING:
-                key = arg  # BIG["bank"], settings["bank"], os.environ.get("FLAG")
+            elif op == "LOAD_CONST" and chain is not None:
+                if key is MISSING:  # (a second constant: ``.get(key, default)``'s default)
+                    key = arg  # BIG["bank"], settings["bank"], os.environ.get("FLAG")
             elif op == "BINARY_SUBSCR" and chain is not None and key is not MISSING:
                 out.items.add((tuple(chain), key))
                 chain, key = None, MISSING
