@@ -4,10 +4,11 @@ A forward may read a value that lives at module level instead of on a module: a 
 coefficient the training loop steps (``GRL["lambda"] *= 0.9``), a global schedule, a feature
 flag. No guard sees such a value change, and a replay that reads the new one computes another
 gradient than the forward's, silently. The bytecode names those reads: ``LOAD_GLOBAL`` (and
-``STORE_GLOBAL``) in the methods of the segment's module classes and, one call down, in the
-module-level functions they name. :func:`globals_read` returns the ones whose values can change
-unseen, plain values (numbers, strings, enums, small containers of them), as ``(module, name)``
-pairs. The engine treats them like attributes read from modules outside the segment
+``STORE_GLOBAL``) and ``LOAD_DEREF`` of closure cells in the methods of the segment's module
+classes (and in the methods and properties of modules outside it that its forward called,
+which the probe's tracing names) and, up to ``_DEPTH`` calls down, in the module-level
+functions they name. :func:`globals_read` returns the ones whose values can change unseen,
+plain values (numbers, strings, enums, small containers of them), as ``(owner, name)`` pairs. The engine treats them like attributes read from modules outside the segment
 (:func:`lightning_replay.slots.capture_outside`): captured at every forward, put back for the
 replay and restored after it.
 
@@ -20,8 +21,12 @@ Example:
     >>> [name for _, name in globals_read([Grl()])]
     ['SCALE']
 
-Reads one attribute down are found too: ``settings.lam`` of an imported module of the user's,
-``FLAGS.on`` of a module-level object.
+Reads attributes down are found too (``settings.lam`` of an imported module of the user's,
+``CFG.model.use_bank`` of a module-level object), items by a constant key of a dict of any
+size or a mapping (``BIG["bank"]``, ``os.environ.get("FLAG")``), and class attributes read as
+``self.x`` (none on the instance), ``type(self).x`` or ``cls.x``. A container too large to copy
+at every call and read otherwise, or more functions than ``_MAX_FUNCTIONS``, is a warning naming
+the segment: never silently unwatched.
 """
 
 from __future__ import annotations
