@@ -1187,6 +1187,12 @@ def _median_step(kind: str, n: int) -> float:
             "config holders",
             3_000,
             id="3,000 config holders",
+            marks=pytest.mark.xfail(
+                strict=False,  # a timing: it passes on a quiet machine
+                reason="5.5-6.9 ms a step with 3,000 against 0.9-1.1 ms with 10 (10 ms allowed) "
+                "on a quiet machine; failed once at load 6 on 2 cores. What it guards is counted "
+                "in test_outside_holders_read_one_item_are_not_captured_per_step",
+            ),
             # (measured 2.1 ms a step with 10 items, 109 ms with 4,100 when every holder was
             # captured at every forward; now 0.9-1.1 ms with 10, 5.5-6.9 ms with 3,000: the
             # holders' captures are kept while their dict tags stand (slots.HolderGroup) and
@@ -1199,3 +1205,51 @@ def test_outside_long_list_read_one_item_costs_no_walk_per_step(kind, n):
     or a comparison of the whole list."""
     small, big = _median_step(kind, 10), _median_step(kind, n)
     assert big < 5 * small + 0.005, (small, big)
+
+
+def test_outside_holders_read_one_item_are_not_captured_per_step(monkeypatch):
+    """3,000 config holders on the root, one read: once steady, a step captures none of them
+    again and puts none back (their dict tags stand for them), counted, not timed."""
+    import lightning_replay as lr
+    from lightning_replay.core.mechanisms import slot_restore, slots
+    from tests.test_exactness import B
+
+    class ScheduleRoot(Root):
+        reader = ScheduleReader
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sched = LONG_ITEMS["config holders"](3000)
+            for b in self.blocks:
+                b.holders = True
+
+    torch.manual_seed(0)
+    model = ScheduleRoot()
+    engine = lr.install(model, ["blocks.0", "blocks.1"], preservation="auto")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(B, D)
+    calls = {"capture": 0, "swap": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    try:
+        for step in range(6):
+            if step == 4:  # steady from here
+                monkeypatch.setattr(
+                    slots, "_capture_holder", counted("capture", slots._capture_holder)
+                )
+                monkeypatch.setattr(
+                    slot_restore, "_swap_holder", counted("swap", slot_restore._swap_holder)
+                )
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        assert engine.summary()["blocks.0"]["mode"] != "retain"
+    finally:
+        engine.uninstall()
+    assert calls == {"capture": 0, "swap": 0}, calls
