@@ -14,7 +14,8 @@ off (``tokens``), and that a guard re-probed (the flip was seen, not lucky).
 * what the bytecode scan follows (``module_globals``): a function three calls down, a forward
   pre-hook closing over a dict, a classmethod of the segment reading ``cls.FLAG``, a chain
   three attributes down, ``.get`` with a constant key on a module-level dict of 200 items;
-* the guard's walk (``guards._walk``): a flag ten dicts deep, in a partial's keywords;
+* the guard's walk (``guards._walk``): a flag ten dicts deep, in a partial's keywords, a
+  config's class attribute set on the class (the root's config, the block's own);
 * numbers gating a branch after arithmetic (``outside_reads._derived``): a negation, a floor
   division, a modulo; a step counter in a config inside the root's config.
 """
@@ -225,6 +226,36 @@ class PartialKwRoot(Root):
         self.gate_fn = functools.partial(_gate_kw, opts={"bank": False})
 
 
+class BankConfig:
+    use_bank = False  # a class default, later set on the class
+
+
+class RootCfgClassReader(Reader):
+    def flag(self, r):
+        return r.cfg.use_bank
+
+
+class RootCfgClassRoot(Root):
+    reader = RootCfgClassReader
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = BankConfig()
+
+
+class OwnCfgClassReader(Reader):
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.cfg = BankConfig()
+
+    def flag(self, r):
+        return self.cfg.use_bank
+
+
+class OwnCfgClassRoot(Root):
+    reader = OwnCfgClassReader
+
+
 # ------------------------------------------------------ numbers compared after arithmetic
 class _Counting(Root):
     def __init__(self) -> None:
@@ -323,6 +354,16 @@ CASES = {
         _item(TABLE, "bank", False),
     ),
     "flag ten dicts deep on the root": (NestedDictRoot, _nested_on, None),
+    "root's config: class attribute set on the class": (
+        RootCfgClassRoot,
+        _set(BankConfig, "use_bank", True),
+        _set(BankConfig, "use_bank", False),
+    ),
+    "block's config: class attribute set on the class": (
+        OwnCfgClassRoot,
+        _set(BankConfig, "use_bank", True),
+        _set(BankConfig, "use_bank", False),
+    ),
     "partial's keyword dict": (
         PartialKwRoot,
         lambda m: m.gate_fn.keywords["opts"].__setitem__("bank", True),

@@ -44,6 +44,7 @@ import operator
 import sys
 import types
 import warnings
+import weakref
 from collections import OrderedDict
 from itertools import islice, repeat
 from typing import Any, Hashable
@@ -180,6 +181,10 @@ def _walk(
             seen.add(id(v))
             stores = holder_stores(v)
             out += [(i, path, st, *_readers(st)) for st in stores]
+            view = _class_view(t)
+            if view is not None and id(view) not in seen:  # (once per class)
+                seen.add(id(view))
+                out.append((i, f"{path}.__class__", view, *_readers(view)))
             items, attr = [(k, x) for st in stores for k, x in _attrs(st).items()], True
             n = len(items)
         else:
@@ -208,7 +213,54 @@ def _user_module(m: types.ModuleType) -> bool:
 
 def _attrs(o: Any) -> Any:
     """The items of a :func:`_reachable` dict, or the attributes of a holder."""
-    return o if isinstance(o, (dict, SlotView)) else _dict_of(o, "__dict__")
+    return o if isinstance(o, (dict, SlotView, ClassView)) else _dict_of(o, "__dict__")
+
+
+class ClassView:
+    """The plain class attributes of a holder's class and its user bases (``use_bank =
+    False`` in a config's class body, set later on the class: ``Config.use_bank = True``),
+    most derived first, as :func:`_reachable` lists an entry: no instance dict moves when
+    they change."""
+
+    __slots__ = ("cls", "__weakref__")
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+
+    def items(self) -> list[tuple[str, Any]]:
+        out: dict[str, Any] = {}
+        for klass in self.cls.__mro__:
+            if klass is object or _library(klass.__module__):
+                continue
+            for k, v in klass.__dict__.items():
+                if k not in out and not k.startswith("__") and is_scalar(v):
+                    out[k] = v
+        return list(out.items())
+
+    def values(self) -> list[Any]:
+        return [v for _, v in self.items()]
+
+
+_CLASS_VIEWS: "weakref.WeakKeyDictionary[type, ClassView | None]" = weakref.WeakKeyDictionary()
+
+
+def _class_view(cls: type) -> ClassView | None:
+    """The :class:`ClassView` of ``cls`` (one per class), None for a class with no plain
+    attributes of a user's class, or one that cannot be held weakly."""
+    try:
+        view = _CLASS_VIEWS.get(cls, MISSING)
+    except TypeError:
+        return None
+    if view is MISSING:
+        view = ClassView(cls)
+        if not view.items():
+            view = None
+        _CLASS_VIEWS[cls] = view
+    return view
+
+
+def _class_ids(v: ClassView) -> tuple:
+    return tuple([(k, id(x)) for k, x in v.items()])
 
 
 _dict_of = object.__getattribute__  # (``o.__dict__`` past a class's own __getattribute__)
@@ -248,6 +300,8 @@ def _readers(o: Any) -> tuple:
     by its dict's version tag (where there is one), and by names and ids."""
     if type(o) is SlotView:
         return _slot_ids, _slot_ids
+    if type(o) is ClassView:
+        return _class_ids, _class_ids
     if isinstance(o, list):
         return _list_ids, _list_ids
     if isinstance(o, set):
