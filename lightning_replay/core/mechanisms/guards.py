@@ -222,10 +222,22 @@ class ClassView:
     most derived first, as :func:`_reachable` lists an entry: no instance dict moves when
     they change."""
 
-    __slots__ = ("cls", "__weakref__")
+    __slots__ = ("cls", "parts", "__weakref__")
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
+        #: per class of the MRO with plain attributes: its attribute map and their names, read
+        #: at C speed at every forward (:func:`_class_ids`; an HF config's class and bases hold
+        #: dozens)
+        self.parts: list[tuple[Any, tuple[str, ...]]] = []
+        for klass in cls.__mro__:
+            if klass is object or _library(klass.__module__):
+                continue
+            names = tuple(
+                k for k, v in klass.__dict__.items() if not k.startswith("__") and is_scalar(v)
+            )
+            if names:
+                self.parts.append((klass.__dict__, names))
 
     def items(self) -> list[tuple[str, Any]]:
         out: dict[str, Any] = {}
@@ -260,7 +272,7 @@ def _class_view(cls: type) -> ClassView | None:
 
 
 def _class_ids(v: ClassView) -> tuple:
-    return tuple([(k, id(x)) for k, x in v.items()])
+    return tuple([tuple(map(id, map(d.get, names))) for d, names in v.parts])
 
 
 _dict_of = object.__getattribute__  # (``o.__dict__`` past a class's own __getattribute__)
