@@ -13,8 +13,12 @@ fingerprinted at each forward, cheaply (identities and plain values, no tensor b
   parameters substituted by ``torch.func.functional_call``);
 * the value of every plain attribute (a dropout ``p`` warming up from 0, an enum mode, a
   tuple of plain values), also of the plain holder objects reachable from the modules (a config's ``use_bank``, with
-  ``__dict__`` or ``__slots__``, held directly, by another holder or in a container), and the
-  contents of every container attribute (a dict of flags).
+  ``__dict__`` or ``__slots__``, held directly, by another holder or in a container), of
+  their classes' plain attributes (:class:`ClassView`: one set on the class), of a
+  ``functools.partial``'s bound arguments and of a user's Python module held as an
+  attribute, and the contents of every container attribute (a dict of flags). The walk goes
+  ``_WATCH_DEPTH`` levels and ``_WATCH_LIMIT`` items deep; what lies past them is a warning
+  naming the segment (:meth:`Guard._reach`), never silently unwatched.
 
 When the fingerprint shows something new, that forward is re-probed (retained and watched, so
 exact by construction) and the contract is extended. Fields that vary continuously (identities,
