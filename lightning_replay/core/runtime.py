@@ -28,6 +28,7 @@ from lightning_replay._compat import (
     saved_tensors_hooks_disabled,
     under_functorch,
 )
+from lightning_replay.core.mechanisms import backend_flags
 from lightning_replay.core.mechanisms.accounting import checkpoint_rng_bytes
 from lightning_replay.core.mechanisms.arguments import flatten_call, unflatten_call
 from lightning_replay.core.replay.checks import SegmentChecks
@@ -759,7 +760,11 @@ def _same(t: Any) -> Any:
 def _full_replay(inv: _Invocation, user: tuple | None = None):
     """``context_fn`` of a full replay: nothing around the forward, the contract's replay
     context around the recomputation."""
-    return lambda: (contextlib.nullcontext(), _ReplayContext(inv, True, user))
+    # called by checkpoint at the forward: the backend switches then are the replay's
+    return lambda: (
+        contextlib.nullcontext(),
+        backend_flags.around(_ReplayContext(inv, True, user)),
+    )
 
 
 def _timed_clock(eng: "RuntimeHost") -> float:
