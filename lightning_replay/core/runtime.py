@@ -8,6 +8,7 @@ checks and their reaction (:mod:`~lightning_replay.checks`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -171,6 +172,10 @@ class SegmentRuntime:
         # the most forwards (with autograd) one window made of it, and this window's so far
         self.window_calls = 1
         self._window_step, self._window_forwards = -1, 0
+        # the forwards of the last CALL_WINDOWS windows that called it: ``window_calls``
+        # follows them (a count that fell stays charged until that many windows show it)
+        self._recent_calls: collections.deque = collections.deque(maxlen=CALL_WINDOWS)
+        self._shared_seen: tuple[int, dict] = (-1, {})  # (window, read-only copies used)
         self.last_call = -1
         self.backward_calls = 0  # ... of them made while a backward ran (see __call__)
         self.replays = 0
@@ -291,7 +296,10 @@ class SegmentRuntime:
             return self.orig_forward(*args, **kwargs)
         self.forwards += 1
         if self._window_step != eng.step:  # calls per window: the costs charge each (issue 31)
+            if self._window_step >= 0:
+                self._recent_calls.append(self._window_forwards)
             self._window_step, self._window_forwards = eng.step, 0
+            self.window_calls = max(self._recent_calls, default=1)
         self._window_forwards += 1
         if self._window_forwards > self.window_calls:
             self.window_calls = self._window_forwards
@@ -393,6 +401,8 @@ class SegmentRuntime:
             torch.cuda.synchronize(eng._cuda_device)
         t0 = clock(eng._cuda)
         inv = _Invocation(self, check_bytes)
+        if inv.shared and eng.measure_costs:
+            self._measure_shared(inv)
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             flat, spec = list(args), None  # the common call: tensors only, nothing to flatten
         else:
@@ -459,6 +469,21 @@ class SegmentRuntime:
             torch.cuda.synchronize(eng._cuda_device)
         inv.t_prep = clock(eng._cuda) - t0
         return inv, call, spec
+
+    def _measure_shared(self, inv: _Invocation) -> None:
+        """The whole copies of read-only state this window's calls of the segment used, by
+        copy (one serves every call that reads the same bytes): the most over the measured
+        windows is what the costs charge once per window (CostMeter.held_bytes)."""
+        eng = self.engine
+        step, seen = self._shared_seen
+        if step != eng.step:
+            seen = {}
+            self._shared_seen = (eng.step, seen)
+        for sw, _ in inv.shared:
+            seen[id(sw)] = sw.nbytes
+        total = sum(seen.values())
+        if total > eng.meter.shared_bytes.get(self.name, 0):
+            eng.meter.shared_bytes[self.name] = total
 
     def _replay_call(self, args: tuple, kwargs: dict) -> Any:
         inv, call, spec = self._prepare(args, kwargs, self.engine._check_bytes, live=True)
@@ -707,6 +732,12 @@ def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     if any(p.requires_grad for p in module.parameters()):
         return True
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
+
+
+#: windows whose calls of a segment its call count (``window_calls``) follows: the most of
+#: them. A segment called 3 times per window for a while and once since is charged one call
+#: once this many windows called it once (a re-plan then sees it).
+CALL_WINDOWS = 8
 
 
 def _restored_in_place(inv: _Invocation, eng: Any) -> set[int]:

@@ -52,7 +52,8 @@ def calibration_held(eng, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
     if o == "retain":
         kept_act = eng.meter.window_activation_bytes(rt.name, c.activation_bytes, k)
         return kept_act + k * rt.input_saved_bytes, None
-    held = k * (rt.input_bytes + c.preserved_bytes(o))
+    per_call, once = eng.meter.held_bytes(rt.name, c, o, k)  # read-only copies: once
+    held = k * (rt.input_bytes + per_call) + once
     if o not in SELECTIVE:
         return held, None
     kept = k * eng.meter.selective_bytes.get(rt.name, c.activation_bytes)
