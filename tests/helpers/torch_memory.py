@@ -81,7 +81,10 @@ def process_tensor_storages(device: str = "cpu") -> dict[int, int]:
                 s = _storage_of(obj)
                 if s is not None:
                     seen[s.data_ptr()] = s.nbytes()
-                g = obj.grad if obj.is_leaf and obj.requires_grad else None
+                try:
+                    g = obj.grad if obj.is_leaf and obj.requires_grad else None
+                except (RuntimeError, AttributeError):  # a wrapper subclass without one
+                    g = None
                 if g is not None and g.device.type == device:
                     s = _storage_of(g)
                     if s is not None:

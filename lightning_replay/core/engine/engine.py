@@ -170,10 +170,6 @@ class ReplayEngine:
         self._replays_this_step = 0
         self._truth: StepPeak | None = None  # measuring a step's real peak (CPU)
         self._truth_pending = False
-        self._calibration_phase: str | None = None  # the calibration phase of this window
-        # a measurement moved from the first window of an optimizer step that accumulates
-        # gradients over several windows to the next one (see _accumulation_opens)
-        self._truth_moved: int | None = None  # (the window it was moved from)
         self._truth_peak: int | None = None
         self._truth_hook: Any = None
         self._truth_rounds = 0  # steps measured so far
@@ -871,7 +867,6 @@ class ReplayEngine:
             self._truth_pending
             and self.accountant is not None
             and (_rank_count() == 1 or self._ranks_base is not None)
-            and not self._accumulation_opens()
         ):
             self._truth_pending = False
             self._truth_rounds += 1
@@ -1028,29 +1023,6 @@ class ReplayEngine:
                 base_memory=max(self.real_base_memory, plan.base_memory),
             )
             self._plan_extras = (self.plan, extras)
-
-    def _accumulation_opens(self) -> bool:
-        """Whether the window beginning opens an optimizer step that accumulates gradients
-        over several windows (micro-batches), so that its real peak is measured in the next
-        window instead: windows have begun with gradients already there (``_grad_fresh``
-        empty) and this one begins with none. A measured window ends at the next window or at
-        the optimizer step; the first micro-batch's holds no gradients when it begins and
-        makes them, a later one holds them and adds each new one to them (a temporary as
-        large as the parameter), and the last one runs the optimizer step too: the first is
-        the least of them (grad_accumulation in test_adversary_memory: 21.66 MiB measured,
-        27.68 held by the second). Moved once: the window after is measured as it comes. A
-        calibration warm-up moved so is repeated, so that no timed window is profiled."""
-        moved, self._truth_moved = self._truth_moved, None
-        if moved == self.step - 1:
-            return False  # (moved from the window before: else another profiler held it)
-        if self._grad_fresh is None or self._grad_fresh:
-            return False  # no window began with gradients there: no accumulation seen
-        if any(p.grad is not None for p in self.model.parameters() if p.requires_grad):
-            return False
-        self._truth_moved = self.step
-        if self._warmup and self._calibration_phase is not None:
-            self._calibration.insert(0, self._calibration_phase + ":warmup")
-        return True
 
     def _profiler_blinds(self) -> None:
         """A step whose real peak was due to be measured runs under someone else's profiler
@@ -1228,7 +1200,6 @@ class ReplayEngine:
             return
         phase, _, warm = phase.partition(":")
         self._warmup = bool(warm)
-        self._calibration_phase = phase
         if warm and self.real_peak and not self._cuda and not self._truth_off:
             # an untimed step: what it holds beyond the accountant's figures is known before
             # the first plan is made (the profiler would slow the timed ones)
