@@ -114,6 +114,7 @@ def _run(model: Shared, option: str, steps: int, replan_at: int | None = None, j
 
 def _judge(seen, slack: int) -> None:
     report = [(round(p / 2**20, 3), pred and round(pred / 2**20, 3)) for p, pred in seen]
+    print("(real, predicted) MiB:", report)
     for peak, pred in seen:
         assert pred is not None, report
         assert pred >= peak, f"the prediction is no bound: (real, predicted) MiB {report}"
