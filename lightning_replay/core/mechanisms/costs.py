@@ -122,14 +122,18 @@ class CostMeter:
             return max(min(total, calls * per_call), per_call)
         return max(total + max(calls - n, 0) * per_call, per_call)
 
-    def held_bytes(self, segment: str, c: Any, option: str, calls: int) -> tuple[int, int]:
+    def held_bytes(
+        self, segment: str, c: Any, option: str, calls: int, regions: int | None = None
+    ) -> tuple[int, int]:
         """What a segment called ``calls`` times per window holds under ``option`` beyond its
         inputs: (per call, once per window). Per call: the whole snapshots of what each call
         copies for itself (parameters and state the segment writes). Once per window: the
         regions the log holds (one log per storage serves every call: the first call's mark
         sees every later write, :attr:`region_bytes` is that figure) and the whole copies of
         read-only state (one copy per window while the bytes stay the same: as measured in
-        :attr:`shared_bytes`, else one per call)."""
+        :attr:`shared_bytes`, else one per call). ``regions``: the region bytes to charge
+        instead of the measured ones (calibration: the probe's estimate, before any replay
+        measured them)."""
         base = base_option(option)
         if base in ("retain", "recompute"):
             return 0, 0
@@ -148,7 +152,7 @@ class CostMeter:
             )
         window = shared
         if base == "regions":
-            window += self.region_bytes.get(segment, 0)
+            window += self.region_bytes.get(segment, 0) if regions is None else regions
         return per_call, window
 
     def add_time(self, segment: str, option: str, seconds: float) -> None:
