@@ -1440,37 +1440,7 @@ _READS_GRAD = (
     "step), no record: the forward reads head.bias.grad (None after zero_grad), backward sets "
     "it before the segments replay, and the replay takes the other branch"
 )
-_ATTR_WRITTEN = (
-    "measured: silently wrong, 54 of 60 gradients differ from step 2 (blocks.0's from step "
-    "2, then all), no record: the first block's input carries a Python attribute (x.gain) and "
-    "is written in place after the forward; the replay's copy of the input has no attribute "
-    "and reads the default gain"
-)
-_ATTR_RESET = (
-    "measured: silently wrong, 58 of 60 gradients differ from step 2, no record: the root "
-    "sets a new Python attribute (x.gain) on the segments' input tensors after the forward; "
-    "the replay reads the new value"
-)
-_RRELU = (
-    "measured: silently wrong, 58 of 60 gradients differ from step 2 (the first replayed "
-    "step), no record: F.rrelu(training=True) in a segment, whose kernel draws random slopes "
-    "into a noise tensor it writes in place and saves for backward"
-)
 XFAIL: dict[tuple[str, str], str] = {
-    ("rrelu_in_place_on_a_fresh_tensor", "min"): (
-        "measured: ReplayError at step 1, as rrelu_in_training-min: the replayed probe of "
-        "'blocks.1' reproduced its outputs but not the saved tensor 3 ((6, 8) float32) "
-        "(torch.rrelu_'s noise); auto/whole/regions are exact here"
-    ),
-    **{("tensor_attribute_on_input_input_written_after", m): _ATTR_WRITTEN for m in MODES},
-    **{("tensor_attribute_on_input_reset_after", m): _ATTR_RESET for m in MODES},
-    **{("rrelu_in_training", m): _RRELU for m in MODES if m != "min"},
-    ("rrelu_in_training", "min"): (
-        "measured: ReplayError at step 1: the replayed probe of 'blocks.1' 'reproduced its "
-        "outputs bit for bit but not the tensors it saved for backward [3 ((6, 8) float32)]' "
-        "(rrelu_with_noise's noise, which the kernel writes in place): caught, not silent, but "
-        "plain PyTorch trains it"
-    ),
     **{("activation_module_swapped_after_forward", m): _NEVER_REPLAYS for m in MODES if m != "min"},
     **{("dropout_module_rebuilt_every_step", m): _NEVER_REPLAYS for m in MODES if m != "min"},
     **{("reads_a_parameter_grad_backward_sets", m): _READS_GRAD for m in MODES if m != "min"},

@@ -29,7 +29,12 @@ from lightning_replay._compat import (
     under_functorch,
 )
 from lightning_replay.core.mechanisms.accounting import checkpoint_rng_bytes
-from lightning_replay.core.mechanisms.arguments import flatten_call, unflatten_call
+from lightning_replay.core.mechanisms.arguments import (
+    flatten_call,
+    forward_attributes,
+    tensor_attributes,
+    unflatten_call,
+)
 from lightning_replay.core.replay.checks import SegmentChecks
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract
 from lightning_replay.core.base.clock import clock
@@ -399,6 +404,9 @@ class SegmentRuntime:
             hosts = [as_host_rng(x) for x in flat if is_host_rng(x)]
             if hosts:  # a generator outside torch passed in: its state at this call
                 inv.gens = inv.gens + capture_generators(hosts)
+        # Python attributes on argument tensors (``x.gain``), shallow-copied as the contract
+        # copies module attributes: the replay reads them as the forward did
+        inv.tensor_attrs = tensor_attributes(flat)
         written = self.contract.changed_inputs
         changing = _aliased_changing(flat, inv.changing) if inv.changing else None
         if written or changing:
@@ -474,6 +482,18 @@ class SegmentRuntime:
             sac_full = False
         inner = [0.0, None]  # the forward's own seconds, checkpoint's frame
 
+        def replay(flat: Any) -> Any:
+            # the call as at the forward: argument objects rebuilt with their fields then
+            a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
+            if sac is not None and not sac_full:  # the kept outputs stand in for their ops
+                try:
+                    with sac.recompute:
+                        return forward(*a, **kw)
+                finally:  # (checkpoint's early stop leaves by an exception)
+                    if sac.events:  # kept outputs it could not use (see checks.py)
+                        self.segment_checks._kept_events(inv, sac.events, checked=False)
+            return forward(*a, **kw)
+
         def fn(*flat: Any) -> Any:
             if inv.subs:
                 flat = list(flat)
@@ -482,17 +502,11 @@ class SegmentRuntime:
                         flat[i] = _replay_input(flat[i], live.requires_grad)
                     else:
                         flat[i] = live
+            if inv.replaying and inv.tensor_attrs:
+                with forward_attributes(flat, inv.tensor_attrs):
+                    return replay(flat)
             if inv.replaying:
-                # the call as at the forward: argument objects rebuilt with their fields then
-                a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
-                if sac is not None and not sac_full:  # the kept outputs stand in for their ops
-                    try:
-                        with sac.recompute:
-                            return forward(*a, **kw)
-                    finally:  # (checkpoint's early stop leaves by an exception)
-                        if sac.events:  # kept outputs it could not use (see checks.py)
-                            self.segment_checks._kept_events(inv, sac.events, checked=False)
-                return forward(*a, **kw)
+                return replay(flat)
             a, kw = (flat, {}) if spec is None else (args, kwargs)  # the live objects
             eng._segment_depth += 1
             # a calibration step may run this forward under a capture mode of its own, to
@@ -546,10 +560,11 @@ class SegmentRuntime:
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
         if getattr(self, "_calls_script", None) is None:
             self._calls_script = _calls_script_function(self.modules)
-        if self._calls_script:
+        if self._calls_script or (self.contract is not None and self.contract.full_replay):
             # checkpoint's early stop raises from its pack hook; inside a scripted function
-            # the TorchScript interpreter rewraps that exception and the replay fails: the
-            # replay of such a segment runs to its end
+            # the TorchScript interpreter rewraps that exception and the replay fails; and an
+            # op that writes an argument autograd saved first (F.rrelu's noise) would be
+            # stopped before it writes it: the replay of such a segment runs to its end
             plain_inputs = _stacked(plain_inputs, set_checkpoint_early_stop(False))
         if not timed:
             with plain_inputs:

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -453,3 +454,54 @@ def held_tensors(modules: list[nn.Module], outputs: Any) -> list[torch.Tensor]:
         d = object.__getattribute__(m, "__dict__")
         held += [v for k, v in d.items() if k not in internals and not k.startswith("_lightning")]
     return call_tensors((held, outputs), {})
+
+
+def tensor_attributes(flat: list) -> dict[int, dict]:
+    """Per position in ``flat``, the Python attributes of that tensor (``x.gain = 2.0`` set on
+    an input), shallow-copied as the contract copies module attributes; tensors without any
+    are left out (the common case: an empty dict).
+
+    Example:
+        >>> x = torch.ones(2)
+        >>> x.gain = 2.0
+        >>> tensor_attributes([torch.zeros(1), x, 3])
+        {1: {'gain': 2.0}}
+    """
+    return {
+        i: dict(x.__dict__)
+        for i, x in enumerate(flat)
+        if isinstance(x, torch.Tensor) and x.__dict__
+    }
+
+
+@contextlib.contextmanager
+def forward_attributes(flat: list, attrs: dict[int, dict]) -> Any:
+    """While it is open, each tensor of ``flat`` named in ``attrs`` (see
+    :func:`tensor_attributes`) holds the attributes it held at the forward: a replay's
+    stand-in copy of an input gets them, and a live input whose attributes were rebound or
+    reset after the forward gets its own back when it closes.
+
+    Example:
+        >>> x = torch.ones(2)
+        >>> x.gain = 2.0
+        >>> attrs = tensor_attributes([x])
+        >>> x.gain = 7.0
+        >>> with forward_attributes([x], attrs):
+        ...     x.gain
+        2.0
+        >>> x.gain
+        7.0
+    """
+    live = []
+    for i, d in attrs.items():
+        t = flat[i] if i < len(flat) else None
+        if isinstance(t, torch.Tensor):
+            live.append((t, dict(t.__dict__)))
+            t.__dict__.clear()
+            t.__dict__.update(d)
+    try:
+        yield
+    finally:
+        for t, d in live:
+            t.__dict__.clear()
+            t.__dict__.update(d)

@@ -35,6 +35,8 @@ from lightning_replay.core.mechanisms.arguments import (
     call_tensors,
     check_rebuild,
     flatten_call,
+    forward_attributes,
+    tensor_attributes,
     unflatten_call,
 )
 from lightning_replay.core.base.ports import ProbedSegment, ProbeHost, RecordSink
@@ -108,6 +110,11 @@ class _Probe:
         self.gens: list = []  # (generator, state) at its start (replayed probes)
         self.outside: list | None = None  # outside attributes read, as at forward (replayed)
         self.saved_tokens: list = []  # digest tokens of the tensors its forward saved (replayed)
+        #: (replayed) those tensors, until its forward ends: an op that writes an argument
+        #: autograd saved before the write (``rrelu_with_noise``'s noise) makes the token at
+        #: pack time stale; such a forward's tokens are taken again at its end
+        self.saved_live: list = []
+        self.late_tokens = False  # ... as they were taken again (the replay's are, alike)
         self.saved_state: dict = {}  # storage key -> (alias, version) of saved state (replayed)
         #: while its forward runs: a backward inside it (``torch.autograd.grad`` of an energy,
         #: forces = -dE/dx) unpacks saved tensors, which is not the replay point; a replayed
@@ -675,6 +682,7 @@ class SegmentProbe:
                 # what the replay must save again, byte for byte (a value that only the
                 # gradient reads leaves the outputs alike), and the version it was saved at
                 probe.saved_tokens.append(digest_token(t))
+                probe.saved_live.append(t)
                 if key not in probe.saved_state and start_index.lookup(key):
                     # model state autograd saved: an alias that shares its version counter
                     # (its storage lives on anyway), to refuse a backward plain PyTorch refuses
@@ -800,6 +808,7 @@ class SegmentProbe:
         eng = self.host
         # the call as the forward saw it: argument objects' fields rebound later are not read
         flat_call, call_spec = flatten_call(args, kwargs)
+        attrs = tensor_attributes(flat_call)  # x.gain on an input: as the forward saw it
         # the user's saved-tensor hooks: applied to what the replay saves (runtime.py)
         user = user_saved_hooks(eng)
 
@@ -814,6 +823,11 @@ class SegmentProbe:
             if replay is None:
                 out = self._probe_forward(args, kwargs, replayed=True, box=box)
                 box["digests"] = digests(tensor_leaves(out))
+                probe = box["probe"]
+                if probe.mode.writes_unreturned:
+                    probe.saved_tokens = [digest_token(t) for t in probe.saved_live]
+                    probe.late_tokens = True
+                probe.saved_live = []
                 return out
             top = top_saved_tensors_hooks()  # checkpoint's recomputation hooks
             pack_next, unpack_next = top if top is not None else (lambda t: t, lambda t: t)
@@ -835,7 +849,11 @@ class SegmentProbe:
             try:
                 # the call as at the forward: its containers' and objects' fields then
                 a, kw = unflatten_call(flat_call, call_spec)
-                with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next), replay.producers:
+                with (
+                    forward_attributes(flat_call, attrs),
+                    torch.autograd.graph.saved_tensors_hooks(pack, unpack_next),
+                    replay.producers,
+                ):
                     out = self.seg.orig_forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
@@ -975,6 +993,7 @@ class SegmentProbe:
             id(g.obj): g for _, g in self.seg.generators if isinstance(g, HostRNG)
         }
         uses_rng = old.uses_global_rng if old is not None else False
+        full_replay = old.full_replay if old is not None else False
         changed_attrs: set[str] = set(old.python_attrs) if old is not None else set()
         aliases: list[str] = list(old.input_aliases) if old is not None else []
         changed_inputs: set[int] = set(old.changed_inputs) if old is not None else set()
@@ -990,6 +1009,7 @@ class SegmentProbe:
             per_window[p.step] = (total + p.activation_bytes, n + 1)
             self.seg.state_keys.update(p.mode.touched)
             uses_rng |= p.mode.uses_global_rng
+            full_replay |= p.mode.writes_unreturned
             if p.sparse_reads and not self.seg.demoted:
                 self._keep_for_sparse(p)
             if p.script_calls and not self.seg.demoted:
@@ -1064,6 +1084,7 @@ class SegmentProbe:
             activation_bytes=act,
             probed_at_step=probes[0].step if probes else 0,
             selective=eng.config.selective_policy is not None,
+            full_replay=full_replay,
         )
         order = {e.name: i for i, e in enumerate(c.state)}
         self.seg.bound = sorted(bound.values(), key=lambda b: order[b.entry.name])

@@ -103,6 +103,7 @@ class _Invocation:
         "t_pending",
         "sandbox_keys",
         "subs",
+        "tensor_attrs",
         "kept",
         "outside",
         "replaying",
@@ -136,6 +137,9 @@ class _Invocation:
         self.regions: list[tuple[Any, int]] = []
         self.sandbox_keys: list = []
         self.subs: dict[int, torch.Tensor] = {}  # input leaf -> its bytes at forward
+        #: input leaf -> its Python attributes at forward (``x.gain = ...``), which the replay
+        #: reads: rebound or reset after the forward, or absent from a stand-in copy
+        self.tensor_attrs: dict[int, dict] = {}
         self.preserved_bytes = 0
         self.replays = 0
         self.done = False
