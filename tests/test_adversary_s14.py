@@ -1335,6 +1335,96 @@ class SharedLateNet(nn.Module):
         return self.head(x)
 
 
+# ====================================================================== Python state on tensors, hooks
+class BufferAttr(nn.Module):
+    """A queue whose write pointer is a Python attribute on the buffer tensor itself
+    (``self.q.ptr``); the forward reads the rows at the pointer, the root advances it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("q", torch.randn(8, D))
+        self.q.ptr = 0
+
+    def forward(self, x):
+        row = self.q[self.q.ptr % 8]
+        return x + self.f(x + row)
+
+
+def _advance_ptr(m, h):
+    for b in m.blocks:
+        b.q.ptr += 3
+
+
+class ParamMultiplier(nn.Module):
+    """muP-style: the output multiplier is a Python attribute on the weight
+    (``self.lin.weight.mult``), annealed by the root after the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.out = nn.Linear(D, D)
+        self.lin.weight.mult = 1.0
+
+    def forward(self, x):
+        return x + self.out(torch.tanh(self.lin(x) * self.lin.weight.mult))
+
+
+def _anneal_mult(m, h):
+    for b in m.blocks:
+        b.lin.weight.mult = b.lin.weight.mult * 0.8
+
+
+class BwdCounter(nn.Module):
+    """Branches on a Python counter the root bumps in a gradient hook (backward-pass count),
+    that is, during backward, before this segment's replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.g = nn.Linear(D, D)
+        self.owner: list = []
+
+    def forward(self, x):
+        if self.owner[0].bwd % 2:
+            return x + self.g(self.f(x))
+        return x + self.f(x)
+
+
+class BwdCounterNet(Net):
+    def __init__(self) -> None:
+        super().__init__(BwdCounter)
+        self.bwd = 0
+        for b in self.blocks:
+            b.owner.append(self)
+
+    def forward(self, x):
+        out = super().forward(x)
+        if out.requires_grad:
+
+            def bump(g):
+                self.bwd += 1
+                return g
+
+            out.register_hook(bump)
+        return out
+
+
+class HookEveryStepNet(Net):
+    """A logging callback's pattern: a forward hook on every block registered before each
+    forward and removed after the step (a new hook object each step)."""
+
+    def forward(self, x):
+        for h in getattr(self, "_handles", []):
+            h.remove()
+        self.feats = []
+        self._handles = [
+            b.register_forward_hook(lambda m, a, o: self.feats.append(o.detach().mean()))
+            for b in self.blocks
+        ]
+        return super().forward(x)
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1427,6 +1517,16 @@ CASES: dict[str, tuple] = {
     ),
     "held_generator_drawn_only_after_a_buffer_flag": (lambda: Net(LateGen, after=_late_gen_on), _x),
     "shared_buffer_written_from_the_third_call": (SharedLateNet, _x),
+    "python_attribute_on_a_buffer_tensor_advanced_after": (
+        lambda: Net(BufferAttr, after=_advance_ptr),
+        _x,
+    ),
+    "python_attribute_on_a_weight_annealed_after": (
+        lambda: Net(ParamMultiplier, after=_anneal_mult),
+        _x,
+    ),
+    "python_counter_bumped_by_a_gradient_hook": (BwdCounterNet, _x),
+    "logging_forward_hook_registered_every_step": (lambda: HookEveryStepNet(BNBlock), _x),
 }
 
 #: (case, mode) -> what was measured where a case fails today
@@ -1435,12 +1535,44 @@ _NEVER_REPLAYS = (
     "object each step is a guard re-probe ('blocks.N.modules' changed) on every step, so the "
     "segments stay retained for good and save no memory, silently (exact)"
 )
+_NEVER_REPLAYS_HOOK = (
+    "measured: 0 replays in 6 steps, no warning: a forward hook on every block registered "
+    "before each forward and removed after it (a logging callback's pattern) is a guard "
+    "re-probe on every step, so the segments stay retained for good, silently (exact)"
+)
 _READS_GRAD = (
     "measured: silently wrong, 57 of 60 gradients differ from step 2 (the first replayed "
     "step), no record: the forward reads head.bias.grad (None after zero_grad), backward sets "
     "it before the segments replay, and the replay takes the other branch"
 )
+_TENSOR_ATTR = (
+    "measured: silently wrong, 57 of 60 gradients differ from step 2 (the first replayed "
+    "step), no record: the forward reads a Python attribute of a state tensor ({}), which "
+    "the root changes after the forward; the replay reads the new value"
+)
+_TENSOR_ATTR_MIN = (
+    "measured: ReplayError at step 1 (the replayed probe of 'blocks.1' did not reproduce its "
+    "forward: caught, not silent), where plain PyTorch trains it: the forward reads a Python "
+    "attribute of a state tensor ({}) the root changes after the forward"
+)
 XFAIL: dict[tuple[str, str], str] = {
+    **{
+        ("python_attribute_on_a_buffer_tensor_advanced_after", m): (
+            _TENSOR_ATTR_MIN if m == "min" else _TENSOR_ATTR
+        ).format("a queue's write pointer, self.q.ptr")
+        for m in MODES
+    },
+    **{
+        ("python_attribute_on_a_weight_annealed_after", m): (
+            _TENSOR_ATTR_MIN if m == "min" else _TENSOR_ATTR
+        ).format("a muP-style multiplier, self.lin.weight.mult")
+        for m in MODES
+    },
+    **{
+        ("logging_forward_hook_registered_every_step", m): _NEVER_REPLAYS_HOOK
+        for m in MODES
+        if m != "min"
+    },
     **{("activation_module_swapped_after_forward", m): _NEVER_REPLAYS for m in MODES if m != "min"},
     **{("dropout_module_rebuilt_every_step", m): _NEVER_REPLAYS for m in MODES if m != "min"},
     **{("reads_a_parameter_grad_backward_sets", m): _READS_GRAD for m in MODES if m != "min"},

@@ -184,6 +184,52 @@ class GenBlk(Blk):
         return x + h * keep
 
 
+class WideIn(nn.Module):
+    """The first segment reads the big input (16 W wide) directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16 * W, 2 * W)
+        self.b = nn.Linear(2 * W, W)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class AuxBlk(Blk):
+    """Returns ``(y, aux)``: ``aux`` is 8 x wider than ``y`` and the root drops it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = nn.Linear(W, 8 * W)
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y, self.wide(y)
+
+
+class AuxNet(Net):
+    def forward(self, x):
+        h = x
+        for b in self.blocks:
+            h, _ = b(h)
+        return self.head(h)
+
+
+class EmaBlk(Blk):
+    """An in-place moving average of its output (N x W, 128 KiB), read first."""
+
+    def __init__(self) -> None:
+        super().__init__(hidden=W)
+        self.register_buffer("ema", torch.zeros(N, W))
+
+    def forward(self, x):
+        y = super().forward(x) + self.ema[: x.shape[0]] * 1e-3
+        with torch.no_grad():
+            self.ema[: x.shape[0]].mul_(0.9).add_(y.detach(), alpha=0.1)
+        return y
+
+
 def _names(n: int) -> list[str]:
     return [f"blocks.{i}" for i in range(n)]
 
@@ -223,6 +269,20 @@ SHAPES: dict[str, tuple] = {
     ),
     "big_root_buffer_read_by_every_segment": (SharedNet, _names(4), W),
     "a_generator_per_segment": (lambda: Net([GenBlk(i) for i in range(8)]), _names(8), W),
+    # the big input goes into the first segment itself
+    "big_input_into_the_first_segment": (
+        lambda: Net([WideIn(), Blk(), Blk(), Blk()]),
+        _names(4),
+        16 * W,
+    ),
+    # each segment returns an 8 x wider auxiliary output that the root drops
+    "big_auxiliary_output_dropped_by_the_root": (
+        lambda: AuxNet([AuxBlk() for _ in range(4)]),
+        _names(4),
+        W,
+    ),
+    # 12 small segments, each with a 128 KiB moving average written in its forward
+    "many_stateful_small_segments": (lambda: Net([EmaBlk() for _ in range(12)]), _names(12), W),
 }
 
 #: (shape, budget) -> what was measured where a case fails today
@@ -238,6 +298,13 @@ XFAIL: dict[tuple[str, str], str] = {
         "MiB, 1.063 x checkpoint's 3.186 + the 0.5 MiB view the segment reads (a whole copy "
         "of the view would do); the probe 3.953 and six calibration steps 4.459 (1.139 x that "
         "plan) run first"
+    ),
+    ("many_stateful_small_segments", "halfway"): (
+        "measured: plain 6.035 MiB, checkpoint 4.717, budget 5.376: the probe step peaks at "
+        "5.569 (1.036 x the budget) and six calibration steps at 6.092 (1.133 x) before the "
+        "first plan is refused, rightly (the lowest plan holds 6.035: 12 segments' whole "
+        "128 KiB moving averages cost what their activations do): the engine could have "
+        "refused before running over"
     ),
     ("a_generator_per_segment", "min"): (
         "measured: the lowest plan (every segment recomputed) peaks at 2.424 MiB, 91,008 B "
