@@ -1545,29 +1545,7 @@ _READS_GRAD = (
     "step), no record: the forward reads head.bias.grad (None after zero_grad), backward sets "
     "it before the segments replay, and the replay takes the other branch"
 )
-_TENSOR_ATTR = (
-    "measured: silently wrong, 57 of 60 gradients differ from step 2 (the first replayed "
-    "step), no record: the forward reads a Python attribute of a state tensor ({}), which "
-    "the root changes after the forward; the replay reads the new value"
-)
-_TENSOR_ATTR_MIN = (
-    "measured: ReplayError at step 1 (the replayed probe of 'blocks.1' did not reproduce its "
-    "forward: caught, not silent), where plain PyTorch trains it: the forward reads a Python "
-    "attribute of a state tensor ({}) the root changes after the forward"
-)
 XFAIL: dict[tuple[str, str], str] = {
-    **{
-        ("python_attribute_on_a_buffer_tensor_advanced_after", m): (
-            _TENSOR_ATTR_MIN if m == "min" else _TENSOR_ATTR
-        ).format("a queue's write pointer, self.q.ptr")
-        for m in MODES
-    },
-    **{
-        ("python_attribute_on_a_weight_annealed_after", m): (
-            _TENSOR_ATTR_MIN if m == "min" else _TENSOR_ATTR
-        ).format("a muP-style multiplier, self.lin.weight.mult")
-        for m in MODES
-    },
     **{
         ("logging_forward_hook_registered_every_step", m): _NEVER_REPLAYS_HOOK
         for m in MODES

@@ -32,8 +32,10 @@ from lightning_replay.core.mechanisms.accounting import checkpoint_rng_bytes
 from lightning_replay.core.mechanisms.arguments import (
     flatten_call,
     forward_attributes,
+    state_attributes,
     tensor_attributes,
     unflatten_call,
+    with_attributes,
 )
 from lightning_replay.core.replay.checks import SegmentChecks
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract
@@ -407,6 +409,7 @@ class SegmentRuntime:
         # Python attributes on argument tensors (``x.gain``), shallow-copied as the contract
         # copies module attributes: the replay reads them as the forward did
         inv.tensor_attrs = tensor_attributes(flat)
+        inv.state_attrs = state_attributes(self.modules)  # (self.q.ptr, weight.mult)
         written = self.contract.changed_inputs
         changing = _aliased_changing(flat, inv.changing) if inv.changing else None
         if written or changing:
@@ -502,8 +505,8 @@ class SegmentRuntime:
                         flat[i] = _replay_input(flat[i], live.requires_grad)
                     else:
                         flat[i] = live
-            if inv.replaying and inv.tensor_attrs:
-                with forward_attributes(flat, inv.tensor_attrs):
+            if inv.replaying and (inv.tensor_attrs or inv.state_attrs):
+                with forward_attributes(flat, inv.tensor_attrs), with_attributes(inv.state_attrs):
                     return replay(flat)
             if inv.replaying:
                 return replay(flat)

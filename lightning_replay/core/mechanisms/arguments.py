@@ -474,7 +474,46 @@ def tensor_attributes(flat: list) -> dict[int, dict]:
     }
 
 
+def state_attributes(modules: list[nn.Module]) -> list[tuple[torch.Tensor, dict]]:
+    """The Python attributes of the tensors ``modules`` hold (parameters, buffers and tensor
+    attributes: ``self.q.ptr``, a muP multiplier ``self.lin.weight.mult``), each tensor once,
+    shallow-copied as the contract copies module attributes; tensors without any are left
+    out.
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> lin.weight.mult = 0.5
+        >>> [(tuple(t.shape), d) for t, d in state_attributes([lin])]
+        [((2, 2), {'mult': 0.5})]
+    """
+    out = []
+    seen: set[int] = set()
+    for m in modules:
+        d = m.__dict__
+        for t in (*d["_parameters"].values(), *d["_buffers"].values(), *d.values()):
+            if isinstance(t, torch.Tensor) and t.__dict__ and id(t) not in seen:
+                seen.add(id(t))
+                out.append((t, dict(t.__dict__)))
+    return out
+
+
 @contextlib.contextmanager
+def with_attributes(pairs: list[tuple[Any, dict]]) -> Any:
+    """While it is open, each tensor of ``pairs`` holds the attributes given with it (as at a
+    forward: :func:`state_attributes`); its own come back when it closes."""
+    live = []
+    for t, d in pairs:
+        live.append((t, dict(t.__dict__)))
+        t.__dict__.clear()
+        t.__dict__.update(d)
+    try:
+        yield
+    finally:
+        for t, d in live:
+            t.__dict__.clear()
+            t.__dict__.update(d)
+
+
 def forward_attributes(flat: list, attrs: dict[int, dict]) -> Any:
     """While it is open, each tensor of ``flat`` named in ``attrs`` (see
     :func:`tensor_attributes`) holds the attributes it held at the forward: a replay's
@@ -492,16 +531,10 @@ def forward_attributes(flat: list, attrs: dict[int, dict]) -> Any:
         >>> x.gain
         7.0
     """
-    live = []
-    for i, d in attrs.items():
-        t = flat[i] if i < len(flat) else None
-        if isinstance(t, torch.Tensor):
-            live.append((t, dict(t.__dict__)))
-            t.__dict__.clear()
-            t.__dict__.update(d)
-    try:
-        yield
-    finally:
-        for t, d in live:
-            t.__dict__.clear()
-            t.__dict__.update(d)
+    return with_attributes(
+        [
+            (flat[i], d)
+            for i, d in attrs.items()
+            if i < len(flat) and isinstance(flat[i], torch.Tensor)
+        ]
+    )

@@ -36,8 +36,10 @@ from lightning_replay.core.mechanisms.arguments import (
     check_rebuild,
     flatten_call,
     forward_attributes,
+    state_attributes,
     tensor_attributes,
     unflatten_call,
+    with_attributes,
 )
 from lightning_replay.core.base.ports import ProbedSegment, ProbeHost, RecordSink
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract, StateEntry
@@ -809,6 +811,7 @@ class SegmentProbe:
         # the call as the forward saw it: argument objects' fields rebound later are not read
         flat_call, call_spec = flatten_call(args, kwargs)
         attrs = tensor_attributes(flat_call)  # x.gain on an input: as the forward saw it
+        held = state_attributes(self.seg.modules)  # ... and self.q.ptr on a buffer
         # the user's saved-tensor hooks: applied to what the replay saves (runtime.py)
         user = user_saved_hooks(eng)
 
@@ -851,6 +854,7 @@ class SegmentProbe:
                 a, kw = unflatten_call(flat_call, call_spec)
                 with (
                     forward_attributes(flat_call, attrs),
+                    with_attributes(held),
                     torch.autograd.graph.saved_tensors_hooks(pack, unpack_next),
                     replay.producers,
                 ):

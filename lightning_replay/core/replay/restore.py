@@ -104,6 +104,7 @@ class _Invocation:
         "sandbox_keys",
         "subs",
         "tensor_attrs",
+        "state_attrs",
         "kept",
         "outside",
         "replaying",
@@ -140,6 +141,7 @@ class _Invocation:
         #: input leaf -> its Python attributes at forward (``x.gain = ...``), which the replay
         #: reads: rebound or reset after the forward, or absent from a stand-in copy
         self.tensor_attrs: dict[int, dict] = {}
+        self.state_attrs: list[tuple[torch.Tensor, dict]] = []  # ... of its modules' tensors
         self.preserved_bytes = 0
         self.replays = 0
         self.done = False
