@@ -1530,36 +1530,7 @@ CASES: dict[str, tuple] = {
 }
 
 #: (case, mode) -> what was measured where a case fails today
-_NEVER_REPLAYS = (
-    "measured: 0 replays in 6 steps (12 steps alike), no warning: a new stateless submodule "
-    "object each step is a guard re-probe ('blocks.N.modules' changed) on every step, so the "
-    "segments stay retained for good and save no memory, silently (exact)"
-)
-_NEVER_REPLAYS_HOOK = (
-    "measured: 0 replays in 6 steps, no warning: a forward hook on every block registered "
-    "before each forward and removed after it (a logging callback's pattern) is a guard "
-    "re-probe on every step, so the segments stay retained for good, silently (exact)"
-)
-_READS_GRAD = (
-    "measured: silently wrong, 57 of 60 gradients differ from step 2 (the first replayed "
-    "step), no record: the forward reads head.bias.grad (None after zero_grad), backward sets "
-    "it before the segments replay, and the replay takes the other branch"
-)
-XFAIL: dict[tuple[str, str], str] = {
-    **{
-        ("logging_forward_hook_registered_every_step", m): _NEVER_REPLAYS_HOOK
-        for m in MODES
-        if m != "min"
-    },
-    **{("activation_module_swapped_after_forward", m): _NEVER_REPLAYS for m in MODES if m != "min"},
-    **{("dropout_module_rebuilt_every_step", m): _NEVER_REPLAYS for m in MODES if m != "min"},
-    **{("reads_a_parameter_grad_backward_sets", m): _READS_GRAD for m in MODES if m != "min"},
-    ("reads_a_parameter_grad_backward_sets", "min"): (
-        "measured: ReplayError at step 1 (the replayed probe's replay of 'blocks.1' did not "
-        "reproduce its forward: a divergence, caught, not silent), where plain PyTorch trains "
-        "the model: the replay read head.bias.grad, set by backward after the forward"
-    ),
-}
+XFAIL: dict[tuple[str, str], str] = {}
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:

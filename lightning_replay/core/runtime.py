@@ -37,6 +37,7 @@ from lightning_replay.core.mechanisms.arguments import (
     unflatten_call,
     with_attributes,
 )
+from lightning_replay.core.mechanisms.grad_reads import capture_grads, forward_grads
 from lightning_replay.core.replay.checks import SegmentChecks
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract
 from lightning_replay.core.base.clock import clock
@@ -166,6 +167,7 @@ class SegmentRuntime:
         self.outside: list[tuple[nn.Module, str]] = []  # plain attributes read from outside
         self.preservation = preservation
         self.contract: ReplayContract | None = None
+        self.grad_reads: list = []  # weak references: tensors whose .grad its forwards read
         self.status = "probe"  # probe | probing | active | retain
         self.demoted = False  # retained for good after a second divergence
         self.retained_probe = False  # a replayed probe diverged: probe retained from now on
@@ -185,6 +187,7 @@ class SegmentRuntime:
         self.checks = 0
         self.divergences = 0
         self.reprobes = 0
+        self._reprobe_streak = (0, -1)  # (re-probes in a row, the forward of the last)
         self.reactions = 0
         # (op, call) pairs of a selective forward found written after their op: not kept
         self.sac_skip: set[tuple[str, int]] = set()
@@ -226,6 +229,7 @@ class SegmentRuntime:
         self.bound = []
         self.generators = []
         self.outside = []
+        self.grad_reads = []
         self._entry_plan = None
 
     # ---------------------------------------------------------------- what others call
@@ -367,6 +371,7 @@ class SegmentRuntime:
         self.status = "probe"
         self.reprobes += 1
         eng = self.engine
+        self._warn_if_never_replays(names)
         eng.records.append(
             step=eng.step + (0 if eng._window_depth else 1),
             segment=self.name,
@@ -380,6 +385,38 @@ class SegmentRuntime:
         # the re-probe's state written later in it (by the root, after this segment) must
         # be logged, as a probe under a byte budget keeps only a digest of big state
         eng._capture_if_open()
+
+    def _warn_if_never_replays(self, names: list[str]) -> None:
+        """A precondition that changes at every forward (state rebuilt each step) keeps the
+        segment re-probed, retained, for good: exact, but the memory it was installed to
+        save is never saved. Said once, by name, with what changed (issue 33, class 11)."""
+        n, last = self._reprobe_streak
+        n = n + 1 if last == self.forwards - 1 else 1
+        self._reprobe_streak = (n, self.forwards)
+        if n != REPROBES_BEFORE_WARNING:
+            return
+        eng = self.engine
+        eng.records.append(
+            step=eng.step + (0 if eng._window_depth else 1),
+            segment=self.name,
+            contract_version=self.contract.version if self.contract else 0,
+            check="guard",
+            outcome="rejection",
+            detail={
+                "changed": names[:16],
+                "action": "re-probed at every forward",
+                "reprobes_in_a_row": n,
+            },
+        )
+        warnings.warn(
+            f"segment {self.name!r} was re-probed on {n} forwards in a row and has not "
+            "replayed since (it keeps its activations: exact, but saves no memory): "
+            f"{', '.join(names[:4])} changed at each. State rebuilt every step (a new submodule with parameters or "
+            "buffers, a tensor rebound) is new state to the contract; build it once and "
+            "update it in place, or leave the segment out.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _field_name(self, key: Any) -> str:
         if not isinstance(key, tuple):
@@ -410,6 +447,8 @@ class SegmentRuntime:
         # copies module attributes: the replay reads them as the forward did
         inv.tensor_attrs = tensor_attributes(flat)
         inv.state_attrs = state_attributes(self.modules)  # (self.q.ptr, weight.mult)
+        # a gradient the forward read (backward sets it before the replay): as at the forward
+        inv.grads = capture_grads(self.grad_reads) if self.grad_reads else []
         written = self.contract.changed_inputs
         changing = _aliased_changing(flat, inv.changing) if inv.changing else None
         if written or changing:
@@ -505,8 +544,12 @@ class SegmentRuntime:
                         flat[i] = _replay_input(flat[i], live.requires_grad)
                     else:
                         flat[i] = live
-            if inv.replaying and (inv.tensor_attrs or inv.state_attrs):
-                with forward_attributes(flat, inv.tensor_attrs), with_attributes(inv.state_attrs):
+            if inv.replaying and (inv.tensor_attrs or inv.state_attrs or inv.grads):
+                with (
+                    forward_attributes(flat, inv.tensor_attrs),
+                    with_attributes(inv.state_attrs),
+                    forward_grads(inv.grads),
+                ):
                     return replay(flat)
             if inv.replaying:
                 return replay(flat)
@@ -728,6 +771,10 @@ def _replay_input(saved: torch.Tensor, requires_grad: bool) -> torch.Tensor:
             return x.copy_(src)
     except RuntimeError:  # an expanded (overlapping) layout cannot be written: a view
         return src.view_as(src)
+
+
+#: re-probes of a segment on this many forwards in a row: it is named in a warning
+REPROBES_BEFORE_WARNING = 8
 
 
 @contextlib.contextmanager

@@ -37,10 +37,13 @@ import dataclasses
 import enum
 import functools
 import types
+import weakref
 from typing import Any
 
 import torch
 import torch.utils._pytree as _pytree
+
+from lightning_replay._compat import dict_version
 from torch import nn
 
 #: how deep :func:`flatten_call` walks into argument objects
@@ -474,6 +477,25 @@ def tensor_attributes(flat: list) -> dict[int, dict]:
     }
 
 
+#: per module: (its dict's version tag, the names of its tensor attributes), so that a steady
+#: module's attributes are not scanned at every forward (see :func:`state_attributes`)
+_TENSOR_KEYS: "weakref.WeakKeyDictionary[nn.Module, tuple[int, tuple[str, ...]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _tensor_keys(m: nn.Module, d: dict) -> Any:
+    if dict_version is None:
+        return [k for k, v in d.items() if isinstance(v, torch.Tensor)]
+    tag = dict_version(d)
+    cached = _TENSOR_KEYS.get(m)
+    if cached is not None and cached[0] == tag:
+        return cached[1]
+    keys = tuple(k for k, v in d.items() if isinstance(v, torch.Tensor))
+    _TENSOR_KEYS[m] = (tag, keys)
+    return keys
+
+
 def state_attributes(modules: list[nn.Module]) -> list[tuple[torch.Tensor, dict]]:
     """The Python attributes of the tensors ``modules`` hold (parameters, buffers and tensor
     attributes: ``self.q.ptr``, a muP multiplier ``self.lin.weight.mult``), each tensor once,
@@ -490,7 +512,13 @@ def state_attributes(modules: list[nn.Module]) -> list[tuple[torch.Tensor, dict]
     seen: set[int] = set()
     for m in modules:
         d = m.__dict__
-        for t in (*d["_parameters"].values(), *d["_buffers"].values(), *d.values()):
+        for group in (d["_parameters"].values(), d["_buffers"].values()):
+            for t in group:
+                if t is not None and t.__dict__ and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((t, dict(t.__dict__)))
+        for k in _tensor_keys(m, d):
+            t = d.get(k)
             if isinstance(t, torch.Tensor) and t.__dict__ and id(t) not in seen:
                 seen.add(id(t))
                 out.append((t, dict(t.__dict__)))

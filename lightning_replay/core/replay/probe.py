@@ -18,6 +18,8 @@ import sys
 import types
 from typing import Any, Callable
 
+import weakref
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,6 +43,7 @@ from lightning_replay.core.mechanisms.arguments import (
     unflatten_call,
     with_attributes,
 )
+from lightning_replay.core.mechanisms.grad_reads import GradReads, forward_grads
 from lightning_replay.core.base.ports import ProbedSegment, ProbeHost, RecordSink
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract, StateEntry
 from lightning_replay.core.mechanisms.discovery import (
@@ -133,6 +136,8 @@ class _Probe:
         self.stateful_hooks: list[str] = []  # state of the user's pack hooks it changed
         self.replay_done = False  # (replayed) its replay has run: nothing more needs its data
         self.param_aliases: list[torch.Tensor] = []  # the parameters its forward ran with
+        #: tensors whose ``.grad`` its forward read, with that gradient (see grad_reads)
+        self.grad_reads: list = []
 
     def release(self) -> None:
         """Drop everything the probe holds for its window and its replay: the discovery mode's
@@ -154,6 +159,7 @@ class _Probe:
         self.start_index = None
         self.host = []
         self.param_aliases = []
+        self.grad_reads = []
         self.created = []
 
 
@@ -708,6 +714,7 @@ class SegmentProbe:
         sparse = _sparse_state(eng.model, self.seg.modules)
         sparse_reads = _SparseStateReads(sparse) if sparse else contextlib.nullcontext()
         scripts = _ScriptCalls()
+        grads = GradReads()  # .grad its forward reads (backward sets it before the replay)
         # module-level plain values the segment's code names, as before its forward
         glob = [
             (mod, name, _at_forward(mod.__dict__[name]))
@@ -729,6 +736,7 @@ class SegmentProbe:
                 _HostReads(mode),
                 sparse_reads,
                 scripts,
+                grads,
                 comparisons() as compared,
             ):
                 out = self.seg.orig_forward(*args, **kwargs)
@@ -738,6 +746,7 @@ class SegmentProbe:
             for h in probe.direct:
                 h.tensor = None
             probe.direct = []
+        probe.grad_reads = grads.held()
         if compared:  # numbers read from module attributes that gated a branch
             first = {(id(d), n): v for d, n, v in own.first + outside.first}
             self.seg.guard.add_predicates(_predicates(compared, eng.model, first))
@@ -855,6 +864,7 @@ class SegmentProbe:
                 with (
                     forward_attributes(flat_call, attrs),
                     with_attributes(held),
+                    forward_grads(box["probe"].grad_reads),
                     torch.autograd.graph.saved_tensors_hooks(pack, unpack_next),
                     replay.producers,
                 ):
@@ -1025,6 +1035,8 @@ class SegmentProbe:
             changed_attrs.update(p.changed_attrs)
             changed_inputs.update(p.changed_inputs)
             written_inputs.update(p.written_inputs)
+            known = {id(r()) for r in self.seg.grad_reads}
+            self.seg.grad_reads += [weakref.ref(t) for t, _ in p.grad_reads if id(t) not in known]
             for ob in p.observations or []:
                 t = ob.touch
                 refs = index.lookup(t.key)

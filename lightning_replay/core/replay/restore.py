@@ -105,6 +105,7 @@ class _Invocation:
         "subs",
         "tensor_attrs",
         "state_attrs",
+        "grads",
         "kept",
         "outside",
         "replaying",
@@ -142,6 +143,7 @@ class _Invocation:
         #: reads: rebound or reset after the forward, or absent from a stand-in copy
         self.tensor_attrs: dict[int, dict] = {}
         self.state_attrs: list[tuple[torch.Tensor, dict]] = []  # ... of its modules' tensors
+        self.grads: list = []  # (tensor, its .grad at forward) of those the forward read
         self.preserved_bytes = 0
         self.replays = 0
         self.done = False
