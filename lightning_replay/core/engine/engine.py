@@ -48,13 +48,14 @@ from lightning_replay.errors import ReplayConfigError
 from lightning_replay.core.mechanisms.host_rng import HostWatch
 from lightning_replay.core.mechanisms.memory import (
     StepPeak,
+    live_model_bytes,
     process_tensor_bytes,
     profiler_busy,
 )
 from lightning_replay.core.engine.planner import InfeasibleBudget
 from lightning_replay.core.mechanisms.preservation import CaptureMode, RegionLog, idle_capture_mode
 from lightning_replay.core.base.records import RecordStore
-from lightning_replay.core.engine.replan import ReplanPolicy, input_shapes
+from lightning_replay.core.engine.replan import ReplanPolicy, StateGrowth, input_shapes
 from lightning_replay.core.engine.calibration import fit_calibration, fit_to
 from lightning_replay.core.engine.check_steps import check_step_plan, checked_peak, select_checked
 from lightning_replay.core.engine.real_peak import (
@@ -178,6 +179,9 @@ class ReplayEngine:
         self._next_truth = 0  # the step of the next periodic measurement
         self._truth_gap = self.TRUTH_EVERY[0]
         self._truth_plan: _planner.Plan | None = None  # the plan the measured step ran
+        self._truth_state = 0  # the model's state bytes as the measured step began
+        self._state_now = 0  # ... as this step began (measured only where real peaks are)
+        self.state_growth = StateGrowth()  # peak per byte of state grown (replan.StateGrowth)
         self._truth_opt = 0  # bytes the measured step began with beyond the model and batch
         self._truth_held = 0  # ... as the process walk found them when it began
         self._truth_checked = False  # whether the last step began was derivative-checked
@@ -829,7 +833,12 @@ class ReplayEngine:
         self._last_step = self.step
         self._preserved_last_step = sum(rt.last_preserved_bytes for rt in self.runtimes.values())
         grads_now = observe_fresh_grads(self)  # before a re-fit: the plan holds for this step
+        measured = self.last_real_peak
         settle_real_peak(self)
+        if self.last_real_peak is not measured and self._truth_plan is not None:
+            self.state_growth.measured(
+                self._truth_plan.choices, self._truth_state, self.last_real_peak[1]
+            )
         self._grad_now = grads_now
         policy = self.replan_policy
         if policy is not None:  # install(replan_on=...): judge the step just trained
@@ -855,12 +864,15 @@ class ReplayEngine:
         self._maybe_plan()
         if self.plan is not None:
             if self.real_peak and self.accountant is not None:
+                self._state_now = live_model_bytes(self.model, grads=False)
                 self._refit_plan()  # a buffer that grew (a queue rebuilt larger) grows the base
             if self._truth_size is not None and size > self._truth_size:
                 # larger inputs than any measured step: activations the probe did not see
                 self._measure_plan(periodic=True, gap=False)
             elif self.step >= self._next_truth:
-                self._measure_plan(periodic=True)  # state that grows later is seen, too
+                # state that grows later is seen, too; while it grows, at the shortest gap
+                grows = self.state_growth.grew(self.plan.choices, self._state_now)
+                self._measure_plan(periodic=not grows)
         if self._truth_pending and self.accountant is not None and profiler_busy():
             self._profiler_blinds()  # another profiler runs: measure a later step
         elif (
@@ -871,6 +883,7 @@ class ReplayEngine:
             self._truth_pending = False
             self._truth_rounds += 1
             self._truth_plan = self.plan
+            self._truth_state = self._state_now
             self._truth_inputs = _input_bytes(inputs)
             size = self._truth_step_size = self._window_size
             self._truth_size = size if self._truth_size is None else max(self._truth_size, size)
@@ -997,7 +1010,9 @@ class ReplayEngine:
             return
         grown = self.real_base_memory - plan.base_memory
         extras = self.phase_peak_args
-        if grown <= 0 and self._plan_extras == (plan, extras):
+        # state grown since the plan's last measured step grows what reads it too
+        bound = self.state_growth.bound(plan.choices, self._state_now) or 0
+        if grown <= 0 and self._plan_extras == (plan, extras) and bound <= plan.peak_memory:
             return
         self._plan_extras = (plan, extras)
         predicted = plan.peak_memory + max(grown, 0)
@@ -1009,6 +1024,7 @@ class ReplayEngine:
                 max(self.real_base_memory, plan.base_memory),
                 **extras,
             )
+        predicted = max(predicted, bound)
         if predicted <= plan.peak_memory:
             return
         if self.budget is not None and predicted > self.budget:

@@ -79,6 +79,55 @@ def settled(engine: Any) -> bool:
     )
 
 
+class StateGrowth:
+    """State that grows between the engine's real-peak measurements (a queue rebuilt larger
+    with ``torch.cat`` every step) grows what reads it too: the activations of the segments
+    it goes into, the temporaries that build it. The base charges the state's own bytes once;
+    the real peak grew by many times that (14 x for an attention over the queue).
+
+    From two measured steps of one plan (its choices) whose state differed, the peak's growth
+    per byte of state (at least 1, the most seen: a bound, not a fit); between measurements
+    the plan is charged the last measured peak plus that rate times the state's growth since.
+
+    Example:
+        >>> g = StateGrowth()
+        >>> g.measured({"a": "recompute"}, state=100, peak=1_000)
+        >>> g.measured({"a": "recompute"}, state=150, peak=1_500)  # 10 bytes of peak per byte
+        >>> g.bound({"a": "recompute"}, state=200)
+        2000
+        >>> g.bound({"a": "retain"}, state=200) is None  # never measured under that plan
+        True
+    """
+
+    def __init__(self) -> None:
+        self._last: dict = {}  # plan choices -> (state bytes, real peak) of its last measurement
+        self._rate: dict = {}  # plan choices -> peak bytes per state byte
+
+    def measured(self, choices: dict, state: int, peak: int) -> None:
+        """A step of the plan ``choices`` was measured: ``state`` bytes at its start (the
+        model's: :func:`~lightning_replay.memory.live_model_bytes`), ``peak`` its real peak."""
+        key = tuple(sorted(choices.items()))
+        last = self._last.get(key)
+        if last is not None and state > last[0]:
+            rate = (peak - last[1]) / (state - last[0])
+            self._rate[key] = max(self._rate.get(key, 1.0), rate)
+        self._last[key] = (state, peak)
+
+    def bound(self, choices: dict, state: int) -> int | None:
+        """The real peak of a step of ``choices`` that begins with ``state`` bytes, where the
+        state grew since that plan's last measurement; else None."""
+        key = tuple(sorted(choices.items()))
+        last = self._last.get(key)
+        if last is None or state <= last[0]:
+            return None
+        return last[1] + int(self._rate.get(key, 1.0) * (state - last[0]))
+
+    def grew(self, choices: dict, state: int) -> bool:
+        """The state grew since the plan's last measurement (measure again soon)."""
+        last = self._last.get(tuple(sorted(choices.items())))
+        return last is not None and state > last[0]
+
+
 class ReplanPolicy:
     """Decides, step by step, whether a run should plan again, and why.
 

@@ -47,6 +47,9 @@ RNG_OUTPUT_NAMES = frozenset(
 )
 #: the argument that says whether such an op draws random numbers at all
 DROPOUT_ARGUMENT = "dropout_p"
+#: fills of the freed memory a kernel is run again over (None: as the allocator has it), to
+#: show the bytes it leaves unwritten (see :meth:`ProducerLog.unreproduced`)
+POISONS = (None, 0xA5, 0x5A)
 #: ops whose output is uninitialized memory (their tensor argument, if any, gives its shape only)
 UNINITIALIZED_OPS = frozenset(
     {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
@@ -76,6 +79,9 @@ class _Produced:
     draws: bool  # whether the op may draw random numbers (seeded, dropout not 0)
     rng_output: bool  # an RNG output (by name) of an op that drew nothing
     rngs: tuple  # the global generators' states before it ran (see _rng_snapshot)
+    #: grad mode as it ran (below autograd): some kernels read it (mkldnn_rnn_layer returns an
+    #: empty workspace without it, so a run under no_grad compares nothing)
+    grad: bool = False
 
 
 def _dropout(func: Any, args: tuple, kwargs: dict) -> float | None:
@@ -129,7 +135,15 @@ class ProducerLog(TorchDispatchMode):
                 key = storage_key(t)
                 if key is not None and key not in self.produced:
                     self.produced[key] = _Produced(
-                        func, args, kwargs, n, t.storage_offset(), draws, i in rng, rngs
+                        func,
+                        args,
+                        kwargs,
+                        n,
+                        t.storage_offset(),
+                        draws,
+                        i in rng,
+                        rngs,
+                        torch.is_grad_enabled(),
                     )
         return out
 
@@ -212,29 +226,36 @@ class ProducerLog(TorchDispatchMode):
             return f"an RNG output of {name}, which drew no random numbers (dropout_p=0)"
         if p.draws:
             return None  # a second run would draw again: not a measure of the kernel alone
-        try:
-            again = _run_again(p)
-        except Exception:  # noqa: BLE001 - an op that cannot run again proves nothing
-            return None
-        if again is None:
-            return None
-        if (
-            again.dtype != saved.dtype
-            or again.untyped_storage().nbytes() < saved.untyped_storage().nbytes()
-        ):
-            return None
-        try:
-            view = again.as_strided(
-                saved.shape,
-                saved.stride(),
-                again.storage_offset() + saved.storage_offset() - p.offset,
-            )
-        except RuntimeError:
-            return None
-        if digests([view]) != digests([saved]):
-            return (
-                f"an auxiliary output of {name} that differs between two runs on the same arguments"
-            )
+        # Run it again, then again over freed memory filled with two patterns: bytes a kernel
+        # leaves unwritten (a workspace's slack: mkldnn_rnn_layer writes about a fifth of
+        # LSTM's) are whatever its allocation held, and a plain second run can get the very
+        # bytes the replay's did (the same block, reused). Filled, they cannot equal both
+        # patterns; bytes the kernel writes are the same in every run, whatever was there.
+        for poison in POISONS:
+            try:
+                again = _run_again(p, poison, saved.untyped_storage().nbytes())
+            except Exception:  # noqa: BLE001 - an op that cannot run again proves nothing
+                return None
+            if again is None:
+                return None
+            if (
+                again.dtype != saved.dtype
+                or again.untyped_storage().nbytes() < saved.untyped_storage().nbytes()
+            ):
+                return None
+            try:
+                view = again.as_strided(
+                    saved.shape,
+                    saved.stride(),
+                    again.storage_offset() + saved.storage_offset() - p.offset,
+                )
+            except RuntimeError:
+                return None
+            if digests([view]) != digests([saved]):
+                return (
+                    f"an auxiliary output of {name} that differs between two runs on the same "
+                    "arguments" + ("" if poison is None else " (bytes it leaves unwritten)")
+                )
         return None
 
     def clear(self) -> None:
@@ -290,13 +311,15 @@ def _drawing_from(snapshot: tuple) -> Iterator[None]:
             torch.cuda.set_rng_state(now[3])
 
 
-def _run_again(p: _Produced) -> torch.Tensor | None:
+def _run_again(p: _Produced, poison: int | None = None, nbytes: int = 0) -> torch.Tensor | None:
     """The op's output ``p.index`` from a second run on the same arguments, from the same
     generator states (a kernel drawing from a host generator reproduces its draw: a value it
     drew is evidence, not noise), outside autograd and autocast (the first ran below both: its
     arguments are as the kernel received them). None where the op writes: one its schema says
     writes is not run again; one that wrote an argument all the same (eager CPU batch norm's
-    running statistics) has its bytes put back."""
+    running statistics) has its bytes put back. With ``poison``, ``nbytes`` bytes filled with
+    it are freed just before the op runs, so that an allocation of its size (on CPU and in
+    CUDA's caching allocator) likely gets them: unwritten output bytes then hold the pattern."""
     if write_args(p.func):
         return None
     inputs: dict = {}
@@ -304,7 +327,12 @@ def _run_again(p: _Produced) -> torch.Tensor | None:
         key = storage_key(t)
         if key is not None and key not in inputs:
             inputs[key] = (t, storage_bytes(t).clone())
-    with torch.no_grad(), _no_autocast(), _drawing_from(p.rngs):
+    # below autograd as the first ran (no graph is built), in the grad mode it ran in
+    below = torch._C._AutoDispatchBelowAutograd()
+    with torch.set_grad_enabled(p.grad), below, _no_autocast(), _drawing_from(p.rngs):
+        if poison is not None and nbytes:
+            device = next((t.device for t, _ in inputs.values()), torch.device("cpu"))
+            torch.full((nbytes,), poison, dtype=torch.uint8, device=device)  # freed at once
         out = p.func(*p.args, **p.kwargs)
         wrote = False
         for t, before in inputs.values():

@@ -34,10 +34,10 @@ from lightning_replay.core.base.state import storage_key
 _HELD_ITEMS = 4096  # items of a module's list or dict attribute looked at
 
 
-def live_model_bytes(model: nn.Module, optimizers: list[Any] = ()) -> int:
+def live_model_bytes(model: nn.Module, optimizers: list[Any] = (), grads: bool = True) -> int:
     """Bytes of the parameters, buffers, gradients, the tensors modules hold as attributes
     (directly or in a list, tuple or dict) and optimizer state live right now, each storage
-    once."""
+    once. ``grads=False``: without the gradients (which come and go within a step)."""
     seen: dict = {}
 
     def add(t: Any) -> None:
@@ -49,7 +49,8 @@ def live_model_bytes(model: nn.Module, optimizers: list[Any] = ()) -> int:
 
     for t in list(model.parameters()) + list(model.buffers()):
         add(t)
-        add(t.grad)
+        if grads:
+            add(t.grad)
     for m in model.modules():  # tensors modules hold outside parameters and buffers: a cache
         for k, v in vars(m).items():  # dict, a queue kept as a plain attribute
             if k in ("_parameters", "_buffers", "_modules"):

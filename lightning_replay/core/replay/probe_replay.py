@@ -69,6 +69,7 @@ class _ProbeReplay:
         self.saved: list[torch.Tensor] = []  # what the replay saved (tokens' order), until compared
         self.saved_bytes: dict = {}  # storage key -> bytes of what the replay saved
         self.params: set = set()
+        self.versions: list = []  # (touched object, its version at the replay's start)
         self.keep = False
         #: the replay's ops: which of its saved values no kernel reproduces (or no tensor went into)
         self.producers = ProducerLog()
@@ -101,9 +102,17 @@ class _ProbeReplay:
         # a backward that keeps its graph (create_graph: a gradient penalty) may be followed by
         # another that replays again: the first-touch copies then stay intact for it
         self.keep = graph_task_keeps_graph()
+        # every touched object's version counter as the window left it (the objects the
+        # forward was given: a touch's own alias, made under the dispatch mode, counts apart).
+        # The replay's writes are undone with the swap, and its version bumps too: a later
+        # reader armed on the same state (a segment sharing it) checks the window's count
+        self.versions = []
         with torch.no_grad():
             for ob in probe.observations:
                 t = ob.touch
+                src = t.source() if t.source is not None else None
+                if src is not None:
+                    self.versions.append((src, src._version))
                 if ob.entries:  # a parameter written in the window: its logged writes undone
                     # (state the segment writes: the replay writes those regions again, and the
                     # redo would leave the replay's bytes in the entries, where a later reader
@@ -372,6 +381,8 @@ class _ProbeReplay:
                 src.set_(*live)
         set_versions([src for src, _, _ in self.repointed], [v for _, _, v in self.repointed])
         set_versions([t for t, _, _ in self.swapped], [v for _, _, v in self.swapped])
+        moved = [(t, v) for t, v in self.versions if t._version != v]
+        set_versions([t for t, _ in moved], [v for _, v in moved])
         if exc[0] is None:
             self._check_unlogged_writes()
         # kept whole for the replay a backward that keeps its graph is followed by (see keep)
@@ -379,6 +390,7 @@ class _ProbeReplay:
         self.swapped = []
         self.undone = []
         self.repointed = []
+        self.versions = []
         self.slots = []
         self.gens = []
         self.outside = []
