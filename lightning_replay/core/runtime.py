@@ -411,9 +411,9 @@ class SegmentRuntime:
         warnings.warn(
             f"segment {self.name!r} was re-probed on {n} forwards in a row and has not "
             "replayed since (it keeps its activations: exact, but saves no memory): "
-            f"{', '.join(names[:4])} changed at each. State rebuilt every step (a new submodule with parameters or "
-            "buffers, a tensor rebound) is new state to the contract; build it once and "
-            "update it in place, or leave the segment out.",
+            f"{', '.join(names[:4])} changed at each. State rebuilt every step (a new "
+            "submodule with parameters or buffers, a tensor rebound) is new state to the "
+            "contract; build it once and update it in place, or leave the segment out.",
             RuntimeWarning,
             stacklevel=3,
         )

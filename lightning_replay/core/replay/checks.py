@@ -28,7 +28,13 @@ from lightning_replay._compat import (
     top_saved_tensors_hooks,
     tree_map,
 )
-from lightning_replay.core.mechanisms.arguments import call_tensors, unflatten_call
+from lightning_replay.core.mechanisms.arguments import (
+    call_tensors,
+    forward_attributes,
+    unflatten_call,
+    with_attributes,
+)
+from lightning_replay.core.mechanisms.grad_reads import forward_grads
 from lightning_replay.core.mechanisms.kernel_noise import (  # noqa: F401 - NOISE_*: this API
     NOISE_FACTOR,
     NOISE_FLOOR_ULPS,
@@ -525,6 +531,10 @@ class SegmentChecks:
                     ac.enter_context(pairing.hooks())
                     if box.sac is not None:
                         ac.enter_context(box.sac.recompute)
+                    # what the forward saw on its tensors: attributes, gradients it read
+                    ac.enter_context(forward_attributes(flat, inv.tensor_attrs))
+                    ac.enter_context(with_attributes(inv.state_attrs))
+                    ac.enter_context(forward_grads(inv.grads))
                     out2 = self.seg.orig_forward(*args, **kwargs)
                 t0 = self.clock() if timed else 0.0
                 outs2 = _grad_outputs(out2)

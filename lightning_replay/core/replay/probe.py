@@ -16,9 +16,8 @@ import re
 import random
 import sys
 import types
-from typing import Any, Callable
-
 import weakref
+from typing import Any, Callable
 
 import torch
 from torch import nn
