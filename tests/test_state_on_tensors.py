@@ -201,6 +201,53 @@ def _rebuild_stateful(m, x):
         b.act = nn.Linear(D, D)  # new parameters each step (not trained: not in the optimizer)
 
 
+# ------------------------------------------------------------------ kernel switches
+class ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(1, 4, 3, padding=1)
+        self.c2 = nn.Conv1d(4, 1, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.c2(torch.tanh(self.c1(x.unsqueeze(1)))).squeeze(1)
+
+
+class SwitchedNet(Blocks):
+    """The blocks run inside a kernel-selection context the backward runs outside of."""
+
+    def __init__(self, make, context) -> None:
+        super().__init__(make)
+        self.context = context
+
+    def forward(self, x):
+        with self.context():
+            h = x
+            for b in self.blocks:
+                h = b(h)
+        return self.head(h)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(1, x.shape[0], 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + a.transpose(1, 2).reshape(x.shape)
+
+
+def _mkldnn_off():
+    return torch.backends.mkldnn.flags(enabled=False)
+
+
+def _sdpa_math():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
 def _loss(model, x) -> None:
     (model(x) ** 2).mean().backward()
 
@@ -227,6 +274,8 @@ CASES = {
         _loss,
     ),
     "head_grad_read_under_accumulation": (_reads_head_grad, _accumulate),
+    "convs_under_mkldnn_off": (lambda: SwitchedNet(ConvBlock, _mkldnn_off), _loss),
+    "causal_attention_under_sdpa_math": (lambda: SwitchedNet(SelfAttention, _sdpa_math), _loss),
     "stateless_submodule_rebuilt_each_step": (
         lambda: Blocks(WithAct, before=_rebuild_act),
         _loss,

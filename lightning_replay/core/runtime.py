@@ -37,6 +37,7 @@ from lightning_replay.core.mechanisms.arguments import (
     unflatten_call,
     with_attributes,
 )
+from lightning_replay.core.mechanisms.backend_flags import backend_flags, forward_backends
 from lightning_replay.core.mechanisms.grad_reads import capture_grads, forward_grads
 from lightning_replay.core.replay.checks import SegmentChecks
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract
@@ -449,6 +450,7 @@ class SegmentRuntime:
         inv.state_attrs = state_attributes(self.modules)  # (self.q.ptr, weight.mult)
         # a gradient the forward read (backward sets it before the replay): as at the forward
         inv.grads = capture_grads(self.grad_reads) if self.grad_reads else []
+        inv.backends = backend_flags()  # sdpa_kernel, mkldnn.flags around the forward
         written = self.contract.changed_inputs
         changing = _aliased_changing(flat, inv.changing) if inv.changing else None
         if written or changing:
@@ -544,15 +546,14 @@ class SegmentRuntime:
                         flat[i] = _replay_input(flat[i], live.requires_grad)
                     else:
                         flat[i] = live
-            if inv.replaying and (inv.tensor_attrs or inv.state_attrs or inv.grads):
+            if inv.replaying:
                 with (
+                    forward_backends(inv.backends),
                     forward_attributes(flat, inv.tensor_attrs),
                     with_attributes(inv.state_attrs),
                     forward_grads(inv.grads),
                 ):
                     return replay(flat)
-            if inv.replaying:
-                return replay(flat)
             a, kw = (flat, {}) if spec is None else (args, kwargs)  # the live objects
             eng._segment_depth += 1
             # a calibration step may run this forward under a capture mode of its own, to

@@ -34,6 +34,7 @@ from lightning_replay.core.mechanisms.arguments import (
     unflatten_call,
     with_attributes,
 )
+from lightning_replay.core.mechanisms.backend_flags import forward_backends
 from lightning_replay.core.mechanisms.grad_reads import forward_grads
 from lightning_replay.core.mechanisms.kernel_noise import (  # noqa: F401 - NOISE_*: this API
     NOISE_FACTOR,
@@ -532,6 +533,7 @@ class SegmentChecks:
                     if box.sac is not None:
                         ac.enter_context(box.sac.recompute)
                     # what the forward saw on its tensors: attributes, gradients it read
+                    ac.enter_context(forward_backends(inv.backends))
                     ac.enter_context(forward_attributes(flat, inv.tensor_attrs))
                     ac.enter_context(with_attributes(inv.state_attrs))
                     ac.enter_context(forward_grads(inv.grads))

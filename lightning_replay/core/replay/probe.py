@@ -42,6 +42,7 @@ from lightning_replay.core.mechanisms.arguments import (
     unflatten_call,
     with_attributes,
 )
+from lightning_replay.core.mechanisms.backend_flags import backend_flags, forward_backends
 from lightning_replay.core.mechanisms.grad_reads import GradReads, forward_grads
 from lightning_replay.core.base.ports import ProbedSegment, ProbeHost, RecordSink
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract, StateEntry
@@ -827,6 +828,7 @@ class SegmentProbe:
         flat_call, call_spec = flatten_call(args, kwargs)
         attrs = tensor_attributes(flat_call)  # x.gain on an input: as the forward saw it
         held = state_attributes(self.seg.modules)  # ... and self.q.ptr on a buffer
+        backends = backend_flags()  # sdpa_kernel, mkldnn.flags around the forward
         # the user's saved-tensor hooks: applied to what the replay saves (runtime.py)
         user = user_saved_hooks(eng)
 
@@ -868,6 +870,7 @@ class SegmentProbe:
                 # the call as at the forward: its containers' and objects' fields then
                 a, kw = unflatten_call(flat_call, call_spec)
                 with (
+                    forward_backends(backends),
                     forward_attributes(flat_call, attrs),
                     with_attributes(held),
                     forward_grads(box["probe"].grad_reads),

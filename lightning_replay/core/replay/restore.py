@@ -106,6 +106,7 @@ class _Invocation:
         "tensor_attrs",
         "state_attrs",
         "grads",
+        "backends",
         "kept",
         "outside",
         "replaying",
@@ -144,6 +145,7 @@ class _Invocation:
         self.tensor_attrs: dict[int, dict] = {}
         self.state_attrs: list[tuple[torch.Tensor, dict]] = []  # ... of its modules' tensors
         self.grads: list = []  # (tensor, its .grad at forward) of those the forward read
+        self.backends: tuple | None = None  # the kernel switches at forward (backend_flags)
         self.preserved_bytes = 0
         self.replays = 0
         self.done = False
