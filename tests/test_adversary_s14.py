@@ -1986,47 +1986,6 @@ CASES: dict[str, tuple] = {
 }
 
 #: (case, mode) -> what was measured where a case fails today
-_NEVER_REPLAYS = (
-    "measured: 0 replays in 6 steps (12 steps alike), no warning: a new stateless submodule "
-    "object each step is a guard re-probe ('blocks.N.modules' changed) on every step, so the "
-    "segments stay retained for good and save no memory, silently (exact)"
-)
-_NEVER_REPLAYS_HOOK = (
-    "measured: 0 replays in 6 steps, no warning: a forward hook on every block registered "
-    "before each forward and removed after it (a logging callback's pattern) is a guard "
-    "re-probe on every step, so the segments stay retained for good, silently (exact)"
-)
-_READS_GRAD = (
-    "measured: silently wrong, 57 of 60 gradients differ from step 2 (the first replayed "
-    "step), no record: the forward reads head.bias.grad (None after zero_grad), backward sets "
-    "it before the segments replay, and the replay takes the other branch"
-)
-_ATTR_WRITTEN = (
-    "measured: silently wrong, 54 of 60 gradients differ from step 2 (blocks.0's from step "
-    "2, then all), no record: the first block's input carries a Python attribute (x.gain) and "
-    "is written in place after the forward; the replay's copy of the input has no attribute "
-    "and reads the default gain"
-)
-_ATTR_RESET = (
-    "measured: silently wrong, 58 of 60 gradients differ from step 2, no record: the root "
-    "sets a new Python attribute (x.gain) on the segments' input tensors after the forward; "
-    "the replay reads the new value"
-)
-_RRELU = (
-    "measured: silently wrong, 58 of 60 gradients differ from step 2 (the first replayed "
-    "step), no record: F.rrelu(training=True) in a segment, whose kernel draws random slopes "
-    "into a noise tensor it writes in place and saves for backward"
-)
-_TENSOR_ATTR = (
-    "measured: silently wrong, 57 of 60 gradients differ from step 2 (the first replayed "
-    "step), no record: the forward reads a Python attribute of a state tensor ({}), which "
-    "the root changes after the forward; the replay reads the new value"
-)
-_TENSOR_ATTR_MIN = (
-    "measured: ReplayError at step 1 (the replayed probe of 'blocks.1' did not reproduce its "
-    "forward: caught, not silent), where plain PyTorch trains it: the forward reads a Python "
-    "attribute of a state tensor ({}) the root changes after the forward"
-)
 XFAIL: dict[tuple[str, str], str] = {
     ("quantization_aware_training_observers", "min"): (
         "measured: a deep torch error at step 1, IndexError 'select(): index 1 out of range "
@@ -2035,45 +1994,6 @@ XFAIL: dict[tuple[str, str], str] = {
         "resizes from [1] to [8]) during the replayed probe's replay (probe.py unpack -> "
         "kernel_noise.__torch_dispatch__); exact without a budget, and with per-tensor "
         "weights (qnnpack)"
-    ),
-    **{
-        ("python_attribute_on_a_buffer_tensor_advanced_after", m): (
-            _TENSOR_ATTR_MIN if m == "min" else _TENSOR_ATTR
-        ).format("a queue's write pointer, self.q.ptr")
-        for m in MODES
-    },
-    **{
-        ("python_attribute_on_a_weight_annealed_after", m): (
-            _TENSOR_ATTR_MIN if m == "min" else _TENSOR_ATTR
-        ).format("a muP-style multiplier, self.lin.weight.mult")
-        for m in MODES
-    },
-    **{
-        ("logging_forward_hook_registered_every_step", m): _NEVER_REPLAYS_HOOK
-        for m in MODES
-        if m != "min"
-    },
-    ("rrelu_in_place_on_a_fresh_tensor", "min"): (
-        "measured: ReplayError at step 1, as rrelu_in_training-min: the replayed probe of "
-        "'blocks.1' reproduced its outputs but not the saved tensor 3 ((6, 8) float32) "
-        "(torch.rrelu_'s noise); auto/whole/regions are exact here"
-    ),
-    **{("tensor_attribute_on_input_input_written_after", m): _ATTR_WRITTEN for m in MODES},
-    **{("tensor_attribute_on_input_reset_after", m): _ATTR_RESET for m in MODES},
-    **{("rrelu_in_training", m): _RRELU for m in MODES if m != "min"},
-    ("rrelu_in_training", "min"): (
-        "measured: ReplayError at step 1: the replayed probe of 'blocks.1' 'reproduced its "
-        "outputs bit for bit but not the tensors it saved for backward [3 ((6, 8) float32)]' "
-        "(rrelu_with_noise's noise, which the kernel writes in place): caught, not silent, but "
-        "plain PyTorch trains it"
-    ),
-    **{("activation_module_swapped_after_forward", m): _NEVER_REPLAYS for m in MODES if m != "min"},
-    **{("dropout_module_rebuilt_every_step", m): _NEVER_REPLAYS for m in MODES if m != "min"},
-    **{("reads_a_parameter_grad_backward_sets", m): _READS_GRAD for m in MODES if m != "min"},
-    ("reads_a_parameter_grad_backward_sets", "min"): (
-        "measured: ReplayError at step 1 (the replayed probe's replay of 'blocks.1' did not "
-        "reproduce its forward: a divergence, caught, not silent), where plain PyTorch trains "
-        "the model: the replay read head.bias.grad, set by backward after the forward"
     ),
 }
 

@@ -368,7 +368,7 @@ PORT_SIZES = {
     "CostSource": 4,
     "ReplaySegment": 19,
     "ProbeHost": 12,
-    "ProbedSegment": 21,
+    "ProbedSegment": 22,
     "CheckHost": 13,
     "CheckedSegment": 15,
 }

@@ -31,7 +31,15 @@ from lightning_replay._compat import (
 )
 from lightning_replay.core.mechanisms import backend_flags
 from lightning_replay.core.mechanisms.accounting import checkpoint_rng_bytes
-from lightning_replay.core.mechanisms.arguments import flatten_call, unflatten_call
+from lightning_replay.core.mechanisms.arguments import (
+    flatten_call,
+    forward_attributes,
+    state_attributes,
+    tensor_attributes,
+    unflatten_call,
+    with_attributes,
+)
+from lightning_replay.core.mechanisms.grad_reads import capture_grads, forward_grads
 from lightning_replay.core.replay.checks import SegmentChecks
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract
 from lightning_replay.core.base.clock import clock
@@ -161,6 +169,7 @@ class SegmentRuntime:
         self.outside: list[tuple[nn.Module, str]] = []  # plain attributes read from outside
         self.preservation = preservation
         self.contract: ReplayContract | None = None
+        self.grad_reads: list = []  # weak references: tensors whose .grad its forwards read
         self.status = "probe"  # probe | probing | active | retain
         self.demoted = False  # retained for good after a second divergence
         self.retained_probe = False  # a replayed probe diverged: probe retained from now on
@@ -184,6 +193,7 @@ class SegmentRuntime:
         self.checks = 0
         self.divergences = 0
         self.reprobes = 0
+        self._reprobe_streak = (0, -1)  # (re-probes in a row, the forward of the last)
         self.reactions = 0
         # (op, call) pairs of a selective forward found written after their op: not kept
         self.sac_skip: set[tuple[str, int]] = set()
@@ -225,6 +235,7 @@ class SegmentRuntime:
         self.bound = []
         self.generators = []
         self.outside = []
+        self.grad_reads = []
         self._entry_plan = None
 
     # ---------------------------------------------------------------- what others call
@@ -369,6 +380,7 @@ class SegmentRuntime:
         self.status = "probe"
         self.reprobes += 1
         eng = self.engine
+        self._warn_if_never_replays(names)
         eng.records.append(
             step=eng.step + (0 if eng._window_depth else 1),
             segment=self.name,
@@ -382,6 +394,38 @@ class SegmentRuntime:
         # the re-probe's state written later in it (by the root, after this segment) must
         # be logged, as a probe under a byte budget keeps only a digest of big state
         eng._capture_if_open()
+
+    def _warn_if_never_replays(self, names: list[str]) -> None:
+        """A precondition that changes at every forward (state rebuilt each step) keeps the
+        segment re-probed, retained, for good: exact, but the memory it was installed to
+        save is never saved. Said once, by name, with what changed (issue 33, class 11)."""
+        n, last = self._reprobe_streak
+        n = n + 1 if last == self.forwards - 1 else 1
+        self._reprobe_streak = (n, self.forwards)
+        if n != REPROBES_BEFORE_WARNING:
+            return
+        eng = self.engine
+        eng.records.append(
+            step=eng.step + (0 if eng._window_depth else 1),
+            segment=self.name,
+            contract_version=self.contract.version if self.contract else 0,
+            check="guard",
+            outcome="rejection",
+            detail={
+                "changed": names[:16],
+                "action": "re-probed at every forward",
+                "reprobes_in_a_row": n,
+            },
+        )
+        warnings.warn(
+            f"segment {self.name!r} was re-probed on {n} forwards in a row and has not "
+            "replayed since (it keeps its activations: exact, but saves no memory): "
+            f"{', '.join(names[:4])} changed at each. State rebuilt every step (a new "
+            "submodule with parameters or buffers, a tensor rebound) is new state to the "
+            "contract; build it once and update it in place, or leave the segment out.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _field_name(self, key: Any) -> str:
         if not isinstance(key, tuple):
@@ -412,6 +456,13 @@ class SegmentRuntime:
             hosts = [as_host_rng(x) for x in flat if is_host_rng(x)]
             if hosts:  # a generator outside torch passed in: its state at this call
                 inv.gens = inv.gens + capture_generators(hosts)
+        # Python attributes on argument tensors (``x.gain``), shallow-copied as the contract
+        # copies module attributes: the replay reads them as the forward did
+        inv.tensor_attrs = tensor_attributes(flat)
+        inv.state_attrs = state_attributes(self.modules)  # (self.q.ptr, weight.mult)
+        # a gradient the forward read (backward sets it before the replay): as at the forward
+        inv.grads = capture_grads(self.grad_reads) if self.grad_reads else []
+        inv.backends = backend_flags.capture()  # sdpa_kernel, mkldnn.flags around the forward
         written = self.contract.changed_inputs
         changing = _aliased_changing(flat, inv.changing) if inv.changing else None
         if written or changing:
@@ -513,6 +564,18 @@ class SegmentRuntime:
             sac_full = False
         inner = [0.0, None]  # the forward's own seconds, checkpoint's frame
 
+        def replay(flat: Any) -> Any:
+            # the call as at the forward: argument objects rebuilt with their fields then
+            a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
+            if sac is not None and not sac_full:  # the kept outputs stand in for their ops
+                try:
+                    with sac.recompute:
+                        return forward(*a, **kw)
+                finally:  # (checkpoint's early stop leaves by an exception)
+                    if sac.events:  # kept outputs it could not use (see checks.py)
+                        self.segment_checks._kept_events(inv, sac.events, checked=False)
+            return forward(*a, **kw)
+
         def fn(*flat: Any) -> Any:
             if inv.subs:
                 flat = list(flat)
@@ -522,16 +585,13 @@ class SegmentRuntime:
                     else:
                         flat[i] = live
             if inv.replaying:
-                # the call as at the forward: argument objects rebuilt with their fields then
-                a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
-                if sac is not None and not sac_full:  # the kept outputs stand in for their ops
-                    try:
-                        with sac.recompute:
-                            return forward(*a, **kw)
-                    finally:  # (checkpoint's early stop leaves by an exception)
-                        if sac.events:  # kept outputs it could not use (see checks.py)
-                            self.segment_checks._kept_events(inv, sac.events, checked=False)
-                return forward(*a, **kw)
+                with (
+                    backend_flags.entered(inv.backends),
+                    forward_attributes(flat, inv.tensor_attrs),
+                    with_attributes(inv.state_attrs),
+                    forward_grads(inv.grads),
+                ):
+                    return replay(flat)
             a, kw = (flat, {}) if spec is None else (args, kwargs)  # the live objects
             eng._segment_depth += 1
             # a calibration step may run this forward under a capture mode of its own, to
@@ -585,10 +645,11 @@ class SegmentRuntime:
         # only later (a dropout warming up from p=0, or put in train mode after the probe).
         if getattr(self, "_calls_script", None) is None:
             self._calls_script = _calls_script_function(self.modules)
-        if self._calls_script:
+        if self._calls_script or (self.contract is not None and self.contract.full_replay):
             # checkpoint's early stop raises from its pack hook; inside a scripted function
-            # the TorchScript interpreter rewraps that exception and the replay fails: the
-            # replay of such a segment runs to its end
+            # the TorchScript interpreter rewraps that exception and the replay fails; and an
+            # op that writes an argument autograd saved first (F.rrelu's noise) would be
+            # stopped before it writes it: the replay of such a segment runs to its end
             plain_inputs = _stacked(plain_inputs, set_checkpoint_early_stop(False))
         if not timed:
             with plain_inputs:
@@ -779,6 +840,10 @@ def _replay_input(saved: torch.Tensor, requires_grad: bool) -> torch.Tensor:
         return src.view_as(src)
 
 
+#: re-probes of a segment on this many forwards in a row: it is named in a warning
+REPROBES_BEFORE_WARNING = 8
+
+
 @contextlib.contextmanager
 def _stacked(*ctxs: Any) -> Any:
     with contextlib.ExitStack() as stack:
@@ -826,11 +891,7 @@ def _same(t: Any) -> Any:
 def _full_replay(inv: _Invocation, user: tuple | None = None):
     """``context_fn`` of a full replay: nothing around the forward, the contract's replay
     context around the recomputation."""
-    # called by checkpoint at the forward: the backend switches then are the replay's
-    return lambda: (
-        contextlib.nullcontext(),
-        backend_flags.around(_ReplayContext(inv, True, user)),
-    )
+    return lambda: (contextlib.nullcontext(), _ReplayContext(inv, True, user))
 
 
 def _timed_clock(eng: "RuntimeHost") -> float:

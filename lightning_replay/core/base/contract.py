@@ -117,6 +117,9 @@ class ReplayContract:
     activation_bytes: int = 0
     probed_at_step: int = 0
     selective: bool = False
+    #: the replay must run to the segment's end (no checkpoint early stop): its forward has an
+    #: op that writes an argument autograd saved before the write (``F.rrelu``'s noise)
+    full_replay: bool = False
     schema: int = SCHEMA_VERSION
 
     # ---- derived views ----

@@ -31,15 +31,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
 import functools
 import types
+import weakref
 from typing import Any
 
 import torch
 import torch.utils._pytree as _pytree
+
+from lightning_replay._compat import dict_version
 from torch import nn
 
 #: how deep :func:`flatten_call` walks into argument objects
@@ -453,3 +457,112 @@ def held_tensors(modules: list[nn.Module], outputs: Any) -> list[torch.Tensor]:
         d = object.__getattribute__(m, "__dict__")
         held += [v for k, v in d.items() if k not in internals and not k.startswith("_lightning")]
     return call_tensors((held, outputs), {})
+
+
+def tensor_attributes(flat: list) -> dict[int, dict]:
+    """Per position in ``flat``, the Python attributes of that tensor (``x.gain = 2.0`` set on
+    an input), shallow-copied as the contract copies module attributes; tensors without any
+    are left out (the common case: an empty dict).
+
+    Example:
+        >>> x = torch.ones(2)
+        >>> x.gain = 2.0
+        >>> tensor_attributes([torch.zeros(1), x, 3])
+        {1: {'gain': 2.0}}
+    """
+    return {
+        i: dict(x.__dict__)
+        for i, x in enumerate(flat)
+        if isinstance(x, torch.Tensor) and x.__dict__
+    }
+
+
+#: per module: (its dict's version tag, the names of its tensor attributes), so that a steady
+#: module's attributes are not scanned at every forward (see :func:`state_attributes`)
+_TENSOR_KEYS: "weakref.WeakKeyDictionary[nn.Module, tuple[int, tuple[str, ...]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _tensor_keys(m: nn.Module, d: dict) -> Any:
+    if dict_version is None:
+        return [k for k, v in d.items() if isinstance(v, torch.Tensor)]
+    tag = dict_version(d)
+    cached = _TENSOR_KEYS.get(m)
+    if cached is not None and cached[0] == tag:
+        return cached[1]
+    keys = tuple(k for k, v in d.items() if isinstance(v, torch.Tensor))
+    _TENSOR_KEYS[m] = (tag, keys)
+    return keys
+
+
+def state_attributes(modules: list[nn.Module]) -> list[tuple[torch.Tensor, dict]]:
+    """The Python attributes of the tensors ``modules`` hold (parameters, buffers and tensor
+    attributes: ``self.q.ptr``, a muP multiplier ``self.lin.weight.mult``), each tensor once,
+    shallow-copied as the contract copies module attributes; tensors without any are left
+    out.
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> lin.weight.mult = 0.5
+        >>> [(tuple(t.shape), d) for t, d in state_attributes([lin])]
+        [((2, 2), {'mult': 0.5})]
+    """
+    out = []
+    seen: set[int] = set()
+    for m in modules:
+        d = m.__dict__
+        for group in (d["_parameters"].values(), d["_buffers"].values()):
+            for t in group:
+                if t is not None and t.__dict__ and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((t, dict(t.__dict__)))
+        for k in _tensor_keys(m, d):
+            t = d.get(k)
+            if isinstance(t, torch.Tensor) and t.__dict__ and id(t) not in seen:
+                seen.add(id(t))
+                out.append((t, dict(t.__dict__)))
+    return out
+
+
+@contextlib.contextmanager
+def with_attributes(pairs: list[tuple[Any, dict]]) -> Any:
+    """While it is open, each tensor of ``pairs`` holds the attributes given with it (as at a
+    forward: :func:`state_attributes`); its own come back when it closes."""
+    live = []
+    for t, d in pairs:
+        live.append((t, dict(t.__dict__)))
+        t.__dict__.clear()
+        t.__dict__.update(d)
+    try:
+        yield
+    finally:
+        for t, d in live:
+            t.__dict__.clear()
+            t.__dict__.update(d)
+
+
+def forward_attributes(flat: list, attrs: dict[int, dict]) -> Any:
+    """While it is open, each tensor of ``flat`` named in ``attrs`` (see
+    :func:`tensor_attributes`) holds the attributes it held at the forward: a replay's
+    stand-in copy of an input gets them, and a live input whose attributes were rebound or
+    reset after the forward gets its own back when it closes.
+
+    Example:
+        >>> x = torch.ones(2)
+        >>> x.gain = 2.0
+        >>> attrs = tensor_attributes([x])
+        >>> x.gain = 7.0
+        >>> with forward_attributes([x], attrs):
+        ...     x.gain
+        2.0
+        >>> x.gain
+        7.0
+    """
+    return with_attributes(
+        [
+            (flat[i], d)
+            for i, d in attrs.items()
+            if i < len(flat) and isinstance(flat[i], torch.Tensor)
+        ]
+    )

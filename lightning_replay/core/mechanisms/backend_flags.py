@@ -113,15 +113,3 @@ def entered(switches: tuple | None) -> Iterator[None]:
     finally:
         for i, was in reversed(changed):
             _SETTERS[i](was)
-
-
-@contextlib.contextmanager
-def _around(switches: tuple, inner: Any) -> Iterator[None]:
-    with entered(switches), inner:
-        yield
-
-
-def around(inner: Any) -> Any:
-    """``inner`` (a replay's context) under the backend switches as they are now: made at the
-    forward (a checkpoint ``context_fn``), entered at the replay."""
-    return _around(capture(), inner)

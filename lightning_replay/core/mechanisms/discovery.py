@@ -132,6 +132,11 @@ class DiscoveryMode(TorchDispatchMode):
         #: draws from there again)
         self.generator_states: dict[int, torch.Tensor] = {}
         self.uses_global_rng = False
+        #: an op wrote an argument it does not return (``rrelu_with_noise``'s ``noise``):
+        #: autograd saved it before the kernel wrote it, so checkpoint's early stop, which ends
+        #: the replay at the last saved tensor's pack, would leave it unwritten (see
+        #: :func:`writes_unreturned`)
+        self.writes_unreturned = False
 
     def _touch(self, t: torch.Tensor) -> Touch | None:
         key = storage_key(t)
@@ -230,6 +235,8 @@ class DiscoveryMode(TorchDispatchMode):
                         touch.annotated_write = True
                     else:
                         touch.read = True
+        if written and writes_unreturned(func):
+            self.writes_unreturned = True
         if (
             _SEEDED in func.tags
             and kwargs.get("generator") is None
@@ -275,6 +282,39 @@ class DiscoveryMode(TorchDispatchMode):
                     touch.changed_in_segment = not torch.equal(
                         storage_bytes(touch.tensor), touch.snapshot
                     )
+
+
+_UNRETURNED: dict[Any, bool] = {}
+
+
+def writes_unreturned(func: Any) -> bool:
+    """Whether an aten op writes an argument (per its schema) that no return aliases: a noise
+    or workspace buffer it fills (``rrelu_with_noise``'s ``noise``). Autograd saves such an
+    argument before the kernel writes it; torch's checkpoint with early stop ends its
+    recomputation at the pack of the last saved tensor, before the kernel runs, and the
+    backward then reads an unwritten buffer (plain ``torch.utils.checkpoint`` gets
+    ``F.rrelu(training=True)``'s gradients wrong so). Cached per op.
+
+    Example:
+        >>> writes_unreturned(torch.ops.aten.rrelu_with_noise.default)
+        True
+        >>> writes_unreturned(torch.ops.aten.add_.Tensor)
+        False
+    """
+    out = _UNRETURNED.get(func)
+    if out is None:
+        returned: set[str] = set()
+        for r in func._schema.returns:
+            if r.alias_info is not None:
+                returned |= set(r.alias_info.before_set)
+        out = any(
+            a.alias_info is not None
+            and a.alias_info.is_write
+            and not set(a.alias_info.before_set) & returned
+            for a in op_arguments(func)
+        )
+        _UNRETURNED[func] = out
+    return out
 
 
 def _is_default_generator(g: torch.Generator) -> bool:

@@ -433,8 +433,10 @@ def fingerprint(
         hooks = [d.get(h) for h in HOOK_DICTS]
         sub = d["_modules"]
         fp[(i, "training")] = d.get("training")
-        fp[(i, "hooks")] = tuple(tuple(h) if h else () for h in hooks)
-        fp[(i, "modules")] = tuple(sub), tuple(map(id, sub.values()))
+        # how many hooks, not their handles' keys: a hook removed and registered again each
+        # step (a logging callback) is the same structure; its function is a field below
+        fp[(i, "hooks")] = tuple(len(h) if h else 0 for h in hooks)
+        fp[(i, "modules")] = tuple(sub), tuple(map(_submodule_tag, sub.values()))
         fp[(i, "order")] = tuple(d["_parameters"]), tuple(d["_buffers"])
         for name, h in zip(HOOK_DICTS, hooks):
             key = (i, "h", name)
@@ -472,6 +474,23 @@ def fingerprint(
             if key not in varying and not issubclass(type(v), _CONTAINERS):
                 fp[key] = _value(v)
     return fp
+
+
+def _submodule_tag(m: Any) -> Any:
+    """A submodule as module structure: a stateless one (no parameter, buffer, tensor or
+    generator in its subtree: an activation, a dropout rebuilt each step with the scheduled
+    rate) by its class, as the replay puts the forward's object back (slots) and a new one
+    adds nothing to preserve; any other by identity (new state the contract does not cover)."""
+    if not isinstance(m, nn.Module):
+        return id(m)
+    for s in m.modules():
+        d = s.__dict__
+        if d["_parameters"] or d["_buffers"]:
+            return id(m)
+        for v in d.values():
+            if isinstance(v, (torch.Tensor, torch.Generator)):
+                return id(m)
+    return type(m)
 
 
 def _watch_ids(watched: list[tuple]) -> list[tuple]:

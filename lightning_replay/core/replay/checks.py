@@ -28,7 +28,13 @@ from lightning_replay._compat import (
     top_saved_tensors_hooks,
     tree_map,
 )
-from lightning_replay.core.mechanisms.arguments import call_tensors, unflatten_call
+from lightning_replay.core.mechanisms.arguments import (
+    call_tensors,
+    forward_attributes,
+    unflatten_call,
+    with_attributes,
+)
+from lightning_replay.core.mechanisms.grad_reads import forward_grads
 from lightning_replay.core.mechanisms.kernel_noise import (  # noqa: F401 - NOISE_*: this API
     NOISE_FACTOR,
     NOISE_FLOOR_ULPS,
@@ -325,8 +331,6 @@ class _CheckBox:
     grad_out_digests: list[int]
     # a selective option's frame: the outputs the forward kept, which the check's replay uses
     sac: SelectiveFrame | None = None
-    # the backend switches at the forward (backend_flags): the replay runs under them
-    backend: tuple | None = None
 
 
 class _CheckTap(torch.autograd.Function):
@@ -425,7 +429,6 @@ class SegmentChecks:
         inv, call, spec = self.seg._prepare(args, kwargs, eng._check_bytes)
         rng = _rng_states(eng._cuda_device)
         autocast = _autocast_state()
-        backend = backend_flags.capture()
         saved: list[torch.Tensor] = []
         # A selective option is checked as it replays: the forward keeps the outputs its
         # policy names (digested as each op runs), and the check's replay uses them
@@ -463,7 +466,6 @@ class SegmentChecks:
             digests(tensor_leaves(out)) if eng._check_bytes else None,
             digests(outs),
             sac,
-            backend,
         )
         taps = _CheckTap.apply(box, *(outs[k] for k in tapped))
         by_id = {id(outs[k]): t for k, t in zip(tapped, taps)}
@@ -523,7 +525,6 @@ class SegmentChecks:
         try:
             with torch.enable_grad(), _ReplayContext(inv), _forked_rng(box.rng):
                 with contextlib.ExitStack() as ac:
-                    ac.enter_context(backend_flags.entered(box.backend))
                     for dev, enabled, dtype, cache in box.autocast:
                         ac.enter_context(
                             torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache)
@@ -531,6 +532,11 @@ class SegmentChecks:
                     ac.enter_context(pairing.hooks())
                     if box.sac is not None:
                         ac.enter_context(box.sac.recompute)
+                    # what the forward saw on its tensors: attributes, gradients it read
+                    ac.enter_context(backend_flags.entered(inv.backends))
+                    ac.enter_context(forward_attributes(flat, inv.tensor_attrs))
+                    ac.enter_context(with_attributes(inv.state_attrs))
+                    ac.enter_context(forward_grads(inv.grads))
                     out2 = self.seg.orig_forward(*args, **kwargs)
                 t0 = self.clock() if timed else 0.0
                 outs2 = _grad_outputs(out2)

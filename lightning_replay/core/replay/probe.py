@@ -16,6 +16,7 @@ import re
 import random
 import sys
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -36,8 +37,13 @@ from lightning_replay.core.mechanisms.arguments import (
     call_tensors,
     check_rebuild,
     flatten_call,
+    forward_attributes,
+    state_attributes,
+    tensor_attributes,
     unflatten_call,
+    with_attributes,
 )
+from lightning_replay.core.mechanisms.grad_reads import GradReads, forward_grads
 from lightning_replay.core.base.ports import ProbedSegment, ProbeHost, RecordSink
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract, StateEntry
 from lightning_replay.core.mechanisms.discovery import (
@@ -109,6 +115,11 @@ class _Probe:
         self.gens: list = []  # (generator, state) at its start (replayed probes)
         self.outside: list | None = None  # outside attributes read, as at forward (replayed)
         self.saved_tokens: list = []  # digest tokens of the tensors its forward saved (replayed)
+        #: (replayed) those tensors, until its forward ends: an op that writes an argument
+        #: autograd saved before the write (``rrelu_with_noise``'s noise) makes the token at
+        #: pack time stale; such a forward's tokens are taken again at its end
+        self.saved_live: list = []
+        self.late_tokens = False  # ... as they were taken again (the replay's are, alike)
         self.saved_state: dict = {}  # storage key -> (alias, version) of saved state (replayed)
         #: while its forward runs: a backward inside it (``torch.autograd.grad`` of an energy,
         #: forces = -dE/dx) unpacks saved tensors, which is not the replay point; a replayed
@@ -125,6 +136,8 @@ class _Probe:
         self.stateful_hooks: list[str] = []  # state of the user's pack hooks it changed
         self.replay_done = False  # (replayed) its replay has run: nothing more needs its data
         self.param_aliases: list[torch.Tensor] = []  # the parameters its forward ran with
+        #: tensors whose ``.grad`` its forward read, with that gradient (see grad_reads)
+        self.grad_reads: list = []
 
     def release(self) -> None:
         """Drop everything the probe holds for its window and its replay: the discovery mode's
@@ -146,6 +159,7 @@ class _Probe:
         self.start_index = None
         self.host = []
         self.param_aliases = []
+        self.grad_reads = []
         self.created = []
 
 
@@ -676,6 +690,7 @@ class SegmentProbe:
                 # what the replay must save again, byte for byte (a value that only the
                 # gradient reads leaves the outputs alike), and the version it was saved at
                 probe.saved_tokens.append(digest_token(t))
+                probe.saved_live.append(t)
                 if key not in probe.saved_state and start_index.lookup(key):
                     # model state autograd saved: an alias that shares its version counter
                     # (its storage lives on anyway), to refuse a backward plain PyTorch refuses
@@ -699,6 +714,7 @@ class SegmentProbe:
         sparse = _sparse_state(eng.model, self.seg.modules)
         sparse_reads = _SparseStateReads(sparse) if sparse else contextlib.nullcontext()
         scripts = _ScriptCalls()
+        grads = GradReads()  # .grad its forward reads (backward sets it before the replay)
         # module-level plain values the segment's code names, as before its forward
         glob = [
             (mod, name, _at_forward(vars(mod).get(name, MISSING)))
@@ -720,6 +736,7 @@ class SegmentProbe:
                 _HostReads(mode),
                 sparse_reads,
                 scripts,
+                grads,
                 comparisons() as compared,
             ):
                 out = self.seg.orig_forward(*args, **kwargs)
@@ -729,6 +746,7 @@ class SegmentProbe:
             for h in probe.direct:
                 h.tensor = None
             probe.direct = []
+        probe.grad_reads = grads.held()
         if compared:  # numbers read from module attributes that gated a branch
             first = {(id(d), n): v for d, n, v in own.first + outside.first}
             self.seg.guard.add_predicates(_predicates(compared, eng.model, first))
@@ -808,6 +826,9 @@ class SegmentProbe:
         eng = self.host
         # the call as the forward saw it: argument objects' fields rebound later are not read
         flat_call, call_spec = flatten_call(args, kwargs)
+        attrs = tensor_attributes(flat_call)  # x.gain on an input: as the forward saw it
+        held = state_attributes(self.seg.modules)  # ... and self.q.ptr on a buffer
+        backends = backend_flags.capture()  # sdpa_kernel, mkldnn.flags around the forward
         # the user's saved-tensor hooks: applied to what the replay saves (runtime.py)
         user = user_saved_hooks(eng)
 
@@ -822,6 +843,11 @@ class SegmentProbe:
             if replay is None:
                 out = self._probe_forward(args, kwargs, replayed=True, box=box)
                 box["digests"] = digests(tensor_leaves(out))
+                probe = box["probe"]
+                if probe.mode.writes_unreturned:
+                    probe.saved_tokens = [digest_token(t) for t in probe.saved_live]
+                    probe.late_tokens = True
+                probe.saved_live = []
                 return out
             top = top_saved_tensors_hooks()  # checkpoint's recomputation hooks
             pack_next, unpack_next = top if top is not None else (lambda t: t, lambda t: t)
@@ -843,7 +869,14 @@ class SegmentProbe:
             try:
                 # the call as at the forward: its containers' and objects' fields then
                 a, kw = unflatten_call(flat_call, call_spec)
-                with torch.autograd.graph.saved_tensors_hooks(pack, unpack_next), replay.producers:
+                with (
+                    backend_flags.entered(backends),
+                    forward_attributes(flat_call, attrs),
+                    with_attributes(held),
+                    forward_grads(box["probe"].grad_reads),
+                    torch.autograd.graph.saved_tensors_hooks(pack, unpack_next),
+                    replay.producers,
+                ):
                     out = self.seg.orig_forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
@@ -864,10 +897,7 @@ class SegmentProbe:
                 *device,
                 use_reentrant=False,
                 preserve_rng_state=True,
-                context_fn=lambda: (  # called at the forward: its backend switches
-                    contextlib.nullcontext(),
-                    backend_flags.around(_ProbeReplay(self.seg, box)),
-                ),
+                context_fn=lambda: (contextlib.nullcontext(), _ProbeReplay(self.seg, box)),
             )
 
     def _replay_path_error(self, probe: _Probe, exc: Exception) -> ReplayError:
@@ -986,6 +1016,7 @@ class SegmentProbe:
             id(g.obj): g for _, g in self.seg.generators if isinstance(g, HostRNG)
         }
         uses_rng = old.uses_global_rng if old is not None else False
+        full_replay = old.full_replay if old is not None else False
         changed_attrs: set[str] = set(old.python_attrs) if old is not None else set()
         aliases: list[str] = list(old.input_aliases) if old is not None else []
         changed_inputs: set[int] = set(old.changed_inputs) if old is not None else set()
@@ -1001,6 +1032,7 @@ class SegmentProbe:
             per_window[p.step] = (total + p.activation_bytes, n + 1)
             self.seg.state_keys.update(p.mode.touched)
             uses_rng |= p.mode.uses_global_rng
+            full_replay |= p.mode.writes_unreturned
             if p.sparse_reads and not self.seg.demoted:
                 self._keep_for_sparse(p)
             if p.script_calls and not self.seg.demoted:
@@ -1012,6 +1044,8 @@ class SegmentProbe:
             changed_attrs.update(p.changed_attrs)
             changed_inputs.update(p.changed_inputs)
             written_inputs.update(p.written_inputs)
+            known = {id(r()) for r in self.seg.grad_reads}
+            self.seg.grad_reads += [weakref.ref(t) for t, _ in p.grad_reads if id(t) not in known]
             for ob in p.observations or []:
                 t = ob.touch
                 refs = index.lookup(t.key)
@@ -1075,6 +1109,7 @@ class SegmentProbe:
             activation_bytes=act,
             probed_at_step=probes[0].step if probes else 0,
             selective=eng.config.selective_policy is not None,
+            full_replay=full_replay,
         )
         order = {e.name: i for i, e in enumerate(c.state)}
         self.seg.bound = sorted(bound.values(), key=lambda b: order[b.entry.name])

@@ -29,6 +29,7 @@ from lightning_replay.core.mechanisms.slot_restore import (
 from lightning_replay.core.mechanisms.slots import MISSING
 from lightning_replay.core.base.state import (
     digest,
+    digest_token,
     digests,
     resolve_tokens,
     storage_bytes,
@@ -227,6 +228,8 @@ class _ProbeReplay:
         probe = self.box["probe"]
         # the tensors saved for backward too: a value only the gradient reads (a gradient
         # scale) leaves the outputs alike
+        if probe.late_tokens:  # taken at the forward's end, not at pack (see _Probe.saved_live)
+            self.saved_tokens = [digest_token(t) for t in self.saved]
         ours, theirs = resolve_tokens(self.saved_tokens), resolve_tokens(probe.saved_tokens)
         saved_differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
         count_differs = len(ours) != len(theirs)

@@ -103,6 +103,10 @@ class _Invocation:
         "t_pending",
         "sandbox_keys",
         "subs",
+        "tensor_attrs",
+        "state_attrs",
+        "grads",
+        "backends",
         "kept",
         "outside",
         "replaying",
@@ -136,6 +140,12 @@ class _Invocation:
         self.regions: list[tuple[Any, int]] = []
         self.sandbox_keys: list = []
         self.subs: dict[int, torch.Tensor] = {}  # input leaf -> its bytes at forward
+        #: input leaf -> its Python attributes at forward (``x.gain = ...``), which the replay
+        #: reads: rebound or reset after the forward, or absent from a stand-in copy
+        self.tensor_attrs: dict[int, dict] = {}
+        self.state_attrs: list[tuple[torch.Tensor, dict]] = []  # ... of its modules' tensors
+        self.grads: list = []  # (tensor, its .grad at forward) of those the forward read
+        self.backends: tuple | None = None  # the kernel switches at forward (backend_flags)
         self.preserved_bytes = 0
         self.replays = 0
         self.done = False
