@@ -16,7 +16,9 @@ training stays exact all the same.
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import operator
 from typing import Callable
 
 import pytest
@@ -418,8 +420,14 @@ def test_state_the_contract_misses_is_a_recorded_divergence_and_training_stays_e
     assert any(r.check == "reaction" for r in records)
 
 
+_FLAG = [True]
+#: read through a module-level ``functools.partial``: out of the engine's sight (a closure
+#: cell, or a module-level value the forward names itself, would be in its contract)
+_flag = functools.partial(operator.getitem, _FLAG, 0)
+
+
 def _flagged_factory() -> tuple[Callable[[], nn.Module], list]:
-    flag = [True]  # held in a closure: out of the engine's sight
+    _FLAG[0] = True
 
     class Flagged(nn.Module):
         def __init__(self) -> None:
@@ -427,9 +435,9 @@ def _flagged_factory() -> tuple[Callable[[], nn.Module], list]:
             self.fc = nn.Linear(D, D)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + (torch.tanh(self.fc(x)) if flag[0] else self.fc(x))
+            return x + (torch.tanh(self.fc(x)) if _flag() else self.fc(x))
 
-    return (lambda: nn.Sequential(nn.Linear(D, D), Flagged(), nn.Linear(D, D))), flag
+    return (lambda: nn.Sequential(nn.Linear(D, D), Flagged(), nn.Linear(D, D))), _FLAG
 
 
 def test_a_replay_that_takes_another_path_is_a_divergence_naming_the_saved_tensors():
@@ -483,12 +491,17 @@ def test_backward_twice_through_a_checked_step_matches_plain():
     assert grads and all(r.outcome == "match" for r in grads)
 
 
+_SCALE = [1.0]
+_scale = functools.partial(operator.getitem, _SCALE, 0)
+
+
 def test_a_scalar_the_replay_reads_otherwise_is_a_grad_divergence_without_byte_checks():
-    """A factor held in a closure changes between the forward and backward: the replay's
-    multiply keeps the new scalar in its node, not in a saved tensor, so both backward passes
-    of the check use it. The grad check compares the replay's outputs with the forward's too,
-    and says so with byte checks off."""
-    scale = [1.0]
+    """A factor out of the engine's sight (read through a module-level partial) changes
+    between the forward and backward: the replay's multiply keeps the new scalar in its node,
+    not in a saved tensor, so both backward passes of the check use it. The grad check
+    compares the replay's outputs with the forward's too, and says so with byte checks off."""
+    scale = _SCALE
+    scale[0] = 1.0
 
     class Scaled(nn.Module):
         def __init__(self) -> None:
@@ -496,7 +509,7 @@ def test_a_scalar_the_replay_reads_otherwise_is_a_grad_divergence_without_byte_c
             self.fc = nn.Linear(D, D)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + torch.tanh(self.fc(x)) * scale[0]
+            return x + torch.tanh(self.fc(x)) * _scale()
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, D), Scaled(), nn.Linear(D, D))
