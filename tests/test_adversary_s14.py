@@ -1673,6 +1673,61 @@ class WarmFrozenNet(Net):
         return self.head(self.blocks[1](x))
 
 
+class CustomCall(nn.Module):
+    """Overrides ``__call__``: bumps a step buffer and a Python counter before calling
+    ``nn.Module.__call__`` (state written outside ``forward``, read inside it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("calls", torch.zeros(()))
+        self.n = 0
+
+    def __call__(self, x):
+        with torch.no_grad():
+            self.calls.add_(1)
+        self.n += 1
+        return super().__call__(x)
+
+    def forward(self, x):
+        return x + self.f(x) * (1 + 0.1 * self.calls) + 0.01 * (self.n % 3)
+
+
+class OutResized(nn.Module):
+    """Reads its last batch summary, then writes the new batch into a buffer through
+    ``out=`` (the kernel resizes the buffer to the batch, which changes every step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("last", torch.zeros(1, D))
+
+    def forward(self, x):
+        y = x + self.f(x + self.last.mean(0))
+        with torch.no_grad():
+            torch.mul(x, 0.5, out=self.last)
+        return y
+
+
+class LazyCache(nn.Module):
+    """A rotary-style table cached lazily by batch size in a dict attribute (filled in the
+    forward when a new size comes) and a cached tensor rebound when a larger size comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.cache: dict[int, torch.Tensor] = {}
+        self.table = torch.zeros(0, D)
+
+    def forward(self, x):
+        n = x.shape[0]
+        if n not in self.cache:
+            self.cache[n] = torch.sin(torch.arange(n * D, dtype=x.dtype).reshape(n, D) / 7)
+        if self.table.shape[0] < n:
+            self.table = torch.cos(torch.arange(n * D, dtype=x.dtype).reshape(n, D) / 5)
+        return x + self.f(x * self.cache[n] + self.table[:n])
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1792,6 +1847,15 @@ CASES: dict[str, tuple] = {
         _x,
     ),
     "no_grad_warmup_then_trained_and_frozen_on_odd_steps": (lambda: WarmFrozenNet(BNBlock), _x),
+    "custom_dunder_call_writes_state_before_forward": (lambda: Net(CustomCall), _x),
+    "out_buffer_resized_by_the_kernel_to_a_changing_batch": (
+        lambda: Net(OutResized),
+        lambda s: _x(s, batch=3 + (s * 5) % 7),
+    ),
+    "lazy_cache_dict_and_rebound_table_by_batch_size": (
+        lambda: Net(LazyCache),
+        lambda s: _x(s, batch=3 + (s * 5) % 7),
+    ),
 }
 
 #: (case, mode) -> what was measured where a case fails today
