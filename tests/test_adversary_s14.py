@@ -1901,14 +1901,6 @@ _TENSOR_ATTR_MIN = (
     "attribute of a state tensor ({}) the root changes after the forward"
 )
 XFAIL: dict[tuple[str, str], str] = {
-    ("quantization_aware_training_observers", "min"): (
-        "measured: a deep torch error at step 1, IndexError 'select(): index 1 out of range "
-        "for tensor of size [1] at dimension 0' inside torch.fused_moving_avg_obs_fake_quant "
-        "(the per-channel weight fake-quantizer, whose scale/zero_point the first forward "
-        "resizes from [1] to [8]) during the replayed probe's replay (probe.py unpack -> "
-        "kernel_noise.__torch_dispatch__); exact without a budget, and with per-tensor "
-        "weights (qnnpack)"
-    ),
     **{
         ("python_attribute_on_a_buffer_tensor_advanced_after", m): (
             _TENSOR_ATTR_MIN if m == "min" else _TENSOR_ATTR
