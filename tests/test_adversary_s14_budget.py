@@ -327,12 +327,6 @@ XFAIL: dict[tuple[str, str], str] = {
         "128 KiB moving averages cost what their activations do): the engine could have "
         "refused before running over"
     ),
-    ("a_generator_per_segment", "min"): (
-        "measured: the lowest plan (every segment recomputed) peaks at 2.424 MiB, 91,008 B "
-        "over checkpoint's 2.338 (1.037 x) with engine.preserved_bytes 0 at backward's start: "
-        "11,376 B per segment where a held generator's state is 5,056 B (1.0203 x checkpoint + "
-        "the generators' states); the preserved figure does not count the generator states"
-    ),
 }
 
 

@@ -1039,6 +1039,13 @@ class SegmentProbe:
             gname = find_generator_name(eng.model, g) or f"generator[{len(eng._external)}]"
             if gname.startswith("generator["):
                 eng._external.append(g)
+            else:
+                # the model's own object, not the dispatcher's fresh wrapper of it: the slots
+                # find that one too, and a replay's entry state must hold the generator's
+                # state once (5,056 bytes on CPU), not once per wrapper
+                mname, _, attr = gname.rpartition(".")
+                held = getattr(eng.model.get_submodule(mname) if mname else eng.model, attr, g)
+                g = held if isinstance(held, torch.Generator) else g
             gen_names.append(gname)
             self.seg.generators.append((gname, g))
         for r in host.values():  # Python's or numpy's: the replay restores these too
