@@ -166,8 +166,15 @@ def _measure_costs(proto_bytes, names, batch, clock, calibration_steps: int):
         while engine.plan is None:
             _step(model, batch(step), clock)
             step += 1
+        # the plan's first step is measured (every segment retained, under no budget): each
+        # forward's transient under ``retain`` is then measured too, as the calibration
+        # steps measured the replayed options' (phase_peak_args' forward_transient)
+        for _ in range(2):
+            _step(model, batch(step), clock)
+            step += 1
     costs, base = list(engine.costs), engine.real_base_memory
-    phases = engine.phase_peak_args  # the forward end's and the optimizer's measured phases
+    # the forward end's, each segment forward's, each replay's and the optimizer's measured phases
+    phases = engine.phase_peak_args
     engine.uninstall()
     del model, engine
     gc.collect()

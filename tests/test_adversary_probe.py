@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import random
 import types
 import warnings
@@ -832,9 +833,10 @@ def test_double_backward_matches_plain(kind):
 
 # --------------------------------------------------------------------------- departed replays
 def outside_reader(d: dict) -> Callable[[str], Any]:
-    """A function that reads ``d`` through a closure cell: a value no contract names (not an
-    attribute, not a module-level value), like an environment variable or the clock."""
-    return lambda key: d[key]
+    """A callable that reads ``d`` as a ``functools.partial`` bound to it: a value no contract
+    names (not an attribute, not a module-level value the code names, not a closure cell),
+    like the clock or state outside Python."""
+    return functools.partial(operator.getitem, d)
 
 
 _BRANCH = {"on": False}
@@ -892,16 +894,12 @@ _NOISE = {"on": False}
 
 
 def _hidden_switch():
-    """A switch no guard can see: a value in a closure cell."""
+    """A switch no guard can see: a value in a dict that only ``functools.partial`` objects
+    hold (callable objects, which no scan follows; a closure cell is followed)."""
     state = {"on": False}
-
-    def on() -> bool:
-        return state["on"]
-
-    def turn(value: bool) -> None:
-        state["on"] = value
-
-    return on, turn
+    return functools.partial(operator.getitem, state, "on"), functools.partial(
+        operator.setitem, state, "on"
+    )
 
 
 _HIDDEN_ON, _TURN_HIDDEN = _hidden_switch()

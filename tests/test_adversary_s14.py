@@ -21,6 +21,8 @@ measured. See ``/work/notes/adv-s14.md``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import gc
 import warnings
 from typing import Callable
@@ -1728,6 +1730,124 @@ class LazyCache(nn.Module):
         return x + self.f(x * self.cache[n] + self.table[:n])
 
 
+@dataclasses.dataclass
+class _DropCfg:
+    p: float = 0.1
+
+
+class Churned(nn.Module):
+    """Attributes a scheduler rebuilds before every forward: a ``functools.partial``
+    activation, a reseeded ``torch.Generator``, a config dataclass, a 0-dim tensor
+    temperature (annealed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+        self.gen = torch.Generator().manual_seed(0)
+        self.cfg = _DropCfg()
+        self.tau = torch.tensor(0.5)
+
+    def forward(self, x):
+        h = self.act(self.f(x)) * self.tau
+        noise = torch.rand(h.shape, generator=self.gen)
+        return x + F.dropout(h, self.cfg.p, training=True) + 0.01 * noise
+
+
+class ChurnNet(Net):
+    def forward(self, x):
+        for b in self.blocks:
+            b.act = functools.partial(F.leaky_relu, negative_slope=0.1)
+            b.gen = torch.Generator().manual_seed(self.t)
+            b.cfg = _DropCfg(p=0.1)
+            b.tau = torch.tensor(0.5 + 0.01 * self.t)
+        return super().forward(x)
+
+
+class _ReadsStateInBackward(torch.autograd.Function):
+    """Keeps a state tensor on ``ctx`` (not ``save_for_backward``: no version check) and
+    reads it in backward: plain PyTorch's backward sees the value at backward time."""
+
+    @staticmethod
+    def forward(ctx, x, state):
+        ctx.state = state
+        return x * 1.5 + state.sum().tanh()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (1 + ctx.state.mean().tanh()), None
+
+
+class CtxState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = MLP()
+        self.register_buffer("s", torch.randn(D) * 0.1)
+
+    def forward(self, x):
+        return x + _ReadsStateInBackward.apply(self.f(x), self.s)
+
+
+def _write_ctx_state(m, h):
+    for b in m.blocks:
+        b.s.mul_(0.5).add_(h.mean(0).tanh(), alpha=0.5)
+
+
+class Attn(nn.Module):
+    """Self-attention over the batch rows (2 heads) with ``scaled_dot_product_attention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.o = nn.Linear(D, D)
+
+    def forward(self, x):
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, 2, D // 2).permute(1, 2, 0, 3).unbind(0)
+        return x + self.o(F.scaled_dot_product_attention(q, k, v).permute(1, 0, 2).reshape(n, D))
+
+
+class MathSdpaNet(Net):
+    """The forward runs under ``sdpa_kernel([SDPBackend.MATH])``; backward runs outside it
+    (the usual ``with ...: loss = model(x)`` then ``loss.backward()``)."""
+
+    def forward(self, x):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            return super().forward(x)
+
+
+class ConvBlk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(4, 4, 3, padding=1)
+        self.d = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.d(torch.tanh(self.c(x)))
+
+
+class MkldnnOffNet(nn.Module):
+    """The forward runs its conv blocks under ``torch.backends.mkldnn.flags(enabled=False)``;
+    backward runs outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ConvBlk(), ConvBlk()])
+        self.head = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        with torch.backends.mkldnn.flags(enabled=False):
+            for b in self.blocks:
+                x = b(x)
+        return self.head(x)
+
+
+def _img(s: int) -> torch.Tensor:
+    return torch.randn(4, 4, 16, 16, generator=torch.Generator().manual_seed(500 + s))
+
+
 # ====================================================================== cases
 def _loss(model, x):
     (model(x) ** 2).mean().backward()
@@ -1856,6 +1976,13 @@ CASES: dict[str, tuple] = {
         lambda: Net(LazyCache),
         lambda s: _x(s, batch=3 + (s * 5) % 7),
     ),
+    "attributes_rebuilt_before_every_forward": (lambda: ChurnNet(Churned), _x),
+    "custom_function_reads_state_on_ctx_in_backward": (
+        lambda: Net(CtxState, after=_write_ctx_state),
+        _x,
+    ),
+    "forward_under_sdpa_kernel_math_backward_outside": (lambda: MathSdpaNet(Attn), _x),
+    "convs_under_mkldnn_disabled_backward_outside": (MkldnnOffNet, _img),
 }
 
 #: (case, mode) -> what was measured where a case fails today
@@ -1900,7 +2027,33 @@ _TENSOR_ATTR_MIN = (
     "forward: caught, not silent), where plain PyTorch trains it: the forward reads a Python "
     "attribute of a state tensor ({}) the root changes after the forward"
 )
+_SDPA = (
+    "measured: ReplayError at step 2 ('its replay in backward took another path than its "
+    "forward ... Recomputed values ... have different metadata'): the forward ran under "
+    "sdpa_kernel([SDPBackend.MATH]), the replay in backward outside it picks the CPU flash "
+    "kernel (saved (2, 4, 6) / (1, 2, 6, 6) tensors recomputed as (1, 2, 6, 4)); plain "
+    "PyTorch trains it, torch checkpoint raises CheckpointError. The replay should re-enter "
+    "the forward's SDPA backend selection, as it does autocast"
+)
+_MKLDNN = (
+    "measured: silently wrong in the last bits (relative 3.1e-7), 52 of 60 gradients from "
+    "step 2, no record: the forward ran its convs under torch.backends.mkldnn.flags("
+    "enabled=False), the replay in backward outside it runs the mkldnn kernels"
+)
 XFAIL: dict[tuple[str, str], str] = {
+    **{("convs_under_mkldnn_disabled_backward_outside", m): _MKLDNN for m in MODES if m != "min"},
+    ("convs_under_mkldnn_disabled_backward_outside", "min"): (
+        "measured: ReplayError at step 1 (the replayed probe of 'blocks.1' did not reproduce "
+        "its forward: caught), where plain PyTorch trains it: the forward ran under "
+        "torch.backends.mkldnn.flags(enabled=False), the replay outside it"
+    ),
+    **{("forward_under_sdpa_kernel_math_backward_outside", m): _SDPA for m in MODES if m != "min"},
+    ("forward_under_sdpa_kernel_math_backward_outside", "min"): (
+        "measured: ReplayError at step 1: the replayed probe of 'blocks.1' did not reproduce "
+        "its forward's outputs or saved tensors: the forward ran under "
+        "sdpa_kernel([SDPBackend.MATH]), its replay in backward outside it (another kernel); "
+        "plain PyTorch trains it"
+    ),
     **{
         ("python_attribute_on_a_buffer_tensor_advanced_after", m): (
             _TENSOR_ATTR_MIN if m == "min" else _TENSOR_ATTR

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import json
+import operator
 import types
 from typing import Callable
 
@@ -1069,13 +1071,10 @@ def test_checked_steps_leak_none_of_the_replays_side_effects(preservation):
 _KNOB = {"gain": 1.0}
 
 
-def _closure_reader(d: dict):
-    return lambda key: d[key]
-
-
-#: read through a closure cell: out of scope (a module-level value the forward named itself
-#: would be in its contract), the replay cannot see it change
-_knob = _closure_reader(_KNOB)
+#: read through a module-level ``functools.partial``: out of scope (a module-level value the
+#: forward named itself, or a closure cell of a function it calls, would be in its contract),
+#: the replay cannot see it change
+_knob = functools.partial(operator.getitem, _KNOB)
 
 
 class GlobalKnob(nn.Module):

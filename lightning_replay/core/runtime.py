@@ -155,7 +155,7 @@ class SegmentRuntime:
         self.module_names = {
             id(m): (f"{name}.{n}" if n else name) for n, m in module.named_modules()
         }
-        self.guard = Guard(self.modules)
+        self.guard = Guard(self.modules, name)
         self.outside: list[tuple[nn.Module, str]] = []  # plain attributes read from outside
         self.preservation = preservation
         self.contract: ReplayContract | None = None

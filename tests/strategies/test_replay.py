@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 import datetime
+import functools
 import logging
+import operator
 import os
 import sqlite3
 
@@ -601,13 +603,10 @@ def test_replan_before_the_probe_answers_none_and_keeps_the_new_budget(tmp_path)
 _SHAPE_FLAG = {"summed": False}
 
 
-def _closure_reader(d: dict):
-    return lambda key: d[key]
-
-
-#: the flag read through a closure cell, which no contract names (a module-level value the
-#: forward named itself would be put back for the replay)
-_shape_flag = _closure_reader(_SHAPE_FLAG)
+#: the flag read through a module-level ``functools.partial``, which no contract names (a
+#: module-level value the forward named itself, or a closure cell of a function it calls,
+#: would be put back for the replay)
+_shape_flag = functools.partial(operator.getitem, _SHAPE_FLAG)
 
 
 class _ShapeBranch(nn.Module):

@@ -80,9 +80,10 @@ class Option:
             carries once for the step.
         capture: Taking this option turns on the capture mode for the whole forward (its time,
             :attr:`CostTable.capture_time`, is paid once however many segments need it).
-        replay: Bytes this option's replay re-materializes, where they differ from the
-            segment's ``activation_bytes`` (``None``): a selective replay re-materializes only
-            what it recomputes, the outputs it kept being in ``memory`` already.
+        replay: Bytes this option's replay adds on top of ``memory``, where they differ from
+            the segment's ``activation_bytes`` (``None``): a selective replay re-materializes
+            only what it recomputes, the outputs it kept being in ``memory`` already, and
+            consumes the kept outputs autograd does not save as it uses them.
 
     Raises:
         TypeError: If ``memory`` is not an int, ``time`` is not a real number or ``capture``

@@ -45,8 +45,9 @@ def calibration_held(eng, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
     """What segment ``rt`` holds from its forward to its backward under option ``o`` in a
     calibration step, and what its replay re-materializes (``None``: its activations). A
     selective option holds its kept outputs too (measured on a warm-up step before its
-    phase; until then, as many bytes as its activations), and its replay re-materializes
-    its activations less the kept ones autograd saves."""
+    phase; until then, as many bytes as its activations), and its replay adds its
+    activations less the kept outputs (those autograd saves are held already, the others are
+    consumed as the replay uses them)."""
     c = rt.contract
     k = max(getattr(rt, "window_calls", 1), 1)  # called k times per window: k calls' worth
     if o == "retain":
@@ -55,9 +56,8 @@ def calibration_held(eng, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
     held = k * (rt.input_bytes + c.preserved_bytes(o))
     if o not in SELECTIVE:
         return held, None
-    kept = k * eng.meter.selective_bytes.get(rt.name, c.activation_bytes)
-    saved = eng.meter.selective_saved_bytes.get(rt.name, 0)
-    return held + kept, max(c.activation_bytes - saved, 0)
+    one = eng.meter.selective_bytes.get(rt.name, c.activation_bytes)
+    return held + k * one, max(c.activation_bytes - one, 0)
 
 
 def fit_calibration(eng, choices: dict[str, str], allowed: Mapping[str, list]) -> None:

@@ -60,6 +60,8 @@ from lightning_replay.core.engine.calibration import fit_calibration, fit_to
 from lightning_replay.core.engine.check_steps import check_step_plan, checked_peak, select_checked
 from lightning_replay.core.engine.real_peak import (
     _REPLAY,
+    forward_begins,
+    forward_ends,
     grad_credits,
     observe_fresh_grads,
     observe_grads,
@@ -205,6 +207,12 @@ class ReplayEngine:
         # its own moment (phase_peak_args)
         self._over_fwd: int | None = None
         self._over_replay: dict[str, int] = {}
+        # ... and inside each segment's forward under each option, beyond what the segments
+        # before it and it itself keep ((segment, option) -> bytes; real_peak.forward_begins)
+        self._over_seg_fwd: dict[tuple[str, str], int] = {}
+        self._raw_seg_fwd: dict[tuple[str, str], int] = {}
+        self._truth_forward: dict[str, str] = {}  # the measured step's segment forwards: option
+        self._phase_forward: dict[tuple[str, str], int] = {}  # ... and what each held over
         self._floor = 0  # the real peak of a measured step's optimizer phase (its inputs' part
         self._floor_inputs = 0  # grows with the input size: _floor_size)
         self._floor_size = 0
@@ -396,6 +404,9 @@ class ReplayEngine:
         }
         # the gradients the base leaves out (real_base_memory) that exist at each segment's
         # moment: those backward has made by then
+        transient = self._forward_transients(beyond)
+        if transient:
+            args["forward_transient"] = transient
         credit, made = grad_credits(self)
         if over_replay:
             # a segment never measured replaying: the largest any replay held
@@ -407,6 +418,27 @@ class ReplayEngine:
         elif credit:
             args["replay_extra"] = {n: made.get(n, 0) for n in self.segments}
         return args
+
+    def _forward_transients(self, beyond: Any) -> dict[str, dict[str, int]]:
+        """Per segment and option, what its forward held beyond the segments before it and
+        its own kept bytes (measured; ``beyond`` the base's residual). An option never measured
+        is charged the most its segment's measured options held (a forward that keeps its
+        activations holds at most what a replayed one drops beside them), a segment never
+        measured the most any held."""
+        scaled = self.size_scale(self._residual_size) > 1.0 and self._raw_fwd is not None
+        seg_fwd = self._raw_seg_fwd if scaled and self._raw_seg_fwd else self._over_seg_fwd
+        if not seg_fwd:
+            return {}
+        most = max(seg_fwd.values())
+        out: dict[str, dict[str, int]] = {}
+        for name, rt in self.runtimes.items():
+            if rt.contract is None:
+                continue
+            mine = {o: t for (n, o), t in seg_fwd.items() if n == name}
+            fallback = beyond(max(mine.values()) if mine else most)
+            opts = {"retain", *rt.contract.available_options()}
+            out[name] = {o: beyond(mine[o]) if o in mine else fallback for o in sorted(opts)}
+        return out
 
     def _scaled_residual(self) -> int:
         """The residual held in the base: the least of the phases' (each phase's excess over
@@ -680,6 +712,7 @@ class ReplayEngine:
                 "forward": self._over_fwd,
                 "replays": dict(self._over_replay),
                 "optimizer": self._floor,
+                "segment_forwards": [[n, o, t] for (n, o), t in self._over_seg_fwd.items()],
             },
             "ranks_base_bytes": self._ranks_base,
             "segments": {
@@ -724,6 +757,8 @@ class ReplayEngine:
         for name, over in (phases.get("replays") or {}).items():
             self._over_replay[name] = max(self._over_replay.get(name, over), int(over))
         self._floor = max(self._floor, int(phases.get("optimizer") or 0))
+        for n, o, t in phases.get("segment_forwards") or []:
+            self._over_seg_fwd[n, o] = max(self._over_seg_fwd.get((n, o), int(t)), int(t))
         if state.get("ranks_base_bytes") is not None:
             self._ranks_base = max(self._ranks_base or 0, int(state["ranks_base_bytes"]))
         for n, d in state.get("segments", {}).items():
@@ -1445,10 +1480,13 @@ class ReplayEngine:
             yield
             return
         prev, acct.tag = acct.tag, name
+        truth = forward_begins(self, name)  # a measured step: the forward is a phase of its own
         try:
             yield
         finally:
             acct.tag = prev
+            if truth is not None:
+                forward_ends(self, truth, name)
 
     def _next_order(self) -> int:
         self._order += 1

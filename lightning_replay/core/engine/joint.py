@@ -30,7 +30,8 @@ _BEAM_WIDTH = 64
 # Joint: exact.
 #
 # Write P_s for the memory held by segments 0..s (the prefix). Every constraint is on a prefix:
-# P_s + A(s) <= C for a replayed s and P_last <= C, with C = budget - base. Prefixes only grow,
+# P_s + A(s) <= C for a replayed s, P_s + F(s) <= C for every s (its forward's transient) and
+# P_last <= C, with C = budget - base. Prefixes only grow,
 # so a partial plan's future depends on nothing but its prefix: the smaller the better. A DP
 # over segments in forward order that keeps the Pareto front of (prefix, time) is therefore
 # exact. Two exact prunings keep the front small:
@@ -49,7 +50,7 @@ def _feasibility_thresholds(table: Sequence[_Seg], cap: int) -> list[int]:
         seg = table[s]
         after = thresholds[s + 1]
         thresholds[s] = max(
-            (min(after, cap - seg.acts[k]) if seg.replay[k] else after) - seg.mem[k]
+            min(after, cap - seg.acts[k] if seg.replay[k] else after, cap - seg.fwd[k]) - seg.mem[k]
             for k in range(len(seg.mem))
         )
     return thresholds
@@ -60,7 +61,9 @@ def _joint_min_cap(table: Sequence[_Seg]) -> int:
     # Feasibility is monotone in the capacity and F[0] >= 0 decides it exactly, so a binary
     # search over integers finds the exact minimum in ~log2(bytes) cheap passes.
     lo = 0
-    hi = sum(max(seg.mem) for seg in table) + max((max(seg.acts) for seg in table), default=0)
+    hi = sum(max(seg.mem) for seg in table) + max(
+        (max(max(seg.acts), max(seg.fwd)) for seg in table), default=0
+    )
     while lo < hi:
         mid = (lo + hi) // 2
         if _feasibility_thresholds(table, mid)[0] >= 0:
@@ -204,6 +207,8 @@ def _pareto_pass(
             ok = grown <= limit
             if seg.replay[k]:
                 ok &= grown + seg.acts[k] <= cap
+            if seg.fwd[k]:
+                ok &= grown + seg.fwd[k] <= cap
             parent = np.flatnonzero(ok)
             if parent.size == 0:
                 continue
@@ -211,6 +216,8 @@ def _pareto_pass(
             new_peak = (
                 np.maximum(peak[parent], grown + seg.acts[k]) if seg.replay[k] else peak[parent]
             )
+            if seg.fwd[k]:
+                new_peak = np.maximum(new_peak, grown + seg.fwd[k])
             option = np.full(parent.size, k, dtype=np.int8)
             parts.append((grown, time[parent] + seg.time[k], new_peak, parent, option))
         if not parts:

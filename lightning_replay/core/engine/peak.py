@@ -1,8 +1,10 @@
 """The cost model: what a plan's choices cost in peak memory and extra time.
 
 With ``o_s`` the option chosen for segment ``s`` (in forward order), the predicted peak is
-``base + max(sum_s memory(s, o_s), max over replayed s of (sum_{j<=s} memory(j, o_j) + A(s)))``
-and the extra time ``sum_s time(s, o_s)`` plus the capture mode's per-step time once if any
+``base + max(sum_s memory(s, o_s), max over replayed s of (sum_{j<=s} memory(j, o_j) + A(s)),
+max over s of (sum_{j<=s} memory(j, o_j) + F(s, o_s)))``, ``F(s, o)`` the transient segment
+``s``'s forward holds under option ``o`` beyond what it keeps (measured; 0 where not given), and
+the extra time ``sum_s time(s, o_s)`` plus the capture mode's per-step time once if any
 chosen option needs it (see :mod:`~lightning_replay.core.engine.planner`). Every planning
 method, the joint one and the baselines, is judged by these two functions.
 """
@@ -31,10 +33,14 @@ class _Seg:
     replay: tuple[bool, ...]
     capture: tuple[bool, ...]
     acts: tuple[int, ...] = ()  # bytes each option's replay re-materializes
+    # bytes each option's forward holds beyond the prefix through this segment (its moment)
+    fwd: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.acts:
             object.__setattr__(self, "acts", tuple(self.act for _ in self.names))
+        if not self.fwd:
+            object.__setattr__(self, "fwd", tuple(0 for _ in self.names))
 
     def index(self, option: str) -> int | None:
         return self.names.index(option) if option in self.names else None
@@ -46,7 +52,9 @@ class _Seg:
 
 
 def _table(
-    costs: Sequence[SegmentCost], replay_extra: Mapping[str, int] | None = None
+    costs: Sequence[SegmentCost],
+    replay_extra: Mapping[str, int] | None = None,
+    forward_transient: Mapping[str, Mapping[str, int]] | None = None,
 ) -> list[_Seg]:
     if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence):
         raise TypeError(
@@ -64,6 +72,7 @@ def _table(
         seen.add(seg.name)
         names = tuple(seg.options)
         more = 0 if not replay_extra else int(replay_extra.get(seg.name, 0))
+        moment = (forward_transient or {}).get(seg.name) or {}
         table.append(
             _Seg(
                 name=seg.name,
@@ -86,6 +95,7 @@ def _table(
                     )
                     for o in names
                 ),
+                fwd=tuple(int(moment.get(o, 0)) for o in names),
             )
         )
     return table
@@ -102,6 +112,7 @@ def _without_capture(seg: _Seg) -> _Seg | None:
         *(tuple(field[k] for k in keep) for field in (seg.names, seg.mem, seg.time, seg.replay)),
         capture=tuple(False for _ in keep),
         acts=tuple(seg.acts[k] for k in keep),
+        fwd=tuple(seg.fwd[k] for k in keep),
     )
 
 
@@ -114,7 +125,27 @@ def _peak(
         prefix += seg.mem[k]
         if seg.replay[k]:
             replay_peak = max(replay_peak, prefix + seg.acts[k])
+        if seg.fwd[k]:  # the segment's own forward: its transient on top of what it keeps
+            replay_peak = max(replay_peak, prefix + seg.fwd[k])
     return max(base + max(prefix + forward_extra, replay_peak), floor)
+
+
+def _check_transient(forward_transient: object) -> None:
+    if forward_transient is None:
+        return
+    if not isinstance(forward_transient, Mapping):
+        raise TypeError(
+            "forward_transient must map segment names to {option: bytes}, got "
+            f"{type(forward_transient).__name__}"
+        )
+    for name, per_option in forward_transient.items():
+        if not isinstance(per_option, Mapping):
+            raise TypeError(
+                f"forward_transient[{name!r}] must map option names to bytes, got "
+                f"{type(per_option).__name__}"
+            )
+        for o, nbytes in per_option.items():
+            _check_int_bytes(f"forward_transient[{name!r}][{o!r}]", nbytes)
 
 
 def _check_phase(forward_extra: object, floor: object, replay_extra: object) -> tuple[int, int]:
@@ -150,6 +181,7 @@ def predicted_peak(
     forward_extra: int = 0,
     floor: int = 0,
     replay_extra: Mapping[str, int] | None = None,
+    forward_transient: Mapping[str, Mapping[str, int]] | None = None,
 ) -> int:
     """Predict the peak memory, in bytes, of running ``costs`` with ``choices``.
 
@@ -165,10 +197,16 @@ def predicted_peak(
         replay_extra: Segment name to bytes held at its replay beyond ``base_memory`` and its
             activations (what a measured step held there: backward's temporaries, the
             gradients made by then), added to that segment's replay term.
+        forward_transient: Segment name to option name to bytes its forward holds under that
+            option beyond ``base_memory``, what the segments before it keep and what it keeps
+            itself (a replayed option's forward briefly holds the activations it drops: a
+            measured step's peak inside that forward); its own moment, ``sum_{j<=s}
+            memory(j, o_j) + F(s, o_s)``. Segments and options not named: 0.
 
     Returns:
         ``max(base + max(sum_s memory(s, o_s) + forward_extra, max over replayed s of
-        (sum_{j<=s} memory(j, o_j) + A(s))), floor)``.
+        (sum_{j<=s} memory(j, o_j) + A(s)), max over s of (sum_{j<=s} memory(j, o_j) +
+        F(s, o_s))), floor)``.
 
     Raises:
         ValueError: If a segment has no choice, a choice names an unknown segment, or an
@@ -184,9 +222,16 @@ def predicted_peak(
         95
         >>> predicted_peak(costs, {"a": "retain", "b": "whole"}, base_memory=5)  # 5 + 50 + 20 + 80
         155
+        >>> predicted_peak(costs, {"a": "whole", "b": "retain"}, base_memory=5,
+        ...                forward_transient={"a": {"whole": 60}})  # a's forward 5 + 10 + 60 < 95
+        95
+        >>> predicted_peak(costs, {"a": "whole", "b": "retain"}, base_memory=5,
+        ...                forward_transient={"a": {"whole": 90}})  # a's forward: 5 + 10 + 90
+        105
     """
     extra, floor = _check_phase(forward_extra, floor, replay_extra)
-    table = _table(costs, replay_extra)
+    _check_transient(forward_transient)
+    table = _table(costs, replay_extra, forward_transient)
     base = _check_int_bytes("base_memory", base_memory)
     return _peak(table, _picks_from_choices(table, choices), base, extra, floor)
 

@@ -65,6 +65,7 @@ from lightning_replay.core.base.plan_types import (  # (moved there; importable 
 from lightning_replay.core.engine.peak import (  # (moved there; importable here as before)
     _Seg as _Seg,
     _check_phase as _check_phase,
+    _check_transient as _check_transient,
     _extra_time as _extra_time,
     _peak as _peak,
     _picks_from_choices as _picks_from_choices,
@@ -178,7 +179,7 @@ def _check_size(table: Sequence[_Seg], budget: int, base: int, more: int = 0) ->
         + base
         + more
         + sum(max(seg.mem) for seg in table)
-        + max((max((seg.act,) + seg.acts) for seg in table), default=0)
+        + max((max((seg.act,) + seg.acts + seg.fwd) for seg in table), default=0)
     )
     if total >= _MAX_BYTES:
         raise ValueError(
@@ -244,6 +245,7 @@ def plan(
     forward_extra: int = 0,
     floor: int = 0,
     replay_extra: Mapping[str, int] | None = None,
+    forward_transient: Mapping[str, Mapping[str, int]] | None = None,
 ) -> Plan:
     """Choose one option per segment so the predicted peak fits ``budget``, as fast as possible.
 
@@ -269,9 +271,10 @@ def plan(
               lowest-memory option.
         allowed: Segment name to the options it may take (a preservation pin); every method
             chooses only among those. Segments not named may take any measured option.
-        forward_extra, floor, replay_extra: As in :func:`predicted_peak`: bytes held beyond
-            the base at the forward's end only, a peak no plan goes under, and bytes held at
-            each segment's replay beyond its activations.
+        forward_extra, floor, replay_extra, forward_transient: As in :func:`predicted_peak`:
+            bytes held beyond the base at the forward's end only, a peak no plan goes under,
+            bytes held at each segment's replay beyond its activations, and bytes each
+            segment's forward holds under each option beyond what it keeps.
 
     Returns:
         The :class:`Plan`.
@@ -299,13 +302,14 @@ def plan(
         {'b0': 'retain', 'b1': 'regions', 'b2': 'retain'}
     """
     extra, floor = _check_phase(forward_extra, floor, replay_extra)
-    full = _table(costs, replay_extra)
+    _check_transient(forward_transient)
+    full = _table(costs, replay_extra, forward_transient)
     budget = _check_budget(budget)
     base = _check_int_bytes("base_memory", base_memory)
     method = _check_method(method)
     _check_size(full, budget, base, extra + floor)
     restricted, pins = _restrict(costs, allowed)
-    table = _table(restricted, replay_extra) if pins else full
+    table = _table(restricted, replay_extra, forward_transient) if pins else full
     capture_time = _capture_time(costs)
     if method == "joint":
         picks = None
@@ -367,6 +371,7 @@ def min_feasible_budget(
     forward_extra: int = 0,
     floor: int = 0,
     replay_extra: Mapping[str, int] | None = None,
+    forward_transient: Mapping[str, Mapping[str, int]] | None = None,
 ) -> int:
     """The smallest budget, in bytes and base memory included, that ``method`` can meet.
 
@@ -386,13 +391,14 @@ def min_feasible_budget(
         >>> # would hold b0's 100 + its own 40 + 100 re-materialized; retaining b1 holds only 200
     """
     extra, floor = _check_phase(forward_extra, floor, replay_extra)
-    table = _table(costs, replay_extra)
+    _check_transient(forward_transient)
+    table = _table(costs, replay_extra, forward_transient)
     base = _check_int_bytes("base_memory", base_memory)
     method = _check_method(method)
     _check_size(table, 0, base, extra + floor)
     restricted, pins = _restrict(costs, allowed)
     if pins:
-        table = _table(restricted, replay_extra)
+        table = _table(restricted, replay_extra, forward_transient)
     if method == "joint":
         return _joint_min(table, base, extra, floor)
     return _baseline_min(table, base, method, extra, floor)

@@ -34,6 +34,8 @@ from lightning_replay.core.engine import planner as _planner
 from lightning_replay.core.mechanisms.memory import StepPeak, live_model_bytes
 
 _REPLAY = "replay:"  # a step's phase that begins at a segment's replay (then its name)
+_FORWARD = "forward:"  # ... at a segment's forward (then its name)
+_FORWARD_END = "forward-end:"  # ... as that forward returns (the unsegmented code after it)
 
 
 def settle_real_peak(eng) -> None:
@@ -81,6 +83,10 @@ def settle_real_peak(eng) -> None:
         # (and against every gradient: which of them the whole step's peak held is not told
         # apart, and a credit scaled with the input would not be one; from here on the plans
         # charge every gradient all step, as with gradients kept)
+        # (paired with the plan formula's own figure where it is the larger: the residual is
+        # added to the formula's moments, and against the accountant's lower figure it came
+        # out that much high, 1.36 x an all-recompute plan's real peak at 4 x the input)
+        accounted = max(accounted, eng.base_memory + _formula_peak(eng, plan))
         fwd, replays, floor = real - accounted, {}, phases.get("optimizer", 0)
         eng._grad_fresh, eng._phase_credit = {}, {}
         if size > eng._residual_size:  # figures at smaller inputs are stale
@@ -95,6 +101,11 @@ def settle_real_peak(eng) -> None:
     for name, over in replays.items():
         raw = over - credits.get(name, 0)
         eng._raw_replay[name] = max(eng._raw_replay.get(name, raw), raw)
+    for key, over in eng._phase_forward.items():
+        eng._over_seg_fwd[key] = max(eng._over_seg_fwd.get(key, over), over)
+        raw = over - credits.get("start", 0)
+        eng._raw_seg_fwd[key] = max(eng._raw_seg_fwd.get(key, raw), raw)
+    eng._phase_forward = {}
     grew = eng._over_fwd is None or fwd > eng._over_fwd
     eng._over_fwd = fwd if eng._over_fwd is None else max(eng._over_fwd, fwd)
     for name, over in replays.items():
@@ -130,6 +141,18 @@ def settle_real_peak(eng) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def _formula_peak(eng, plan: _planner.Plan | None) -> int:
+    """The segments' bytes at the plan formula's highest moment (its forward's end or a
+    replay), base left out; 0 where the plan or its costs are not in hand."""
+    if plan is None or eng._truth_checked:
+        return 0
+    costs = [c for c in eng.costs or [] if plan.choices.get(c.name) in c.options]
+    if not costs or len(costs) != len(plan.choices):
+        return 0
+    held, replays = _planner.peak_terms(costs, {c.name: plan.choices[c.name] for c in costs})
+    return max([held, *replays.values()])
 
 
 def phase_residuals(
@@ -192,7 +215,22 @@ def phase_residuals(
         phases = {"start": real}
     start = phases.get("start", 0)
     replays: dict[str, int] = {}
+    at_start = base - sum(fresh.values())
+    eng._phase_forward = {}
+    before = 0  # what the segments whose forwards ran before held, by the formula's figures
     for label, peak in phases.items():
+        name = label[len(_FORWARD) :]
+        if label.startswith(_FORWARD) and name in eng._truth_forward:
+            # A segment's forward: paired with what the segments before it keep and what it
+            # keeps itself; the rest is its transient under its option (a replayed option's
+            # forward holds, for a while, the activations it then drops)
+            option = eng._truth_forward[name]
+            own = forward_held(eng, name, option)
+            key = (name, option)
+            over = peak - (at_start + before + own)
+            eng._phase_forward[key] = max(eng._phase_forward.get(key, over), over)
+            before += own
+            continue
         if label.startswith(_REPLAY) and label in figures:
             # The formula's figure holds the segment's preserved bytes at its replay; the
             # call gives them back as the replay ends, before the backward's temporaries
@@ -207,8 +245,43 @@ def phase_residuals(
             replays[name] = peak - (base - credit + held)
         elif label != "optimizer":  # nothing to pair it with: counted in the first
             start = max(start, peak)
-    at_start = base - sum(fresh.values())
     return start - (at_start + figures.get("start", 0)), replays, phases.get("optimizer", 0)
+
+
+def forward_held(eng, name: str, option: str) -> int:
+    """What one call of segment ``name`` keeps from its forward under ``option`` by the
+    engine's figures (the least of the calibration's and the cost table's: paired with the
+    lesser, a forward's transient comes out no smaller than it was)."""
+    from lightning_replay.core.engine.calibration import calibration_held
+
+    rt = eng.runtimes[name]
+    calls = max(getattr(rt, "window_calls", 1), 1)
+    held = calibration_held(eng, rt, option)[0]
+    for c in eng.costs or []:
+        if c.name == name and option in c.options:
+            held = min(held, c.options[option].memory)
+    return held // calls
+
+
+def forward_begins(eng, name: str) -> StepPeak | None:
+    """Segment ``name``'s forward begins a phase of a measured step (its first call in the
+    step; not a probe's or a derivative-checked step's, which hold more than the option):
+    returns the meter, to mark where it ends (:func:`forward_ends`)."""
+    truth = eng._truth
+    if truth is None or eng._check_grad or name in eng._truth_forward:
+        return None
+    rt = eng.runtimes.get(name)
+    if rt is None or rt.contract is None or rt.status in ("probe", "probing"):
+        return None
+    option = "retain" if rt.status == "retain" else rt.contract.option
+    eng._truth_forward[name] = option
+    truth.mark(_FORWARD + name)
+    return truth
+
+
+def forward_ends(eng, truth: StepPeak, name: str) -> None:
+    if eng._truth is truth:
+        truth.mark(_FORWARD_END + name)
 
 
 def start_truth(eng) -> None:
@@ -226,6 +299,7 @@ def start_truth(eng) -> None:
         return
     eng._truth = truth
     eng._replay_released = {}
+    eng._truth_forward = {}
     eng._truth_fresh = fresh_grads(eng.model)  # the gradients this step has yet to make
     eng._grad_seen, eng._grad_end_hooked = [], False
     # what the process held beyond the model's own tensors (gradients that exist now

@@ -246,10 +246,12 @@ class CostMeter:
                 replay = None
                 if o in SELECTIVE:
                     # the kept op outputs, measured at this segment's forward: held until its
-                    # replay, which re-materializes the activations autograd saves less those
+                    # replay, which re-materializes the activations autograd saves less the
+                    # kept ones and consumes the others (each goes as its op is replayed): it
+                    # adds its activations less every kept output (issue 30: measured)
                     kept = int(self.selective_bytes.get(name, 0) * grow_in)
                     held += kept
-                    replay = max(act - int(self.selective_saved_bytes.get(name, 0) * grow_in), 0)
+                    replay = max(act - kept, 0)
                 rng = self.rng_bytes.get(name, 0)
                 opts[o] = Option(
                     memory=k * (inputs + rng + held),

@@ -13,8 +13,12 @@ fingerprinted at each forward, cheaply (identities and plain values, no tensor b
   parameters substituted by ``torch.func.functional_call``);
 * the value of every plain attribute (a dropout ``p`` warming up from 0, an enum mode, a
   tuple of plain values), also of the plain holder objects reachable from the modules (a config's ``use_bank``, with
-  ``__dict__`` or ``__slots__``, held directly, by another holder or in a container), and the
-  contents of every container attribute (a dict of flags).
+  ``__dict__`` or ``__slots__``, held directly, by another holder or in a container), of
+  their classes' plain attributes (:class:`ClassView`: one set on the class), of a
+  ``functools.partial``'s bound arguments and of a user's Python module held as an
+  attribute, and the contents of every container attribute (a dict of flags). The walk goes
+  ``_WATCH_DEPTH`` levels and ``_WATCH_LIMIT`` items deep; what lies past them is a warning
+  naming the segment (:meth:`Guard._reach`), never silently unwatched.
 
 When the fingerprint shows something new, that forward is re-probed (retained and watched, so
 exact by construction) and the contract is extended. Fields that vary continuously (identities,
@@ -38,10 +42,15 @@ everything on the modules around it.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
+import sys
+import types
+import warnings
+import weakref
 from collections import OrderedDict
-from itertools import islice
+from itertools import islice, repeat
 from typing import Any, Hashable
 
 import numpy as np
@@ -49,7 +58,8 @@ import torch
 from torch import nn
 
 from lightning_replay._compat import dict_version
-from lightning_replay.core.mechanisms.outside_reads import COMPARE_OPS
+from lightning_replay.core.mechanisms.module_globals import _library
+from lightning_replay.core.mechanisms.outside_reads import COMPARE_OPS, apply_expr
 from lightning_replay.core.mechanisms.slots import (
     HOOK_DICTS,
     MISSING,
@@ -65,8 +75,8 @@ from lightning_replay.core.mechanisms.slots import (
     slot_token,
 )
 
-_WATCH_DEPTH = 4  # levels below a module attribute (as deep as the slot capture looks)
-_WATCH_LIMIT = 4096  # items of one container (or holder) looked at for others inside it
+_WATCH_DEPTH = 16  # levels below a module attribute (deeper: warned, see Guard.warn_cut)
+_WATCH_LIMIT = 1 << 16  # items of one container (or holder) looked at for others inside it
 _CONTAINERS = (list, dict, set)
 _SLOT_DICTS = ("_parameters", "_buffers", "_modules")
 #: the module index of the fields read from outside the segment's modules (Guard.outside)
@@ -93,6 +103,17 @@ def _moved(v: Any, way: tuple[str, Any]) -> Any:
     return v
 
 
+def _computed(v: Any, expr: tuple) -> Any:
+    """``v`` with a forward's arithmetic ``expr`` applied (see ``outside_reads.apply_expr``);
+    None where it fails (a division by zero: an outcome of its own)."""
+    if not expr:
+        return v
+    try:
+        return apply_expr(v, expr)
+    except (ArithmeticError, ValueError, TypeError):
+        return None
+
+
 def _storage_ptr(t: Any) -> int:
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         return 0
@@ -102,7 +123,9 @@ def _storage_ptr(t: Any) -> int:
         return 0
 
 
-def _reachable(modules: list[nn.Module], outside: list[tuple] = ()) -> list[tuple]:
+def _reachable(
+    modules: list[nn.Module], outside: list[tuple] = (), cut: list | None = None
+) -> list[tuple]:
     """The holder objects and containers reachable from the modules' attributes (a config, a
     dict of flags, a registry of configs, a config's list of options), each once, as (module
     index, path, object, and its :func:`_readers`): a container, a holder with a ``__dict__``
@@ -113,22 +136,29 @@ def _reachable(modules: list[nn.Module], outside: list[tuple] = ()) -> list[tupl
     where it is an OrderedDict (its path the dict's name), whose order changes without its
     tag. ``outside``: the guard's :attr:`Guard.outside` reads, whose holders and containers
     are reachable too (module index :data:`OUTSIDE`, paths from their names)."""
-    out: list[tuple] = []
+    out: list[tuple] = _Watched()
     seen: set[int] = set()
     for i, m in enumerate(modules):
         d = m.__dict__
         for k in _SLOT_DICTS:  # (an OrderedDict one: its order, which moves no tag)
             if type(d[k]) is not dict:
                 out.append((i, k, d[k], *_readers(d[k])))
-        _walk(out, seen, i, [(k, v, 0) for k, v in d.items() if k not in MODULE_INTERNALS])
+        _walk(out, seen, i, [(k, v, 0) for k, v in d.items() if k not in MODULE_INTERNALS], cut)
     if outside:
-        _walk(out, seen, OUTSIDE, [(label, d.get(n, MISSING), 0) for d, n, label in outside])
+        todo = [(label, d.get(n, MISSING), 0) for d, n, label in outside]
+        _walk(out, seen, OUTSIDE, todo, cut)
     return out
 
 
-def _walk(out: list[tuple], seen: set[int], i: Any, todo: list[tuple]) -> None:
+def _walk(
+    out: list[tuple], seen: set[int], i: Any, todo: list[tuple], cut: list | None = None
+) -> None:
     """The holders and containers reachable from ``todo``'s ``(path, value, depth)``, into
-    ``out`` as :func:`_reachable` lists them (``i``: their module index)."""
+    ``out`` as :func:`_reachable` lists them (``i``: their module index). Besides holders and
+    containers: a ``functools.partial``'s bound arguments and a user's Python module held
+    as an attribute (``self.settings = config``), whose plain values steer a forward too.
+    Where a limit stops the walk (``_WATCH_DEPTH`` levels, ``_WATCH_LIMIT`` items), the path
+    left unwatched goes into ``cut``, so the guard can say so once."""
     while todo:
         path, v, depth = todo.pop()
         t = type(v)  # (by type: ``isinstance`` asks the object, and a dead weak proxy raises)
@@ -138,23 +168,115 @@ def _walk(out: list[tuple], seen: set[int], i: Any, todo: list[tuple]) -> None:
             seen.add(id(v))
             if not isinstance(v, tuple):  # (immutable: who holds it covers it)
                 out.append((i, path, v, *_readers(v)))
-            items, attr = (v.items() if isinstance(v, dict) else enumerate(v)), False
+            items, attr, n = (v.items() if isinstance(v, dict) else enumerate(v)), False, len(v)
+        elif t is functools.partial:  # (its arguments are immutable: who holds it covers it)
+            seen.add(id(v))
+            items, attr, n = [("args", v.args), ("keywords", v.keywords)], True, 2
+        elif issubclass(t, types.ModuleType):
+            if not _user_module(v):
+                continue
+            seen.add(id(v))
+            out.append((i, path, v, *_readers(v)))
+            d = _dict_of(v, "__dict__")  # (its plain values and containers of them only:
+            # not the modules, classes and objects it imported, nor what they hold)
+            items = [(k, x) for k, x in d.items() if type(x) in (list, dict, set, tuple)]
+            attr, n = True, len(items)
         elif v is not MISSING and is_holder(v):
             seen.add(id(v))
             stores = holder_stores(v)
             out += [(i, path, st, *_readers(st)) for st in stores]
+            view = _class_view(t)
+            if view is not None and id(view) not in seen:  # (once per class)
+                seen.add(id(view))
+                out.append((i, f"{path}.__class__", view, *_readers(view)))
             items, attr = [(k, x) for st in stores for k, x in _attrs(st).items()], True
+            n = len(items)
         else:
             continue
-        if depth < _WATCH_DEPTH:
-            for k, x in islice(items, _WATCH_LIMIT):
-                if not is_scalar(x):
-                    todo.append((f"{path}.{k}" if attr else f"{path}[{k!r}]", x, depth + 1))
+        if depth >= _WATCH_DEPTH:
+            if cut is not None and any(not is_scalar(x) for _, x in islice(items, 64)):
+                cut.append(path)
+            continue
+        if n > _WATCH_LIMIT and cut is not None:
+            rest = islice(items, _WATCH_LIMIT, None)
+            if any(not is_scalar(x) for _, x in rest):  # (plain values: watched by their list)
+                cut.append(f"{path} (items past {_WATCH_LIMIT})")
+        for k, x in islice(items, _WATCH_LIMIT):
+            if not is_scalar(x) and not issubclass(type(x), (types.FunctionType, type)):
+                todo.append((f"{path}.{k}" if attr else f"{path}[{k!r}]", x, depth + 1))
+
+
+def _user_module(m: types.ModuleType) -> bool:
+    """A Python module of the user's held as an attribute (``self.settings = config``), not a
+    library's or the standard library's (``self.rng = random``), whose values are no settings."""
+    name = getattr(m, "__name__", None)
+    if not isinstance(name, str) or _library(name):
+        return False
+    return name.split(".", 1)[0] not in getattr(sys, "stdlib_module_names", ())
 
 
 def _attrs(o: Any) -> Any:
     """The items of a :func:`_reachable` dict, or the attributes of a holder."""
-    return o if isinstance(o, (dict, SlotView)) else _dict_of(o, "__dict__")
+    return o if isinstance(o, (dict, SlotView, ClassView)) else _dict_of(o, "__dict__")
+
+
+class ClassView:
+    """The plain class attributes of a holder's class and its user bases (``use_bank =
+    False`` in a config's class body, set later on the class: ``Config.use_bank = True``),
+    most derived first, as :func:`_reachable` lists an entry: no instance dict moves when
+    they change."""
+
+    __slots__ = ("cls", "parts", "__weakref__")
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        #: per class of the MRO with plain attributes: its attribute map and their names, read
+        #: at C speed at every forward (:func:`_class_ids`; an HF config's class and bases hold
+        #: dozens)
+        self.parts: list[tuple[Any, tuple[str, ...]]] = []
+        for klass in cls.__mro__:
+            if klass is object or _library(klass.__module__):
+                continue
+            names = tuple(
+                k for k, v in klass.__dict__.items() if not k.startswith("__") and is_scalar(v)
+            )
+            if names:
+                self.parts.append((klass.__dict__, names))
+
+    def items(self) -> list[tuple[str, Any]]:
+        out: dict[str, Any] = {}
+        for klass in self.cls.__mro__:
+            if klass is object or _library(klass.__module__):
+                continue
+            for k, v in klass.__dict__.items():
+                if k not in out and not k.startswith("__") and is_scalar(v):
+                    out[k] = v
+        return list(out.items())
+
+    def values(self) -> list[Any]:
+        return [v for _, v in self.items()]
+
+
+_CLASS_VIEWS: "weakref.WeakKeyDictionary[type, ClassView | None]" = weakref.WeakKeyDictionary()
+
+
+def _class_view(cls: type) -> ClassView | None:
+    """The :class:`ClassView` of ``cls`` (one per class), None for a class with no plain
+    attributes of a user's class, or one that cannot be held weakly."""
+    try:
+        view = _CLASS_VIEWS.get(cls, MISSING)
+    except TypeError:
+        return None
+    if view is MISSING:
+        view = ClassView(cls)
+        if not view.items():
+            view = None
+        _CLASS_VIEWS[cls] = view
+    return view
+
+
+def _class_ids(v: ClassView) -> tuple:
+    return tuple([tuple(map(id, map(d.get, names))) for d, names in v.parts])
 
 
 _dict_of = object.__getattribute__  # (``o.__dict__`` past a class's own __getattribute__)
@@ -194,6 +316,8 @@ def _readers(o: Any) -> tuple:
     by its dict's version tag (where there is one), and by names and ids."""
     if type(o) is SlotView:
         return _slot_ids, _slot_ids
+    if type(o) is ClassView:
+        return _class_ids, _class_ids
     if isinstance(o, list):
         return _list_ids, _list_ids
     if isinstance(o, set):
@@ -243,8 +367,29 @@ def _identity_signature(
     return tuple(out)
 
 
+class _Watched(list):
+    """:func:`_reachable`'s list, with the holders among its entries apart (``split``, made at
+    the first read): their version tags are read at C speed, a Python call per holder
+    costing milliseconds a forward at thousands of them (a list of layer configs)."""
+
+    split: tuple | None = None
+
+
+def _tags_read(watched: list[tuple]) -> tuple:
+    split = getattr(watched, "split", None)
+    if split is None:
+        holders = [w[2] for w in watched if w[3] is _holder_tag]
+        others = [w for w in watched if w[3] is not _holder_tag]
+        split = (holders, others)
+        if type(watched) is _Watched:
+            watched.split = split
+    holders, others = split
+    tags = tuple(map(dict_version, map(_dict_of, holders, repeat("__dict__"))))
+    return tags, tuple([w[3](w[2]) for w in others])
+
+
 def _watched_ids(watched: list[tuple], read: int, outside: list) -> tuple:
-    ids = tuple([w[read](w[2]) for w in watched])
+    ids = _tags_read(watched) if read == 3 else tuple([w[read](w[2]) for w in watched])
     if not outside:
         return ids
     return ids, tuple([_outside_token(d.get(n, MISSING)) for d, n, _ in outside])
@@ -404,8 +549,10 @@ class Guard:
         []
     """
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], name: str = "") -> None:
         self.modules = modules
+        self.name = name  # the segment's, for the warning a limit of the walk gives
+        self._cut: set[str] = set()  # paths past the walk's limits already warned about
         self.varying: set = set()
         self.seen: dict[Hashable, set] = {}
         self.base: dict[Hashable, Any] | None = None
@@ -449,12 +596,13 @@ class Guard:
         that changes the number before comparing it (``self.calls += 1``) compared another
         value than that: the change is kept as a step (added, and as a factor), and the guard
         compares the number so changed too, each way with the outcomes probes saw that way."""
-        for d, name, label, op, operand, before, value, field in items:
+        for d, name, label, op, operand, before, value, field, *rest in items:
+            expr = rest[0] if rest else ()  # arithmetic on the number before the comparison
             other = operand if field is None else field[2]  # (a number's name: key, record)
-            key = (id(d), name, op, other)
+            key = (id(d), name, op, other, expr)
             entry = self.predicates.get(key)
             if entry is None:
-                entry = self.predicates[key] = [d, name, label, op, other, {}, field]
+                entry = self.predicates[key] = [d, name, label, op, other, {}, field, expr]
             ways = entry[5]
             new = [("as", None)]
             if value != before and len(ways) < _MAX_WAYS:
@@ -462,19 +610,25 @@ class Guard:
                 if before:
                     new.append(("mul", value / before))
             for way in new:
-                ways.setdefault(way, set()).add(_COMPARE[op](_moved(before, way), operand))
+                x = _computed(_moved(before, way), expr)
+                r = "error" if x is None else _COMPARE[op](x, operand)
+                ways.setdefault(way, set()).add(r)
 
     def _outcomes(self, entry: list) -> list[tuple[set, bool]] | None:
         """Each way's outcomes seen (:meth:`add_predicates`) beside its outcome now; None when
         either operand is no longer a number (the fingerprint's own fields say so)."""
-        d, name, _, op, other, ways, field = entry
+        d, name, _, op, other, ways, field, expr = entry
         v = _number(d, name)
         if field is not None:
             other = _number(field[0], field[1])
         if v is None or other is None:
             return None
         compare = _COMPARE[op]
-        return [(seen, compare(_moved(v, way), other)) for way, seen in ways.items()]
+        out = []
+        for way, seen in ways.items():
+            x = _computed(_moved(v, way), expr)
+            out.append((seen, "error" if x is None else compare(x, other)))
+        return out
 
     def _turned(self) -> list[Hashable]:
         """The comparisons (:meth:`add_predicates`) whose outcome now no probe saw."""
@@ -482,7 +636,9 @@ class Guard:
         for entry in self.predicates.values():
             now = self._outcomes(entry)
             if now is not None and any(r not in seen for seen, r in now):
-                label, op, other = entry[2], entry[3], entry[4]
+                label, op, other, expr = entry[2], entry[3], entry[4], entry[7]
+                if expr:
+                    label = f"{label} (after {' '.join(step[0] for step in expr)})"
                 out.append((OUTSIDE, "p", f"{label} {_SYMBOLS[op]} {other!r}"))
         return out
 
@@ -617,7 +773,7 @@ class Guard:
             else:
                 self.varying.add(key)
         self._pending = []
-        watched = _reachable(self.modules, self.outside)
+        watched = self._reach()
         self._settle(
             _identity_signature(self.modules, watched, outside=self.outside), watched=watched
         )
@@ -625,6 +781,25 @@ class Guard:
         for key, value in self.base.items():
             if _discrete(key, value):
                 self.seen.setdefault(key, set()).add(value)
+
+    def _reach(self) -> list[tuple]:
+        """:func:`_reachable` at a probe, warning once per path the walk's limits leave
+        unwatched (a config nested deeper than ``_WATCH_DEPTH``, a list longer than
+        ``_WATCH_LIMIT``): a flag there changed between steps would go unseen."""
+        cut: list = []
+        watched = _reachable(self.modules, self.outside, cut)
+        new = [p for p in cut if p not in self._cut]
+        if new:
+            self._cut.update(new)
+            warnings.warn(
+                f"lightning_replay: segment '{self.name or '?'}': the guard does not watch "
+                f"what lies below {', '.join(map(str, new[:4]))} (deeper than {_WATCH_DEPTH} "
+                f"levels or past {_WATCH_LIMIT} items). A flag there changed between steps is "
+                "seen only by the sampled checks; keep such settings nearer the module, or set "
+                "preservation='retain' for this segment.",
+                stacklevel=3,
+            )
+        return watched
 
     def watch_outside(self, reads: list[tuple[dict, str, str, Any]]) -> None:
         """Attributes a probe's forward read from outside the segment's modules, as (the dict
@@ -636,7 +811,7 @@ class Guard:
         if not new:
             return
         self.outside = self.outside + [(d, n, label) for d, n, label, _ in new]
-        watched = _reachable(self.modules, self.outside)
+        watched = self._reach()
         if self.base is not None:
             now = fingerprint(self.modules, self.varying, watched, self.outside)
             # as the forward first read them, before any write of its own: one it wrote is

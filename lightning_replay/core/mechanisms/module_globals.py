@@ -4,10 +4,11 @@ A forward may read a value that lives at module level instead of on a module: a 
 coefficient the training loop steps (``GRL["lambda"] *= 0.9``), a global schedule, a feature
 flag. No guard sees such a value change, and a replay that reads the new one computes another
 gradient than the forward's, silently. The bytecode names those reads: ``LOAD_GLOBAL`` (and
-``STORE_GLOBAL``) in the methods of the segment's module classes and, one call down, in the
-module-level functions they name. :func:`globals_read` returns the ones whose values can change
-unseen, plain values (numbers, strings, enums, small containers of them), as ``(module, name)``
-pairs. The engine treats them like attributes read from modules outside the segment
+``STORE_GLOBAL``) and ``LOAD_DEREF`` of closure cells in the methods of the segment's module
+classes (and in the methods and properties of modules outside it that its forward called,
+which the probe's tracing names) and, up to ``_DEPTH`` calls down, in the module-level
+functions they name. :func:`globals_read` returns the ones whose values can change unseen,
+plain values (numbers, strings, enums, small containers of them), as ``(owner, name)`` pairs. The engine treats them like attributes read from modules outside the segment
 (:func:`lightning_replay.slots.capture_outside`): captured at every forward, put back for the
 replay and restored after it.
 
@@ -20,8 +21,12 @@ Example:
     >>> [name for _, name in globals_read([Grl()])]
     ['SCALE']
 
-Reads one attribute down are found too: ``settings.lam`` of an imported module of the user's,
-``FLAGS.on`` of a module-level object.
+Reads attributes down are found too (``settings.lam`` of an imported module of the user's,
+``CFG.model.use_bank`` of a module-level object), items by a constant key of a dict of any
+size or a mapping (``BIG["bank"]``, ``os.environ.get("FLAG")``), and class attributes read as
+``self.x`` (none on the instance), ``type(self).x`` or ``cls.x``. A container too large to copy
+at every call and read otherwise, or more functions than ``_MAX_FUNCTIONS``, is a warning naming
+the segment: never silently unwatched.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from __future__ import annotations
 import dis
 import sys
 import types
+import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any, Iterable
 
 from torch import nn
@@ -38,8 +45,10 @@ from lightning_replay.core.mechanisms.slots import HOOK_DICTS, MISSING, copy_pla
 
 #: Code from these packages keeps no training state at module level.
 _LIBRARY_ROOTS = ("torch", "numpy", "math", "builtins", "typing", "functools", "collections", "abc")
-_MAX_ITEMS = 64  # a larger module-level container is copied every call: left out
-_DEPTH = 1  # module-level functions followed this many calls down
+_MAX_ITEMS = 64  # a larger module-level container is not copied every call: its items read
+# by constant keys are watched (``BIG["bank"]``), and a warning names the rest
+_DEPTH = 4  # module-level functions followed this many calls down
+_MAX_FUNCTIONS = 512  # functions scanned per segment at most (more: warned)
 
 
 #: a module of this package's machinery sets this to True (the swapped classes' ``forward``
@@ -62,31 +71,73 @@ def _codes(code: types.CodeType) -> Iterable[types.CodeType]:
             yield from _codes(c)
 
 
-def _global_names(
-    fn: types.FunctionType,
-) -> tuple[set[str], set[tuple[str, str]], set[str]]:
-    """The module-level names ``fn`` reads or writes, the ``(name, attribute)`` pairs it
-    reads one attribute down (``settings.lam``, ``FLAGS.on``), and the attributes it reads
-    from its first argument (``self.temp``: a class attribute where the instance has none)."""
-    names: set[str] = set()
-    attrs: set[tuple[str, str]] = set()
-    own: set[str] = set()
+def _global_names(fn: types.FunctionType) -> "_Names":
+    """What ``fn``'s bytecode names outside its locals (see :class:`_Names`)."""
+    out = _Names()
     first = fn.__code__.co_varnames[0] if fn.__code__.co_argcount else None
+    free = set(fn.__code__.co_freevars)
     for code in _codes(fn.__code__):
-        prev = None
+        top = code is fn.__code__
+        chain: list | None = None  # [("g" | "c", name), attr, ...] being loaded
+        key: Any = MISSING  # a constant loaded right after a chain (a subscript's key)
+        recent: list = []  # the last few instructions (type(self).x, self.__class__.x)
         for ins in dis.get_instructions(code):
-            if ins.opname in ("LOAD_GLOBAL", "STORE_GLOBAL") and isinstance(ins.argval, str):
-                names.add(ins.argval)
-            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and prev is not None:
-                if not isinstance(ins.argval, str):
-                    pass
-                elif prev.opname == "LOAD_GLOBAL":
-                    attrs.add((prev.argval, ins.argval))
-                elif prev.opname == "LOAD_FAST" and prev.argval == first and code is fn.__code__:
-                    own.add(ins.argval)
-            if ins.opname not in ("CACHE", "EXTENDED_ARG"):
-                prev = ins
-    return names, attrs, own
+            op, arg = ins.opname, ins.argval
+            if op in ("CACHE", "EXTENDED_ARG", "PRECALL", "PUSH_NULL", "KW_NAMES"):
+                continue
+            if op in ("LOAD_GLOBAL", "STORE_GLOBAL") and isinstance(arg, str):
+                out.names.add(arg)
+                chain, key = ([("g", arg)] if op == "LOAD_GLOBAL" else None), MISSING
+            elif op == "LOAD_DEREF" and top and arg in free:  # a closure cell of ``fn``
+                out.cells.add(arg)
+                chain, key = [("c", arg)], MISSING
+            elif op in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(arg, str):
+                if chain is not None and key is MISSING:
+                    chain = chain + [arg]
+                    out.chains.add(tuple(chain))
+                else:
+                    chain = None
+                r = [(i.opname, i.argval) for i in recent[-4:]]
+                if r[-1:] == [("LOAD_FAST", first)] and top:
+                    out.own.add(arg)  # self.temp
+                elif r[-2:] == [("LOAD_FAST", first), ("LOAD_ATTR", "__class__")] or r[-3:] == [
+                    ("LOAD_GLOBAL", "type"),
+                    ("LOAD_FAST", first),
+                    ("CALL", 1),
+                ]:
+                    out.cls_own.add(arg)  # type(self).temp, self.__class__.temp
+            elif op == "LOAD_CONST" and chain is not None:
+                if key is MISSING:  # (a second constant: ``.get(key, default)``'s default)
+                    key = arg  # BIG["bank"], settings["bank"], os.environ.get("FLAG")
+            elif op == "BINARY_SUBSCR" and chain is not None and key is not MISSING:
+                out.items.add((tuple(chain), key))
+                chain, key = None, MISSING
+            elif op == "CALL" and chain is not None and key is not MISSING:
+                if chain[-1] == "get" and len(chain) > 1:  # a mapping's .get(key, ...)
+                    out.items.add((tuple(chain[:-1]), key))
+                chain, key = None, MISSING
+            else:
+                chain, key = None, MISSING
+            recent.append(ins)
+            del recent[:-5]
+    return out
+
+
+class _Names:
+    """What a function's bytecode names outside its locals: module-level ``names`` read or
+    written; ``chains`` of attributes read from a global or a closure cell (``("g", "CFG"),
+    "model", "use_bank"``); constant-key ``items`` read from one (``BIG["bank"]``,
+    ``os.environ.get("FLAG")``); the closure ``cells`` it reads; the attributes it reads from
+    its first argument (``own``: ``self.temp``, a class attribute where the instance has none)
+    and from its first argument's class (``cls_own``: ``type(self).temp``)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.chains: set[tuple] = set()
+        self.items: set[tuple] = set()
+        self.cells: set[str] = set()
+        self.own: set[str] = set()
+        self.cls_own: set[str] = set()
 
 
 class Globals:
@@ -150,6 +201,14 @@ class _ClassDict:
 _CLASSES: "weakref.WeakKeyDictionary[type, ClassAttrs]" = weakref.WeakKeyDictionary()
 
 
+def class_attrs(klass: type) -> ClassAttrs:
+    """The owner that stands for ``klass``'s attributes (one per class)."""
+    owner = _CLASSES.get(klass)
+    if owner is None:
+        owner = _CLASSES[klass] = ClassAttrs(klass)
+    return owner
+
+
 def _class_owner(cls: type, name: str) -> ClassAttrs | None:
     """The user class in ``cls``'s MRO that defines ``name`` with a plain value, as an owner."""
     for klass in cls.__mro__:
@@ -160,10 +219,7 @@ def _class_owner(cls: type, name: str) -> ClassAttrs | None:
                 or not _plain(klass.__dict__[name])
             ):
                 return None
-            owner = _CLASSES.get(klass)
-            if owner is None:
-                owner = _CLASSES[klass] = ClassAttrs(klass)
-            return owner
+            return class_attrs(klass)
     return None
 
 
@@ -215,62 +271,304 @@ def _holder(value: Any) -> bool:
     )
 
 
-def globals_read(modules: Iterable[nn.Module]) -> list[tuple[Any, str]]:
+class Owner:
+    """Stands for a place a forward reads a value from that is no module's attribute (an
+    :class:`Items` of a mapping, a closure :class:`Cell`, a descriptor's value): its
+    ``__dict__`` reads and puts back the value by name, as a module's does; ``label`` names
+    it in records."""
+
+    __slots__ = ("__weakref__",)  # (a holder read through it is cached by its owner, weakly)
+    label: str
+
+
+class Items(Owner):
+    """Stands for a mapping whose items a forward reads by constant keys (``BIG["bank"]`` of
+    a module-level dict of any size, ``os.environ.get("FLAG")``): its ``__dict__`` is the
+    mapping, so capture_outside and the guard read, put back and restore those items alone."""
+
+    __slots__ = ("mapping", "label", "_view")
+
+    def __init__(self, mapping: Any, label: str) -> None:
+        self.mapping, self.label = mapping, label
+        self._view = mapping if type(mapping) is dict else _MappingDict(mapping)
+
+    @property
+    def __dict__(self) -> Any:  # type: ignore[override]
+        return self._view
+
+
+class _MappingDict:
+    """The part of the dict protocol the slots code uses, on a mapping that is no dict
+    (``os.environ``)."""
+
+    __slots__ = ("m",)
+
+    def __init__(self, m: Any) -> None:
+        self.m = m
+
+    def get(self, name: Any, default: Any = None) -> Any:
+        return self.m.get(name, default)
+
+    def __getitem__(self, name: Any) -> Any:
+        return self.m[name]
+
+    def __setitem__(self, name: Any, value: Any) -> None:
+        self.m[name] = value
+
+    def pop(self, name: Any, default: Any = None) -> Any:
+        return self.m.pop(name, default)
+
+
+_ITEMS: dict[int, Items] = {}  # per mapping (by id; the owner keeps it alive)
+
+
+def _items_owner(mapping: Any, label: str) -> Items:
+    owner = _ITEMS.get(id(mapping))
+    if owner is None or owner.mapping is not mapping:
+        owner = _ITEMS[id(mapping)] = Items(mapping, label)
+    return owner
+
+
+class Cell(Owner):
+    """Stands for a closure cell a segment's code reads (``settings`` of a class factory):
+    its ``__dict__`` maps the free variable's name to the cell's contents."""
+
+    __slots__ = ("_cells", "label")
+
+    def __init__(self, name: str, cell: Any, label: str) -> None:
+        self._cells = _CellDict(name, cell)
+        self.label = label
+
+    @property
+    def __dict__(self) -> "_CellDict":  # type: ignore[override]
+        return self._cells
+
+
+class _CellDict:
+    __slots__ = ("name", "cell")
+
+    def __init__(self, name: str, cell: Any) -> None:
+        self.name, self.cell = name, cell
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if name != self.name:
+            return default
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # an empty cell
+            return default
+
+    def __getitem__(self, name: str) -> Any:
+        v = self.get(name, MISSING)
+        if v is MISSING:
+            raise KeyError(name)
+        return v
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.cell.cell_contents = value
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        v = self.get(name, default)
+        try:
+            del self.cell.cell_contents
+        except ValueError:
+            pass
+        return v
+
+
+_CELLS: dict[int, tuple[Any, Cell]] = {}  # per cell (by id, the cell kept): its owner
+
+
+def _cell_owner(fn: types.FunctionType, name: str) -> Cell | None:
+    i = fn.__code__.co_freevars.index(name)
+    cell = (fn.__closure__ or ())[i] if i < len(fn.__closure__ or ()) else None
+    if cell is None:
+        return None
+    held = _CELLS.get(id(cell))
+    if held is None or held[0] is not cell:
+        held = _CELLS[id(cell)] = (cell, Cell(name, cell, f"{fn.__qualname__}.<closure>"))
+    return held[1]
+
+
+#: module-level values left unwatched because of a limit, already warned about (per label)
+_WARNED: set[str] = set()
+
+
+def _warn_unwatched(segment: str, what: str, why: str) -> None:
+    if what in _WARNED:
+        return
+    _WARNED.add(what)
+    warnings.warn(
+        f"lightning_replay: segment '{segment or '?'}' reads {what}, which is not watched "
+        f"({why}). If it changes between a forward and its backward or between steps, the "
+        "replay may compute other gradients than the forward's, seen only by the sampled "
+        "checks; set preservation='retain' for this segment, or keep the value on a module.",
+        stacklevel=3,
+    )
+
+
+def globals_read(
+    modules: Iterable[nn.Module],
+    functions: Iterable[tuple[types.FunctionType, Any]] = (),
+    segment: str = "",
+) -> list[tuple[Any, str]]:
     """The module-level plain values the code of ``modules``' classes reads or writes, each
     once, as ``(owner, name)``: a module and a global name, or a module-level object (or an
-    imported module) and the attribute read from it. Library code (torch's) is left out."""
-    out: dict[tuple[int, str], tuple[Any, str]] = {}
+    imported module) and the attribute read from it, as many attributes down as the code
+    reads (``CFG.model.use_bank``); an item a constant key reads (``BIG["bank"]``: an
+    :class:`Items`); a closure cell (a :class:`Cell`); a class attribute (a
+    :class:`ClassAttrs`). Module-level functions the code calls are followed
+    ``_DEPTH`` calls down. Library code (torch's) is left out.
+
+    ``functions``: more functions to scan, each with the object its first argument is (a
+    property or method of a module outside the segment that its forward read). ``segment``:
+    its name, for the warning a limit reached gives (a container too large to watch, too many
+    functions to follow)."""
+    out: dict[tuple[int, Any], tuple[Any, Any]] = {}
     seen: set[int] = set()
     modules = list(modules)
     classes = {type(m) for m in modules}
     todo = [(fn, 0) for cls in classes for fn in _functions(cls)]
     todo += [(fn, 0) for fn in _hook_functions(modules)]  # (the replay runs them too)
+    instances: list[Any] = list(modules)
+    for fn, obj in functions:
+        fn = getattr(fn, "__wrapped__", fn)
+        if isinstance(fn, types.FunctionType):
+            todo.append((fn, 0))
+            if obj is not None and all(o is not obj for o in instances):
+                instances.append(obj)
     read_from_self: set[str] = set()
+    class_reads: set[str] = set()
+    budget = _MAX_FUNCTIONS
+
+    def add(owner: Any, name: Any) -> None:
+        out.setdefault((id(vars(owner)), name), (owner, name))
+
     while todo:
         fn, depth = todo.pop()
         if id(fn.__code__) in seen or _library(fn.__module__):
             continue
         seen.add(id(fn.__code__))
+        budget -= 1
+        if budget < 0:
+            _warn_unwatched(
+                segment,
+                f"code past {_MAX_FUNCTIONS} functions ({fn.__qualname__})",
+                "too many functions to follow",
+            )
+            break
         owner = _owner(fn)
-        names, attrs, own = _global_names(fn)
+        n = _global_names(fn)
         if depth == 0:
-            read_from_self |= own
-        for name in names:
+            read_from_self |= n.own
+        class_reads |= n.cls_own
+        roots = {}
+        for name in n.names:
             value = fn.__globals__.get(name, MISSING)
             if value is MISSING or name.startswith("__"):
                 continue
+            roots["g", name] = (owner, value)
             if isinstance(value, types.FunctionType):
                 if depth < _DEPTH:
                     todo.append((value, depth + 1))
             elif _plain(value):
-                out.setdefault((id(vars(owner)), name), (owner, name))
-        for name, attr in attrs:
-            holder = fn.__globals__.get(name, MISSING)
-            if holder is MISSING or attr.startswith("__"):
+                add(owner, name)
+            elif type(value) in (list, dict, set, tuple) and len(value) > _MAX_ITEMS:
+                _warn_unwatched(
+                    segment,
+                    f"{describe(owner, name)} ({len(value)} items)",
+                    f"module-level containers are watched up to {_MAX_ITEMS} items",
+                )
+        for name in n.cells:
+            cell = _cell_owner(fn, name)
+            value = vars(cell).get(name, MISSING) if cell is not None else MISSING
+            if value is MISSING:
                 continue
-            if isinstance(holder, type):  # Block.temp: a class attribute
-                cls_owner = _class_owner(holder, attr)
-                if cls_owner is not None:
-                    out.setdefault((id(cls_owner.cls), attr), (cls_owner, attr))
+            roots["c", name] = (cell, value)
+            if isinstance(value, types.FunctionType):
+                if depth < _DEPTH:
+                    todo.append((value, depth + 1))
+            elif _plain(value):
+                add(cell, name)
+        for chain in n.chains:
+            found = _follow(roots, chain)
+            if isinstance(found, types.FunctionType):
+                if depth < _DEPTH:
+                    todo.append((found, depth + 1))
+            elif found is not None:
+                add(*found)
+        for chain, key in n.items:
+            holder = _follow(roots, chain, value=True)
+            if _plain(holder) or not issubclass(type(holder), Mapping):
+                continue  # (a plain dict is watched whole, by who holds it)
+            try:
+                value = holder.get(key, MISSING)
+            except Exception:  # noqa: BLE001 - an unhashable key, a mapping that refuses
                 continue
-            if not _holder(holder):
-                continue
-            value = vars(holder).get(attr, MISSING)
-            if value is not MISSING and _plain(value):
-                out.setdefault((id(vars(holder)), attr), (holder, attr))
+            if value is MISSING or _plain(value):  # (absent: a flag set later is another's)
+                add(_items_owner(holder, _chain_label(chain)), key)
     # self.temp where no instance holds ``temp``: the class's attribute, which a training
-    # loop may anneal (Block.temp *= 0.9) with no guard seeing it
-    for m in modules:
+    # loop may anneal (Block.temp *= 0.9) with no guard seeing it; type(self).temp always
+    for m in instances:
         inst = vars(m)
-        for name in read_from_self:
-            if name.startswith("__") or name in inst or name in inst.get("_modules", ()):
+        for name in read_from_self | class_reads:
+            if name.startswith("__"):
                 continue
-            if name in inst.get("_parameters", ()) or name in inst.get("_buffers", ()):
+            if name not in class_reads and (
+                name in inst
+                or name in inst.get("_modules", ())
+                or name in inst.get("_parameters", ())
+                or name in inst.get("_buffers", ())
+            ):
                 continue
-            cls_owner = _class_owner(type(m), name)
+            cls_owner = _class_owner(m if isinstance(m, type) else type(m), name)
             if cls_owner is not None:
-                out.setdefault((id(cls_owner.cls), name), (cls_owner, name))
-    return sorted(out.values(), key=lambda p: (_label(p[0]), p[1]))
+                add(cls_owner, name)
+    return sorted(out.values(), key=lambda p: (_label(p[0]), str(p[1])))
+
+
+def _chain_label(chain: tuple) -> str:
+    return ".".join([chain[0][1], *chain[1:]])
+
+
+def _follow(roots: dict, chain: tuple, value: bool = False) -> Any:
+    """Where an attribute chain a function reads ends: ``(owner, name)`` of a plain value to
+    watch, a function to follow, or None; with ``value``, the object it ends at."""
+    start = roots.get(chain[0])
+    if start is None:
+        return None
+    obj = start[1]
+    for k, attr in enumerate(chain[1:]):
+        if attr.startswith("__"):
+            return None
+        last = k == len(chain) - 2
+        if isinstance(obj, type):  # Block.temp: a class attribute
+            if value:
+                obj = obj.__dict__.get(attr, MISSING)
+                if obj is MISSING:
+                    return None
+                continue
+            cls_owner = _class_owner(obj, attr)
+            return (cls_owner, attr) if cls_owner is not None else None
+        if not _holder(obj):
+            return None
+        try:
+            v = vars(obj).get(attr, MISSING)
+        except TypeError:
+            return None
+        if v is MISSING:
+            return None
+        if value:
+            obj = v
+            continue
+        if isinstance(v, types.FunctionType):
+            return v if isinstance(obj, types.ModuleType) else None
+        if _plain(v):
+            return obj, attr
+        if last:
+            return None
+        obj = v
+    return obj if value else None
 
 
 def _label(owner: Any) -> str:
@@ -280,6 +578,8 @@ def _label(owner: Any) -> str:
         return str(owner.__dict__.get("__name__", "?"))
     if isinstance(owner, ClassAttrs):
         return owner.cls.__qualname__
+    if isinstance(owner, Owner):
+        return owner.label
     return type(owner).__qualname__
 
 

@@ -27,6 +27,7 @@ from lightning_replay.core.mechanisms.slots import (
     _at_forward,
     _attrs_of,
     _holder_same,
+    HolderGroup,
     _hooks_of,
     global_hooks,
     is_scalar,
@@ -237,6 +238,13 @@ def swap_outside(saved: list[tuple[Any, Any, Any]]) -> list[tuple[Any, Any]]:
     out: list[tuple[Any, Any]] = []
     for d, name, v in saved:
         if d is None:  # the captures of a holder read there
+            if type(v) is HolderGroup:  # (of the holders in a container read there)
+                if v.unchanged():
+                    continue
+                for _, _, entries in v.captures:
+                    for entry in entries:
+                        _swap_holder(entry, out)
+                continue
             for entry in v:
                 _swap_holder(entry, out)
             continue

@@ -133,6 +133,8 @@ def copy_plain(v: Any, budget: list[int] | None = None) -> Any:
     if is_scalar(v):
         return v
     t = type(v)
+    if t in (list, tuple, set, frozenset, dict) and len(v) > budget[0]:
+        return MISSING  # (each item costs one: too large, known without a walk)
     if t in (list, tuple, set, frozenset):
         out = []
         for x in v:
@@ -838,10 +840,90 @@ def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, 
         if is_scalar(v) or isinstance(v, (torch.Tensor, nn.Module)):
             continue
         if issubclass(type(v), (*_CONTAINERS, tuple)):
+            kept = _kept_holders(m, name, v)
+            if kept is not None:  # the same holders, none written since the last capture
+                out.append((None, name, kept))
+                continue
             found = [(f"{name}{p}", h) for p, h in holders_in(v)]
         else:
             found = [(name, v)] if is_holder(v) else []
         seen: set[int] = set()
+        group = []
         for path, h in found:  # (after the attribute: swapped after it, restored before)
-            out.append((None, path, _capture_holders(m, path, h, seen)))
+            group.append((None, path, _capture_holders(m, path, h, seen)))
+        if issubclass(type(v), (*_CONTAINERS, tuple)) and found:
+            kept = _keep_holders(m, name, v, group)
+            if kept is not None:
+                out.append((None, name, kept))
+                continue
+        out += group
     return out
+
+
+class HolderGroup:
+    """The captures of the holders in one container read from outside, with each holder's
+    dict version tag at capture: a replay that finds every tag unchanged has nothing of them
+    to put back (:func:`~lightning_replay.core.mechanisms.slot_restore.swap_outside`), told by
+    one C-level pass instead of a Python call per holder."""
+
+    __slots__ = ("dicts", "tags", "captures")
+
+    def __init__(self, dicts: list, tags: tuple, captures: list) -> None:
+        self.dicts, self.tags, self.captures = dicts, tags, captures
+
+    def unchanged(self) -> bool:
+        return dict_version is not None and _tags(self.dicts) == self.tags
+
+
+# Per owner of an outside attribute and its name: the captures of the holders in a container
+# read from outside (a list of 3,000 layer configs on the root, one of them read), with what
+# makes them current: the container's items (ids) and each holder's dict version tag. A
+# forward that finds both unchanged reuses them: no walk of the container, no capture per
+# holder (which costs tens of ms a step at thousands of holders).
+_KEPT: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _keep_holders(m: Any, name: Any, c: Any, captures: list) -> HolderGroup | None:
+    """``captures`` (of the holders in ``c``) as a :class:`HolderGroup`, kept for the next
+    forward; None where no tag can stand for them (no tags, a nested container, a slotted
+    holder, a holder with container attributes)."""
+    if dict_version is None or not _flat(c):
+        return None
+    dicts = []
+    for _, _, entries in captures:
+        for owner, _, _, containers in entries:
+            if type(owner) is SlotView or containers:  # (no tag stands for these)
+                return None
+            dicts.append(object.__getattribute__(owner, "__dict__"))
+    group = HolderGroup(dicts, _tags(dicts), captures)
+    try:
+        per = _KEPT.setdefault(m, {})
+    except TypeError:  # an owner that takes no weak reference
+        return group
+    per[name] = (c, tuple(map(id, _items_values(c))), group)
+    return group
+
+
+def _kept_holders(m: Any, name: Any, c: Any) -> HolderGroup | None:
+    try:
+        kept = _KEPT.get(m, {}).get(name)
+    except TypeError:
+        return None
+    if kept is None or kept[0] is not c or dict_version is None:
+        return None
+    if tuple(map(id, _items_values(c))) != kept[1] or not kept[2].unchanged():
+        return None
+    return kept[2]
+
+
+def _tags(dicts: list) -> tuple:
+    return tuple(map(dict_version, dicts))
+
+
+def _items_values(c: Any) -> Any:
+    return c.values() if isinstance(c, dict) else c
+
+
+def _flat(c: Any) -> bool:
+    """Whether no item of ``c`` is itself a container (whose items a tag would not cover)."""
+    return not any(issubclass(type(x), (*_CONTAINERS, tuple)) for x in _items_values(c))

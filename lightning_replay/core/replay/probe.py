@@ -491,13 +491,13 @@ def _predicates(compared: list, model: nn.Module, first: dict) -> list[tuple]:
         return f"{where}.{name}" if where else name
 
     out = []
-    for (d, name), op, other, _, value, field in compared:
+    for (d, name, *expr), op, other, _, value, field in compared:  # (expr: arithmetic)
         before = first.get((id(d), name), value)
         if type(before) is bool or not isinstance(before, (int, float)):
             before = value  # (it held no number before the forward: set by it first)
         if field is not None:  # compared with another traced number: that one, as it is then
             field = (*field, label(*field))
-        out.append((d, name, label(d, name), op, other, before, value, field))
+        out.append((d, name, label(d, name), op, other, before, value, field, *expr))
     return out
 
 
@@ -700,8 +700,8 @@ class SegmentProbe:
         scripts = _ScriptCalls()
         # module-level plain values the segment's code names, as before its forward
         glob = [
-            (mod, name, _at_forward(mod.__dict__[name]))
-            for mod, name in globals_read(self.seg.modules)
+            (mod, name, _at_forward(vars(mod).get(name, MISSING)))
+            for mod, name in globals_read(self.seg.modules, segment=self.seg.name)
         ]
         # the user's own saved-tensor hooks, and the state they can rebind, as at its start
         hooks = (box or {}).get("user") if replayed else user_saved_hooks(eng)
@@ -742,6 +742,13 @@ class SegmentProbe:
         probe.host = [(r, s) for r, s in drawn if r not in passed]  # into the contract
         if replayed:  # with those passed in, which each call captures as its own
             probe.gens += drawn
+        if outside.functions:  # methods and properties of modules outside it it called
+            named = {(id(vars(m)), k) for m, k, _ in glob}
+            glob += [
+                (mod, name, _at_forward(vars(mod).get(name, MISSING)))
+                for mod, name in globals_read((), outside.functions, self.seg.name)
+                if (id(vars(mod)), name) not in named
+            ]
         known = {(id(vars(m)), k) for m, k in self.seg.outside}  # a globals dict: one owner
         reads = outside.reads + [(mod, name) for mod, name, _ in glob]
         self.seg.outside += [(m, k) for m, k in reads if (id(vars(m)), k) not in known]
