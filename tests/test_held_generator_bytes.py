@@ -4,7 +4,7 @@ than torch checkpoint (which keeps the global RNG's), not one per Python wrapper
 dispatcher handed the probe, and :attr:`ReplayEngine.preserved_bytes` counts it. Trained
 state equals plain PyTorch's bit for bit.
 
-Models: a generator as an attribute, and in a list attribute.
+Models: a generator as an attribute, in a list attribute, one shared by two blocks.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _run(kind: str, arm: str, steps: int = 10):
     return held, preserved, state, plan
 
 
-@pytest.mark.parametrize("kind", ["attribute", "in_list"])
+@pytest.mark.parametrize("kind", ["attribute", "in_list", "shared"])
 def test_a_held_generator_is_preserved_once_and_counted(kind):
     _, _, want, _ = _run(kind, "plain")
     ckpt_held = _run(kind, "checkpoint")[0]
