@@ -39,7 +39,12 @@ from torch.profiler import ProfilerActivity, profile
 import lightning_replay as lr
 from lightning_replay.budget import format_bytes
 from lightning_replay.planner import InfeasibleBudget
-from tests.helpers.torch_memory import allocation_peak, live_bytes, process_tensor_bytes
+from tests.helpers.torch_memory import (
+    StepReferee,
+    allocation_peak,
+    live_bytes,
+    process_tensor_bytes,
+)
 
 STEPS_TO_PLAN = 1 + 2 * 3 + 1  # probe, two calibration phases (warm-up + 2 steps), the plan
 SETTLE = 4  # planned steps the engine measures itself (the referee stays off on them)
@@ -545,12 +550,9 @@ CASES = [
         _half_x,
         "blocks.*",
         micro_batches=2,
-        xfail={
-            # judged step by step with the process's base (issue 31)
-            "budget?": "calibration steps 2-3 and planned steps 9-10 held 27.68 MiB against a "
-            "budget of 26.88 MiB (1.037 x), with no warning about them: two micro-batches per "
-            "step, each its own window",
-        },
+        # was a strict xfail (steps 2-3 and 9-10 held 27.68 MiB against 26.70, 1.037 x): the
+        # referee's profiler blinded the engine's measurements, whose base missed the
+        # gradients of the micro-batch before (held in C++ only); see WindowReferee
     ),
     Case(
         "no_grad_teacher",
@@ -595,11 +597,16 @@ def train(
     model: nn.Module,
     opt: torch.optim.Optimizer,
     steps: range,
-    referee: bool = False,
+    referee: bool | StepReferee = False,
+    engine: Any = None,
 ) -> list[int]:
     """Train ``steps`` (global step numbers: inputs and the RNG follow them); with
-    ``referee``, return each step's real peak."""
+    ``referee``, return each step's real peak. A :class:`StepReferee` (with the ``engine``)
+    leaves a step the engine measures with its own profiler to the engine's figure, instead
+    of running a profiler of its own over it, which would blind the engine's measurement
+    (one profiler per process): :attr:`LAST_WHO` says who measured each."""
     peaks = []
+    LAST_WHO.clear()
     for s in steps:
         xs = [case.make_input(s * case.micro_batches + i) for i in range(case.micro_batches)]
         torch.manual_seed(100 + s)  # dropout draws the same masks with and without the engine
@@ -607,13 +614,98 @@ def train(
             gc.collect()  # see Case.collect
         opt.zero_grad(set_to_none=True)
         step = _step_fn(case, model, opt, xs)
-        if referee:
+        if isinstance(referee, StepReferee):
+            peak, who = referee(step, engine)
+            peaks.append(peak)
+            LAST_WHO.append(who)
+        elif referee:
             # the base is the process's (every live storage: the engine's too), not rebuilt
             live = process_tensor_bytes()
             peaks.append(live + allocation_peak(step))
         else:
             step()
     return peaks
+
+
+#: who measured each step of the last ``train`` with a StepReferee: "referee" or "engine"
+#: (the engine measured a window of it; "engine+referee": the engine one, the referee the rest)
+LAST_WHO: list[str] = []
+
+
+class WindowReferee(StepReferee):
+    """:class:`StepReferee` for a step of several windows (gradient accumulation: each
+    micro-batch's forward opens a window of its own). The engine measures one window at a
+    time (from its start to the next window's, or to the optimizer step): the referee stays
+    off while the engine's profiler runs, and measures the rest of the step itself from the
+    first module call of each window the engine does not measure to the next window (the
+    root's call) or the step's end (the live storages then + its profiler's net peak). The
+    step's peak is the highest of the engine's window figures and the referee's."""
+
+    def _hook(self, module: object, args: object) -> None:
+        st = self._state
+        if st is None:
+            return
+        engine = st["e"]
+        if engine is not None and module is engine.model and st["prof"] is not None:
+            # the root opens the next window: its measurement ends, so that the engine can
+            # measure that window if it is due to (one profiler per process)
+            self._stop(st)
+        if st["prof"] is not None:
+            return
+        if engine is not None and engine.step == st["window"]:
+            return  # no new window since the last look
+        if engine is not None:
+            st["window"] = engine.step
+            last = engine.last_real_peak  # a window the engine measured, settled as this began
+            if last is not None and last[0] >= st["first"]:
+                st["figures"].append(last[1])
+        if bool(torch.autograd.profiler._is_profiler_enabled):
+            st["engine"] = True  # the engine measures this window
+            return
+        st["base"] = process_tensor_bytes()
+        st["prof"] = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        st["prof"].__enter__()
+
+    def __call__(self, fn: Callable[[], object], engine: object = None) -> tuple[int, str]:
+        step = getattr(engine, "step", None)
+        st = self._state = {
+            "prof": None,
+            "engine": False,
+            "e": engine,
+            "step": step,
+            "window": step,
+            "first": (step or 0) + 1,  # the engine's number of the step's first window
+            "figures": [],
+            "mine": False,  # the referee measured part of the step
+        }
+        try:
+            fn()
+        finally:
+            self._state = None
+        if st["engine"] and getattr(engine, "_truth_peak", None) is not None:
+            st["figures"].append(int(engine._truth_peak))  # the last window's, at opt.step
+        if st["prof"] is not None:
+            self._stop(st)
+        if not st["figures"]:
+            raise AssertionError("another profiler ran through the step: nothing measured")
+        who = "referee" if not st["engine"] else "engine" if not st["mine"] else "both"
+        return max(st["figures"]), who
+
+    @staticmethod
+    def _stop(st: dict) -> None:
+        prof, st["prof"] = st["prof"], None
+        prof.__exit__(None, None, None)
+        events = sorted(
+            (e.start_ns(), e.nbytes())
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        )
+        running = peak = 0
+        for _, nbytes in events:
+            running += nbytes
+            peak = max(peak, running)
+        st["figures"].append(st["base"] + peak)
+        st["mine"] = True
 
 
 _INSTALLED: list = []  # engines of the test in progress, uninstalled when it ends
@@ -811,6 +903,13 @@ def test_every_step_holds_a_budget_a_plain_step_does_not(case: Case) -> None:
     model = case.build()
     opt = case.optimizer(model)
     steps: list = []  # (step, peak, who, index of `seen` after it, the engine's step numbers)
+    # The referee's profiler starts at a step's first module call, once the engine's window
+    # is open: a step the engine measures itself (a calibration warm-up, a plan's first step)
+    # is judged by the engine's figure. A profiler of the referee's own over the whole step
+    # blinded those measurements (one profiler per process): the first plan was then made
+    # without them (grad_accumulation: retain everywhere, predicted 24.55 MiB, held 27.68
+    # against 26.70; with them, the same first plan holds 23.68).
+    ref = WindowReferee()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         try:
@@ -818,11 +917,13 @@ def test_every_step_holds_a_budget_a_plain_step_does_not(case: Case) -> None:
 
             def run(s: int, referee: bool) -> None:
                 first = e.step
-                peaks = train(case, model, opt, range(s, s + 1), referee=referee)
+                peaks = train(
+                    case, model, opt, range(s, s + 1), referee=ref if referee else False, engine=e
+                )
                 if referee:
                     # the engine numbers a window by its count once begun (step_stats)
                     windows = range(first + 1, e.step + 1)
-                    steps.append((s, peaks[0], "referee", len(seen), windows))
+                    steps.append((s, peaks[0], LAST_WHO[0], len(seen), windows))
 
             run(0, True)
             first_plan = e.steps_to_first_plan  # known once the segments are probed
@@ -843,6 +944,8 @@ def test_every_step_holds_a_budget_a_plain_step_does_not(case: Case) -> None:
                 f"{case.name}: InfeasibleBudget at {_mib(budget)}, between the min "
                 f"plan's real {_mib(f.real)} and plain {_mib(f.plain)}: {exc}"
             )
+        finally:
+            ref.close()
     for n, nbytes in sorted(by_engine.items()):
         if n in before:  # a step the referee left to the engine
             steps.append((n, nbytes, "engine", before[n], range(n, n + 1)))

@@ -2027,33 +2027,7 @@ _TENSOR_ATTR_MIN = (
     "forward: caught, not silent), where plain PyTorch trains it: the forward reads a Python "
     "attribute of a state tensor ({}) the root changes after the forward"
 )
-_SDPA = (
-    "measured: ReplayError at step 2 ('its replay in backward took another path than its "
-    "forward ... Recomputed values ... have different metadata'): the forward ran under "
-    "sdpa_kernel([SDPBackend.MATH]), the replay in backward outside it picks the CPU flash "
-    "kernel (saved (2, 4, 6) / (1, 2, 6, 6) tensors recomputed as (1, 2, 6, 4)); plain "
-    "PyTorch trains it, torch checkpoint raises CheckpointError. The replay should re-enter "
-    "the forward's SDPA backend selection, as it does autocast"
-)
-_MKLDNN = (
-    "measured: silently wrong in the last bits (relative 3.1e-7), 52 of 60 gradients from "
-    "step 2, no record: the forward ran its convs under torch.backends.mkldnn.flags("
-    "enabled=False), the replay in backward outside it runs the mkldnn kernels"
-)
 XFAIL: dict[tuple[str, str], str] = {
-    **{("convs_under_mkldnn_disabled_backward_outside", m): _MKLDNN for m in MODES if m != "min"},
-    ("convs_under_mkldnn_disabled_backward_outside", "min"): (
-        "measured: ReplayError at step 1 (the replayed probe of 'blocks.1' did not reproduce "
-        "its forward: caught), where plain PyTorch trains it: the forward ran under "
-        "torch.backends.mkldnn.flags(enabled=False), the replay outside it"
-    ),
-    **{("forward_under_sdpa_kernel_math_backward_outside", m): _SDPA for m in MODES if m != "min"},
-    ("forward_under_sdpa_kernel_math_backward_outside", "min"): (
-        "measured: ReplayError at step 1: the replayed probe of 'blocks.1' did not reproduce "
-        "its forward's outputs or saved tensors: the forward ran under "
-        "sdpa_kernel([SDPBackend.MATH]), its replay in backward outside it (another kernel); "
-        "plain PyTorch trains it"
-    ),
     **{
         ("python_attribute_on_a_buffer_tensor_advanced_after", m): (
             _TENSOR_ATTR_MIN if m == "min" else _TENSOR_ATTR

@@ -210,22 +210,12 @@ def _references(shape: str, referee: StepReferee) -> tuple[int, int]:
 
 #: The probe keeps a digest, not a copy, of big state (discovery.py): the two cases that were
 #: strict xfails here (big_buffer_first-min, probe 1.109 x; big_buffer_last-min, 1.11 x) hold
-#: the budget since. What stays over is no probe's: the calibration of a segment that writes
-#: its argument.
-_XFAIL: dict[tuple[str, str], str] = {
-    ("buffer_as_argument", "halfway"): (
-        "measured: the probe step 4.054 MiB (0.803 x the budget 5.051), then calibration steps "
-        "5.901 (1.168 x) before a right refusal (the lowest plan holds 5.296): a segment that "
-        "writes its argument is calibrated with options that hold the whole 1 MiB argument "
-        "and more (engine calibration, not the probe)"
-    ),
-    ("buffer_as_argument", "min"): (
-        "measured: the probe step 4.054 MiB, then calibration steps 5.901, 1.114 x the lowest "
-        "plan's 5.296; and that plan holds the whole 1 MiB argument (checkpoint 4.311 + 1 MiB) "
-        "where the same buffer held as state keeps the 256 KiB written (big_buffer_*: "
-        "4.306-4.556)"
-    ),
-}
+#: the budget since. A segment that writes its argument (buffer_as_argument) was calibrated
+#: with a copy of the whole 1 MiB argument per call (calibration 1.168 x the halfway budget;
+#: the lowest plan 5.296 MiB): an argument on state the contract puts back in place is read
+#: live at the replay now (runtime._restored_in_place), and holds what the same buffer held
+#: as state holds.
+_XFAIL: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize(

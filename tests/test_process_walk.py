@@ -24,3 +24,15 @@ def test_a_dead_weak_proxy_does_not_stop_the_walk():
     assert process_tensor_bytes() >= x.nbytes
     assert referee_bytes() >= x.nbytes
     assert len(held) == 1
+
+
+def test_a_gradient_only_cpp_holds_is_counted():
+    """A leaf's ``.grad`` lives in C++ until Python reads it: no object of the walk holds it.
+    A micro-batch's window begins with the gradients the earlier ones made (grad_accumulation
+    in test_adversary_memory: 6 MiB missing from each measured base before)."""
+    w = torch.nn.Parameter(torch.randn(1 << 18))  # 1 MiB
+    before = process_tensor_bytes(), referee_bytes()
+    (w * 2).sum().backward()  # the gradient is made in C++; no Python object holds it
+    grad = w.untyped_storage().nbytes()
+    assert process_tensor_bytes() - before[0] >= grad
+    assert referee_bytes() - before[1] >= grad

@@ -8,6 +8,7 @@ checks and their reaction (:mod:`~lightning_replay.checks`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -28,6 +29,7 @@ from lightning_replay._compat import (
     saved_tensors_hooks_disabled,
     under_functorch,
 )
+from lightning_replay.core.mechanisms import backend_flags
 from lightning_replay.core.mechanisms.accounting import checkpoint_rng_bytes
 from lightning_replay.core.mechanisms.arguments import flatten_call, unflatten_call
 from lightning_replay.core.replay.checks import SegmentChecks
@@ -171,6 +173,10 @@ class SegmentRuntime:
         # the most forwards (with autograd) one window made of it, and this window's so far
         self.window_calls = 1
         self._window_step, self._window_forwards = -1, 0
+        # the forwards of the last CALL_WINDOWS windows that called it: ``window_calls``
+        # follows them (a count that fell stays charged until that many windows show it)
+        self._recent_calls: collections.deque = collections.deque(maxlen=CALL_WINDOWS)
+        self._shared_seen: tuple[int, dict] = (-1, {})  # (window, read-only copies used)
         self.last_call = -1
         self.backward_calls = 0  # ... of them made while a backward ran (see __call__)
         self.replays = 0
@@ -291,7 +297,10 @@ class SegmentRuntime:
             return self.orig_forward(*args, **kwargs)
         self.forwards += 1
         if self._window_step != eng.step:  # calls per window: the costs charge each (issue 31)
+            if self._window_step >= 0:
+                self._recent_calls.append(self._window_forwards)
             self._window_step, self._window_forwards = eng.step, 0
+            self.window_calls = max(self._recent_calls, default=1)
         self._window_forwards += 1
         if self._window_forwards > self.window_calls:
             self.window_calls = self._window_forwards
@@ -383,14 +392,18 @@ class SegmentRuntime:
         return f"{mod}.{key[1] if len(key) == 2 else key[2]}"
 
     # ---------------------------------------------------------------- steady state
-    def _prepare(self, args: tuple, kwargs: dict, check_bytes: bool):
+    def _prepare(self, args: tuple, kwargs: dict, check_bytes: bool, live: bool = False):
         """Take the invocation's entry state; returns it with the call's flattened arguments
-        as checkpoint gets them and their tree spec."""
+        as checkpoint gets them and their tree spec. ``live``: the replay may read a changed
+        argument from its live storage where the contract puts that storage back in place
+        (see :func:`_restored_in_place`); else it reads a copy of the forward bytes."""
         eng = self.engine
         if eng._sync:
             torch.cuda.synchronize(eng._cuda_device)
         t0 = clock(eng._cuda)
         inv = _Invocation(self, check_bytes)
+        if inv.shared and eng.measure_costs:
+            self._measure_shared(inv)
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             flat, spec = list(args), None  # the common call: tensors only, nothing to flatten
         else:
@@ -406,7 +419,11 @@ class SegmentRuntime:
             # step writes it after the segment, or it is a view of changing state) reaches
             # checkpoint as a copy of its forward bytes, which the replay computes from; the
             # forward itself runs on the live tensor, so its in-place writes are seen as in
-            # plain PyTorch.
+            # plain PyTorch. Where its storage is state the contract puts back in place for
+            # the replay (whole, or the regions written: a model's buffer passed as an
+            # argument), the replay reads the live storage instead, and checkpoint keeps an
+            # empty stand-in: no copy of the whole argument is held (issue 31).
+            in_place = _restored_in_place(inv, eng) if live else None
             j = -1
             with torch.no_grad():
                 for i, x in enumerate(flat):
@@ -414,13 +431,20 @@ class SegmentRuntime:
                         continue
                     j += 1
                     if j in written or (changing and storage_key(x) in changing):
+                        if (
+                            in_place
+                            and not x.requires_grad
+                            and x.untyped_storage()._cdata in in_place
+                        ):
+                            inv.subs[i] = (x, None)  # (the live tensor at the replay too)
+                            continue
                         snap = strided_copy(x)  # as laid out at the forward (its strides)
                         inv.subs[i] = (x, snap)
                         inv.preserved_bytes += snap.untyped_storage().nbytes()
                         eng._held_bytes += snap.untyped_storage().nbytes()
             inv.kept = inv.kept or bool(inv.subs)
         call = (
-            [inv.subs[i][1] if i in inv.subs else x for i, x in enumerate(flat)]
+            [_stand_in(inv.subs[i]) if i in inv.subs else x for i, x in enumerate(flat)]
             if inv.subs
             else flat
         )
@@ -447,8 +471,23 @@ class SegmentRuntime:
         inv.t_prep = clock(eng._cuda) - t0
         return inv, call, spec
 
+    def _measure_shared(self, inv: _Invocation) -> None:
+        """The whole copies of read-only state this window's calls of the segment used, by
+        copy (one serves every call that reads the same bytes): the most over the measured
+        windows is what the costs charge once per window (CostMeter.held_bytes)."""
+        eng = self.engine
+        step, seen = self._shared_seen
+        if step != eng.step:
+            seen = {}
+            self._shared_seen = (eng.step, seen)
+        for sw, _ in inv.shared:
+            seen[id(sw)] = sw.nbytes
+        total = sum(seen.values())
+        if total > eng.meter.shared_bytes.get(self.name, 0):
+            eng.meter.shared_bytes[self.name] = total
+
     def _replay_call(self, args: tuple, kwargs: dict) -> Any:
-        inv, call, spec = self._prepare(args, kwargs, self.engine._check_bytes)
+        inv, call, spec = self._prepare(args, kwargs, self.engine._check_bytes, live=True)
         eng = self.engine
         forward = self.orig_forward
         # While costs are measured (calibration, or always when asked), checkpoint's own work
@@ -477,8 +516,8 @@ class SegmentRuntime:
         def fn(*flat: Any) -> Any:
             if inv.subs:
                 flat = list(flat)
-                for i, (live, _) in inv.subs.items():
-                    if inv.replaying:  # a fresh copy of the forward bytes (writable)
+                for i, (live, snap) in inv.subs.items():
+                    if inv.replaying and snap is not None:  # a fresh copy of the forward bytes
                         flat[i] = _replay_input(flat[i], live.requires_grad)
                     else:
                         flat[i] = live
@@ -696,6 +735,34 @@ def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs)))
 
 
+#: windows whose calls of a segment its call count (``window_calls``) follows: the most of
+#: them. A segment called 3 times per window for a while and once since is charged one call
+#: once this many windows called it once (a re-plan then sees it).
+CALL_WINDOWS = 8
+
+
+def _restored_in_place(inv: _Invocation, eng: Any) -> set[int]:
+    """The storages (by ``_cdata``) whose forward bytes the replay context of ``inv`` puts
+    back in place for its replay: state preserved whole (or its regions, where the window's
+    writes to it are logged), read-only whole copies included. A changed argument on one of
+    these storages is read live at the replay, and the replay's writes to it are undone as
+    the state's are (the sandbox of written regions, the swap back of whole snapshots)."""
+    armed = {k for k, _ in inv.regions}
+    out: set[int] = set()
+    for (_, t), p in zip(inv.tensors, inv.prs):
+        if p == "whole" or (p == "regions" and (not eng._capturing or storage_key(t) in armed)):
+            out.add(t.untyped_storage()._cdata)
+    return out
+
+
+def _stand_in(sub: tuple) -> torch.Tensor:
+    """What checkpoint keeps for a changed argument: the copy of its forward bytes, or, where
+    the replay reads it live, an empty tensor on its device (checkpoint saves its inputs and
+    checks their versions: the live one is written in the window)."""
+    live, snap = sub
+    return snap if snap is not None else live.new_empty(0)
+
+
 def _replay_input(saved: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """A writable copy of an argument's forward bytes for its replay, laid out as at the
     forward (:func:`~lightning_replay.state.strided_copy`); where it required grad, no leaf
@@ -759,7 +826,11 @@ def _same(t: Any) -> Any:
 def _full_replay(inv: _Invocation, user: tuple | None = None):
     """``context_fn`` of a full replay: nothing around the forward, the contract's replay
     context around the recomputation."""
-    return lambda: (contextlib.nullcontext(), _ReplayContext(inv, True, user))
+    # called by checkpoint at the forward: the backend switches then are the replay's
+    return lambda: (
+        contextlib.nullcontext(),
+        backend_flags.around(_ReplayContext(inv, True, user)),
+    )
 
 
 def _timed_clock(eng: "RuntimeHost") -> float:

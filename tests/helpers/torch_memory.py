@@ -67,7 +67,9 @@ def process_tensor_storages(device: str = "cpu") -> dict[int, int]:
     This is the process's own view, not the engine's: a tensor the engine keeps anywhere (a
     probe's observation, a saved copy, a cache) counts, whoever owns it. Tensors that only C++
     holds (an autograd graph nobody references from Python) are not seen; between steps there
-    should be none."""
+    should be none. A leaf's gradient, which lives in C++ until Python reads it, is counted
+    with its leaf (gradients kept between steps, or a micro-batch's window beginning with the
+    gradients of the ones before)."""
     import gc
     import warnings
 
@@ -79,6 +81,14 @@ def process_tensor_storages(device: str = "cpu") -> dict[int, int]:
                 s = _storage_of(obj)
                 if s is not None:
                     seen[s.data_ptr()] = s.nbytes()
+                try:
+                    g = obj.grad if obj.is_leaf and obj.requires_grad else None
+                except (RuntimeError, AttributeError):  # a wrapper subclass without one
+                    g = None
+                if g is not None and g.device.type == device:
+                    s = _storage_of(g)
+                    if s is not None:
+                        seen[s.data_ptr()] = s.nbytes()
     return seen
 
 

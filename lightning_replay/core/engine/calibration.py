@@ -53,7 +53,14 @@ def calibration_held(eng, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
     if o == "retain":
         kept_act = eng.meter.window_activation_bytes(rt.name, c.activation_bytes, k)
         return kept_act + k * rt.input_saved_bytes, None
-    held = k * (rt.input_bytes + c.preserved_bytes(o))
+    # read-only copies and the region log: once per window (the probe's region estimate)
+    est = sum(
+        min(s.region_bytes, s.nbytes)
+        for s in c.changing
+        if s.regions_ok and not s.unannotated_write
+    )
+    per_call, once = eng.meter.held_bytes(rt.name, c, o, k, regions=est)
+    held = k * (rt.input_bytes + per_call) + once
     if o not in SELECTIVE:
         return held, None
     one = eng.meter.selective_bytes.get(rt.name, c.activation_bytes)

@@ -58,6 +58,10 @@ class CostMeter:
         self.region_bytes: dict[str, int] = {}
         # generator states checkpoint keeps per replayed call, in the budget's memory
         self.rng_bytes: dict[str, int] = {}
+        # the whole copies of read-only state a segment's calls of one window used (the most
+        # over measured windows): one copy serves every call that reads the same bytes
+        # (restore._Invocation._share), so a segment called k times holds it once, not k times
+        self.shared_bytes: dict[str, int] = {}
         # outputs a selective replay's forward kept for its replay (matrix products, ...)
         self.selective_bytes: dict[str, int] = {}
         # of those, the ones autograd saves too: a selective replay does not re-materialize them
@@ -118,7 +122,42 @@ class CostMeter:
         """Bytes a retained segment called ``calls`` times per window keeps: the window's
         measured calls, and ``per_call`` (the largest call's) for each call not measured."""
         _, total, n = self.window_activation.get(segment, (-1, 0, 0))
+        if calls < n:  # fewer calls now than measured: each at most the largest call's
+            return max(min(total, calls * per_call), per_call)
         return max(total + max(calls - n, 0) * per_call, per_call)
+
+    def held_bytes(
+        self, segment: str, c: Any, option: str, calls: int, regions: int | None = None
+    ) -> tuple[int, int]:
+        """What a segment called ``calls`` times per window holds under ``option`` beyond its
+        inputs: (per call, once per window). Per call: the whole snapshots of what each call
+        copies for itself (parameters and state the segment writes). Once per window: the
+        regions the log holds (one log per storage serves every call: the first call's mark
+        sees every later write, :attr:`region_bytes` is that figure) and the whole copies of
+        read-only state (one copy per window while the bytes stay the same: as measured in
+        :attr:`shared_bytes`, else one per call). ``regions``: the region bytes to charge
+        instead of the measured ones (calibration: the probe's estimate, before any replay
+        measured them)."""
+        base = base_option(option)
+        if base in ("retain", "recompute"):
+            return 0, 0
+        per_call = shared = 0
+        for s in c.changing:
+            if base == "regions" and s.regions_ok and not s.unannotated_write:
+                continue
+            if s.kind == "parameter" or s.written_by_segment:
+                per_call += s.nbytes
+            else:
+                shared += s.nbytes
+        if shared and calls > 1:
+            measured = self.shared_bytes.get(segment)
+            shared = (
+                calls * shared if measured is None else min(max(measured, shared), calls * shared)
+            )
+        window = shared
+        if base == "regions":
+            window += self.region_bytes.get(segment, 0) if regions is None else regions
+        return per_call, window
 
     def add_time(self, segment: str, option: str, seconds: float) -> None:
         self.times[segment][option].append(seconds)
@@ -235,14 +274,8 @@ class CostMeter:
             for o in c.available_options():
                 if o == "retain" or not self.has(name, o):
                     continue
-                if base_option(o) == "regions":
-                    held = self.region_bytes.get(name, 0) + sum(
-                        s.nbytes
-                        for s in c.changing
-                        if not (s.regions_ok and not s.unannotated_write)
-                    )
-                else:
-                    held = c.preserved_bytes(o)
+                # (the read-only whole copies and the region log: once per window)
+                held, once = self.held_bytes(name, c, o, k)
                 replay = None
                 if o in SELECTIVE:
                     # the kept op outputs, measured at this segment's forward: held until its
@@ -254,7 +287,7 @@ class CostMeter:
                     replay = max(act - kept, 0)
                 rng = self.rng_bytes.get(name, 0)
                 opts[o] = Option(
-                    memory=k * (inputs + rng + held),
+                    memory=k * (inputs + rng + held) + once,
                     time=k * self.median(name, o)
                     + (k * self.forward_extra(name, o) if o in SELECTIVE else 0.0),
                     capture=c.needs_capture(o),
@@ -272,6 +305,7 @@ class CostMeter:
             "times": {s: {o: list(v) for o, v in d.items()} for s, d in self.times.items()},
             "input_bytes": dict(self.input_bytes),
             "region_bytes": dict(self.region_bytes),
+            "shared_bytes": dict(self.shared_bytes),
             "rng_bytes": dict(self.rng_bytes),
             "selective_bytes": dict(self.selective_bytes),
             "selective_saved_bytes": dict(self.selective_saved_bytes),

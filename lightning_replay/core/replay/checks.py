@@ -38,6 +38,7 @@ from lightning_replay.core.mechanisms.kernel_noise import (  # noqa: F401 - NOIS
     max_abs_diff as _max_abs_diff,
     measure_noise,
 )
+from lightning_replay.core.mechanisms import backend_flags
 from lightning_replay.core.mechanisms.accounting import Saved
 from lightning_replay.errors import ReplayError
 from lightning_replay.core.base.contract import SELECTIVE
@@ -324,6 +325,8 @@ class _CheckBox:
     grad_out_digests: list[int]
     # a selective option's frame: the outputs the forward kept, which the check's replay uses
     sac: SelectiveFrame | None = None
+    # the backend switches at the forward (backend_flags): the replay runs under them
+    backend: tuple | None = None
 
 
 class _CheckTap(torch.autograd.Function):
@@ -422,6 +425,7 @@ class SegmentChecks:
         inv, call, spec = self.seg._prepare(args, kwargs, eng._check_bytes)
         rng = _rng_states(eng._cuda_device)
         autocast = _autocast_state()
+        backend = backend_flags.capture()
         saved: list[torch.Tensor] = []
         # A selective option is checked as it replays: the forward keeps the outputs its
         # policy names (digested as each op runs), and the check's replay uses them
@@ -459,6 +463,7 @@ class SegmentChecks:
             digests(tensor_leaves(out)) if eng._check_bytes else None,
             digests(outs),
             sac,
+            backend,
         )
         taps = _CheckTap.apply(box, *(outs[k] for k in tapped))
         by_id = {id(outs[k]): t for k, t in zip(tapped, taps)}
@@ -518,6 +523,7 @@ class SegmentChecks:
         try:
             with torch.enable_grad(), _ReplayContext(inv), _forked_rng(box.rng):
                 with contextlib.ExitStack() as ac:
+                    ac.enter_context(backend_flags.entered(box.backend))
                     for dev, enabled, dtype, cache in box.autocast:
                         ac.enter_context(
                             torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache)

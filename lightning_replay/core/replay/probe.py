@@ -29,6 +29,7 @@ from lightning_replay._compat import (
     top_saved_tensors_hooks,
     tree_flatten,
 )
+from lightning_replay.core.mechanisms import backend_flags
 from lightning_replay.core.mechanisms.accounting import Saved
 from lightning_replay.core.mechanisms.arguments import (
     MAX_DEPTH,
@@ -878,7 +879,10 @@ class SegmentProbe:
                 *device,
                 use_reentrant=False,
                 preserve_rng_state=True,
-                context_fn=lambda: (contextlib.nullcontext(), _ProbeReplay(self.seg, box)),
+                context_fn=lambda: (  # called at the forward: its backend switches
+                    contextlib.nullcontext(),
+                    backend_flags.around(_ProbeReplay(self.seg, box)),
+                ),
             )
 
     def _replay_path_error(self, probe: _Probe, exc: Exception) -> ReplayError:
