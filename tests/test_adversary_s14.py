@@ -1986,16 +1986,7 @@ CASES: dict[str, tuple] = {
 }
 
 #: (case, mode) -> what was measured where a case fails today
-XFAIL: dict[tuple[str, str], str] = {
-    ("quantization_aware_training_observers", "min"): (
-        "measured: a deep torch error at step 1, IndexError 'select(): index 1 out of range "
-        "for tensor of size [1] at dimension 0' inside torch.fused_moving_avg_obs_fake_quant "
-        "(the per-channel weight fake-quantizer, whose scale/zero_point the first forward "
-        "resizes from [1] to [8]) during the replayed probe's replay (probe.py unpack -> "
-        "kernel_noise.__torch_dispatch__); exact without a budget, and with per-tensor "
-        "weights (qnnpack)"
-    ),
-}
+XFAIL: dict[tuple[str, str], str] = {}
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -327,24 +327,6 @@ XFAIL: dict[tuple[str, str], str] = {
         "128 KiB moving averages cost what their activations do): the engine could have "
         "refused before running over"
     ),
-    ("late_joining_big_segment", "halfway"): (
-        "measured: plain 5.827 MiB, checkpoint 5.096, budget 5.462: the plan made at step 6, "
-        "before the fourth (big) segment joined, retains blocks 0-2; from step 8 every step "
-        "peaks at 5.832 (1.068 x the budget, plain's peak), with one warning ('step 8 held "
-        "5.83 MiB ... over the budget') and no re-plan in 14 steps, even with "
-        "replan_on=('memory', 'shapes', 'violations') (plan v1)"
-    ),
-    ("late_joining_big_segment", "min"): (
-        "measured: after the fourth segment joins, the lowest plan peaks at 5.341 MiB, 1.048 x "
-        "checkpoint's 5.096; engine.window_stats() predicts 4.290 MiB against a real 5.601 "
-        "(0.766), with no warning and no re-plan in 12 steps"
-    ),
-    ("a_generator_per_segment", "min"): (
-        "measured: the lowest plan (every segment recomputed) peaks at 2.424 MiB, 91,008 B "
-        "over checkpoint's 2.338 (1.037 x) with engine.preserved_bytes 0 at backward's start: "
-        "11,376 B per segment where a held generator's state is 5,056 B (1.0203 x checkpoint + "
-        "the generators' states); the preserved figure does not count the generator states"
-    ),
 }
 
 

@@ -168,6 +168,8 @@ class ReplayEngine:
             self.track_memory(True)
         self._external: list[Any] = []
         self._pending_probes: set[SegmentRuntime] = set()
+        # segments planned with a stood-in replay time (see _plan_late_segments)
+        self._stood_in: set[str] = set()
         self._idle_warned: set[str] = set()  # segments named as not replaying (see runtime)
         self._held_bytes = 0
         self._replays_this_step = 0
@@ -897,6 +899,7 @@ class ReplayEngine:
         if larger and self.plan is not None and self.measure_costs:
             self._refit_for_inputs()  # before the step: activations grow with the inputs
         self._maybe_plan()
+        self._plan_late_segments()
         if self.plan is not None:
             if self.real_peak and self.accountant is not None:
                 self._state_now = live_model_bytes(self.model, grads=False)
@@ -1289,6 +1292,59 @@ class ReplayEngine:
             self.runtimes[name].set_option(o)
         for rt in self.runtimes.values():
             rt.planned_option = None  # calibration is not a plan
+
+    def _plan_late_segments(self) -> None:
+        """A segment first called after the plan was made (a block a progressive-growing
+        schedule adds) is probed then; its contract made, it joins the plan at the next step,
+        before its activations are dropped under a plan that never counted them (every step
+        would run over the budget, and predictions would not bound it). Its bytes are
+        measured; a replay time not yet measured is stood in by the other segments' measured
+        seconds per activation byte. Its first planned step runs the lowest-memory plan and
+        measures its real peak; the plan for the budget is made again once the segment's
+        first replay is timed."""
+        plan = self.plan
+        if plan is None or not self.measure_costs or self._pending_probes:
+            return
+        if any(rt.status in ("probe", "probing") for rt in self.runtimes.values()):
+            return
+        meter = self.meter
+        late = [
+            rt
+            for rt in self.runtimes.values()
+            if rt.contract is not None and rt.name not in plan.choices
+        ]
+        timed = [n for n in self._stood_in if not any(k[0] == n for k in meter.stand_ins)]
+        if not late and not timed:
+            return
+        for rt in late:
+            rates = [
+                meter.median(n, o) / max(meter.activation_bytes.get(n, c.activation_bytes), 1)
+                for n, other in self.runtimes.items()
+                if (c := other.contract) is not None
+                for o in ("recompute", "whole")
+                if meter.measured(n, o)
+            ]
+            act = meter.activation_bytes.get(rt.name, rt.contract.activation_bytes)
+            for o in ("recompute", "whole"):
+                if o in rt.contract.available_options() and not meter.measured(rt.name, o):
+                    meter.stand_ins[rt.name, o] = max(rates, default=0.0) * act
+                    self._stood_in.add(rt.name)
+        self._stood_in.difference_update(timed)
+        if late:
+            # its first planned step runs the lowest-memory plan, measured: what the joined
+            # segment holds beyond its counted bytes (its backward temporaries) is not known
+            # yet, so no prediction bounds a plan that keeps more
+            budget = self.config.budget
+            try:
+                self.replan(budget=None)
+            finally:
+                self.reconfigure(budget=budget)
+            self._measure_plan()
+            return
+        try:
+            self.replan()
+        except InfeasibleBudget as exc:
+            self._lowest_plan_instead(exc)
 
     def _calibration_base(self) -> int:
         """The base a calibration step is predicted with: the real base, or, where larger (no

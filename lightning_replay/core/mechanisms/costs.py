@@ -85,6 +85,10 @@ class CostMeter:
             lambda: {False: deque(maxlen=_KEEP), True: deque(maxlen=_KEEP)}
         )
         self.forward_ops: dict[str, deque] = defaultdict(lambda: deque(maxlen=_KEEP))
+        # (segment, option) -> seconds standing in for a time not measured yet: a segment
+        # first called after the plan was made is planned at once with its measured bytes;
+        # its first timed replay replaces the stand-in (ReplayEngine._plan_late_segments)
+        self.stand_ins: dict[tuple[str, str], float] = {}
         # a segment's own forward seconds per option it ran under (no capture sample): a
         # selective option's caching mode costs its forward more than the others' do
         self.option_forward: dict[str, dict[str, deque]] = defaultdict(
@@ -157,11 +161,18 @@ class CostMeter:
 
     def add_time(self, segment: str, option: str, seconds: float) -> None:
         self.times[segment][option].append(seconds)
+        self.stand_ins.pop((segment, option), None)
 
-    def has(self, segment: str, option: str) -> bool:
+    def measured(self, segment: str, option: str) -> bool:
+        """A time was measured (not stood in) for ``option`` of ``segment``."""
         return bool(self.times.get(segment, {}).get(option))
 
+    def has(self, segment: str, option: str) -> bool:
+        return self.measured(segment, option) or (segment, option) in self.stand_ins
+
     def median(self, segment: str, option: str) -> float:
+        if not self.measured(segment, option):
+            return self.stand_ins[segment, option]
         return float(statistics.median(self.times[segment][option]))
 
     def add_option_forward(self, segment: str, option: str, seconds: float) -> None:

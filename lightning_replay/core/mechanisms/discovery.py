@@ -226,7 +226,8 @@ class DiscoveryMode(TorchDispatchMode):
                         self.generator_states[id(v)] = v.get_state()
             for t in _tensors(v):
                 if a.name in written and storage_key(t) is None and _plain_strided(t):
-                    empty.append(t)
+                    # (with an alias made now: its shape is the one the forward gave the op)
+                    empty.append((t, t.detach()))
                 touch = self._touch(t)
                 if touch is not None:
                     if func in UNANNOTATED_WRITERS:
@@ -244,16 +245,18 @@ class DiscoveryMode(TorchDispatchMode):
         ):
             self.uses_global_rng = True
         out = func(*args, **kwargs)
-        for t in empty:
+        for t, before in empty:
             # An empty tensor the op resized and wrote (a per-channel observer's min_val and
             # max_val at their first forward: ``fused_moving_avg_obs_fake_quant``): it had no
             # storage to watch before the op, it has state's bytes now. Its first-touch copy is
-            # the nothing it held, so the window sees it changed.
+            # the nothing it held, so the window sees it changed. Its alias keeps the shape
+            # the op was given: a replay points the tensor back at that shape, with no bytes
+            # (a replayed kernel that finds state already sized for it reads it as other state).
             key = storage_key(t)
             if key is not None and key not in self.touched and key not in self.produced:
                 self.touched[key] = Touch(
                     key,
-                    t.detach(),
+                    before,
                     torch.empty(0, dtype=torch.uint8, device=t.device),
                     self.log.arm(key, copied=True),
                     arm_copied=True,

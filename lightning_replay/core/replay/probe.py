@@ -81,6 +81,7 @@ from lightning_replay.core.mechanisms.slots import (
     slot_tensors,
 )
 from lightning_replay.core.base.state import (
+    same_generator,
     StateIndex,
     StateRef,
     digest_token,
@@ -538,6 +539,20 @@ def _outside_label(m: Any, k: Any, names: dict[int, str]) -> str:
             k = f"{k[1]} (submodule)" if k[0] == "_modules" else k[1]
         return f"{names[id(m)]}.{k}" if names[id(m)] else k
     return describe(m, k)  # a module-level value (module_globals.py)
+
+
+def _model_generator(model: nn.Module, gen: torch.Generator) -> torch.Generator:
+    """The object a module of ``model`` holds for ``gen`` (an attribute, or an item of a list,
+    tuple or dict attribute), else ``gen``."""
+    for mod in model.modules():
+        for v in vars(mod).values():
+            items = (
+                v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)
+            )
+            for x in items:
+                if isinstance(x, torch.Generator) and same_generator(x, gen):
+                    return x
+    return gen
 
 
 def _mutable_argument_message(segment: str, argname: str, obj: Any) -> str:
@@ -1082,6 +1097,10 @@ class SegmentProbe:
         self.seg.generators = []
         for g in unique_generators(list(gens.values())):
             gname = find_generator_name(eng.model, g) or f"generator[{len(eng._external)}]"
+            # the model's own object, not the dispatcher's fresh wrapper of it: the slots find
+            # that one too, and a replay's entry state must hold the generator's state once
+            # (5,056 bytes on CPU), not once per wrapper
+            g = _model_generator(eng.model, g)
             if gname.startswith("generator["):
                 eng._external.append(g)
             gen_names.append(gname)

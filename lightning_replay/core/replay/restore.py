@@ -223,6 +223,10 @@ class _Invocation:
             objs = {id(getattr(g, "obj", g)) for g in gens}
             gens += [r for r in eng.host_watch.capture if id(r.obj) not in objs]
         self.gens = capture_generators(gens) if gens else []
+        # the generators' states are held until the replay as the copies are (issue 31)
+        self.preserved_bytes += sum(
+            s.untyped_storage().nbytes() for _, s in self.gens if isinstance(s, torch.Tensor)
+        )
         self.digests = [digest(t) for _, t in self.tensors] if check_bytes else None
         eng._held_bytes += self.preserved_bytes
 
