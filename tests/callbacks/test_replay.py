@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_replay import ReplayCallback, ReplayConfigError, ReplayStrategy, format_bytes
-from lightning_replay.planner import min_feasible_budget
+from lightning_replay.planner import min_feasible_budget, predicted_peak
 from lightning_replay.records import COLUMNS
 
 from tests.helpers.lit_hazards import (
@@ -307,10 +307,13 @@ def test_a_lowered_budget_replans_and_the_measured_peak_holds_it(tmp_path):
     def lower(t):  # the budget a user would set to force recomputation
         engine = t.strategy.engine
         # in the budget's terms: the accounted peak plus what the measured step held beyond it,
-        # no less than the plan's prediction (which charges each measured phase at its moment)
+        # no less than the plan's prediction with every phase measured so far (each charged at
+        # its moment; the plan's own figure may predate its first measured step)
+        now = predicted_peak(
+            engine.costs, engine.plan.choices, engine.real_base_memory, **engine.phase_peak_args
+        )
         budgets["peak_before"] = max(
-            int(cb.last_metrics["peak_memory_bytes"]) + engine.unaccounted_bytes,
-            engine.plan.peak_memory,
+            int(cb.last_metrics["peak_memory_bytes"]) + engine.unaccounted_bytes, now
         )
         # halfway down to the lowest plan: the new plan's own measured step may hold a little
         # more beyond its prediction than the old plan's did (at the very lowest budget that

@@ -1055,7 +1055,8 @@ class ReplayEngine:
         self._plan_extras = (plan, extras)
         predicted = plan.peak_memory + max(grown, 0)
         costs = [c for c in self.costs or [] if plan.choices.get(c.name) in c.options]
-        if costs and len(costs) == len(plan.choices):  # the formula, with every phase's figure
+        formula = bool(costs) and len(costs) == len(plan.choices)
+        if formula:  # the formula, with every phase's figure
             predicted = _planner.predicted_peak(
                 costs,
                 {c.name: plan.choices[c.name] for c in costs},
@@ -1063,6 +1064,17 @@ class ReplayEngine:
                 **extras,
             )
         predicted = max(predicted, bound)
+        if predicted < plan.peak_memory and formula and grown <= 0:
+            # A phase measured since (a retained segment's forward, charged at first the most
+            # its other options held) holds less than the plan was predicted with: the
+            # prediction is the formula's with the measured figure. Under the lowest-memory
+            # plan ("min"), another plan may now be lower: make it again.
+            if self.budget is None and self._lower_plan_known(predicted):
+                self.replan()
+                return
+            self.plan = dataclasses.replace(plan, peak_memory=predicted)
+            self._plan_extras = (self.plan, extras)
+            return
         if predicted <= plan.peak_memory:
             return
         if self.budget is not None and predicted > self.budget:
@@ -1077,6 +1089,17 @@ class ReplayEngine:
                 base_memory=max(self.real_base_memory, plan.base_memory),
             )
             self._plan_extras = (self.plan, extras)
+
+    def _lower_plan_known(self, predicted: int) -> bool:
+        """Whether, with the figures measured so far, a plan lower than ``predicted`` (the plan
+        in force's prediction) exists."""
+        try:
+            lowest = _planner.min_feasible_budget(
+                self.costs, self.real_base_memory, **self.phase_peak_args
+            )
+        except (ValueError, InfeasibleBudget):
+            return False
+        return lowest < predicted
 
     def _profiler_blinds(self) -> None:
         """A step whose real peak was due to be measured runs under someone else's profiler
