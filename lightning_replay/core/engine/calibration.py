@@ -105,3 +105,45 @@ def fit_to(eng, choices: dict[str, str], allowed: Mapping[str, list], over) -> N
             return  # the lowest options already: the first plan judges the budget
         _, name, alt = max(swaps)
         choices[name] = alt
+
+
+def lowest_peak(eng, allowed: Mapping[str, list]) -> int | None:
+    """The lowest peak any plan can reach, by the figures calibration steps are predicted with
+    (each segment's held bytes under each option it may take, and its replay) on the real
+    base and the measured phases, as :func:`~lightning_replay.planner.min_feasible_budget`
+    finds it over every combination: the first plan's refusal figure, before its timings.
+    ``None`` where an option's bytes are still a stand-in (a selective option's kept outputs
+    before its phase measured them): the lowest could be lower than the figure says."""
+    costs = []
+    for name in peak_order(eng):
+        rt = eng.runtimes[name]
+        c = rt.contract
+        if c is None or name not in allowed:
+            continue
+        opts = {}
+        for o in allowed[name]:
+            if o in SELECTIVE and name not in eng.meter.selective_bytes:
+                return None
+            held, replay = calibration_held(eng, rt, o)
+            opts[o] = _planner.Option(held, 0.0, replay=replay)
+        if not opts:
+            return None
+        costs.append(_planner.SegmentCost(name, c.activation_bytes, opts))
+    if not costs:
+        return None
+    return _planner.min_feasible_budget(costs, eng.real_base_memory, "joint", **eng.phase_peak_args)
+
+
+def refuse_before_calibrating(eng, allowed: Mapping[str, list]) -> None:
+    """Under a byte budget, once a step was measured (the untimed warm-up that runs every
+    segment at its lowest option): where no combination of options fits the budget by the
+    measured figures, the first plan would be refused after the calibration steps, each of
+    them over the budget. Refuse now instead (:class:`InfeasibleBudget` with the lowest
+    peak), before the next step runs over it."""
+    if eng.budget is None or eng.last_real_peak is None:
+        return
+    lowest = lowest_peak(eng, allowed)
+    if lowest is None or lowest <= eng.budget:
+        return
+    eng._calibration = []  # a later step (a budget raised meanwhile) calibrates afresh
+    raise _planner.InfeasibleBudget(eng.budget, lowest, eng.planner, lowest)
