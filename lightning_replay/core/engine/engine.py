@@ -56,11 +56,7 @@ from lightning_replay.core.engine.planner import InfeasibleBudget
 from lightning_replay.core.mechanisms.preservation import CaptureMode, RegionLog, idle_capture_mode
 from lightning_replay.core.base.records import RecordStore
 from lightning_replay.core.engine.replan import ReplanPolicy, StateGrowth, input_shapes
-from lightning_replay.core.engine.calibration import (
-    fit_calibration,
-    fit_to,
-    refuse_before_calibrating,
-)
+from lightning_replay.core.engine.calibration import fit_calibration, fit_to
 from lightning_replay.core.engine.check_steps import check_step_plan, checked_peak, select_checked
 from lightning_replay.core.engine.real_peak import (
     _REPLAY,
@@ -1308,7 +1304,6 @@ class ReplayEngine:
                 if o in opts:
                     choices[name] = o
                     break
-        refuse_before_calibrating(self, allowed)  # what was measured shows no plan fits
         if warm and self.budget is not None and not self._truth_rounds and not self._residual:
             # Nothing real measured yet: what the step holds beyond the accountant's figures
             # (backward and optimizer temporaries) is unknown, so no prediction bounds it. This
