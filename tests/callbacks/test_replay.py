@@ -467,8 +467,9 @@ def test_a_shape_replan_plans_with_activation_bytes_measured_at_the_new_shapes(t
     # every segment's A(s) was measured again at the larger batch (the step before the re-plan) ...
     assert set(engine.meter.activation_bytes) == set(probed)
     assert all(measured[n] > probed[n] for n in probed), (measured, probed)
-    # ... and the re-plan (engine.costs is what it plans from) charged them
-    assert engine.plan_version == 2
+    # ... and the re-plan (engine.costs is what it plans from) charged them; before it, the
+    # engine may make the lowest plan once more itself, when a measured phase shows a lower one
+    assert engine.plan_version >= 2
 
 
 # ---------------------------------------------------------------------- resume
