@@ -42,6 +42,7 @@ from lightning_replay.planner import InfeasibleBudget
 from tests.helpers.torch_memory import (
     StepReferee,
     allocation_peak,
+    net_peak,
     live_bytes,
     process_tensor_bytes,
 )
@@ -695,16 +696,7 @@ class WindowReferee(StepReferee):
     def _stop(st: dict) -> None:
         prof, st["prof"] = st["prof"], None
         prof.__exit__(None, None, None)
-        events = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
-        running = peak = 0
-        for _, nbytes in events:
-            running += nbytes
-            peak = max(peak, running)
-        st["figures"].append(st["base"] + peak)
+        st["figures"].append(st["base"] + (net_peak(prof) or 0))
         st["mine"] = True
 
 

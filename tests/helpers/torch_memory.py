@@ -20,18 +20,27 @@ def allocation_peak(fn: Callable[[], object]) -> int:
     allocation events: bytes allocated during ``fn`` and live at once, above the start."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = [
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    if not events:
+    peak = net_peak(prof)
+    if peak is None:
         raise AssertionError(
             "torch.profiler recorded no CPU memory events: is the allocator "
             "reporting to the profiler?"
         )
+    return peak
+
+
+def net_peak(prof: profile) -> int | None:
+    """The peak of the running sum of a finished profile's CPU allocation events (bytes live
+    at once above its start), or None where it recorded none."""
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    if not events:
+        return None
     running = peak = 0
-    for _, nbytes in sorted(events, key=lambda e: e[0]):
+    for _, nbytes in events:
         running += nbytes
         peak = max(peak, running)
     return peak
@@ -245,13 +254,4 @@ class StepReferee:
             raise AssertionError("no module ran in the step: nothing was measured")
         prof = st["prof"]
         prof.__exit__(None, None, None)
-        events = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
-        running = peak = 0
-        for _, nbytes in events:
-            running += nbytes
-            peak = max(peak, running)
-        return st["base"] + peak, "referee"
+        return st["base"] + (net_peak(prof) or 0), "referee"
