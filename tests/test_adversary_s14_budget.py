@@ -16,14 +16,12 @@ Strict xfails carry what was measured. See ``/work/notes/adv-s14.md``.
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
 from torch import nn
 
 from tests.helpers.budget_runner import run_arm
-from tests.helpers.torch_memory import StepReferee
 
 MIB = 2**20
 TOLERANCE = 1.02
@@ -331,15 +329,8 @@ XFAIL: dict[tuple[str, str], str] = {
 
 
 @pytest.fixture(scope="module")
-def referee():
-    gc.collect()
-    gc.freeze()
-    r = StepReferee()
-    try:
-        yield r
-    finally:
-        r.close()
-        gc.unfreeze()
+def referee(frozen_referee):
+    return frozen_referee
 
 
 def _run(shape: str, arm: str, referee, budget=None, steps: int = 3):

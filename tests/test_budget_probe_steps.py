@@ -12,7 +12,6 @@ plain PyTorch's bit for bit.
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
@@ -178,22 +177,8 @@ def _run(shape: str, arm: str, referee: StepReferee | None, budget=None, steps: 
 
 
 @pytest.fixture(scope="module")
-def referee():
-    """The referee, with every object alive before this module's tests moved out of the
-    garbage collector's sight (``gc.freeze``): each step's ``gc.collect()`` and the walks of
-    live storages (the referee's and the engine's alike) then look only at what the runs
-    create (models, optimizers, batches, the engine and all it keeps), which is every tensor a
-    step's peak is judged on, in milliseconds instead of a second each in a process of half a
-    million objects. Tensors alive before (none of these runs') are left out of every arm's
-    figure alike."""
-    gc.collect()
-    gc.freeze()
-    r = StepReferee()
-    try:
-        yield r
-    finally:
-        r.close()
-        gc.unfreeze()
+def referee(frozen_referee):
+    return frozen_referee
 
 
 #: each shape's plain and checkpoint peaks, measured once for both budgets

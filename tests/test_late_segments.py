@@ -9,14 +9,12 @@ written in its forward (a whole copy preserved), big (8 x the others' hidden wid
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
 from torch import nn
 
 from tests.helpers.budget_runner import run_arm
-from tests.helpers.torch_memory import StepReferee
 
 MIB = 2**20
 TOLERANCE = 1.02
@@ -73,15 +71,8 @@ MODELS = {
 
 
 @pytest.fixture(scope="module")
-def referee():
-    gc.collect()
-    gc.freeze()
-    r = StepReferee()
-    try:
-        yield r
-    finally:
-        r.close()
-        gc.unfreeze()
+def referee(frozen_referee):
+    return frozen_referee
 
 
 def _run(name: str, arm: str, referee, budget=None, steps: int = 4):
