@@ -9,7 +9,6 @@ machine hits all of them alike.
 from __future__ import annotations
 
 import copy
-import itertools
 import random
 import statistics
 import time
@@ -198,15 +197,19 @@ def arms_side_by_side(
     arms: list[list[Any]], step: Callable[[Any, int], float], rounds: int
 ) -> list[list[float]]:
     """Seconds of ``step(model, round)`` per arm and round: every arm steps once a round, on
-    its copy ``(round % copies)``, the arms in an order that cycles through all their orders
-    (each copy in every order). Several copies per arm, because two copies of one model differ
-    in where their tensors sit, which can move a step's time by a percent or two for as long as
-    they live; the order cycles so a slow phase of a shared machine hits every arm alike."""
+    its copy ``(round % copies)``, the arms in an order that cycles through the rotations of
+    their order, forward and backward (each copy in every order; for three arms these are all
+    six orders). Several copies per arm, because two copies of one model differ in where their
+    tensors sit, which can move a step's time by a percent or two for as long as they live; the
+    order cycles so a slow phase of a shared machine hits every arm alike, and each arm steps
+    at every position (all permutations of a dozen arms would be 479 million orders)."""
     copies = len(arms[0])
-    orders = list(itertools.permutations(range(len(arms))))
+    n = len(arms)
     times: list[list[float]] = [[] for _ in arms]
     for r in range(rounds):
-        for a in orders[(r // copies) % len(orders)]:
+        k = (r // copies) % (2 * n)
+        order = [(i + k // 2) % n for i in range(n)]
+        for a in reversed(order) if k % 2 else order:
             times[a].append(step(arms[a][r % copies], r))
     return times
 

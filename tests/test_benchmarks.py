@@ -185,6 +185,24 @@ def test_arms_side_by_side_steps_every_copy_in_every_order():
     assert all(p == {0, 1, 2} for p in positions.values()) and len(positions) == 9
 
 
+def test_arms_side_by_side_schedules_a_dozen_arms():
+    """The frontier times every distinct plan as an arm (13 with GPT-2's quick sweep): its
+    schedule must not enumerate the arms' orders (13! of them: the run held 23 GB and was
+    killed) and must still put each arm at every position."""
+    sys.path.insert(0, BENCH)
+    from bench_common import arms_side_by_side
+
+    n, copies = 13, 2
+    arms = [[(a, c) for c in range(copies)] for a in range(n)]
+    seen = []
+    times = arms_side_by_side(arms, lambda m, r: seen.append(m) or float(r), 2 * n * copies)
+    assert [len(t) for t in times] == [2 * n * copies] * n
+    positions: dict = {}
+    for i, (arm, _) in enumerate(seen):
+        positions.setdefault(arm, set()).add(i % n)
+    assert all(p == set(range(n)) for p in positions.values())
+
+
 def test_median_se_measures_the_spread_of_a_median():
     sys.path.insert(0, BENCH)
     from bench_common import median_se

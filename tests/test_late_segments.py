@@ -112,3 +112,40 @@ def test_a_segment_joining_after_the_plan_is_planned_for(name, budget, referee):
         assert bound < 0.98 * plain, f"lowest plan {bound / MIB:.3f} MiB; steps {report}"
     over = [(s + 1, round(p / bound, 3)) for s, p in enumerate(peaks) if p > TOLERANCE * bound]
     assert not over, f"(step, peak / bound): {over}; bound {bound / MIB:.3f} MiB; steps {report}"
+
+
+#: what a real peak may exceed its prediction by: a few 0-dim tensors made between the engine's
+#: measurement and the step (in the full suite's order: 5,469,856 B real against 5,469,852
+#: predicted, one float32 scalar; alone the two are equal)
+SCALARS = 4096
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_prediction_bounds_each_step_once_the_joined_segment_was_measured(name, referee):
+    """Under the halfway budget, once the late segment's first planned step was measured, each
+    step's real peak (the whole-process referee) is within the plan's prediction (but for a few
+    scalars: :data:`SCALARS`), and that within the budget, exactly. The late block sits at its place in the forward (the middle),
+    where the peak formula sums its bytes: the blocks after it hold them when they replay.
+    Appended after the blocks known before it, the prediction of the plan for the budget
+    read 5,806,448 B against the budget 5,793,808 (big_middle_block: no plan fit, and the
+    lowest-memory one ran, 5,534,192 B).
+
+    Not bounds (measured, main as of this test): the step the block is first called (7) runs
+    under a plan made before it existed (5,524,512 B real against 3,322,464 predicted), and its
+    first planned step (8), the lowest-memory plan, is predicted before its backward's
+    temporaries were ever measured (5,539,248 real against 3,267,808: the 8 x wider block's
+    backward holds about 2 MiB that no other block's figures stand for)."""
+    plain = max(_run(name, "plain", referee, steps=JOINS + 2).peaks[JOINS - 1 :])
+    ckpt = max(_run(name, "checkpoint", referee, steps=JOINS + 2).peaks[JOINS - 1 :])
+    halfway = (plain + ckpt) // 2
+    run = _run(name, "replay", referee, budget=halfway, steps=6)
+    assert run.refused is None, run.refused
+    judged = list(zip(run.peaks, run.predicted))[JOINS + 1 :]
+    assert len(judged) >= 2, run.peaks
+    # (real against predicted: within SCALARS bytes; the prediction against the budget: exactly)
+    over = [
+        (JOINS + 2 + i, real, pred)
+        for i, (real, pred) in enumerate(judged)
+        if not (real <= pred + SCALARS and pred <= halfway)
+    ]
+    assert not over, f"(step, real, predicted) over; budget {halfway}: {over}"

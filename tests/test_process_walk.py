@@ -36,3 +36,14 @@ def test_a_gradient_only_cpp_holds_is_counted():
     grad = w.untyped_storage().nbytes()
     assert process_tensor_bytes() - before[0] >= grad
     assert referee_bytes() - before[1] >= grad
+
+
+def test_a_lazy_modules_uninitialized_parameter_does_not_stop_the_walk():
+    """An uninitialized parameter (a lazy module not yet run) raises ``ValueError`` when asked
+    for its storage: it made every measured step raise while one was alive anywhere in the
+    process (found in a Trainer fit that ran after a test holding a lazy module)."""
+    lazy = torch.nn.LazyLinear(4)
+    x = torch.zeros(1 << 16)
+    assert process_tensor_bytes() >= x.nbytes
+    assert referee_bytes() >= x.nbytes
+    assert isinstance(lazy.weight, torch.nn.parameter.UninitializedParameter)

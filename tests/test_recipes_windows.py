@@ -470,14 +470,18 @@ class RevBlock(nn.Module):
 def test_reversible_blocks_calling_segments_in_backward_are_exact(segments, norm):
     """F and G run under no_grad in the forward and inside the Function's backward: there is
     no checkpoint. They run plain (as in plain PyTorch) and are named as such; whole
-    reversible blocks as segments replay."""
+    reversible blocks as segments replay. (With batch norm, retaining a reversible block, which
+    keeps no activations, holds less than any replay, which keeps the statistics as the forward
+    saw them: under ``"min"`` calibration never replays it and the plan retains it, so its
+    replays are asked for with ``preservation="whole"``.)"""
     torch.manual_seed(0)
     base = Stack(lambda: RevBlock(norm))
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     g_ref = _train(ref, _mse, 6)
+    pinned = {"preservation": "whole"} if norm and segments == BLOCKS else {}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        engine = lr.install(model, segments, budget="min")
+        engine = lr.install(model, segments, budget="min", **pinned)
         g_rep = _train(model, _mse, 6)
     assert_same_grads(g_ref, g_rep, "replay vs plain")
     assert_same_state(snapshot_state(ref), snapshot_state(model), "replay vs plain")

@@ -43,6 +43,7 @@ from lightning_replay.core.mechanisms.grad_reads import capture_grads, forward_g
 from lightning_replay.core.replay.checks import SegmentChecks
 from lightning_replay.core.base.contract import SELECTIVE, ReplayContract
 from lightning_replay.core.base.clock import clock
+from lightning_replay.core.base.nesting import segments_running
 from lightning_replay.core.base.ports import CheckHost, CostSource, ProbeHost, ReplayHost
 from lightning_replay.core.mechanisms.costs import saved_tensor_overhead
 from lightning_replay.errors import ContractViolation, ReplayConfigError
@@ -57,7 +58,7 @@ from lightning_replay.core.replay.restore import (
 )
 from lightning_replay.core.mechanisms.selective import SelectiveFrame
 from lightning_replay.core.mechanisms.slots import capture_generators
-from lightning_replay.core.base.state import storage_key, strided_copy
+from lightning_replay.core.base.state import byte_span, storage_key, strided_copy
 from lightning_replay.core.base.state import unique_bytes as _unique_bytes
 
 #: calls of every segment's forward, in order: where each segment was last called
@@ -269,7 +270,7 @@ class SegmentRuntime:
         if (
             not torch.is_grad_enabled()
             or eng._suspended
-            or eng._segment_depth
+            or segments_running()  # (this engine's, or another engine's segment)
             or under_functorch()
             or not (self.module.training or _needs_grad(self.module, args, kwargs))
         ):
@@ -485,7 +486,7 @@ class SegmentRuntime:
                         if (
                             in_place
                             and not x.requires_grad
-                            and x.untyped_storage()._cdata in in_place
+                            and _inside(x, in_place.get(x.untyped_storage()._cdata, False))
                         ):
                             inv.subs[i] = (x, None)  # (the live tensor at the replay too)
                             continue
@@ -802,17 +803,28 @@ def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
 CALL_WINDOWS = 8
 
 
-def _restored_in_place(inv: _Invocation, eng: Any) -> set[int]:
+def _inside(x: torch.Tensor, extent: Any) -> bool:
+    """Whether ``x``'s bytes are among those put back in place: ``extent`` is a storage's
+    entry from :func:`_restored_in_place` (None: all of it; False: none)."""
+    if extent is None or extent is False:
+        return extent is None
+    span = byte_span(x)
+    return span is None or (extent[0] <= span[0] and span[1] <= extent[1])
+
+
+def _restored_in_place(inv: _Invocation, eng: Any) -> dict[int, Any]:
     """The storages (by ``_cdata``) whose forward bytes the replay context of ``inv`` puts
     back in place for its replay: state preserved whole (or its regions, where the window's
     writes to it are logged), read-only whole copies included. A changed argument on one of
     these storages is read live at the replay, and the replay's writes to it are undone as
     the state's are (the sandbox of written regions, the swap back of whole snapshots)."""
     armed = {k for k, _ in inv.regions}
-    out: set[int] = set()
-    for (_, t), p in zip(inv.tensors, inv.prs):
+    out: dict[int, Any] = {}
+    for (entry, t), p in zip(inv.tensors, inv.prs):
         if p == "whole" or (p == "regions" and (not eng._capturing or storage_key(t) in armed)):
-            out.add(t.untyped_storage()._cdata)
+            # (only its extent, where it has one: issue 31; an argument outside is copied)
+            ext = tuple(entry.extent) if entry.extent is not None else None
+            out[t.untyped_storage()._cdata] = ext
     return out
 
 

@@ -164,6 +164,7 @@ class ReplayStrategy(DDPStrategy):
         self._pending_engine_state: dict[str, Any] | None = None
         self._synced_plan_version = 0
         self._synced_real_base: int | None = None  # the largest real base agreed by the ranks
+        self._synced_phases: list[int] | None = None  # this rank's phase row the ranks agreed
         #: Each segment's share of the segments' activation bytes, measured on the probe step
         #: (empty until then).
         self.activation_shares: dict[str, float] = {}
@@ -504,26 +505,35 @@ class ReplayStrategy(DDPStrategy):
         return engine.plan
 
     def _sync_plan(self, force: bool = False) -> None:
-        """Make every rank run rank 0's plan, made for the largest real base of any rank.
+        """Make every rank run rank 0's plan, made for the largest real base and the largest
+        measured phase figures of any rank.
 
         One all-reduce per step, with no further host sync: the largest of each rank's real
         base (its own parameter shards, optimizer state and what its measured step held beyond
-        the accountant), and whether any rank's plan changed. Each rank measures its own real peak (the engine's CPU referee); ranks'
-        bases differ (uneven shards, a rank's own extra tensors), and rank 0's plan must fit the
-        worst. When the largest base changes, every rank re-fits its plan to it (a prediction
-        that grows, or a new plan over the budget), and rank 0's is sent to all.
+        the accountant), whether any rank's plan changed, and whether any rank's measured phase
+        figures changed. Each rank measures its own real peak (the engine's CPU referee); ranks'
+        bases and phases differ (uneven shards, a rank's own extra tensors, its own backward
+        temporaries), and rank 0's plan must fit the worst. When the largest base changes,
+        every rank re-fits its plan to it (a prediction that grows, or a new plan over the
+        budget); when a rank's phase figures changed, a second all-reduce (only then: at a
+        plan's first steps, where the engine measures) agrees the largest of each figure and
+        every rank re-fits to those; then rank 0's plan is sent to all.
         """
         engine = self.engine
         if engine is None or self.world_size <= 1 or not distributed_is_initialized():
             return
         changed = engine.plan_version != self._synced_plan_version
         own = engine.base_memory + engine.unaccounted_bytes
+        phases = engine.phase_row() if engine.plan is not None else None
+        phases_changed = phases is not None and phases != self._synced_phases
         # each rank's prediction of the plan in force: its own measured phases (forward,
         # replays, optimizer) re-fit it on that rank alone
         predicted = engine.plan.peak_memory if engine.plan is not None else 0
         reduced = self.reduce(
             torch.tensor(
-                [int(force or changed), own, predicted], dtype=torch.int64, device=self.root_device
+                [int(force or changed), own, predicted, int(phases_changed)],
+                dtype=torch.int64,
+                device=self.root_device,
             ),
             reduce_op="max",
         ).tolist()
@@ -531,6 +541,14 @@ class ReplayStrategy(DDPStrategy):
         if top != self._synced_real_base:  # the same on every rank: all reduced the same
             self._synced_real_base = top
             engine.agree_real_base(top)
+            any_changed = True
+        if reduced[3]:
+            row = phases if phases is not None else engine.phase_row()
+            self._synced_phases = row
+            agreed = self.reduce(
+                torch.tensor(row, dtype=torch.int64, device=self.root_device), reduce_op="max"
+            ).tolist()
+            engine.agree_phases(agreed)
             any_changed = True
         if not any_changed:
             # one plan on every rank: its prediction is the largest any rank's phases give

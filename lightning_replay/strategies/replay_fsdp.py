@@ -195,6 +195,7 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         self._pending_engine_state: dict[str, Any] | None = None
         self._synced_plan_version = 0
         self._synced_real_base: int | None = None
+        self._synced_phases: list[int] | None = None
         #: Each segment's share of the segments' activation bytes (probe step; empty until).
         self.activation_shares: dict[str, float] = {}
         #: Each segment's FSDP unit (the segment itself, or the unit it lies in).

@@ -50,6 +50,8 @@ class ArmRun:
     preserved: int = 0
     #: the trained weights and buffers, if ``keep_state``
     state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: each step's predicted peak (the plan in force as the step ended; None before a plan)
+    predicted: list[int | None] = dataclasses.field(default_factory=list)
 
 
 def run_arm(
@@ -103,6 +105,8 @@ def run_arm(
                     step()
                     continue
                 run.peaks.append(referee(step, engine)[0])
+                plan = engine.plan if engine is not None else None
+                run.predicted.append(plan.peak_memory if plan is not None else None)
             except InfeasibleBudget as exc:
                 if not keep_refusal:
                     raise

@@ -64,7 +64,8 @@ def _storage_of(obj: object):
     try:
         s = t.untyped_storage()
         ptr = s.data_ptr()
-    except (RuntimeError, NotImplementedError):  # a freed FSDP2 storage, a wrapper subclass
+    except (RuntimeError, NotImplementedError, ValueError):
+        # a freed FSDP2 storage, a wrapper subclass, a lazy module's uninitialized parameter
         return None
     return s if ptr else None
 

@@ -60,6 +60,10 @@ class StateEntry:
             batch norm); only byte comparison sees it, so it is always preserved whole.
         regions_ok: every change in the window was an annotated write whose region was logged.
         region_bytes: bytes the region log held for it in the probe window.
+        extent: ``[start, end)``, the bytes of its storage the segment reads and writes, where
+            that is less than the whole storage (a buffer that is a view of a bigger one: only
+            these bytes are preserved, restored and compared); None: the whole storage.
+            ``nbytes`` is the extent's size.
         preservation: under the contract's option, ``whole`` or ``regions`` for state that
             changes in the window; for state the probe saw unchanged, ``guard`` (buffers and
             attributes: writes in the window are logged all the same, so a writer that starts
@@ -79,6 +83,7 @@ class StateEntry:
     regions_ok: bool = False
     region_bytes: int = 0
     preservation: str = "none"
+    extent: list[int] | None = None
 
 
 def _preservation(s: StateEntry, option: str) -> str:

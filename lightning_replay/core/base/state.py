@@ -55,6 +55,41 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
 
 
+Extent = tuple[int, int]  # [start, end) byte offsets inside a storage
+
+
+def byte_span(t: torch.Tensor) -> Extent | None:
+    """The bytes of its storage that ``t`` reaches, ``[start, end)``: from its first element
+    to its last, with what a stride skips between them (``x[:, ::2]``, ``x.t()``), or None for
+    a tensor with no elements.
+
+    >>> base = torch.zeros(8, 4)
+    >>> byte_span(base[4:]), byte_span(base[:, ::2]), byte_span(base.t()[1])
+    ((64, 128), (0, 124), (4, 120))
+    """
+    if t.numel() == 0:
+        return None
+    item = t.element_size()
+    lo = t.storage_offset() * item
+    return lo, lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * item
+
+
+def hull(a: Extent | None, b: Extent | None) -> Extent | None:
+    """The smallest extent covering both (None, the whole storage, covers everything)."""
+    if a is None or b is None:
+        return None
+    return min(a[0], b[0]), max(a[1], b[1])
+
+
+def extent_bytes(t: torch.Tensor, extent: Extent | list[int] | None) -> torch.Tensor:
+    """A flat uint8 view of the bytes ``extent`` names in ``t``'s storage (its whole storage
+    where ``extent`` is None, or where the storage no longer reaches the extent's end)."""
+    whole = storage_bytes(t)
+    if extent is None or extent[1] > whole.numel():
+        return whole
+    return whole[extent[0] : extent[1]]
+
+
 def swap_(a: torch.Tensor, b: torch.Tensor) -> None:
     """Exchange the contents of two same-shaped flat uint8 tensors in bounded extra memory."""
     n = a.numel()

@@ -21,6 +21,8 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from lightning_replay._compat import saved_tensors_hooks_disabled, under_functorch
 from lightning_replay.core.base.state import storage_bytes, storage_key
+from lightning_replay.core.engine.step_graph import watch_outputs
+from lightning_replay.errors import ReplayConfigError
 from lightning_replay.core.mechanisms.arguments import held_tensors
 
 #: module_globals: this module's globals are machinery, never user state
@@ -117,6 +119,8 @@ def _root_class(cls: type) -> type:
             out = cls.forward(self, *args, **kwargs)
         finally:
             eng.end_forward()
+        if opens:  # whether a backward reaches this forward's graph (a training step)
+            watch_outputs(eng, out)
         if opens and eng._pending_probes:
             copy_held_activations(eng, out)
         return out
@@ -223,9 +227,31 @@ def attach(engine: Any) -> type | None:
     """Route the forwards of ``engine``'s segments (and, with ``window="root"``, of its model)
     through it. Returns the root's own class (``None`` for manual windows), for
     :func:`detach`."""
-    for rt in engine.runtimes.values():
+    classes = {}
+    for name, rt in engine.runtimes.items():  # (all made first: a refusal leaves no swap)
+        try:
+            classes[name] = _replay_class(rt.orig_class)
+        except Exception as exc:  # noqa: BLE001 - a class that forbids subclasses of it
+            raise ReplayConfigError(
+                f"segment {name!r}: its class {rt.orig_class.__qualname__} cannot be "
+                f"subclassed ({type(exc).__name__}: {exc}); lightning_replay routes a "
+                "segment's forward through a subclass of the segment's class. Choose its "
+                "parent or its children as segments instead."
+            ) from None
+    root_new = None
+    if engine.config.window == "root":
+        try:
+            root_new = _root_class(type(engine.model))
+        except Exception as exc:  # noqa: BLE001 - as above
+            raise ReplayConfigError(
+                f"the model's class {type(engine.model).__qualname__} cannot be subclassed "
+                f"({type(exc).__name__}: {exc}); with window='root' lightning_replay opens a "
+                "step's window through a subclass of the model's class. Install with "
+                "window='manual' and open each step's window yourself (engine.window())."
+            ) from None
+    for name, rt in engine.runtimes.items():
         rt.module.__dict__[RUNTIME_KEY] = rt
-        rt.module.__class__ = _replay_class(rt.orig_class)
+        rt.module.__class__ = classes[name]
         become = getattr(rt.module, "cls_to_become", None)
         if isinstance(rt.module, LazyModuleMixin) and become is not None:
             # A lazy module turns into ``cls_to_become`` at its first forward: into the
@@ -237,7 +263,7 @@ def attach(engine: Any) -> type | None:
     # pickle) of the model is then a plain model, with no engine attached.
     root_class = type(engine.model)
     engine.model.__dict__[ENGINE_KEY] = engine
-    engine.model.__class__ = _root_class(root_class)
+    engine.model.__class__ = root_new
     return root_class
 
 

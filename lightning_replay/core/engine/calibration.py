@@ -34,7 +34,9 @@ def calibration_peak(eng, choices: Mapping[str, str], base: int) -> int:
         held, replay = calibration_held(eng, rt, o)
         costs.append(
             _planner.SegmentCost(
-                name, c.activation_bytes, {o: _planner.Option(held, 0.0, replay=replay)}
+                name,
+                int(c.activation_bytes * eng.size_scale(eng.probe_size)),
+                {o: _planner.Option(held, 0.0, replay=replay)},
             )
         )
         picks[name] = o
@@ -50,9 +52,11 @@ def calibration_held(eng, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
     consumed as the replay uses them)."""
     c = rt.contract
     k = max(getattr(rt, "window_calls", 1), 1)  # called k times per window: k calls' worth
+    # the probe's figures, at the inputs planned for (a larger batch since: scaled up)
+    grow = eng.size_scale(eng.probe_size)
     if o == "retain":
         kept_act = eng.meter.window_activation_bytes(rt.name, c.activation_bytes, k)
-        return kept_act + k * rt.input_saved_bytes, None
+        return int((kept_act + k * rt.input_saved_bytes) * grow), None
     # read-only copies and the region log: once per window (the probe's region estimate)
     est = sum(
         min(s.region_bytes, s.nbytes)
@@ -60,11 +64,11 @@ def calibration_held(eng, rt: SegmentRuntime, o: str) -> tuple[int, int | None]:
         if s.regions_ok and not s.unannotated_write
     )
     per_call, once = eng.meter.held_bytes(rt.name, c, o, k, regions=est)
-    held = k * (rt.input_bytes + per_call) + once
+    held = k * (int(rt.input_bytes * grow) + per_call) + once
     if o not in SELECTIVE:
         return held, None
-    one = eng.meter.selective_bytes.get(rt.name, c.activation_bytes)
-    return held + k * one, max(c.activation_bytes - one, 0)
+    one = int(eng.meter.selective_bytes.get(rt.name, c.activation_bytes) * grow)
+    return held + k * one, max(int(c.activation_bytes * grow) - one, 0)
 
 
 def fit_calibration(eng, choices: dict[str, str], allowed: Mapping[str, list]) -> None:
@@ -105,3 +109,47 @@ def fit_to(eng, choices: dict[str, str], allowed: Mapping[str, list], over) -> N
             return  # the lowest options already: the first plan judges the budget
         _, name, alt = max(swaps)
         choices[name] = alt
+
+
+def lowest_peak(eng, allowed: Mapping[str, list]) -> int | None:
+    """The lowest peak any plan can reach, by the figures calibration steps are predicted with
+    (each segment's held bytes under each option it may take, and its replay) on the real
+    base and the measured phases, as :func:`~lightning_replay.planner.min_feasible_budget`
+    finds it over every combination: the first plan's refusal figure, before its timings.
+    ``None`` where an option's bytes are still a stand-in (a selective option's kept outputs
+    before its phase measured them): the lowest could be lower than the figure says."""
+    costs = []
+    for name in peak_order(eng):
+        rt = eng.runtimes[name]
+        c = rt.contract
+        if c is None or name not in allowed:
+            continue
+        opts = {}
+        for o in allowed[name]:
+            if o in SELECTIVE and name not in eng.meter.selective_bytes:
+                return None
+            held, replay = calibration_held(eng, rt, o)
+            opts[o] = _planner.Option(held, 0.0, replay=replay)
+        if not opts:
+            return None
+        # (the probe's figure, at the inputs planned for)
+        act = int(c.activation_bytes * eng.size_scale(eng.probe_size))
+        costs.append(_planner.SegmentCost(name, act, opts))
+    if not costs:
+        return None
+    return _planner.min_feasible_budget(costs, eng.real_base_memory, "joint", **eng.phase_peak_args)
+
+
+def refuse_before_calibrating(eng, allowed: Mapping[str, list]) -> None:
+    """Under a byte budget, once a step was measured (the untimed warm-up that runs every
+    segment at its lowest option): where no combination of options fits the budget by the
+    measured figures, the first plan would be refused after the calibration steps, each of
+    them over the budget. Refuse now instead (:class:`InfeasibleBudget` with the lowest
+    peak), before the next step runs over it."""
+    if eng.budget is None or eng.last_real_peak is None:
+        return
+    lowest = lowest_peak(eng, allowed)
+    if lowest is None or lowest <= eng.budget:
+        return
+    eng._calibration = []  # a later step (a budget raised meanwhile) calibrates afresh
+    raise _planner.InfeasibleBudget(eng.budget, lowest, eng.planner, lowest)

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from lightning_replay.core.engine import planner as _planner
+from lightning_replay.core.engine import rank_phases as _rank_phases
 from lightning_replay._compat import at_backward_end, top_saved_tensors_hooks, tree_leaves
 from lightning_replay.core.mechanisms.accounting import MemoryAccountant
 from lightning_replay.core.base.budget import Budget, format_bytes
@@ -54,12 +55,21 @@ from lightning_replay.core.mechanisms.memory import (
 )
 from lightning_replay.core.engine.planner import InfeasibleBudget
 from lightning_replay.core.mechanisms.preservation import CaptureMode, RegionLog, idle_capture_mode
+from lightning_replay.core.base import nesting as _nesting
+from lightning_replay.core.mechanisms.slots import Registration
 from lightning_replay.core.base.records import RecordStore
 from lightning_replay.core.engine.replan import ReplanPolicy, StateGrowth, input_shapes
-from lightning_replay.core.engine.calibration import fit_calibration, fit_to
+from lightning_replay.core.engine.calibration import (
+    calibration_held,
+    fit_calibration,
+    fit_to,
+    refuse_before_calibrating,
+)
 from lightning_replay.core.engine.check_steps import check_step_plan, checked_peak, select_checked
+from lightning_replay.core.engine.step_graph import StepGraph, give_back, previous_step
 from lightning_replay.core.engine.real_peak import (
     _REPLAY,
+    drop_stale_hooks,
     forward_begins,
     forward_ends,
     grad_credits,
@@ -122,8 +132,29 @@ def _first_param_is_cuda(model: nn.Module) -> bool:
     return p is not None and p.is_cuda
 
 
+def _drop_depth(cell: list) -> None:
+    _nesting.moved(-cell[0])
+    cell[0] = 0
+
+
 class ReplayEngine:
     """State-aware replay for the segments of one model. Made by :func:`install`."""
+
+    @property
+    def _segment_depth(self) -> int:
+        """> 0 inside one of this engine's segment forwards or replays (also counted in
+        :func:`~lightning_replay.core.base.nesting.segments_running`, for every engine)."""
+        return self._depth[0]
+
+    @_segment_depth.setter
+    def _segment_depth(self, value: int) -> None:
+        cell = self.__dict__.get("_depth")
+        if cell is None:  # (a cell the finalizer reads: an engine dropped mid-segment, as by
+            # an error no frame caught, leaves no count behind for every later segment)
+            cell = self.__dict__["_depth"] = [0]
+            weakref.finalize(self, _drop_depth, cell).atexit = False
+        _nesting.moved(value - cell[0])
+        cell[0] = value
 
     def __init__(
         self,
@@ -194,6 +225,7 @@ class ReplayEngine:
         self._window_size = 0  # elements of this window's inputs (0: not known)
         self._truth_step_size = 0  # ... of the step being measured
         self._residual_size = 0  # ... of the step whose residual is in force
+        self._residual_top = 0  # ... of the largest step measured
         self._residual_fixed = 0  # optimizer state's bytes in the residual (not input-sized)
         self._max_size = 0  # the largest seen
         self.probe_size = 0  # the largest before the first plan (the probes' inputs)
@@ -244,10 +276,17 @@ class ReplayEngine:
         self._cuda_label = "start"
         self._plan_extras: tuple = ()  # (plan, phase figures) the plan's prediction was made with
         self._ranks_base: int | None = None  # the largest real base over the ranks (a strategy)
+        self._ranks_phases: dict[str, Any] | None = None  # the ranks' largest phase figures
         self.host_watch = HostWatch()  # Python's and numpy's global RNGs across each forward
         self.last_replay: tuple | None = None  # (runtime, step, contract version) last replayed
         self.last_real_peak: tuple[int, int] | None = None  # (step, bytes) last measured
         self._window_depth = 0
+        # the step in hand's graph: whether a backward reached it (see step_graph)
+        self._step_graph: StepGraph | None = None
+        self._phase_taken: str | None = None  # the calibration phase this window took
+        # running the lowest plan on inputs larger than any measured step, until it is measured
+        self._low_until_measured = False
+        self._calib_size = 0  # the largest input (elements) of a step since the probe
         self._explicit_windows = 0  # root or manual windows opened so far
         self._segment_depth = 0  # > 0 inside a segment's forward or replay
         self._cuda_device: torch.device | None = None
@@ -270,11 +309,18 @@ class ReplayEngine:
         self._cuda_held = 0  # allocator bytes held as the last window began (CUDA)
         self._suspended = False
         self._order = 0
+        self._window_last_order: float = -1  # the last segment called in this window (order)
         self._hooks: list = []
         self.runtimes: dict[str, SegmentRuntime] = {}
-        for name, mod in segments.items():
-            self.runtimes[name] = SegmentRuntime(self, name, mod, config.preservation_of(name))
-        self._root_class = _attach.attach(self)
+        # (a module outside the model, which a segment holds in an attribute, is a holder)
+        self._registration = Registration(model)
+        try:
+            for name, mod in segments.items():
+                self.runtimes[name] = SegmentRuntime(self, name, mod, config.preservation_of(name))
+            self._root_class = _attach.attach(self)
+        except BaseException:
+            self._registration.release()  # (refused: the model is as it was)
+            raise
         self.installed = True
 
     # ---------------------------------------------------------------- public
@@ -386,7 +432,14 @@ class ReplayEngine:
         measured step held at its forward's end, loss and backward before the first replay
         beyond what its replays held over the formula (head and loss temporaries on top of
         the retained segments), and ``floor``, its optimizer phase's real peak (no plan goes
-        under it). Both 0 until a step is measured."""
+        under it). Both 0 until a step is measured.
+
+        On ranks that run one plan, each figure is the largest of this rank's and the ranks'
+        largest as last agreed (:meth:`agree_phases`)."""
+        return _rank_phases.largest(self._own_phase_args(), self._ranks_phases)
+
+    def _own_phase_args(self) -> dict[str, Any]:
+        """:attr:`phase_peak_args` as this rank alone measured them."""
         residual = self._scaled_residual()
         fixed = min(self._residual_fixed, residual)
         scale = self.size_scale(self._residual_size)
@@ -469,6 +522,21 @@ class ReplayEngine:
         re-fitted as after a measured step: its prediction grows, or, over the budget, it is
         made again."""
         self._ranks_base = int(nbytes)
+        self._refit_plan()
+
+    def phase_row(self) -> list[int]:
+        """This rank's own measured phase figures as a row of integers, the same length on
+        every rank (see :mod:`~lightning_replay.core.engine.rank_phases`): a strategy reduces
+        the rows with ``max`` and hands the result to :meth:`agree_phases` on every rank."""
+        return _rank_phases.phase_row(self._own_phase_args(), self.segments)
+
+    def agree_phases(self, row: Iterable[int]) -> None:
+        """Plan with each phase figure at least the largest over the ranks that run one plan
+        (``row``: the element-wise ``max`` of every rank's :meth:`phase_row`; a strategy
+        reduces it and calls this on every rank at the same point). Rank 0 makes the plan
+        every rank runs: with its own figures alone, another rank's prediction for that plan
+        can exceed the budget. The plan in force is re-fitted as after a measured step."""
+        self._ranks_phases = _rank_phases.phase_args(list(row), self.segments)
         self._refit_plan()
 
     def _static_bytes(self) -> int:
@@ -858,6 +926,21 @@ class ReplayEngine:
                 self._start_capture()
             self._forward_open = True
             return
+        self._window_last_order = -1  # (a forward joining the step's starts over, too)
+        step_was = previous_step(self)
+        if step_was == "pending":
+            # the step's graph still waits for its backward (two forwards, one backward of
+            # their sum): this forward is the same training step's, measured with it
+            if self._needs_capture or self.log.armed:
+                self._start_capture()
+            if self.accountant is not None and self._acct_hooks is None:
+                self._acct_hooks = self.accountant.saved_tensors_hooks()
+                self._acct_hooks.__enter__()
+            self._forward_open = True
+            return
+        if step_was == "dropped":  # no training step: its phase and measurement go back
+            give_back(self, self._step_graph)
+        graph = self._step_graph = StepGraph(self)
         for rt in list(self._pending_probes):
             rt.finish_stale_probes()
         if self.step >= 1:
@@ -877,6 +960,14 @@ class ReplayEngine:
                 self._truth_plan.choices, self._truth_state, self.last_real_peak[1]
             )
         self._grad_now = grads_now
+        if self._low_until_measured and self.last_real_peak is not measured:
+            # the step on inputs larger than any measured ran the lowest plan, measured: the
+            # plan for the budget is made with its real figure
+            self._low_until_measured = False
+            try:
+                self.replan()
+            except InfeasibleBudget as exc:
+                self._lowest_plan_instead(exc)
         policy = self.replan_policy
         if policy is not None:  # install(replan_on=...): judge the step just trained
             if self.step > 0:
@@ -892,13 +983,28 @@ class ReplayEngine:
                 self._check_next = (True, asked[1], asked[2])
         size = _input_numel(inputs)
         self._window_size = size
-        if self.plan is None:
+        probing = self.plan is None and any(
+            rt.contract is None or rt.status in ("probe", "probing")
+            for rt in self.runtimes.values()
+        )
+        if probing:
+            # the size the probes' figures are measured at (calibration steps on larger
+            # inputs measure no activations: the figures are scaled up to them, size_scale)
             self.probe_size = max(self.probe_size, size)
         larger = self._max_size > 0 and size > self._max_size
         self._max_size = max(self._max_size, size)
+        if self.plan is None and not probing:
+            # a calibration step: it, the refusal before calibrating and the first plan are
+            # for the inputs the steps since the probe run, not a larger probe batch seen once
+            # (a later larger step re-plans before it runs, _refit_for_inputs, and runs the
+            # lowest plan until measured)
+            self._calib_size = max(self._calib_size, size)
+            self._max_size = self._calib_size
         if larger and self.plan is not None and self.measure_costs:
             self._refit_for_inputs()  # before the step: activations grow with the inputs
+        self._phase_taken = None
         self._maybe_plan()
+        graph.phase = self._phase_taken
         self._plan_late_segments()
         if self.plan is not None:
             if self.real_peak and self.accountant is not None:
@@ -906,6 +1012,7 @@ class ReplayEngine:
                 self._refit_plan()  # a buffer that grew (a queue rebuilt larger) grows the base
             if self._truth_size is not None and size > self._truth_size:
                 # larger inputs than any measured step: activations the probe did not see
+                self._lowest_until_measured()
                 self._measure_plan(periodic=True, gap=False)
             elif self.step >= self._next_truth:
                 # state that grows later is seen, too; while it grows, at the shortest gap
@@ -923,9 +1030,11 @@ class ReplayEngine:
             self._truth_plan = self.plan
             self._truth_state = self._state_now
             self._truth_inputs = _input_bytes(inputs)
+            graph.truth_size = self._truth_size
             size = self._truth_step_size = self._window_size
             self._truth_size = size if self._truth_size is None else max(self._truth_size, size)
             start_truth(self)
+            graph.truth = weakref.ref(self._truth) if self._truth is not None else None
         self.step += 1
         # the capture mode's ops are a cost sample on timed steps (a probe's forward does more)
         self._capture_timed = (
@@ -1002,11 +1111,13 @@ class ReplayEngine:
             self.end_forward()
         if self._truth is not None:
             stop_truth(self, self._truth)
+        drop_stale_hooks()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
         _attach.detach(self, self._root_class)
         self._root_class = None
+        self._registration.release()
         self.log.clear()
         self.installed = False
         self._release()
@@ -1023,6 +1134,7 @@ class ReplayEngine:
         self._optimizers = []
         self._pending_probes = set()
         self._truth_plan = None
+        self._step_graph = None
         self.host_watch = HostWatch()
         self.last_replay = None
         _release_caches(self)
@@ -1089,6 +1201,24 @@ class ReplayEngine:
                 base_memory=max(self.real_base_memory, plan.base_memory),
             )
             self._plan_extras = (self.plan, extras)
+
+    def _lowest_until_measured(self) -> None:
+        """A step on inputs larger than any measured one, under a byte budget: the plan in
+        force was predicted with figures scaled from smaller inputs (backward temporaries,
+        what grows with the batch are not all known to scale), so a plan that keeps more than
+        the lowest could run over the budget (measured: 1.17 x, a plan that retains every
+        segment on a batch twice the measured ones). This step runs the lowest-memory plan
+        and is measured; the plan for the budget is made again with its real figure."""
+        if self.budget is None or self._low_until_measured or self._truth_off:
+            return
+        if not self.real_peak or self.accountant is None or self._cuda:
+            return
+        budget = self.config.budget
+        try:
+            self.replan(budget=None)
+        finally:
+            self.reconfigure(budget=budget)
+        self._low_until_measured = True
 
     def _lower_plan_known(self, predicted: int) -> bool:
         """Whether, with the figures measured so far, a plan lower than ``predicted`` (the plan
@@ -1164,10 +1294,12 @@ class ReplayEngine:
         return list(self._optimizers)
 
     def size_scale(self, measured_at: int) -> float:
-        """How much larger than ``measured_at`` elements the largest step input seen so far
-        is (at least 1): activation and input bytes measured at smaller inputs are scaled by
-        it, so that plans are made for the largest step seen. 1 where sizes are not known."""
-        if measured_at <= 0 or self._max_size <= measured_at:
+        """How much larger than ``measured_at`` elements the largest step input planned for
+        is: activation and input bytes measured at smaller inputs are scaled by it, so that
+        plans are made for the largest step seen. Below 1 only for figures a probe measured on
+        a larger batch than any step since (a big first batch: the first plan is made for the
+        inputs the calibration steps ran, see _maybe_plan). 1 where sizes are not known."""
+        if measured_at <= 0 or self._max_size <= 0 or self._max_size == measured_at:
             return 1.0
         return self._max_size / measured_at
 
@@ -1271,7 +1403,7 @@ class ReplayEngine:
         self._warmup = False
         if not self._calibration:
             return
-        phase = self._calibration.pop(0)
+        phase = self._phase_taken = self._calibration.pop(0)
         if phase == "plan":
             self.replan()
             return
@@ -1304,6 +1436,13 @@ class ReplayEngine:
                 if o in opts:
                     choices[name] = o
                     break
+            if name in choices and _retain_dominates(self, rt, opts):
+                # keeping its activations holds less than any replay of it (state bigger
+                # than its activations: a buffer that is a view of a bigger one, issue 31) and
+                # takes no time: no plan picks a replay of it, so none is timed (and none
+                # takes a calibration step over what the plans hold)
+                choices[name] = "retain"
+        refuse_before_calibrating(self, allowed)  # what was measured shows no plan fits
         if warm and self.budget is not None and not self._truth_rounds and not self._residual:
             # Nothing real measured yet: what the step holds beyond the accountant's figures
             # (backward and optimizer temporaries) is unknown, so no prediction bounds it. This
@@ -1498,6 +1637,9 @@ class ReplayEngine:
 
     @contextlib.contextmanager
     def _tagged(self, name: str) -> Iterator[None]:
+        rt = self.runtimes.get(name)
+        if rt is not None and rt.order >= 0:
+            self._window_last_order = rt.order  # (where a segment first called later goes)
         acct = self.accountant
         if acct is None:
             yield
@@ -1511,7 +1653,16 @@ class ReplayEngine:
             if truth is not None:
                 forward_ends(self, truth, name)
 
-    def _next_order(self) -> int:
+    def _next_order(self) -> float:
+        """The forward-order key of a segment called for the first time: after the segment
+        called before it in this window and before the next known one. A segment first called
+        after the others (a block a schedule switches on in the middle) sits at its place in
+        the forward, where the peak formula sums it (the segments after it hold its bytes
+        when they replay), not after every segment known before it."""
+        last = self._window_last_order
+        later = [rt.order for rt in self.runtimes.values() if rt.order > last]
+        if last >= 0 and later:
+            return (last + min(later)) / 2
         self._order += 1
         return self._order
 
@@ -1560,3 +1711,14 @@ def _resolve_budget(config: ReplayConfig, model: nn.Module) -> int | None:
         return config.budget.resolve(device)
     except ValueError as exc:
         raise ReplayConfigError(f"{config.caller}(budget={config.budget}): {exc}") from None
+
+
+def _retain_dominates(eng: ReplayEngine, rt: SegmentRuntime, opts: list[str]) -> bool:
+    """Whether retaining ``rt`` holds fewer bytes from its forward to its backward than any of
+    its replayed options ``opts`` (a replay holds those and re-materializes its activations on
+    top, and takes time): then no plan, whatever its budget, replays it. (A tie is timed: the
+    figures are the probe's, and a replay that holds as much may hold less at another input.)"""
+    if "retain" not in opts or len(opts) < 2:
+        return False
+    kept = calibration_held(eng, rt, "retain")[0]
+    return all(calibration_held(eng, rt, o)[0] > kept for o in opts if o != "retain")

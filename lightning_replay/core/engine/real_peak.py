@@ -18,6 +18,7 @@ engine.py as they were (``self`` is ``eng``).
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -67,6 +68,10 @@ def settle_real_peak(eng) -> None:
         return
     eng.last_real_peak = (eng._last_step, real)
     size = eng._truth_step_size if measured else eng._window_size
+    # the largest input measured: figures are dropped as stale only at a larger one (batch
+    # sizes that go up and down keep the largest step's figures)
+    top = eng._residual_top
+    eng._residual_top = max(top, size)
     # the gradients missing as the step began (paired with the figures the plans credit)
     if measured:
         learn_grad_order(eng)
@@ -89,13 +94,13 @@ def settle_real_peak(eng) -> None:
         accounted = max(accounted, eng.base_memory + _formula_peak(eng, plan))
         fwd, replays, floor = real - accounted, {}, phases.get("optimizer", 0)
         eng._grad_fresh, eng._phase_credit = {}, {}
-        if size > eng._residual_size:  # figures at smaller inputs are stale
+        if size > top:  # figures at smaller inputs than any before are stale
             eng._over_fwd, eng._over_replay = None, {}
     # ... and as the formula charged every gradient all step (the plans' figures at inputs
     # larger than measured, where no gradient is credited: grad_credits)
     credits = eng._phase_credit
     raw_fwd = fwd - credits.get("start", 0)
-    if size > eng.probe_size and eng.probe_size and size > eng._residual_size:
+    if size > eng.probe_size and eng.probe_size and size > top:
         eng._raw_fwd, eng._raw_replay = None, {}
     eng._raw_fwd = raw_fwd if eng._raw_fwd is None else max(eng._raw_fwd, raw_fwd)
     for name, over in replays.items():
@@ -115,8 +120,11 @@ def settle_real_peak(eng) -> None:
     if grew:
         # (at least 0: the base never shrinks below the accountant's figures)
         eng._residual = max(min([eng._over_fwd, *eng._over_replay.values()]), 0)
-        # the input size of the step measured (on CUDA, the step just trained)
-        eng._residual_size = size
+        # the input size the residual is in force for (on CUDA, the step just trained): the
+        # least any of its figures was measured at, so that none is scaled up less than its
+        # own growth (a figure a larger step measured is scaled up more: bounded)
+        fresh = size > top or not eng._residual_size
+        eng._residual_size = size if fresh else min(eng._residual_size, size)
         eng._residual_fixed = (
             eng._truth_opt
             if measured
@@ -284,7 +292,19 @@ def forward_ends(eng, truth: StepPeak, name: str) -> None:
         truth.mark(_FORWARD_END + name)
 
 
+#: optimizer hooks to remove outside an optimizer step: a hook removed from inside the step's
+#: loop over the hooks makes the next one raise "OrderedDict mutated during iteration"
+_STALE_HOOKS: list = []
+
+
+def drop_stale_hooks() -> None:
+    """Remove the measurement hooks whose step ended (see :data:`_STALE_HOOKS`)."""
+    while _STALE_HOOKS:
+        _STALE_HOOKS.pop().remove()
+
+
 def start_truth(eng) -> None:
+    drop_stale_hooks()
     truth = StepPeak(eng.model)
     try:
         truth.start()
@@ -309,21 +329,39 @@ def start_truth(eng) -> None:
     # so the profiler does not span the caller's code between steps; else when the next
     # window begins. Not from inside backward: autograd restores the thread's profiler
     # state after its callbacks.
-    eng._truth_hook = register_optimizer_step_post_hook(lambda opt, *_: stop_truth(eng, truth, opt))
-    # the optimizer step is a phase of its own: its peak holds no activation
-    eng._truth_pre_hook = register_optimizer_step_pre_hook(
-        lambda *_: truth.mark("optimizer") if eng._truth is truth else None
-    )
+    # The hooks are every optimizer's (global): they hold the engine and the meter weakly, so
+    # an engine dropped while it measures is collected, and its meter with it (which stops
+    # the profiler: StepPeak.start); a hook that finds them gone is removed at the next start.
+    eng_ref, truth_ref = weakref.ref(eng), weakref.ref(truth)
+    handles: list = []
+
+    def post(opt: Any, *_: Any) -> None:
+        e, t = eng_ref(), truth_ref()
+        if e is None or t is None:
+            _STALE_HOOKS.extend(handles)
+            handles.clear()
+            return
+        stop_truth(e, t, opt)
+
+    def pre(*_: Any) -> None:
+        e, t = eng_ref(), truth_ref()
+        if e is not None and t is not None and e._truth is t:
+            t.mark("optimizer")  # the optimizer step is a phase of its own: no activation
+
+    eng._truth_hook = register_optimizer_step_post_hook(post)
+    eng._truth_pre_hook = register_optimizer_step_pre_hook(pre)
+    handles += [eng._truth_hook, eng._truth_pre_hook]
 
 
 def stop_truth(eng, truth: StepPeak, optimizer: Any = None) -> None:
     if eng._truth is truth:
         eng._truth = None
+        # (this may run inside the optimizer step's loop over its hooks: removed later)
         if eng._truth_hook is not None:
-            eng._truth_hook.remove()
+            _STALE_HOOKS.append(eng._truth_hook)
             eng._truth_hook = None
         if eng._truth_pre_hook is not None:
-            eng._truth_pre_hook.remove()
+            _STALE_HOOKS.append(eng._truth_pre_hook)
             eng._truth_pre_hook = None
         if optimizer is not None:
             adopt_optimizer(eng, optimizer)

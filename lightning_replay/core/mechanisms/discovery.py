@@ -37,8 +37,11 @@ import torch
 from lightning_replay._compat import TorchDispatchMode, op_arguments, tree_leaves
 from lightning_replay.core.mechanisms.preservation import RegionLog, redo, undo, write_args
 from lightning_replay.core.base.state import (
+    Extent,
     StorageKey,
+    byte_span,
     digest,
+    hull,
     same_generator,
     storage_bytes,
     storage_identity,
@@ -94,6 +97,16 @@ class Touch:
     #: the tensor object the op was given (not a parameter): if it is pointed at another
     #: storage later (``.data =``, ``set_``), a replayed probe points it back for its replay
     source: Any = None
+    #: the bytes of the storage the segment's ops reached (the hull of every tensor on it
+    #: they were given), None: all of it. Issue 31: a buffer that is a view of a bigger one
+    #: is preserved and compared by its own bytes, not its base's
+    span: Extent | None = None
+    #: the extent its region-log arm reads: the whole storage while the forward runs, its
+    #: span once the forward has returned (:meth:`DiscoveryMode.finish_segment`)
+    arm_extent: Extent | None = None
+    #: the digest of its span's bytes at first touch (a digested storage, once its forward
+    #: has returned); None: compared whole
+    span_digest: int | None = None
 
 
 class DiscoveryMode(TorchDispatchMode):
@@ -137,13 +150,25 @@ class DiscoveryMode(TorchDispatchMode):
         #: the replay at the last saved tensor's pack, would leave it unwritten (see
         #: :func:`writes_unreturned`)
         self.writes_unreturned = False
+        #: the forward read a tensor's value on the host (``.item()``, ``int()``,
+        #: ``.tolist()``): a view's offsets may then come from state, and another step's
+        #: view reach other bytes, so every storage is compared and preserved whole
+        self.host_read = False
 
     def _touch(self, t: torch.Tensor) -> Touch | None:
         key = storage_key(t)
         if key is None or key in self.produced:
             return None
+        # the bytes the op is given: a view the model holds (a buffer that is a view of a
+        # bigger one, issue 31); a view the forward makes itself (``base[p : p + k]``) is
+        # made from its base, whose bytes the op that makes it is given (its offset may
+        # be another next step)
+        span = byte_span(t)
         touch = self.touched.get(key)
-        if touch is None:
+        if touch is not None:
+            if touch.span is not None:
+                touch.span = hull(touch.span, span or touch.span)
+        else:
             if key in self.parameter_traffic:
                 return None
             if _fsdp_managed(t):
@@ -174,6 +199,7 @@ class DiscoveryMode(TorchDispatchMode):
                 arm_copied=snap is not None,
                 is_input=is_input,
                 source=weakref.ref(t),
+                span=span or (0, 0),
             )
             self.touched[key] = touch
         return touch
@@ -195,13 +221,17 @@ class DiscoveryMode(TorchDispatchMode):
         finally:
             self.log.paused -= 1
         touch.first_digest = None
+        touch.span = None  # (a write no log sees can reach any byte)
 
-    def touch_all(self, tensors: list[torch.Tensor], copy: bool = False) -> None:
+    def touch_all(
+        self, tensors: list[torch.Tensor], copy: bool = False, host: bool = False
+    ) -> None:
         """Watch state the segment may read without an op the mode sees (``.tolist()`` and
         other host reads, or reads that start after a warm-up). ``copy``: a host view that
         can be written (``.numpy()``) was handed out: no log sees a write through it."""
         if self._busy:  # (a digest's own host read: no read of the segment's)
             return
+        self.host_read |= host
         for t in tensors:
             touch = self._touch(t)
             if copy and touch is not None:
@@ -210,12 +240,14 @@ class DiscoveryMode(TorchDispatchMode):
     def release(self) -> None:
         """Disarm the region log for a probe that will never be observed."""
         for key, touch in self.touched.items():
-            self.log.release(key, copied=touch.arm_copied)
+            self.log.release(key, copied=touch.arm_copied, extent=touch.arm_extent)
         self.touched = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         written = {name for _, name in write_args(func)}
+        if func is _aten._local_scalar_dense.default and not self._busy:
+            self.host_read = True
         empty: list[torch.Tensor] = []  # written state with no bytes yet (see below)
         for i, a in enumerate(op_arguments(func)):
             v = args[i] if i < len(args) else kwargs.get(a.name)
@@ -262,6 +294,7 @@ class DiscoveryMode(TorchDispatchMode):
                     arm_copied=True,
                     annotated_write=True,
                     source=weakref.ref(t),
+                    span=None,
                 )
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -285,6 +318,46 @@ class DiscoveryMode(TorchDispatchMode):
                     touch.changed_in_segment = not torch.equal(
                         storage_bytes(touch.tensor), touch.snapshot
                     )
+                self._narrow(touch)
+
+    def _narrow(self, touch: Touch) -> None:
+        """From the forward's end, the touch's arm reads only its span: the window's writes
+        outside it are no concern of this segment's (issue 31). A digested storage gets its
+        span's first-touch digest now (its live bytes with the forward's logged writes
+        undone); where those do not give the first-touch bytes back (a write no log saw), it
+        stays compared whole."""
+        span = touch.span
+        if span is None or self.host_read or touch.key in self.params or touch.key in self.uncopied:
+            touch.span = None
+            return
+        live = storage_bytes(touch.tensor)
+        if (
+            span[1] > live.numel()
+            or live.numel() != touch.first_nbytes
+            or (span[0] == 0 and span[1] == live.numel())
+        ):
+            touch.span = None  # (all of it: logged and compared as it was)
+            return
+        if touch.first_digest is not None:
+            entries = self.log.since(touch.key, touch.mark)
+            if not touch.changed_in_segment:
+                touch.span_digest = digest(live[span[0] : span[1]])
+            elif entries and all(e.saved is not None for e in entries):
+                self.log.paused += 1
+                try:
+                    undo(entries)
+                    try:
+                        if digest(live) == touch.first_digest:
+                            touch.span_digest = digest(live[span[0] : span[1]])
+                    finally:
+                        redo(entries)
+                finally:
+                    self.log.paused -= 1
+            if touch.span_digest is None:
+                touch.span = None
+                return
+        self.log.narrow(touch.key, touch.arm_extent, span)
+        touch.arm_extent = span
 
 
 _UNRETURNED: dict[Any, bool] = {}
@@ -429,7 +502,7 @@ def observe_window(
             entries = log.since(key, touch.mark)
             if touch.first_digest is not None:
                 out.append(_observe_digested(touch, entries, keep_changed))
-                log.release(key)
+                log.release(key, extent=touch.arm_extent)
                 continue
             if touch.snapshot is None:
                 # a parameter (or an uncopied argument): its writes in the window are annotated
@@ -452,9 +525,11 @@ def observe_window(
                         entries if keep_changed and entries else None,
                     )
                 )
-                log.release(key)
+                log.release(key, extent=touch.arm_extent)
                 continue
             live = storage_bytes(touch.tensor)
+            span = touch.span if live.numel() == touch.snapshot.numel() else None
+            lo, hi = span if span is not None else (0, live.numel())
             # A write the probe saw is a write, whatever its bytes (a zero point recomputed
             # to the same value, an embedding row renormalized only later): the segment
             # writes it, or the window does.
@@ -462,7 +537,7 @@ def observe_window(
                 live.numel() != touch.snapshot.numel()
                 or bool(entries)
                 or touch.annotated_write
-                or not torch.equal(live, touch.snapshot)
+                or not torch.equal(live[lo:hi], touch.snapshot[lo:hi])
             )
             regions_ok = False
             if changed and entries and live.numel() == touch.snapshot.numel():
@@ -471,12 +546,12 @@ def observe_window(
                 light = [e for e in entries if e.saved is None]
                 if all(e.rebuild(touch.snapshot) for e in light):
                     undo(entries)
-                    regions_ok = torch.equal(live, touch.snapshot)
+                    regions_ok = torch.equal(live[lo:hi], touch.snapshot[lo:hi])
                     redo(entries)
                 for e in light:
                     e.saved = None
             out.append(Observation(touch, changed, regions_ok, sum(e.nbytes for e in entries)))
-            log.release(key, copied=touch.arm_copied)
+            log.release(key, copied=touch.arm_copied, extent=touch.arm_extent)
             if not (keep_changed and changed):
                 touch.snapshot = touch.snapshot.new_empty(0)  # the probe's copies go now
     return out
@@ -492,15 +567,29 @@ def _observe_digested(touch: Touch, entries: list, keep_changed: bool) -> Observ
     moved = src is not None and storage_identity(src) != storage_identity(t)
     live = storage_bytes(t)
     resized = live.numel() != touch.first_nbytes
+    span = touch.span if touch.span_digest is not None and not resized else None
+    # (compared by its span's bytes where the forward's end told them: issue 31)
+    part, first = (
+        (live, touch.first_digest)
+        if span is None
+        else (
+            live[span[0] : span[1]],
+            touch.span_digest,
+        )
+    )
     now = (
         digest(live) if keep_changed or not (resized or entries or touch.annotated_write) else None
     )
-    changed = resized or bool(entries) or touch.annotated_write or now != touch.first_digest
+    if span is not None and now is not None:
+        mine = digest(part)
+    else:
+        mine = now
+    changed = resized or bool(entries) or touch.annotated_write or mine != first
     regions_ok = False
     if changed and not (moved or resized) and all(e.saved is not None for e in entries):
         undo(entries)
         try:
-            regions_ok = digest(live) == touch.first_digest
+            regions_ok = digest(part) == first
         finally:
             redo(entries)
     return Observation(

@@ -551,6 +551,11 @@ def is_flag(v: Any) -> bool:
     return is_scalar(v) and (type(v) is bool or not isinstance(v, numbers.Number))
 
 
+def _flag_death(flag: list, _ref: Any) -> None:
+    """A weak reference's callback: an object a guard names by weak reference died."""
+    flag[0] = True
+
+
 class Guard:
     """The fingerprint a segment's contract was learned under, and what it has learned varies.
 
@@ -579,6 +584,11 @@ class Guard:
         self._fast: tuple | None = None
         self._exact: tuple | None = None  # the identities behind ``_fast`` (version tags)
         self._alive: list = []  # the objects ``_exact`` names by id (see _settle)
+        # ... and those it names by weak reference (modules: their tensors), with the flag
+        # their deaths set (a cell, not the guard: no cycle through the callbacks)
+        self._weak: list[weakref.ref] = []
+        self._died = [False]
+        self._on_death = functools.partial(_flag_death, self._died)
         self._watched: list[tuple] = []  # the holders and containers it covers (_reachable)
         #: attributes the segment's forward read from outside its modules, as (the dict that
         #: holds it, its name, its name in the model): fields like the modules' own
@@ -671,7 +681,9 @@ class Guard:
         watched = self._watched
         fast = self._now = _identity_signature(self.modules, watched, outside=self.outside)
         exact = None
-        if self.base is not None:
+        # (an object the signatures name by weak reference died: its id may be another's now,
+        # so the fingerprint, which names an object by its type too, tells)
+        if self.base is not None and not self._died[0]:
             if fast == self._fast:
                 self._pending = []
                 return []  # the same objects in every slot as last time: nothing can differ
@@ -733,7 +745,9 @@ class Guard:
         the freed one's address), which would read as the same object holding another value.
         Tensors are not kept (a rebound queue would stay alive a step longer): a new tensor at
         a freed one's id is a slot whose contract entry the replay captures and checks
-        anyway."""
+        anyway. Modules (a module held in a container attribute, with its parameters) are
+        named by weak reference: one replaced is freed with the step that replaced it, and
+        its death makes the next :meth:`changed` read the fingerprint."""
         if watched is None:
             watched = _reachable(self.modules, self.outside)
         if _watch_ids(watched) != _watch_ids(self._watched):
@@ -753,7 +767,15 @@ class Guard:
         alive += [f for h in global_hooks()[0] if h for f in h.values()]
         for _, _, o, *_ in watched:
             alive += list(o) if isinstance(o, (list, set)) else _attrs(o).values()
-        self._alive = [v for v in alive if not issubclass(type(v), torch.Tensor)]
+        keep, weak = [], []
+        for v in alive:
+            t = type(v)
+            if issubclass(t, nn.Module):
+                weak.append(weakref.ref(v, self._on_death))
+            elif not issubclass(t, torch.Tensor):
+                keep.append(v)
+        self._alive, self._weak = keep, weak
+        self._died[0] = False
 
     def learn_varying(self, keys: list[Hashable], keep: set = frozenset()) -> None:
         """Fields the probe saw change inside the window: the replay puts them back, so they

@@ -23,6 +23,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -79,7 +80,8 @@ def _storage_of(obj: Any) -> Any:
             return None
         s = t.untyped_storage()
         return s if s.data_ptr() else None
-    except (RuntimeError, NotImplementedError, TypeError):  # a freed FSDP2 storage, fake
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        # a freed FSDP2 storage, a fake tensor, a lazy module's uninitialized parameter
         return None
 
 
@@ -163,6 +165,7 @@ class StepPeak:
         self.phases: dict[str, int] = {}
         self._marks: list[str] = []
         self._cuda_phases: list[int] = []
+        self._finalizer: weakref.finalize | None = None
 
     def start(self) -> None:
         self._marks, self._cuda_phases, self.phases = ["start"], [], {}
@@ -179,6 +182,12 @@ class StepPeak:
         with _native_noise_captured():
             self._prof.__enter__()
             del before
+        # A meter whose step never ends (the last step of a loop with no optimizer step; an
+        # engine dropped mid-step) must not leave torch's profiler on: it would slow every op
+        # after it, keep any other profiler from starting, and crash the interpreter at exit
+        # (a segfault in libtorch's callbacks, exit code 139). The profiler stops when the
+        # meter is collected, or at exit.
+        self._finalizer = weakref.finalize(self, _stop_profiler, self._prof)
 
     def mark(self, label: str) -> None:
         """A new phase of the step begins here (the first replay, the optimizer step): its
@@ -203,12 +212,24 @@ class StepPeak:
             self.phases = dict(zip(self._marks, self._cuda_phases))
             return max(self._cuda_phases)
         prof, self._prof = self._prof, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
         with _native_noise_captured():
             prof.__exit__(None, None, None)
         self.phases = {
             label: self.base + peak for label, peak in phase_peaks(prof, self._marks).items()
         }
         return max(self.phases.values())
+
+
+def _stop_profiler(prof: Any) -> None:
+    """Stop a meter's profiler that no :meth:`StepPeak.stop` will (see :meth:`StepPeak.start`)."""
+    try:
+        with _native_noise_captured():
+            prof.__exit__(None, None, None)
+    except Exception:  # noqa: BLE001 - at exit or in a collector: nothing to report to
+        pass
 
 
 # Lines libtorch and kineto write straight to file descriptor 2 when a CPU profiler starts and

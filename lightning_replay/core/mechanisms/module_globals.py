@@ -41,7 +41,13 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from lightning_replay.core.mechanisms.slots import HOOK_DICTS, MISSING, copy_plain, is_scalar
+from lightning_replay.core.mechanisms.slots import (
+    HOOK_DICTS,
+    MISSING,
+    copy_plain,
+    is_holder,
+    is_scalar,
+)
 
 #: Code from these packages keeps no training state at module level.
 _LIBRARY_ROOTS = ("torch", "numpy", "math", "builtins", "typing", "functools", "collections", "abc")
@@ -263,8 +269,10 @@ def _holder(value: Any) -> bool:
     plain instance (not a class, a function, an nn.Module or a tensor)."""
     if isinstance(value, types.ModuleType):
         return not _library(value.__name__)
+    if isinstance(value, nn.Module):  # (one no installed model registers: a holder)
+        return is_holder(value)
     return (
-        not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, nn.Module))
+        not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType))
         and type(value).__module__ is not None
         and not _library(type(value).__module__)
         and isinstance(getattr(value, "__dict__", None), dict)

@@ -23,6 +23,7 @@ from torch import nn
 
 from lightning_replay.core.mechanisms.module_globals import Owner, class_attrs
 from lightning_replay.core.mechanisms.slots import (
+    HOOK_DICTS,
     MISSING,
     MODULE_INTERNALS,
     _at_forward,
@@ -237,6 +238,18 @@ def _internal_caller() -> bool:
     return name.startswith(("torch", "lightning_replay.core", "lightning_replay.lightning"))
 
 
+#: the hook dicts ``nn.Module.__call__`` reads: a module outside the segment that the segment
+#: calls runs them, so the replay must run the forward's (a hook added, removed or replaced
+#: between the forward and the replay)
+_CALLED_HOOKS = frozenset(HOOK_DICTS)
+
+
+def _registered_module(v: Any) -> bool:
+    """A module an installed model registers (its reads are its own trace's); a module no
+    model registers is read like a holder."""
+    return isinstance(v, nn.Module) and not is_holder(v)
+
+
 def _trace_class(cls: type) -> type:
     """A subclass of ``cls`` that records which plain attributes are read (probe only)."""
     new = _TRACE_CLASSES.get(cls)
@@ -253,15 +266,15 @@ def _trace_class(cls: type) -> type:
                 if (
                     k not in MODULE_INTERNALS
                     and not k.startswith("_lightning_replay")
-                    and not isinstance(v, nn.Module)
+                    and not _registered_module(v)
                     and (None, k) not in reads
                 ):
                     reads[None, k] = _at_forward(v)
             return value
         if (
             reads is not None
-            and name not in MODULE_INTERNALS
-            and not isinstance(value, nn.Module)
+            and (name not in MODULE_INTERNALS or name in _CALLED_HOOKS)
+            and not _registered_module(value)
             and (None, name) not in reads
         ):
             if name in d:
@@ -408,8 +421,22 @@ class OutsideReads:
         for m in self.modules:
             cls = type(m)
             self.classes.append(cls)
+            try:
+                traced = _trace_class(cls)
+            except Exception:  # noqa: BLE001 - a class that forbids subclasses of it
+                # no read can be traced: every plain attribute counts as read, as it is now
+                # (before the forward), as ``vars(m)`` is read
+                d = m.__dict__
+                d["_lightning_replay_reads"] = {
+                    (None, k): _at_forward(v)
+                    for k, v in list(d.items())
+                    if k not in MODULE_INTERNALS
+                    and not k.startswith("_lightning_replay")
+                    and not _registered_module(v)
+                }
+                continue
             m.__dict__["_lightning_replay_reads"] = {}
-            m.__class__ = _trace_class(cls)
+            m.__class__ = traced
         return self
 
     def __exit__(self, *exc) -> None:

@@ -27,9 +27,11 @@ from lightning_replay.core.base import state as _state
 from lightning_replay.core.base.clock import clock
 from lightning_replay.core.base.state import (
     _SWAP_CHUNK,
+    Extent,
     StorageKey,
+    byte_span,
     digest,
-    storage_bytes,
+    extent_bytes,
     storage_key,
     swap_,
 )
@@ -212,17 +214,33 @@ class RegionLog:
         self.top: dict[StorageKey, int] = {}
         #: per storage, how many of its arms hold a copy of it from before their mark
         self.copied: dict[StorageKey, int] = {}
+        #: per storage, the extent each arm reads (None: the whole storage) and their hull: a
+        #: write outside the hull is no reader's (issue 31: a segment's buffer that is a view
+        #: of a bigger root buffer the root writes whole), a write partly inside it keeps the
+        #: old bytes of the part inside only
+        self.extents: dict[StorageKey, dict[Extent | None, int]] = {}
+        self.hulls: dict[StorageKey, Extent | None] = {}
+        #: per storage, the log length when a write outside its hull was last left out
+        self.skipped: dict[StorageKey, int] = {}
         self.nbytes = 0
         # > 0 while a replay runs: its writes (the swaps in and out, the replayed forward's
         # own, undone by its sandbox) are not the window's, even where backward runs inside a
         # manual window with the capture mode still on
         self.paused = 0
 
-    def arm(self, key: StorageKey, owner: torch.Tensor | None = None, copied: bool = False) -> int:
+    def arm(
+        self,
+        key: StorageKey,
+        owner: torch.Tensor | None = None,
+        copied: bool = False,
+        extent: Extent | None = None,
+    ) -> int:
         """Start (or keep) logging writes to ``key``; returns the position to undo back to.
         ``copied``: this reader holds a copy of the storage from now (a probe's first touch),
-        so while every reader does, entries keep only a digest of the old bytes."""
+        so while every reader does, entries keep only a digest of the old bytes. ``extent``:
+        the bytes of the storage this reader reads (None: all of them); release with it."""
         self.armed[key] = self.armed.get(key, 0) + 1
+        self._add_extent(key, extent)
         if copied:
             self.copied[key] = self.copied.get(key, 0) + 1
         if owner is not None and key not in self.owners:
@@ -257,20 +275,74 @@ class RegionLog:
         log cannot tell, ``t`` is not the tensor whose counter it followed)."""
         if key in self.broken:
             return -1  # a write between two logged ones was not logged
-        if len(self.logs.get(key, ())) <= mark:
+        if len(self.logs.get(key, ())) <= mark and self.skipped.get(key, -1) < mark:
             return at_forward
         if self.owners.get(key) is not t:
             return None
         return self.after.get(key, at_forward)
 
-    def release(self, key: StorageKey, copied: bool = False) -> None:
+    def _add_extent(self, key: StorageKey, extent: Extent | None) -> None:
+        ext = self.extents.setdefault(key, {})
+        extent = None if extent is None else (int(extent[0]), int(extent[1]))
+        ext[extent] = ext.get(extent, 0) + 1
+        self._rehull(key)
+
+    def _drop_extent(self, key: StorageKey, extent: Extent | None) -> None:
+        ext = self.extents.get(key)
+        if not ext:
+            return
+        extent = None if extent is None else (int(extent[0]), int(extent[1]))
+        if extent not in ext:
+            return  # (not known: the hull stays as wide as it is)
+        ext[extent] -= 1
+        if not ext[extent]:
+            del ext[extent]
+        self._rehull(key)
+
+    def _rehull(self, key: StorageKey) -> None:
+        ext = self.extents.get(key)
+        if not ext or None in ext:
+            self.hulls[key] = None
+        else:
+            self.hulls[key] = (min(e[0] for e in ext), max(e[1] for e in ext))
+
+    def narrow(self, key: StorageKey, old: Extent | None, new: Extent | None) -> None:
+        """One reader of ``key`` now reads ``new`` instead of ``old`` (a probe, once its
+        segment's forward has shown which bytes it touched)."""
+        if key in self.armed:
+            self._add_extent(key, new)
+            self._drop_extent(key, old)
+
+    def clip(self, key: StorageKey, t: torch.Tensor, whole_view: bool) -> torch.Tensor | None:
+        """What a write to ``t`` (on armed storage ``key``) must log: ``t``, the part of it
+        inside the readers' hull (a dense ``t`` written whole, as a flat byte view), or None
+        where it writes no byte any reader reads."""
+        h = self.hulls.get(key)
+        if h is None:
+            return t
+        span = byte_span(t)
+        if span is None or span[1] <= h[0] or span[0] >= h[1]:
+            self.skipped[key] = len(self.logs.get(key, ()))
+            return None
+        if (span[0] >= h[0] and span[1] <= h[1]) or not whole_view:
+            return t
+        if not _dense(t):
+            return t  # (its bytes are not all of its span: kept whole)
+        lo, hi = max(span[0], h[0]), min(span[1], h[1])
+        return extent_bytes(t, (lo, hi))
+
+    def release(self, key: StorageKey, copied: bool = False, extent: Extent | None = None) -> None:
         if copied and self.copied.get(key, 0) > 0:
             self.copied[key] -= 1
         n = self.armed.get(key, 0) - 1
         if n > 0:
             self.armed[key] = n
+            self._drop_extent(key, extent)
             return
         self.armed.pop(key, None)
+        self.extents.pop(key, None)
+        self.hulls.pop(key, None)
+        self.skipped.pop(key, None)
         self.owners.pop(key, None)
         self.after.pop(key, None)
         self.top.pop(key, None)
@@ -299,6 +371,9 @@ class RegionLog:
         self.top.clear()
         self.copied.clear()
         self.broken.clear()
+        self.extents.clear()
+        self.hulls.clear()
+        self.skipped.clear()
         self.nbytes = 0
 
 
@@ -340,8 +415,15 @@ class CaptureMode(TorchDispatchMode):
                         owner = log.owners.get(key)
                         if owner is not None and owner._version != log.after.get(key):
                             log.broken.add(key)
-                        if not (_writes_whole_view(func) and log.repeats(key, t)):
-                            log.record(key, RegionEntry(func, args, kwargs, t))
+                        whole_view = _writes_whole_view(func)
+                        target = log.clip(key, t, whole_view)
+                        if target is not None and not (whole_view and log.repeats(key, target)):
+                            log.record(
+                                key,
+                                RegionEntry(func, args, kwargs, target)
+                                if target is t
+                                else RegionEntry(_aten.copy_.default, (), {}, target),
+                            )
                         self.entry_time[key] = self.entry_time.get(key, 0.0) + clock(t.is_cuda) - t0
                         written = [key] if written is None else written + [key]
         self._written = written
@@ -401,7 +483,7 @@ class SnapshotPool:
     Idle spares are at most ``2 * _POOL_LIMIT`` bytes per segment, held between steps.
     """
 
-    __slots__ = ("key", "views", "sizes", "spare", "fits")
+    __slots__ = ("key", "views", "sizes", "spare", "fits", "extents")
 
     def __init__(self) -> None:
         #: per tensor, its storage's identity (the ``StorageImpl``: ``_cdata``) and size when
@@ -412,11 +494,16 @@ class SnapshotPool:
         self.sizes: list[int] = []
         self.spare: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self.fits = False  # at most _POOL_LIMIT bytes, one device: reused
+        self.extents: list = []
 
-    def current(self, tensors: list[torch.Tensor]) -> bool:
+    def current(self, tensors: list[torch.Tensor], extents: list | None = None) -> bool:
         """Whether ``tensors`` are on the storages, of the sizes, that the views were made of
-        (then each view is its tensor's whole storage: same storage object, same bytes)."""
-        return tuple([(st._cdata, st.nbytes()) for st in map(_storage_of, tensors)]) == self.key
+        (then each view is its tensor's whole storage, or the same extent of it: same storage
+        object, same bytes)."""
+        return (
+            tuple([(st._cdata, st.nbytes()) for st in map(_storage_of, tensors)]) == self.key
+            and list(extents or [None] * len(tensors)) == self.extents
+        )
 
     def buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.spare:
@@ -446,6 +533,8 @@ class WholeSnapshot:
     __slots__ = (
         "tensors",
         "metas",
+        "extents",
+        "stores",
         "views",
         "snaps",
         "buffers",
@@ -456,18 +545,28 @@ class WholeSnapshot:
         "_spent",
     )
 
-    def __init__(self, tensors: list[torch.Tensor], pool: SnapshotPool | None = None) -> None:
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        pool: SnapshotPool | None = None,
+        extents: list[Extent | None] | None = None,
+    ) -> None:
         self.tensors = tensors
         self.metas = [(t.storage_offset(), t.shape, t.stride()) for t in tensors]
+        # the bytes of each storage to keep: an extent (a view of a bigger storage, issue 31)
+        # or the whole storage; and each storage's size, which tells a resize at replay
+        self.extents = extents = extents or [None] * len(tensors)
+        self.stores = [_storage_of(t).nbytes() for t in tensors]
         self._batches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         self._moved: list[tuple[torch.Tensor, tuple]] = []
         self._pool = None
         self._spent: tuple | None = None
         if pool is not None:
-            if not pool.current(tensors):
+            if not pool.current(tensors, extents):
                 pool.key = tuple([(st._cdata, st.nbytes()) for st in map(_storage_of, tensors)])
+                pool.extents = list(extents)
                 pool.spare = []
-                pool.views = [storage_bytes(t) for t in tensors]
+                pool.views = [extent_bytes(t, e) for t, e in zip(tensors, extents)]
                 pool.sizes = [v.numel() for v in pool.views]
                 pool.fits = (
                     sum(pool.sizes) <= _POOL_LIMIT and len({v.device for v in pool.views}) == 1
@@ -484,7 +583,7 @@ class WholeSnapshot:
                 return
             pool.key, pool.views, pool.spare = None, [], []  # too large: keep nothing
         # flat byte views of the live storages, reused at replay while the storage is the same
-        views = self.views = [storage_bytes(t) for t in tensors]
+        views = self.views = [extent_bytes(t, e) for t, e in zip(tensors, extents)]
         sizes = [v.numel() for v in views]
         snaps: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
         by_device: dict[torch.device, list[int]] = {}
@@ -511,7 +610,7 @@ class WholeSnapshot:
         if (
             pool is not None
             and pool.views is self.views
-            and pool.current(self.tensors)
+            and pool.current(self.tensors, self.extents)
             and [(t.storage_offset(), t.shape, t.stride()) for t in self.tensors] == self.metas
         ):
             # every tensor on the storage (same storage object, same size) and view it had at
@@ -523,19 +622,18 @@ class WholeSnapshot:
         moved = self._moved
         same = True  # every tensor on the storage it had at forward, unchanged
         with torch.no_grad():
-            for t, view, snap, meta in zip(self.tensors, self.views, self.snaps, self.metas):
+            for t, view, snap, meta, ext, size in zip(
+                self.tensors, self.views, self.snaps, self.metas, self.extents, self.stores
+            ):
                 st = t.untyped_storage()
-                if (
-                    st.nbytes() == snap.numel()
-                    and (t.storage_offset(), t.shape, t.stride()) == meta
-                ):
+                if st.nbytes() == size and (t.storage_offset(), t.shape, t.stride()) == meta:
                     if view.untyped_storage()._cdata != st._cdata:
-                        view = storage_bytes(t)  # a storage swapped in (same size): write it
+                        view = extent_bytes(t, ext)  # a storage swapped in (same size)
                         same = False
                     pairs.append((view, snap))
                 else:  # resized (resize_, set_) since forward: point it at the old bytes
                     moved.append((t, (st, t.storage_offset(), t.shape, t.stride())))
-                    t.set_(snap.clone().untyped_storage(), *meta)
+                    t.set_(_old_storage(snap, ext, size), *meta)
                     same = False
             if same and pool is not None and pool.views is self.views:
                 self._swap_pooled(pool)
@@ -562,20 +660,19 @@ class WholeSnapshot:
         # and the snapshot still holds the forward's bytes for the next replay
         moved = self._moved
         with torch.no_grad():
-            for t, view, snap, meta in zip(self.tensors, self.views, self.snaps, self.metas):
+            for t, view, snap, meta, ext, size in zip(
+                self.tensors, self.views, self.snaps, self.metas, self.extents, self.stores
+            ):
                 st = t.untyped_storage()
-                if (
-                    st.nbytes() == snap.numel()
-                    and (t.storage_offset(), t.shape, t.stride()) == meta
-                ):
+                if st.nbytes() == size and (t.storage_offset(), t.shape, t.stride()) == meta:
                     if view.untyped_storage()._cdata != st._cdata:
-                        view = storage_bytes(t)
+                        view = extent_bytes(t, ext)
                     tmp = view.clone()
                     view.copy_(snap)
                     self._batches.append(([view], [tmp]))
                 else:
                     moved.append((t, (st, t.storage_offset(), t.shape, t.stride())))
-                    t.set_(snap.clone().untyped_storage(), *meta)
+                    t.set_(_old_storage(snap, ext, size), *meta)
         self._spent = "kept"
 
     def _swap_pooled(self, pool: SnapshotPool) -> None:
@@ -627,12 +724,26 @@ class SharedWhole:
     view since is pointed at the copy itself for its replay.
     """
 
-    __slots__ = ("key", "meta", "view", "snap", "nbytes", "version", "users", "spoiled", "_live")
+    __slots__ = (
+        "key",
+        "meta",
+        "view",
+        "snap",
+        "nbytes",
+        "version",
+        "users",
+        "spoiled",
+        "_live",
+        "extent",
+        "size",
+    )
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, extent: Extent | None = None) -> None:
         self.key = storage_key(t)
         self.meta = (t.storage_offset(), t.shape, t.stride())
-        self.view = storage_bytes(t)
+        self.extent = extent  # (the bytes of the storage it keeps: all, or a view's, issue 31)
+        self.size = t.untyped_storage().nbytes()
+        self.view = extent_bytes(t, extent)
         with torch.no_grad():
             self.snap: torch.Tensor | None = self.view.clone()
         self.nbytes = self.snap.numel()
@@ -652,7 +763,7 @@ class SharedWhole:
             and _state.host_reads_free(self.snap)
             and t._version == self.version
             and storage_key(t) == self.key
-            and t.untyped_storage().nbytes() == self.nbytes
+            and t.untyped_storage().nbytes() == self.size
             and torch.equal(self.view, self.snap)
         )
 
@@ -663,17 +774,9 @@ class SharedWhole:
         snap = self.snap
         st = t.untyped_storage()
         with torch.no_grad():
-            if (
-                st.nbytes() == self.nbytes
-                and (
-                    t.storage_offset(),
-                    t.shape,
-                    t.stride(),
-                )
-                == self.meta
-            ):
+            if st.nbytes() == self.size and (t.storage_offset(), t.shape, t.stride()) == self.meta:
                 view = self.view if self.view.untyped_storage()._cdata == st._cdata else None
-                view = storage_bytes(t) if view is None else view
+                view = extent_bytes(t, self.extent) if view is None else view
                 if writes:
                     self._live = ("copied", view, view.clone(), t._version)
                     view.copy_(snap)
@@ -682,8 +785,11 @@ class SharedWhole:
                 self._live = ("swapped", view, t, t._version)
             else:  # resized or re-viewed since: read the copy (its own, if it writes)
                 live = (st, t.storage_offset(), t.shape, t.stride())
-                src = snap.clone() if writes else snap
-                t.set_(src.untyped_storage(), *self.meta)
+                if self.extent is not None:
+                    src = _old_storage(snap, self.extent, self.size)
+                else:
+                    src = (snap.clone() if writes else snap).untyped_storage()
+                t.set_(src, *self.meta)
                 self._live = ("moved", t, live, t._version if not writes else None)
 
     def swap_back(self) -> None:
@@ -711,3 +817,27 @@ class SharedWhole:
         self.snap = None
         self.view = None
         return True
+
+
+def _old_storage(snap: torch.Tensor, extent: Extent | None, size: int) -> Any:
+    """A storage of ``size`` bytes holding the copy ``snap`` of the extent's bytes (the
+    whole storage where ``extent`` is None): what a tensor resized since its forward is
+    pointed at for its replay. Bytes outside the extent are none the segment reads."""
+    if extent is None or snap.numel() == size:
+        return snap.clone().untyped_storage()
+    old = torch.zeros(size, dtype=torch.uint8, device=snap.device)
+    old[extent[0] : extent[1]].copy_(snap)
+    return old.untyped_storage()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its byte span exactly, once each (contiguous in some
+    order of its dimensions: a slice of rows, a transpose), so a byte range of the span is
+    a range of its elements."""
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1)
+    expected = 1
+    for s, n in dims:
+        if s != expected:
+            return False
+        expected *= n
+    return True

@@ -231,6 +231,8 @@ def _wrapped(x: Any) -> bool:
 
 def _leaves(entry: Any) -> list:
     """The wrapped tensors of a cache entry (none once consumed)."""
+    if _wrapped(entry):  # an op with one output (most): no tree to walk
+        return [entry] if isinstance(entry.val, torch.Tensor) else []
     return [
         leaf
         for leaf in torch.utils._pytree.tree_leaves(entry)
@@ -272,15 +274,19 @@ class _KeptReplay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = {} if kwargs is None else kwargs
-        if func in _IGNORED:
-            return func(*args, **kwargs)
         frame = self.frame
+        # Most ops of a replay are ones the forward kept no call of: they run, uncounted (this
+        # mode sits on every op of the replay: its cost per op is the option's overhead over
+        # torch's own selective checkpoint). Only the keys of kept ops are counted, here and in
+        # the forward's policy, which is all the kept-call matching below needs.
+        if func not in frame._kept_ops or func in _IGNORED:
+            return func(*args, **kwargs)
         key = _sac_storage_key(func, args)
         idx = self.counter[key]
         self.counter[key] += 1
         kept = frame._kept.get((key, idx))
         if kept is None:  # recomputed by the policy (or a call the forward never made)
-            if frame._calls.get(key, 0) <= idx and frame._kept_ops.get(key):
+            if frame._calls.get(key, 0) <= idx:
                 frame._note("unmatched", func, idx, "the forward made fewer calls of this op")
             return func(*args, **kwargs)
         pos, sig = kept
@@ -345,12 +351,15 @@ class SelectiveFrame:
         self.events: list[KeptEvent] = []
         self._kept: dict = {}  # (key, call) -> (position among the op's kept calls, arguments)
         self._kept_ops: dict = defaultdict(int)  # key -> calls kept
-        self._calls: dict = defaultdict(int)  # key -> calls seen in the forward
+        self._calls: dict = defaultdict(int)  # key -> calls seen in the forward (kept ops')
         self._digests: dict = {}
         inner = make_policy(policy)
         save = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+        recompute = CheckpointPolicy.PREFER_RECOMPUTE
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if func not in SAVED_OPS:  # no policy keeps it: not counted (see _KeptReplay)
+                return recompute
             key = _sac_storage_key(func, args)
             idx = self._calls[key]
             self._calls[key] += 1

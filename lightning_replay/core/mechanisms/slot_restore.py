@@ -45,7 +45,7 @@ def _swap_holder(entry: tuple, out: list) -> None:
     later calls may share. Where the contents are already the forward's, nothing is written
     (a config's tag stays still for the guard), and the restore puts them back only if the
     replay changed them."""
-    owner, saved, sig, containers = entry
+    owner, saved, sig, containers, empties = entry
     d = _attrs_of(owner)
     if _holder_same(d, sig):  # every attribute holds its forward object
         for c in containers:
@@ -57,6 +57,7 @@ def _swap_holder(entry: tuple, out: list) -> None:
             else:
                 out.append((cur, _Refill(copy.copy(cur))))
                 _refill(cur, _at_forward(v))
+        _empty_again(d, empties, out)
         return
     prev = _swap_dict(d, saved)
     if prev:
@@ -64,6 +65,17 @@ def _swap_holder(entry: tuple, out: list) -> None:
             if c in prev and d.get(c, MISSING) is saved[c]:
                 d[c] = _at_forward(saved[c])
         out.append((d, prev))
+    _empty_again(d, empties, out)
+
+
+def _empty_again(d: Any, empties: tuple, out: list) -> None:
+    """Empty the dicts of a module holder that were empty at its forward and hold something now
+    (a hook registered since), adding their contents to ``out`` for the restore."""
+    for k in empties:
+        cur = d.get(k)
+        if cur:
+            out.append((cur, _Refill(copy.copy(cur))))
+            cur.clear()
 
 
 class _Refill:

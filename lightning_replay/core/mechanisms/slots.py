@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import math
 import operator
+import random
+import sys
 import types
 import weakref
 from typing import Any
@@ -169,7 +172,12 @@ def same_value(a: Any, b: Any) -> bool:
         # (a shallow copy holds the same objects: told at C speed for a long list)
         return all(map(operator.is_, a, b)) or all(same_value(x, y) for x, y in zip(a, b))
     if issubclass(ta, dict):  # the order too: a forward may iterate it (an OrderedDict...)
-        return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
+        if list(a) != list(b):
+            return False
+        # (a copy of a dict of plain values holds the same objects: told at C speed)
+        return all(map(operator.is_, a.values(), b.values())) or all(
+            same_value(a[k], b[k]) for k in a
+        )
     if issubclass(ta, (set, frozenset)):
         return a == b
     if is_scalar(a):
@@ -185,14 +193,114 @@ def same_value(a: Any, b: Any) -> bool:
     return False
 
 
+#: the modules of every installed model, by id: (a weak reference to the module, how many
+#: engines installed it). A module outside all of them (held in a plain attribute, a container
+#: or a holder, never registered: transformers 5's kernel functions in ``_kernel_funcs``) is
+#: captured like a holder. By id, not by the module: a module may define ``__eq__`` (one equal
+#: by value to a registered one is another object) or be unhashable (a dataclass module).
+_MODEL_MODULES: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    """A registered module died (a model dropped without uninstall): its id is free."""
+    entry = _MODEL_MODULES.get(key)
+    if entry is not None and entry[0] is ref:
+        del _MODEL_MODULES[key]
+
+
+class Registration:
+    """``model``'s modules counted as registered (not holders), until :meth:`release` (the
+    engine's uninstall) or the model's death (dropped without uninstall): a module it shares
+    with a model still installed is then counted once less, never registered for good."""
+
+    __slots__ = ("_pairs", "_fin", "_mods")
+
+    def __init__(self, model: nn.Module) -> None:
+        pairs = []
+        # the modules, held until release (as by the engine before 852b3e0: without them, a
+        # full suite's test_nothing_outlives_its_step[none-kitchen_sink] found 4 parameters
+        # alive after uninstall, after the cases before it; cause not found)
+        self._mods = list(model.modules())
+        for m in self._mods:
+            key = id(m)
+            entry = _MODEL_MODULES.get(key)
+            if entry is not None and entry[0]() is m:
+                _MODEL_MODULES[key] = (entry[0], entry[1] + 1)
+                ref = entry[0]
+            else:
+                ref = weakref.ref(m, lambda r, k=key: _forget(k, r))
+                _MODEL_MODULES[key] = (ref, 1)
+            pairs.append((key, ref))
+        self._pairs = pairs  # (ids and weak references, for the finalizer)
+        self._fin = weakref.finalize(model, _drop_counts, pairs)
+        self._fin.atexit = False
+
+    def release(self) -> None:
+        self._mods = []
+        if self._fin.detach() is not None:  # (else the model died: its counts are dropped)
+            _drop_counts(self._pairs)
+
+
+def _drop_counts(pairs: list[tuple[int, weakref.ref]]) -> None:
+    for key, ref in pairs:
+        entry = _MODEL_MODULES.get(key)
+        if entry is None or entry[0] is not ref:
+            continue
+        if entry[1] > 1:
+            _MODEL_MODULES[key] = (ref, entry[1] - 1)
+        else:
+            del _MODEL_MODULES[key]
+
+
+def registered_modules(exclude: set[int]) -> list[nn.Module]:
+    """The modules installed models register, but for those whose ids are in ``exclude``
+    (another engine's model's modules, which this engine's probe traces like its own)."""
+    out = []
+    while True:
+        try:  # (a module dying as the copy allocates runs _forget, which resizes the dict)
+            items = list(_MODEL_MODULES.items())
+            break
+        except RuntimeError:
+            continue
+    for key, (ref, _) in items:
+        m = ref()
+        if m is not None and key not in exclude:
+            out.append(m)
+    return out
+
+
+def _registered(m: nn.Module) -> bool:
+    entry = _MODEL_MODULES.get(id(m))
+    return entry is not None and entry[0]() is m
+
+
+#: the dicts of a module captured as a holder that are put back by contents where they hold
+#: something (its parameters, buffers, submodules and the hooks a forward runs), and checked
+#: to be still empty where they were (a kernel function module: nothing to compare at each
+#: share); its other internals are put back by identity
+_MODULE_HOLDER_DICTS = ("_parameters", "_buffers", "_modules", *HOOK_DICTS)
+_MODULE_HOLDER_KEPT = MODULE_INTERNALS - set(_MODULE_HOLDER_DICTS)
+
+
+def _module_holder_kept(d: dict) -> tuple[frozenset, tuple[str, ...]]:
+    """Of a module captured as a holder (its ``__dict__`` ``d``): the attributes put back by
+    identity, and among them the dicts that are empty now (checked to stay so)."""
+    empty = tuple(k for k in _MODULE_HOLDER_DICTS if k in d and not d[k])
+    return (_MODULE_HOLDER_KEPT.union(empty) if empty else _MODULE_HOLDER_KEPT), empty
+
+
 def is_holder(v: Any) -> bool:
-    """A plain Python object with attributes of its own (not a module, tensor, generator,
-    class, function, Python module or torch's runtime state): a config namespace, a
-    dataclass, a state holder, also one that keeps its attributes in ``__slots__``. An
-    object that raises when asked (a dead weakref proxy, a lazy proxy whose ``__dict__``
-    raises) is not one: nothing of it can be captured."""
+    """A plain Python object with attributes of its own (not a tensor, generator, class,
+    function, Python module or torch's runtime state): a config namespace, a dataclass, a
+    state holder, also one that keeps its attributes in ``__slots__``; and a module that no
+    installed model registers (a kernel function module held in a dict attribute), whose
+    attributes a forward reads like a config's. An object that raises when asked (a dead
+    weakref proxy, a lazy proxy whose ``__dict__`` raises) is not one: nothing of it can be
+    captured."""
     t = type(v)
-    if issubclass(t, (nn.Module, torch.Tensor, torch.Generator, type, *_CONTAINERS, tuple)):
+    if issubclass(t, nn.Module):
+        return not _registered(v)
+    if issubclass(t, (torch.Tensor, torch.Generator, type, *_CONTAINERS, tuple)):
         return False  # (an OrderedDict, a defaultdict: containers, put back by their items)
     m = getattr(t, "__module__", None)
     if not isinstance(m, str) or m in ("builtins", "types.ModuleType", "weakref"):
@@ -200,8 +308,10 @@ def is_holder(v: Any) -> bool:
     if m.startswith(_TORCH_RUNTIME) or issubclass(t, types.ModuleType):
         return False
     try:
-        if callable(v):
-            return False
+        if callable(v) and (m in ("functools", "operator") or m.startswith("torch.")):
+            return False  # (a partial, an itemgetter, a torch function object: no state)
+        # (a callable instance of a user's class is one: an activation object with a gain,
+        # held in a dict of kernels, reads its attributes at the forward like a config)
         return type(object.__getattribute__(v, "__dict__")) is dict or bool(_slot_members(t))
     except AttributeError:
         return bool(_slot_members(t))
@@ -318,10 +428,10 @@ def _same_owner(a: Any, b: Any) -> bool:
     return a is b or (type(a) is SlotView and type(b) is SlotView and a.obj is b.obj)
 
 
-def _holder_values(d: Any) -> dict:
+def _holder_values(d: Any, kept: frozenset = frozenset()) -> dict:
     out = d.copy()
     for k, x in out.items():
-        if issubclass(type(x), _CONTAINERS):
+        if issubclass(type(x), _CONTAINERS) and k not in kept:
             out[k] = _at_forward(x)
     return out
 
@@ -343,13 +453,18 @@ def _holder_same(d: Any, sig: tuple) -> bool:
     return sig[1] == tuple(d) and sig[2] == tuple(map(id, d.values()))
 
 
-def _containers_unchanged(d: Any, saved: dict, containers: tuple) -> bool:
-    return all(same_value(saved[c], d[c]) for c in containers)
+def _containers_unchanged(d: Any, saved: dict, containers: tuple, empties: tuple = ()) -> bool:
+    """Whether each container attribute holds its captured contents, and each dict that was
+    empty (a module holder's hooks) is still empty."""
+    return all(same_value(saved[c], d[c]) for c in containers) and not any(
+        d.get(k) for k in empties
+    )
 
 
 # Per module and attribute path: the last capture of a plain holder object it holds (a config
 # namespace such as transformers' ``PretrainedConfig``, dozens of attributes read by every
-# layer), as (holder or slot view, values at forward, signature, container attribute names).
+# layer), as (holder or slot view, values at forward, signature, container attribute names,
+# names of the dicts that were empty: a module holder's).
 _HOLDERS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -367,12 +482,17 @@ def _capture_holder(module: nn.Module, name: Any, owner: Any) -> tuple:
         prev is not None
         and _same_owner(prev[0], owner)
         and _holder_same(d, prev[2])
-        and _containers_unchanged(d, prev[1], prev[3])
+        and _containers_unchanged(d, prev[1], prev[3], prev[4])
     ):
         return prev
-    values = _holder_values(d)
-    containers = tuple(k for k, x in values.items() if issubclass(type(x), _CONTAINERS))
-    entry = (owner, values, _holder_signature(d), containers)
+    kept, empties = _module_holder_kept(d) if isinstance(owner, nn.Module) else (frozenset(), ())
+    values = _holder_values(d, kept)
+    containers = tuple(
+        k for k, x in values.items() if issubclass(type(x), _CONTAINERS) and k not in kept
+    )
+    entry = (owner, values, _holder_signature(d), containers, empties)
+    if _entry_holds_tensor(entry):
+        return entry  # (kept by no cache past the step that replaced what it held)
     if cache is None:
         cache = _HOLDERS[module] = {}
     cache[name] = entry
@@ -402,6 +522,8 @@ def holders_in(c: Any, depth: int = 0, budget: list[int] | None = None) -> list[
                 out += [(f"[{k!r}]{p}", h) for p, h in holders_in(x, depth + 1, budget)]
         elif is_holder(x):
             out.append((f"[{k!r}]", x))
+        else:
+            out += [(f"[{k!r}]{p}", h) for p, h in behind(x)]
     return out
 
 
@@ -418,7 +540,7 @@ def _capture_holders(
     if seen is None:
         seen = set()
     todo = [(name, obj, 0)]
-    while todo:
+    while todo and len(out) < _CONTAINER_LIMIT:
         path, o, depth = todo.pop(0)
         if id(o) in seen:
             continue
@@ -427,13 +549,21 @@ def _capture_holders(
             key = path if type(owner) is not SlotView else (path, "__slots__")
             entry = _capture_holder(module, key, owner)
             out.append(entry)
-            if depth + 1 >= _HOLDER_DEPTH:
-                continue
+            held = isinstance(owner, nn.Module)
             for k, x in entry[1].items():
+                if held and k == "_modules":
+                    # a held module's submodules (a teacher's layers): its own tree, each
+                    # level no level of the walk (the count above bounds it)
+                    todo += [(f"{path}.{n}", v, depth) for n, v in x.items() if is_holder(v)]
+                    continue
+                if depth + 1 >= _HOLDER_DEPTH:
+                    continue
                 if is_holder(x):
                     todo.append((f"{path}.{k}", x, depth + 1))
                 elif issubclass(type(x), (*_CONTAINERS, tuple)):
                     todo += [(f"{path}.{k}{p}", h, depth + 1) for p, h in holders_in(x, depth + 1)]
+                else:
+                    todo += [(f"{path}.{k}{p}", h, depth + 1) for p, h in behind(x)]
     return out
 
 
@@ -443,12 +573,49 @@ _PLANS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionar
 def _needs_more(v: Any) -> bool:
     """An attribute value that an identity copy of the dict does not cover: containers (copied
     by value, or which objects they hold), plain holder objects, generators, tensors (sparse
-    ones are copied)."""
+    ones are copied), and the callables a holder can stand behind (a bound method, a
+    partial: which object they are bound to is read at each capture)."""
     return (
-        isinstance(v, (*_CONTAINERS, tuple, torch.Tensor, torch.Generator))
+        isinstance(v, (*_CONTAINERS, tuple, torch.Tensor, torch.Generator, *_WRAPPERS))
         or is_host_rng(v)
         or is_holder(v)
     )
+
+
+#: callables that hold the object they call: a bound method its ``__self__``, a partial its
+#: ``func`` and arguments
+_WRAPPERS = (types.MethodType, functools.partial, types.FunctionType)
+
+
+def behind(v: Any, depth: int = 0) -> list[tuple[str, Any]]:
+    """The holders a bound method, a ``functools.partial`` or a closure calls or passes
+    (``__self__``; ``func``, the arguments and keywords of a partial; the cells a function
+    closes over), to six wrappers deep, each with its path below ``v``: ``self.fn =
+    act.__call__``, ``partial(act)`` or ``lambda h: act(h)`` reads ``act``'s attributes when
+    called, as ``self.act`` would."""
+    t = type(v)
+    if depth > 6 or not issubclass(t, _WRAPPERS):
+        return []
+    if issubclass(t, types.FunctionType):
+        parts = []
+        for i, cell in enumerate(v.__closure__ or ()):
+            try:
+                parts.append((f".__closure__[{i}]", cell.cell_contents))
+            except ValueError:  # an empty cell (a name not bound yet)
+                pass
+    elif issubclass(t, types.MethodType):
+        parts = [(".__self__", v.__self__)]
+    else:
+        parts = [(".func", v.func)]
+        parts += [(f".args[{i}]", a) for i, a in enumerate(v.args)]
+        parts += [(f".keywords[{k!r}]", a) for k, a in (v.keywords or {}).items()]
+    out = []
+    for path, x in parts:
+        if is_holder(x):
+            out.append((path, x))
+        else:
+            out += [(path + p, h) for p, h in behind(x, depth + 1)]
+    return out
 
 
 def _attr_plan(module: nn.Module, d: dict) -> tuple:
@@ -659,7 +826,7 @@ class ModuleSlots:
                             shallow = {}
                         shallow[k] = copy.copy(v)
                 if isinstance(v, (list, tuple)):
-                    g = [x for x in v if _is_generator(x)]
+                    g = _generators_in(v)
                     if g:
                         gens = g if gens is None else gens + g
                 if c is MISSING:
@@ -670,6 +837,9 @@ class ModuleSlots:
                 # a plain object the module holds (a config shared with the root...): the
                 # values of its attributes at forward, and of the holders it holds in turn
                 capture_holders(k, v)
+            else:
+                for path, h in behind(v):  # (a bound method of one, a partial of one)
+                    capture_holders(f"{k}{path}", h)
         self.layout = layout
         self.copies = copies
         self.shallow = shallow
@@ -717,23 +887,114 @@ def capture_slots(
             prev is not None
             and prev is not MISSING
             and same_slots(m.__dict__, prev, token)
-            and (prev.plain or _holders_current(prev.holder_entries))
+            and _capture_current(prev)
         ):
             out.append(prev)
             continue
         s = ModuleSlots(m, token)
         if last is not None:
-            last[i] = s if _shareable(s) and prev is MISSING else None
+            last[i] = s if prev is MISSING and _shareable(s) else None
         out.append(s)
     return out
 
 
 def _shareable(s: ModuleSlots) -> bool:
     """A capture that stands for a later moment with the same slot objects: nothing else to
-    put back (``plain``), or only holder objects, re-checked at each share."""
-    return s.plain or (
-        s.layout is None and s.copies is None and s.shallow is None and bool(s.holder_entries)
+    put back (``plain``), or only containers of objects (shallow copies: a replay is given a
+    fresh copy of one, never the capture's own) and holder objects, re-checked at each share.
+    Copies of plain values and of sparse tensors are made afresh at every capture, and so are
+    containers holding tensors, containers or modules with tensors: a capture shared past its
+    step would keep what they held then alive after the step replaced it, until the next
+    capture."""
+    if s.layout is not None or s.copies is not None:
+        return False
+    if s.holder_entries and any(_entry_holds_tensor(e) for e in s.holder_entries):
+        return False
+    return not s.shallow or all(
+        _holds_no_tensor(x) for v in s.shallow.values() for _, x in _items(v)
     )
+
+
+def _entry_holds_tensor(entry: tuple) -> bool:
+    """Whether a holder capture holds a tensor: a module with parameters or buffers, or a
+    holder with a tensor (or a module with one) among its attributes or their containers' items
+    (a state object whose bank a step rebinds). Such a capture is made afresh at each forward:
+    kept by a cache or shared, it would keep what the step replaced alive until the next one."""
+    owner, values = entry[0], entry[1]
+    if isinstance(owner, nn.Module) and not _holds_no_tensor(owner):
+        return True
+    return any(_may_hold_tensor(v) for v in values.values())
+
+
+def _may_hold_tensor(x: Any, depth: int = 0) -> bool:
+    """A tensor, a module with one, or a container or holder with one among its items or
+    attributes (two levels down; deeper, or past ``_CONTAINER_LIMIT`` items, it may: a
+    capture that holds a holder which holds a tensor would keep both past the step that
+    replaced the holder). Other objects: no."""
+    if is_scalar(x):
+        return False
+    t = type(x)
+    if issubclass(t, torch.Tensor):
+        return True
+    if issubclass(t, nn.Module):
+        if not _holds_no_tensor(x):
+            return True
+    elif issubclass(t, (*_CONTAINERS, tuple)):
+        if depth >= 2 or len(x) > _CONTAINER_LIMIT:
+            return True
+        return any(_may_hold_tensor(i, depth + 1) for i in _items_values(x))
+    elif not is_holder(x):
+        return False
+    if depth >= 2:
+        return True
+    for store in holder_stores(x):
+        attrs = _attrs_of(store)
+        if len(attrs) > _CONTAINER_LIMIT:
+            return True
+        for k, v in attrs.items():
+            if k not in MODULE_INTERNALS and _may_hold_tensor(v, depth + 1):
+                return True
+    return False
+
+
+def _holds_no_tensor(x: Any) -> bool:
+    if isinstance(x, torch.Tensor) or issubclass(type(x), _CONTAINERS):
+        return False
+    if isinstance(x, nn.Module):  # (transformers' kernel function modules hold none)
+        return not _module_tensors(x)
+    return True
+
+
+def _module_tensors(m: nn.Module) -> bool:
+    """Whether ``m`` or a submodule of it holds a parameter or a buffer, walked by id (a
+    module may be unhashable: a dataclass module, which ``nn.Module.modules`` cannot walk)."""
+    todo, seen = [m], set()
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        d = x.__dict__
+        for k in ("_parameters", "_buffers"):
+            if any(v is not None for v in (d.get(k) or {}).values()):
+                return True
+        todo += [v for v in (d.get("_modules") or {}).values() if v is not None]
+    return False
+
+
+def _capture_current(s: ModuleSlots) -> bool:
+    """Whether a shareable capture stands for now (its slots hold the same objects, checked by
+    the caller): every container it copied shallowly holds the same objects as then (a dict
+    of kernel functions on every attention layer of a transformers model), and every holder
+    the same attributes."""
+    if s.plain:
+        return True
+    if s.shallow:
+        d = s.module.__dict__
+        for k, saved in s.shallow.items():
+            if not same_value(d.get(k, MISSING), saved):
+                return False
+    return not s.holder_entries or _holders_current(s.holder_entries)
 
 
 def _holders_current(entries: list[tuple] | None) -> bool:
@@ -741,15 +1002,40 @@ def _holders_current(entries: list[tuple] | None) -> bool:
     with (then its capture stands for now)."""
     if not entries:
         return False
-    for owner, saved, sig, containers in entries:
+    for owner, saved, sig, containers, empties in entries:
         d = _attrs_of(owner)
-        if not _holder_same(d, sig) or not _containers_unchanged(d, saved, containers):
+        if not _holder_same(d, sig) or not _containers_unchanged(d, saved, containers, empties):
             return False
     return True
 
 
 def _is_generator(x: Any) -> bool:
     return isinstance(x, torch.Generator) or is_host_rng(x)
+
+
+#: per item type: whether an item of it can be a generator (see :func:`_generators_in`)
+_GENERATOR_TYPES: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def _generators_in(items: Any) -> list[Any]:
+    """The generators among ``items`` (a list, a tuple or a dict's values), told by their
+    types first (a set of types at C speed: a list of 10,000 floats is one type to ask about,
+    not 10,000 items)."""
+    kinds = set(map(type, items))
+    for t in kinds:
+        known = _GENERATOR_TYPES.get(t)
+        if known is None:
+            known = _GENERATOR_TYPES[t] = issubclass(t, torch.Generator) or _host_rng_type(t)
+        if known:
+            return [x for x in items if _is_generator(x)]
+    return []
+
+
+def _host_rng_type(t: type) -> bool:
+    np = sys.modules.get("numpy")
+    if issubclass(t, random.Random):
+        return True
+    return np is not None and issubclass(t, (np.random.RandomState, np.random.Generator))
 
 
 def slot_generators(slots: list[ModuleSlots]) -> list[Any]:
@@ -763,13 +1049,13 @@ def slot_generators(slots: list[ModuleSlots]) -> list[Any]:
         if found is None:  # a capture never changes: scanned once, however often it is shared
             found = list(s.gens or ())
             for v in (s.shallow or {}).values():
-                found += [x for _, x in _items(v) if _is_generator(x)]
+                found += _generators_in(v.values() if isinstance(v, dict) else v)
             for _, v in s.holders or ():
                 for x in v.values():
                     if _is_generator(x):
                         found.append(x)
                     elif type(x) in (list, tuple, dict):  # a holder's list of generators
-                        found += [y for _, y in _items(x) if _is_generator(y)]
+                        found += _generators_in(x.values() if type(x) is dict else x)
             s.found = found
         for g in found:
             if id(g) not in seen:
@@ -837,7 +1123,7 @@ def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, 
             d, name = d[name[0]], name[1]
         v = d.get(name, MISSING)
         out.append((d, name, _at_forward(v)))
-        if is_scalar(v) or isinstance(v, (torch.Tensor, nn.Module)):
+        if is_scalar(v) or isinstance(v, torch.Tensor):
             continue
         if issubclass(type(v), (*_CONTAINERS, tuple)):
             kept = _kept_holders(m, name, v)
@@ -846,7 +1132,7 @@ def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, 
                 continue
             found = [(f"{name}{p}", h) for p, h in holders_in(v)]
         else:
-            found = [(name, v)] if is_holder(v) else []
+            found = [(name, v)] if is_holder(v) else [(f"{name}{p}", h) for p, h in behind(v)]
         seen: set[int] = set()
         group = []
         for path, h in found:  # (after the attribute: swapped after it, restored before)
@@ -891,8 +1177,11 @@ def _keep_holders(m: Any, name: Any, c: Any, captures: list) -> HolderGroup | No
         return None
     dicts = []
     for _, _, entries in captures:
-        for owner, _, _, containers in entries:
-            if type(owner) is SlotView or containers:  # (no tag stands for these)
+        for entry in entries:
+            owner, _, _, containers, empties = entry
+            if type(owner) is SlotView or containers or empties:  # (no tag stands for these)
+                return None
+            if _entry_holds_tensor(entry):  # (kept past the step that replaced what it held)
                 return None
             dicts.append(object.__getattribute__(owner, "__dict__"))
     group = HolderGroup(dicts, _tags(dicts), captures)

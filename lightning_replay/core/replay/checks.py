@@ -48,7 +48,12 @@ from lightning_replay.core.mechanisms import backend_flags
 from lightning_replay.core.mechanisms.accounting import Saved
 from lightning_replay.errors import ReplayError
 from lightning_replay.core.base.contract import SELECTIVE
-from lightning_replay.core.replay.restore import _BytesSandbox, _Invocation, _ReplayContext
+from lightning_replay.core.replay.restore import (
+    _BytesSandbox,
+    _Invocation,
+    _ReplayContext,
+    state_view,
+)
 from lightning_replay.core.mechanisms.selective import KeptEvent, SelectiveFrame
 from lightning_replay.core.mechanisms.slots import (
     capture_slots,
@@ -715,7 +720,7 @@ class SegmentChecks:
         eng._contracts_changed()
 
     def _check_state_digests(self, inv: _Invocation) -> None:
-        now = digests([t for _, t in inv.tensors])
+        now = digests([state_view(e, t) for e, t in inv.tensors])
         bad = [e.name for (e, _), a, b in zip(inv.tensors, inv.digests, now) if a != b]
         self.seg.checks += 1
         if bad:

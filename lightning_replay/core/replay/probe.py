@@ -76,6 +76,7 @@ from lightning_replay.core.mechanisms.slots import (
     capture_generators,
     capture_slots,
     is_scalar,
+    registered_modules,
     same_value,
     slot_generators,
     slot_tensors,
@@ -191,7 +192,7 @@ class _HostReads:
         def watched(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
                 # (a host view that can be written: no log sees a write through it)
-                mode.touch_all([t], copy=writable)
+                mode.touch_all([t], copy=writable, host=True)
             return fn(t, *args, **kwargs)
 
         return watched
@@ -718,7 +719,11 @@ class SegmentProbe:
             return handle
 
         ids = {id(m) for m in self.seg.modules}
-        outside = OutsideReads([m for m in eng.model.modules() if id(m) not in ids])
+        mine = [m for m in eng.model.modules() if id(m) not in ids]
+        # (and the modules other installed models register: one this model's segments hold
+        # in a plain attribute is no holder, so its reads are traced like the model's own)
+        others = registered_modules(ids | {id(m) for m in mine})
+        outside = OutsideReads(mine + others)
         own = OutsideReads(self.seg.modules)  # which of its own attributes the forward reads
         holders = _holders(self.seg.modules)  # ... and of the holders it reaches
         held = HolderReads([h for _, _, h, _ in holders])
@@ -755,6 +760,15 @@ class SegmentProbe:
                 comparisons() as compared,
             ):
                 out = self.seg.orig_forward(*args, **kwargs)
+        except BaseException:
+            # An abandoned forward (the segment raised): autograd's nodes made before the raise
+            # hold this probe through their saved-tensor handles, and the tensors it saved hold
+            # those nodes (grad_fn). A cycle through C++ that the garbage collector cannot see:
+            # the whole model, its optimizer state and the step's activations would live for
+            # the rest of the process. The probe lets go of every tensor the forward made.
+            probe.saved_live = []
+            probe.saved_state = {}
+            raise
         finally:
             eng._segment_depth -= 1
             probe.running = False
@@ -1075,7 +1089,10 @@ class SegmentProbe:
                 entry, b = self._entry_for(t, refs, eng)
                 if entry.name in merged:
                     prev = merged[entry.name]
-                    prev.shape, prev.nbytes = entry.shape, entry.nbytes
+                    # (the bytes every probe saw read: issue 31)
+                    ext = _merge_extent(prev, entry)
+                    prev.shape, prev.extent = entry.shape, ext
+                    prev.nbytes = entry.nbytes if ext is None else ext[1] - ext[0]
                     entry = prev
                 else:
                     merged[entry.name] = entry
@@ -1219,6 +1236,11 @@ class SegmentProbe:
     def _entry_for(self, touch, refs: list[StateRef], eng: ProbeHost):
         t = touch.tensor
         nbytes = t.untyped_storage().nbytes()
+        span = touch.span
+        extent = None
+        if span is not None and 0 <= span[0] < span[1] <= nbytes and span[1] - span[0] < nbytes:
+            extent = [int(span[0]), int(span[1])]
+            nbytes = extent[1] - extent[0]
         if refs:
             ref = refs[0]
             live = ref.get()
@@ -1231,6 +1253,7 @@ class SegmentProbe:
                 str(t.device),
                 nbytes,
                 aliases=[r.name for r in refs[1:]],
+                extent=extent,
             )
             return entry, _Bound(entry, ref.get)
         for i, x in enumerate(eng._external):  # the same outside tensor seen again
@@ -1247,6 +1270,7 @@ class SegmentProbe:
             str(t.dtype).replace("torch.", ""),
             str(t.device),
             nbytes,
+            extent=extent,
         )
         return entry, _Bound(entry, lambda t=t: t)
 
@@ -1282,3 +1306,11 @@ class SegmentProbe:
             if self.seg.status in ("active", "retain"):
                 self.seg.status = "retain" if self.seg.contract.option == "retain" else "active"
             self.host._contracts_changed()
+
+
+def _merge_extent(prev: StateEntry, new: StateEntry) -> list[int] | None:
+    """The extent of a state entry seen by two probes: what either read (None: the whole
+    storage, as either saw it)."""
+    if prev.extent is None or new.extent is None:
+        return None
+    return [min(prev.extent[0], new.extent[0]), max(prev.extent[1], new.extent[1])]

@@ -53,7 +53,13 @@ from lightning_replay.core.mechanisms.slots import (
     capture_slots,
     slot_generators,
 )
-from lightning_replay.core.base.state import StateRef, digest, storage_bytes, storage_key
+from lightning_replay.core.base.state import (
+    StateRef,
+    digest,
+    extent_bytes,
+    storage_bytes,
+    storage_key,
+)
 
 
 # Per segment runtime: the views and spare buffers its small whole snapshots reuse.
@@ -90,6 +96,7 @@ class _Invocation:
         "shared_writes",
         "storages",
         "regions",
+        "region_extents",
         "gens",
         "slots",
         "digests",
@@ -138,6 +145,7 @@ class _Invocation:
         # (tensor, data pointer, storage, offset, shape, stride) at forward
         self.storages: list[tuple] = []
         self.regions: list[tuple[Any, int]] = []
+        self.region_extents: list = []  # (each arm's extent, for its release)
         self.sandbox_keys: list = []
         self.subs: dict[int, torch.Tensor] = {}  # input leaf -> its bytes at forward
         #: input leaf -> its Python attributes at forward (``x.gain = ...``), which the replay
@@ -156,12 +164,13 @@ class _Invocation:
         log = eng.log
         capturing = eng._capturing
         whole: list[torch.Tensor] = []
+        extents: list = []
         self.changing: list = []  # storages of the state whose bytes the window changes
         tensors, versions, storages, prs = self.tensors, self.versions, self.storages, self.prs
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            for entry, get, p, is_param, written, changes in _entry_plan(rt):
+            for entry, get, p, is_param, written, changes, ext in _entry_plan(rt):
                 t = get()
                 if t is None:
                     continue
@@ -187,19 +196,21 @@ class _Invocation:
                 if p in ("regions", "guard") and capturing:
                     key = storage_key(t)
                     if key is not None:
-                        self.regions.append((key, log.arm(key, t)))
+                        self.regions.append((key, log.arm(key, t, extent=ext)))
+                        self.region_extents.append(ext)
                         if p == "regions" and written:
                             self.sandbox_keys.append(key)
                 elif p in ("whole", "regions"):
                     if not is_param and not written:
-                        self.shared.append((None, t))  # read only: one copy per window
+                        self.shared.append((ext, t))  # read only: one copy per window
                     else:
                         whole.append(t)
+                        extents.append(ext)
             if whole:
                 pool = _POOLS.get(rt)
                 if pool is None:
                     pool = _POOLS[rt] = SnapshotPool()
-                snap = self.whole = WholeSnapshot(whole, pool)
+                snap = self.whole = WholeSnapshot(whole, pool, extents)
                 self.preserved_bytes += snap.nbytes
                 if eng.accountant is not None:
                     key = ("snapshot", id(snap))
@@ -227,7 +238,7 @@ class _Invocation:
         self.preserved_bytes += sum(
             s.untyped_storage().nbytes() for _, s in self.gens if isinstance(s, torch.Tensor)
         )
-        self.digests = [digest(t) for _, t in self.tensors] if check_bytes else None
+        self.digests = [digest(state_view(e, t)) for e, t in self.tensors] if check_bytes else None
         eng._held_bytes += self.preserved_bytes
 
     def _share(self, eng: ReplayHost, rt: "ReplaySegment") -> None:
@@ -238,13 +249,13 @@ class _Invocation:
             window = {}
             _SHARED[eng] = (eng.step, window)
         mine: list[tuple[SharedWhole, torch.Tensor]] = []
-        for _, t in self.shared:
-            key = storage_key(t)
-            if any(sw.key == key for sw, _ in mine):
+        for ext, t in self.shared:
+            key = (storage_key(t), ext)  # (two segments reading two parts: a copy each)
+            if any((sw.key, sw.extent) == key for sw, _ in mine):
                 continue  # two entries on one storage (a view and its base): one swap
             sw = window.get(key)
             if sw is None or not sw.serves(t):
-                sw = window[key] = SharedWhole(t)
+                sw = window[key] = SharedWhole(t, ext)
                 eng._held_bytes += sw.nbytes
                 if eng.accountant is not None:
                     eng.accountant.hold(("shared", id(sw)), sw.nbytes, rt.name)
@@ -265,7 +276,7 @@ class _Invocation:
             self,
             _dropped,
             eng.log,
-            [k for k, _ in self.regions],
+            list(zip([k for k, _ in self.regions], self.region_extents)),
             eng,
             [sw for sw, _ in self.shared],
             self._token,
@@ -279,8 +290,8 @@ class _Invocation:
         eng = self.rt.engine
         _free_shared(eng, [sw for sw, _ in self.shared])
         eng._held_bytes -= self.preserved_bytes
-        for key, _ in self.regions:
-            eng.log.release(key)
+        for (key, _), ext in zip(self.regions, self.region_extents):
+            eng.log.release(key, extent=ext)
         self.whole = None
         acct = eng.accountant
         if acct is not None:
@@ -307,11 +318,18 @@ def _entry_plan(rt: "ReplaySegment") -> list[tuple]:
             b.entry.kind == "parameter",
             b.entry.written_by_segment,
             b.entry.changes_in_window,
+            tuple(b.entry.extent) if b.entry.extent is not None else None,
         )
         for b in rt.bound
     ]
     rt._entry_plan = (key, plan)
     return plan
+
+
+def state_view(entry: StateEntry, t: torch.Tensor) -> torch.Tensor:
+    """What of ``t`` its contract entry preserves and compares: the bytes of its extent (a
+    view of a bigger storage, issue 31), or ``t`` itself."""
+    return t if entry.extent is None else extent_bytes(t, entry.extent)
 
 
 def _fast_get(get: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor | None]:
@@ -344,8 +362,8 @@ def _dropped(
 ) -> None:
     if not token["done"]:  # dropped without replay (graph freed, backward never called)
         token["done"] = True
-        for key in keys:
-            log.release(key)
+        for key, ext in keys:
+            log.release(key, extent=ext)
         _free_shared(eng, sws)
         held = token.get("held")
         if held is not None:  # (see _Invocation.watch)
