@@ -24,7 +24,10 @@ one prefetched). A segment saves the gathered parameters it multiplies by, but F
 refills them on its own schedule whatever the plan does: they are never a segment's cost (the
 probe leaves them out of its activation bytes, and the accountant counts them in the base only),
 so the plan's predicted peak and the accounted peak agree. Backward's transient buffers (FSDP's
-all-gather and reduce-scatter buffers, unsharded gradients) are not accounted: on CPU each rank
+all-gather and reduce-scatter buffers, unsharded gradients) are not accounted (but every plan
+keeps two units' unsharded gradients free on top of its figures, the engine's
+``reserve_memory``: when the collective frees them varies from step to step, see
+:meth:`_GatheredParameters.reduce_bytes`): on CPU each rank
 measures its own real peak on the first step of each plan (the engine's profiler referee, see
 :mod:`lightning_replay.memory`), and what it held beyond the accountant joins that rank's base.
 Ranks' bases differ (uneven shards, a rank's own tensors), so rank 0 plans for the largest real
@@ -204,6 +207,10 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         self._gathered: _GatheredParameters | None = None
         #: Bytes of gathered parameters FSDP holds at its most on this rank (0 until setup).
         self.gathered_bytes = 0
+        #: Bytes every plan keeps free (the engine's ``reserve_memory``) for unsharded
+        #: gradients a reduce-scatter holds a moment longer on some steps than on the step
+        #: the engine measured (0 until setup).
+        self.reduce_bytes = 0
 
     # The replay half is ReplayStrategy's own code (the same functions, not copies): records,
     # segment resolution, budget, install, the one plan for all ranks, and resumable state.
@@ -272,6 +279,7 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         ReplayStrategy._install(self, model)
         self._gathered = _GatheredParameters(model)
         self.gathered_bytes = self._gathered.held_bytes()
+        self.reduce_bytes = self._gathered.reduce_bytes()
         self._base_given = _base_memory(self.engine)
         self._count_base()
 
@@ -285,6 +293,8 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         )
         if base != _base_memory(engine):
             _set_base_memory(engine, base)
+        if engine.config.reserve_memory != self.reduce_bytes:
+            engine.config = engine.config.replace(reserve_memory=self.reduce_bytes)
         if engine.accountant is not None:
             engine.accountant.counted_elsewhere = self._gathered
 
@@ -443,6 +453,37 @@ class _GatheredParameters:
             else:
                 resharded.append(nbytes)
         return kept + sum(sorted(resharded, reverse=True)[:2])
+
+    def reduce_bytes(self) -> int:
+        """What every plan keeps free for the reduce-scatter's timing: the unsharded gradients of the
+        two largest units that have trainable parameters, in the reduce dtype.
+
+        FSDP reduce-scatters each unit's unsharded gradients after its backward; the
+        collective (gloo's own threads, NCCL's stream) frees its input when it completes,
+        a moment that varies from step to step. The engine measures a step's real peak now
+        and then, and the plan is made from those figures, so another step can hold one or
+        two more units' unsharded gradients than the measured one did: measured on CPU, one
+        block's (4,480-4,676 B) on one step in a few runs, over a budget the prediction met
+        with 1,192 B to spare; two blocks' once, under load."""
+        sizes = []
+        for _, _, group in self.units:
+            policy = getattr(group, "mp_policy", None)
+            nbytes = 0
+            for fp in group.fsdp_params:
+                if not fp.sharded_param.requires_grad:
+                    continue
+                dtype = (
+                    getattr(policy, "reduce_dtype", None)
+                    or getattr(policy, "param_dtype", None)
+                    or fp.sharded_param.dtype
+                )
+                nbytes += (
+                    fp.padded_sharded_param_size.numel()
+                    * fp.mesh_info.shard_mesh_size
+                    * dtype.itemsize
+                )
+            sizes.append(nbytes)
+        return sum(sorted(sizes, reverse=True)[:2])
 
 
 def _fsdp_param_groups(model: nn.Module) -> list[tuple[str, bool, Any]]:

@@ -733,7 +733,10 @@ class BudgetRankZeroWouldRetainAll(L.Callback):
         if trainer.global_step != self.at:
             return
         strategy, engine = trainer.strategy, trainer.strategy.engine
-        own = torch.tensor([engine.base_memory + engine.unaccounted_bytes])
+        # (plus what every plan keeps free for the reduce-scatter's timing: the same on each)
+        own = torch.tensor(
+            [engine.base_memory + engine.unaccounted_bytes + engine.config.reserve_memory]
+        )
         bases = [int(b) for b in strategy.all_gather(own).flatten()]
         costs = engine.costs
         retain = {c.name: "retain" for c in costs}

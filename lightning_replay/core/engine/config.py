@@ -171,6 +171,11 @@ class ReplayConfig:
         planner: a method of :data:`lightning_replay.planner.METHODS`.
         track_memory: count saved-tensor and snapshot bytes every step.
         base_memory: bytes outside the engine's view, added to the base.
+        reserve_memory: bytes every plan keeps free on top of its measured figures, for
+            transients a measured step may not show (a collective that frees its buffers at a
+            moment that varies from step to step: ``replay_fsdp`` sets it). Unlike
+            ``base_memory`` it is never compared with a measured step: what a step held beyond
+            the accountant does not absorb it.
         calibration_steps: steps per option measured before the first plan.
         real_peak: plan for the process's measured real peak (see ``install``).
         measure_costs: time each option every step: ``None`` while a budget is set (not after
@@ -195,6 +200,7 @@ class ReplayConfig:
     planner: str = "joint"
     track_memory: bool = False
     base_memory: int = 0
+    reserve_memory: int = 0
     calibration_steps: int = 2
     real_peak: bool = True
     measure_costs: bool | None = None
@@ -257,6 +263,7 @@ class ReplayConfig:
         if self.measure_costs not in (None, True, False):
             raise bad("measure_costs", self.measure_costs, "must be None or a bool")
         check_count(call, "base_memory", self.base_memory, minimum=0)
+        check_count(call, "reserve_memory", self.reserve_memory, minimum=0)
         check_count(call, "calibration_steps", self.calibration_steps)
         if self.selective is not None and self.selective not in POLICIES:
             raise bad("selective", self.selective, f"is not known; use one of {list(POLICIES)}")

@@ -414,7 +414,9 @@ class ReplayEngine:
 
         Less the gradients that do not exist at the forward's end (None as every window
         began, once a step was measured against that figure: ``zero_grad(set_to_none=True)``);
-        :attr:`phase_peak_args` charges each segment's moment those that exist by then."""
+        :attr:`phase_peak_args` charges each segment's moment those that exist by then.
+
+        Plus the config's ``reserve_memory``, which no measurement absorbs."""
         # the part that is not optimizer state (backward temporaries, the batch) grows with
         # the input, like the activations (see size_scale)
         residual = self._scaled_residual()
@@ -422,7 +424,9 @@ class ReplayEngine:
         grows = (residual - fixed) * self.size_scale(self._residual_size)
         credit = grad_credits(self)[0]
         own = self.base_memory + fixed + int(grows) - credit
-        return own if self._ranks_base is None else max(own, self._ranks_base - credit)
+        if self._ranks_base is not None:
+            own = max(own, self._ranks_base - credit)
+        return own + self.config.reserve_memory
 
     @property
     def phase_peak_args(self) -> dict[str, int]:
