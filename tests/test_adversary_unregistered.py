@@ -1068,14 +1068,10 @@ class HoldsState(nn.Module):
         return x + torch.tanh(self.lin(x) + self.outer().state.bank)
 
 
-_HOLDER_IN_HOLDER_KEPT = pytest.mark.xfail(
-    strict=True,
-    reason="measured at b18e385 (and at 47e6a59): the replaced inner holder (and its bank "
-    "tensor) stays alive until the segment's next forward. Since 0bb9878 no capture cache "
-    "keeps it (_may_hold_tensor looks inside holders); the guard's _alive and _watched still "
-    "do, as for a rebound container (test_shared_slot_captures), and a SimpleNamespace takes "
-    "no weak reference",
-)
+#: "holder in holder" was a strict xfail from b18e385 to 2d32955: the replaced inner holder
+#: (and its bank tensor) stayed alive until the segment's next forward, in the guard's
+#: _alive and _watched (a SimpleNamespace takes no weak reference); the guard keeps no
+#: container or holder that holds a tensor since (Guard._settle).
 #: failed at b18e385, fixed since; passes at 47e6a59 (a regression of ec97342, which made the
 #: unregistered module a holder): the module (no tensors of its own) is captured as a holder
 #: whose values hold the inner holder; _entry_holds_tensor says no, so _HOLDERS keeps that
@@ -1085,7 +1081,7 @@ _HOLDER_IN_HOLDER_KEPT = pytest.mark.xfail(
 @pytest.mark.parametrize(
     "where",
     [
-        pytest.param("holder in holder", marks=_HOLDER_IN_HOLDER_KEPT),
+        pytest.param("holder in holder"),
         pytest.param("holder in module"),
     ],
 )

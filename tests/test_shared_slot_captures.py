@@ -165,11 +165,15 @@ class HoldsTensors(nn.Module):
 
     def put(self, w: Any) -> None:
         """Rebind the item where it is held (the container and the holder stay; with
-        ``"new dict"``, a new container holds it)."""
+        ``"new ..."``, a new container or holder holds it)."""
         if self.where == "dict":
             self.bank["w"] = w
         elif self.where == "new dict":
             self.__dict__["bank"] = {"w": w}
+        elif self.where == "new list":
+            self.__dict__["bank"] = [w]
+        elif self.where == "new holder":
+            self.__dict__["cfg"] = types.SimpleNamespace(eps=1e-5, w=w)
         elif self.where == "attribute":
             self.__dict__["w"] = w
         else:
@@ -179,6 +183,8 @@ class HoldsTensors(nn.Module):
         d = self.__dict__
         if self.where in ("dict", "new dict"):
             return d["bank"]["w"]
+        if self.where == "new list":
+            return d["bank"][0]
         return d["w"] if self.where == "attribute" else d["cfg"].w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,19 +198,12 @@ class TensorBank(Stack):
         super().__init__([HoldsTensors(kind, where), HoldsTensors(kind, where)])
 
 
-#: measured at b18e385: the guard's watch list (Guard._watched, _alive) holds the container a
-#: step rebound, with its tensors, until the segment's next forward reads its signature; a
-#: list or dict cannot be named by weak reference
-_GUARD_KEEPS_CONTAINERS = pytest.mark.xfail(
-    strict=True,
-    reason="the guard keeps a rebound container (and what it holds) alive until the segment's "
-    "next forward: its fast signature reads the watched containers' items by id",
-)
-
-
 @pytest.mark.parametrize(
     "where",
-    ["dict", "attribute", "holder", pytest.param("new dict", marks=_GUARD_KEEPS_CONTAINERS)],
+    # ("new ...": the step rebinds the container or holder itself; the guard kept the old one,
+    # with what it held, until the segment's next forward: strict xfails until the guard
+    # stopped keeping containers and holders that hold tensors)
+    ["dict", "attribute", "holder", "new dict", "new list", "new holder"],
 )
 @pytest.mark.parametrize(
     "kind",

@@ -65,6 +65,7 @@ from lightning_replay.core.mechanisms.slots import (
     MISSING,
     MODULE_INTERNALS,
     SlotView,
+    _holds_no_tensor,
     copy_plain,
     global_hooks,
     hook_ids,
@@ -551,6 +552,18 @@ def is_flag(v: Any) -> bool:
     return is_scalar(v) and (type(v) is bool or not isinstance(v, numbers.Number))
 
 
+def _holds_no_tensor_item(v: Any) -> bool:
+    """An item of a watched container or holder that holds no tensor directly: a tensor, or a
+    module with a parameter or buffer that no installed model registers, is one that does
+    (a registered one lives with its model whoever else holds it)."""
+    t = type(v)
+    if issubclass(t, torch.Tensor):
+        return False
+    if issubclass(t, nn.Module):
+        return not is_holder(v) or _holds_no_tensor(v)
+    return True
+
+
 def _flag_death(flag: list, _ref: Any) -> None:
     """A weak reference's callback: an object a guard names by weak reference died."""
     flag[0] = True
@@ -747,26 +760,46 @@ class Guard:
         a freed one's id is a slot whose contract entry the replay captures and checks
         anyway. Modules (a module held in a container attribute, with its parameters) are
         named by weak reference: one replaced is freed with the step that replaced it, and
-        its death makes the next :meth:`changed` read the fingerprint."""
+        its death makes the next :meth:`changed` read the fingerprint.
+
+        Containers and holders are not kept where one of them holds a tensor (or a module
+        with one that no installed model registers): a step that rebinds the container would
+        keep what it held alive until the next forward. The signatures are then no proof, and
+        every forward reads the fingerprint."""
         if watched is None:
             watched = _reachable(self.modules, self.outside)
-        if _watch_ids(watched) != _watch_ids(self._watched):
-            fast, exact = _identity_signature(self.modules, watched, outside=self.outside), None
-        self._watched = watched
-        self._fast = fast
-        if exact is None:
-            exact = (
-                _identity_signature(self.modules, watched, exact=True, outside=self.outside)
-                if dict_version
-                else fast
-            )
-        self._exact = exact
         alive = [v for m in self.modules for v in m.__dict__.values()]
         alive += [d.get(n) for d, n, _ in self.outside]
         alive += [f for m in self.modules for h in _hooks(m) for f in h.values()]
         alive += [f for h in global_hooks()[0] if h for f in h.values()]
-        for _, _, o, *_ in watched:
-            alive += list(o) if isinstance(o, (list, set)) else _attrs(o).values()
+        loose = False
+        for _, path, o, *_ in watched:
+            items = list(o) if isinstance(o, (list, set)) else _attrs(o).values()
+            alive += items
+            if not loose and path not in _SLOT_DICTS and type(o) is not ClassView:
+                loose = not all(map(_holds_no_tensor_item, items))
+        if loose:
+            # A container or holder holds a tensor (or a module with one): kept here, one that
+            # a step rebinds (``self.bank = {"w": new}``) would keep what it held alive until
+            # the next forward. None of them is kept; without them equal ids prove nothing,
+            # so every forward reads the fingerprint (by value and by the items' ids; the
+            # plain items stay kept, the tensors are the contract's, captured at each step).
+            gone = {id(o.obj if type(o) is SlotView else o) for _, _, o, *_ in watched}
+            alive = [v for v in alive if id(v) not in gone]
+            self._watched, self._fast, self._exact = _Watched(), None, None
+        else:
+            if _watch_ids(watched) != _watch_ids(self._watched):
+                fast = _identity_signature(self.modules, watched, outside=self.outside)
+                exact = None
+            self._watched = watched
+            self._fast = fast
+            if exact is None:
+                exact = (
+                    _identity_signature(self.modules, watched, exact=True, outside=self.outside)
+                    if dict_version
+                    else fast
+                )
+            self._exact = exact
         keep, weak = [], []
         for v in alive:
             t = type(v)
