@@ -195,13 +195,42 @@ def test_a_holder_behind_a_callable_is_put_back(kind, preservation):
     assert replays >= 4
 
 
+_GLOBAL_GAIN = {"gain": 1.0}
+
+
+def _reads_global(h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h * _GLOBAL_GAIN["gain"])
+
+
 class ViaClass(Uses):
+    """Holds a function that reads state outside any module: a class attribute through a
+    classmethod or a staticmethod, or a module-level dict through a plain function; held
+    as a plain attribute, in a dict, in a list, or behind a partial."""
+
     def __init__(self, which: str) -> None:
         super().__init__()
-        self.__dict__["fn"] = _ClassGain.cm if which == "classmethod" else _ClassGain.sm
+        fn = {
+            "classmethod": _ClassGain.cm,
+            "staticmethod": _ClassGain.sm,
+            "classmethod in a dict": _ClassGain.cm,
+            "partial of a classmethod": functools.partial(_ClassGain.cm),
+            "staticmethod in a list": _ClassGain.sm,
+            "function reading a global, in a dict": _reads_global,
+        }[which]
+        self.where = "list" if "list" in which else "dict" if "dict" in which else "attr"
+        self.__dict__["fns"] = {"fn": fn} if self.where == "dict" else [fn]
+        self.__dict__["fn"] = fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.__dict__["fn"](self.lin(x))
+        d = self.__dict__
+        fn = (
+            d["fn"]
+            if self.where == "attr"
+            else d["fns"]["fn"]
+            if self.where == "dict"
+            else d["fns"][0]
+        )
+        return x + fn(self.lin(x))
 
 
 class AnnealsClass(Stack):
@@ -210,24 +239,32 @@ class AnnealsClass(Stack):
 
     def after(self, h: torch.Tensor) -> None:
         _ClassGain.gain *= 0.9
+        _GLOBAL_GAIN["gain"] *= 0.9
 
 
 def _reset_class(model: nn.Module, step: int) -> None:
     if step == 0:
         _ClassGain.gain = 1.0
+        _GLOBAL_GAIN["gain"] = 1.0
 
 
-_CLASS_STATE = pytest.mark.xfail(
-    strict=True,
-    reason="measured: wrong gradients from step 1 (both blocks), silently: behind() stops at "
-    "a classmethod's __self__ (a class: no holder) and a staticmethod is a plain function; "
-    "the code of a callable held in a module's dict is not scanned for the globals it reads",
-)
+#: ("classmethod" and "staticmethod" were strict xfails until 2d32955, wrong gradients from
+#: step 1, silently: the code of a function a module holds was not scanned for the class
+#: attributes and globals it reads; probe.py passes module_globals.held_functions now)
 
 
-@_CLASS_STATE
 @pytest.mark.parametrize("preservation", PRES)
-@pytest.mark.parametrize("which", ["classmethod", "staticmethod"])
+@pytest.mark.parametrize(
+    "which",
+    [
+        "classmethod",
+        "staticmethod",
+        "classmethod in a dict",
+        "partial of a classmethod",
+        "staticmethod in a list",
+        "function reading a global, in a dict",
+    ],
+)
 def test_a_class_attribute_behind_a_classmethod_is_put_back(which, preservation):
     assert_exact(
         lambda: AnnealsClass(which), SEGS2, preservation, min_replays=4, schedule=_reset_class

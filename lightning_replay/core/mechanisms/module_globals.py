@@ -6,8 +6,9 @@ flag. No guard sees such a value change, and a replay that reads the new one com
 gradient than the forward's, silently. The bytecode names those reads: ``LOAD_GLOBAL`` (and
 ``STORE_GLOBAL``) and ``LOAD_DEREF`` of closure cells in the methods of the segment's module
 classes (and in the methods and properties of modules outside it that its forward called,
-which the probe's tracing names) and, up to ``_DEPTH`` calls down, in the module-level
-functions they name. :func:`globals_read` returns the ones whose values can change unseen,
+which the probe's tracing names), in the functions its modules hold in attributes
+(:func:`held_functions`: a classmethod reading ``cls.gain``, a static or plain function) and,
+up to ``_DEPTH`` calls down, in the module-level functions they name. :func:`globals_read` returns the ones whose values can change unseen,
 plain values (numbers, strings, enums, small containers of them), as ``(owner, name)`` pairs. The engine treats them like attributes read from modules outside the segment
 (:func:`lightning_replay.slots.capture_outside`): captured at every forward, put back for the
 replay and restored after it.
@@ -32,6 +33,7 @@ the segment: never silently unwatched.
 from __future__ import annotations
 
 import dis
+import functools
 import sys
 import types
 import warnings
@@ -44,6 +46,7 @@ from torch import nn
 from lightning_replay.core.mechanisms.slots import (
     HOOK_DICTS,
     MISSING,
+    MODULE_INTERNALS,
     copy_plain,
     is_holder,
     is_scalar,
@@ -262,6 +265,38 @@ def _hook_functions(modules: list[nn.Module]) -> Iterable[types.FunctionType]:
                 fn = getattr(fn, "__wrapped__", fn)
                 if isinstance(fn, types.FunctionType):
                     yield fn
+
+
+def held_functions(modules: Iterable[nn.Module]) -> list[tuple[types.FunctionType, Any]]:
+    """The Python functions ``modules`` hold in plain attributes and in the lists, tuples and
+    dicts there (``self.fn = Config.scale_of``, ``self.acts = {"gain": Gain.apply}``), each
+    with the object its first argument is: a bound method's object or class (a classmethod),
+    None for a plain or static function; ``functools.partial`` unwrapped (up to 6 deep). The
+    segment's forward calls them: a class attribute or module-level value they read is the
+    segment's as much as its own code's (:func:`globals_read`'s ``functions``)."""
+    out: list[tuple[types.FunctionType, Any]] = []
+    seen: set[int] = set()
+    for m in modules:
+        for k, v in vars(m).items():
+            if k in MODULE_INTERNALS:
+                continue
+            items = [v]
+            if type(v) in (list, tuple, dict) and len(v) <= _MAX_ITEMS:
+                items += list(v.values()) if type(v) is dict else list(v)
+            for x in items:
+                obj = None
+                for _ in range(6):
+                    if isinstance(x, functools.partial):
+                        x = x.func
+                    elif isinstance(x, types.MethodType):
+                        obj, x = x.__self__, x.__func__
+                    else:
+                        break
+                x = getattr(x, "__wrapped__", x)
+                if isinstance(x, types.FunctionType) and id(x) not in seen:
+                    seen.add(id(x))
+                    out.append((x, obj))
+    return out
 
 
 def _holder(value: Any) -> bool:
@@ -516,17 +551,22 @@ def globals_read(
             if value is MISSING or _plain(value):  # (absent: a flag set later is another's)
                 add(_items_owner(holder, _chain_label(chain)), key)
     # self.temp where no instance holds ``temp``: the class's attribute, which a training
-    # loop may anneal (Block.temp *= 0.9) with no guard seeing it; type(self).temp always
+    # loop may anneal (Block.temp *= 0.9) with no guard seeing it; type(self).temp always,
+    # and cls.temp in a classmethod (its first argument is the class)
     for m in instances:
         inst = vars(m)
         for name in read_from_self | class_reads:
             if name.startswith("__"):
                 continue
-            if name not in class_reads and (
-                name in inst
-                or name in inst.get("_modules", ())
-                or name in inst.get("_parameters", ())
-                or name in inst.get("_buffers", ())
+            if (
+                name not in class_reads
+                and not isinstance(m, type)
+                and (
+                    name in inst
+                    or name in inst.get("_modules", ())
+                    or name in inst.get("_parameters", ())
+                    or name in inst.get("_buffers", ())
+                )
             ):
                 continue
             cls_owner = _class_owner(m if isinstance(m, type) else type(m), name)

@@ -63,7 +63,7 @@ from lightning_replay.core.mechanisms.host_rng import (
     states,
 )
 from lightning_replay.core.replay.restore import _Bound, user_saved_hooks
-from lightning_replay.core.mechanisms.module_globals import describe, globals_read
+from lightning_replay.core.mechanisms.module_globals import describe, globals_read, held_functions
 from lightning_replay.core.mechanisms.guards import _attrs as _guard_attrs
 from lightning_replay.core.mechanisms.guards import _contents as _guard_contents
 from lightning_replay.core.mechanisms.guards import _reachable, is_flag
@@ -738,7 +738,9 @@ class SegmentProbe:
         # module-level plain values the segment's code names, as before its forward
         glob = [
             (mod, name, _at_forward(vars(mod).get(name, MISSING)))
-            for mod, name in globals_read(self.seg.modules, segment=self.seg.name)
+            for mod, name in globals_read(
+                self.seg.modules, held_functions(self.seg.modules), self.seg.name
+            )
         ]
         # the user's own saved-tensor hooks, and the state they can rebind, as at its start
         hooks = (box or {}).get("user") if replayed else user_saved_hooks(eng)
