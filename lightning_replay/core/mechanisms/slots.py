@@ -27,6 +27,7 @@ import operator
 import random
 import sys
 import types
+import warnings
 import weakref
 from typing import Any
 
@@ -564,7 +565,32 @@ def _capture_holders(
                     todo += [(f"{path}.{k}{p}", h, depth + 1) for p, h in holders_in(x, depth + 1)]
                 else:
                     todo += [(f"{path}.{k}{p}", h, depth + 1) for p, h in behind(x)]
+    left = [p for p, o, _ in todo if id(o) not in seen]
+    if left:
+        _warn_count_cut(module, name, left[0])
     return out
+
+
+#: (module class, attribute) pairs whose holder walk was cut by its count, warned about once
+_COUNT_CUT: set[tuple[type, str]] = set()
+
+
+def _warn_count_cut(module: nn.Module, name: str, first: str) -> None:
+    """Say once per module class and attribute that :func:`_capture_holders` stopped at its
+    count: the holders past it (``first`` the first of them) are not captured, and one of
+    them changed between a forward and its replay would not be put back."""
+    key = (type(module), name)
+    if key in _COUNT_CUT:
+        return
+    _COUNT_CUT.add(key)
+    warnings.warn(
+        f"lightning_replay: {type(module).__name__}.{name} reaches more than "
+        f"{_CONTAINER_LIMIT} holders (objects and modules no installed model registers): "
+        f"those from {first} on are not captured, so a change to them between a forward "
+        "and its replay would not be put back. Register the held modules in the model (as "
+        "submodules) or set preservation='retain' for this segment.",
+        stacklevel=4,
+    )
 
 
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
