@@ -240,13 +240,9 @@ class AnnealsDeep(Stack):
             b.act().gain *= 0.9
 
 
-_TOO_DEEP = pytest.mark.xfail(
-    strict=True,
-    reason="measured at b18e385: wrong gradients from the first planned step, silently: "
-    "_capture_holders follows plain holders to _HOLDER_DEPTH (4) levels below the attribute "
-    "(a held module's submodules no longer take a level); the activation below the 4th "
-    "holder is neither captured nor traced",
-)
+#: ("holders", 6) was a strict xfail from b18e385 to 96fce74: wrong gradients from the first
+#: planned step, silently; the walk followed 4 holder levels. It follows 8 now, and says so
+#: past them (test_a_holder_chain_past_the_walks_depth_is_said)
 
 
 @pytest.mark.parametrize("preservation", PRES)
@@ -259,11 +255,30 @@ _TOO_DEEP = pytest.mark.xfail(
         ("sequential", 4),
         ("sequential", 8),
         ("holders", 5),  # (a list is no level of its own: 4 holders and 2 lists)
-        pytest.param("holders", 6, marks=_TOO_DEEP),
+        ("holders", 6),
+        ("holders", 10),  # (7 holders and 4 lists: the walk follows 8 holder levels)
     ],
 )
 def test_a_deeply_nested_unregistered_module_is_put_back(kind, depth, preservation):
     assert_exact(lambda: AnnealsDeep(kind, depth), SEGS2, preservation, min_replays=4)
+
+
+def test_a_holder_chain_past_the_walks_depth_is_said():
+    """Past the holder walk's depth (8 holder levels) the activation is not captured: said
+    once, naming the attribute, the first path left out and what to do."""
+    torch.manual_seed(0)
+    model = AnnealsDeep("holders", 12)
+    with pytest.warns(UserWarning, match=r"holders more than 8 levels down") as got:
+        engine = lr.install(model, SEGS2)
+        try:
+            for _ in range(3):
+                model(torch.randn(2, D)).sum().backward()
+                model.after(None)
+        finally:
+            engine.uninstall()
+    said = [str(w.message) for w in got if "levels down" in str(w.message)]
+    assert len(said) == 2, said  # once per block (three forwards each)
+    assert "Deep.acts" in said[0] and "preservation='retain'" in said[0], said[0]
 
 
 # ---------------------------------------------------------------------- 4. hooks, rebinds, flags

@@ -501,8 +501,9 @@ def _capture_holder(module: nn.Module, name: Any, owner: Any) -> tuple:
 
 
 #: how deep :func:`_capture_holders` follows holders held by holders (``config.text_config``)
-#: and containers of holders (a list of configs, a dict of them in a holder)
-_HOLDER_DEPTH = 4
+#: and containers of holders (a list of configs, a dict of them in a holder); deeper is a
+#: warning (:func:`_warn_cut`)
+_HOLDER_DEPTH = 8
 
 
 def holders_in(c: Any, depth: int = 0, budget: list[int] | None = None) -> list[tuple[str, Any]]:
@@ -541,6 +542,7 @@ def _capture_holders(
     if seen is None:
         seen = set()
     todo = [(name, obj, 0)]
+    cut = ""  # the first path past the walk's depth that leads on to a holder
     while todo and len(out) < _CONTAINER_LIMIT:
         path, o, depth = todo.pop(0)
         if id(o) in seen:
@@ -558,6 +560,8 @@ def _capture_holders(
                     todo += [(f"{path}.{n}", v, depth) for n, v in x.items() if is_holder(v)]
                     continue
                 if depth + 1 >= _HOLDER_DEPTH:
+                    if not cut and _leads_on(x):
+                        cut = f"{path}.{k}"
                     continue
                 if is_holder(x):
                     todo.append((f"{path}.{k}", x, depth + 1))
@@ -567,28 +571,44 @@ def _capture_holders(
                     todo += [(f"{path}.{k}{p}", h, depth + 1) for p, h in behind(x)]
     left = [p for p, o, _ in todo if id(o) not in seen]
     if left:
-        _warn_count_cut(module, name, left[0])
+        _warn_cut(module, name, f"more than {_CONTAINER_LIMIT} holders", left[0])
+    if cut:
+        _warn_cut(module, name, f"holders more than {_HOLDER_DEPTH} levels down", cut)
     return out
 
 
-#: (module class, attribute) pairs whose holder walk was cut by its count, warned about once
-_COUNT_CUT: set[tuple[type, str]] = set()
+def _leads_on(x: Any) -> bool:
+    """Whether a value the holder walk leaves past its depth holds a holder: itself, behind
+    a callable, or among a container's items."""
+    if is_holder(x):
+        return True
+    if issubclass(type(x), (*_CONTAINERS, tuple)):
+        return bool(holders_in(x, _HOLDER_DEPTH - 1))
+    return bool(behind(x))
 
 
-def _warn_count_cut(module: nn.Module, name: str, first: str) -> None:
-    """Say once per module class and attribute that :func:`_capture_holders` stopped at its
-    count: the holders past it (``first`` the first of them) are not captured, and one of
-    them changed between a forward and its replay would not be put back."""
-    key = (type(module), name)
-    if key in _COUNT_CUT:
+#: (module id, attribute, why) of holder walks cut by a limit, each warned about once: the
+#: module by weak reference (an id is another's once it dies)
+_CUT: dict[tuple[int, str, str], weakref.ref] = {}
+
+
+def _warn_cut(module: nn.Module, name: str, why: str, first: str) -> None:
+    """Say once per module, attribute and limit that :func:`_capture_holders` stopped at a
+    limit (``why``): what lies past it (``first`` the first of it) is not captured, and a
+    change there between a forward and its replay would not be put back."""
+    key = (id(module), name, why)
+    ref = _CUT.get(key)
+    if ref is not None and ref() is module:
         return
-    _COUNT_CUT.add(key)
+    for k in [k for k, r in _CUT.items() if r() is None]:
+        del _CUT[k]
+    _CUT[key] = weakref.ref(module)
     warnings.warn(
-        f"lightning_replay: {type(module).__name__}.{name} reaches more than "
-        f"{_CONTAINER_LIMIT} holders (objects and modules no installed model registers): "
-        f"those from {first} on are not captured, so a change to them between a forward "
-        "and its replay would not be put back. Register the held modules in the model (as "
-        "submodules) or set preservation='retain' for this segment.",
+        f"lightning_replay: {type(module).__name__}.{name} reaches {why} (objects and modules "
+        f"no installed model registers): those from {first} on are not captured, so a change "
+        "to them between a forward and its replay would not be put back. Register the held "
+        "modules in the model (as submodules), keep such settings nearer the module, or set "
+        "preservation='retain' for this segment.",
         stacklevel=4,
     )
 
