@@ -24,6 +24,7 @@ from lightning_replay.core.base.state import storage_bytes, storage_key
 from lightning_replay.core.engine.step_graph import watch_outputs
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.core.mechanisms.arguments import held_tensors
+from lightning_replay.core.mechanisms.subclassing import quiet_subclass
 
 #: module_globals: this module's globals are machinery, never user state
 _REPLAY_MACHINERY = True
@@ -78,10 +79,16 @@ def _replay_class(cls: type) -> type:
 
 def _swapped_class(cls: type, forward: Callable) -> type:
     """A subclass of ``cls`` with ``forward``, the name of ``cls``, copied and pickled as
-    ``cls``."""
-    new = type(
-        cls.__name__,
-        (cls,),
+    ``cls``.
+
+    Making it runs the ``__init_subclass__`` of ``cls``'s bases (transformers wraps a layer's
+    ``forward`` there, on the new class). What that writes into the bases themselves and into
+    their modules' globals is undone (:func:`~lightning_replay.core.mechanisms.subclassing.
+    quiet_subclass`): a plugin registry keyed by class
+    name (``REGISTRY[cls.__name__] = cls``) would map the user's name to this subclass, for
+    good."""
+    new = quiet_subclass(
+        cls,
         {
             "forward": forward,
             "__reduce_ex__": _plain_reduce(cls, lambda: new),

@@ -43,8 +43,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as _pytree
 
-from lightning_replay._compat import dict_version
 from torch import nn
+
+from lightning_replay._compat import dict_version
+from lightning_replay.core.mechanisms.subclassing import quiet_subclass
 
 #: how deep :func:`flatten_call` walks into argument objects
 MAX_DEPTH = 6
@@ -350,7 +352,7 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
                 # tensors the object reaches through its class: a subclass of its class made
                 # for this rebuild holds them as at the forward (no instance layout added)
                 cls = type(out)
-                sub = type(cls.__name__, (cls,), {**on_class, "__slots__": ()})
+                sub = quiet_subclass(cls, {**on_class, "__slots__": ()})
                 sub.__qualname__ = cls.__qualname__
                 sub.__module__ = cls.__module__
                 out.__class__ = sub

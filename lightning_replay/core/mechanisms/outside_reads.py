@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from lightning_replay.core.mechanisms.module_globals import Owner, class_attrs
+from lightning_replay.core.mechanisms.subclassing import quiet_subclass
 from lightning_replay.core.mechanisms.slots import (
     HOOK_DICTS,
     MISSING,
@@ -393,10 +394,8 @@ def getter_owner(module: nn.Module, label: str) -> Getter:
 def _recording_subclass(cls: type, **methods: Any) -> type:
     """A subclass of ``cls`` under its own names (``type(x).__name__``, reprs and pickling
     see the user's class) with ``methods`` over its own."""
-    return type(
-        cls.__name__,
-        (cls,),
-        {**methods, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+    return quiet_subclass(
+        cls, {**methods, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
     )
 
 

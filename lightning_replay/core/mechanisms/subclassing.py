@@ -1,0 +1,104 @@
+"""Subclasses this package makes of a user's classes, leaving the user's classes alone.
+
+The engine routes a segment's forward through a subclass of its class (``attach``), a probe
+traces reads through one (``outside_reads``), a rebuilt argument can get one (``arguments``).
+Making a subclass runs the ``__init_subclass__`` of the class's bases, and user code can write
+there: a plugin registry keyed by class name (``REGISTRY[cls.__name__] = cls``) would map the
+user's name to this package's subclass, for good; a counter of subclasses would count it.
+:func:`quiet_subclass` undoes what the making wrote into the bases themselves and into the
+globals of the user modules that define them. What ``__init_subclass__`` does to the new class
+itself stays (transformers wraps a layer's ``forward`` there).
+
+Example:
+    >>> import torch
+    >>> class Base(torch.nn.Module):
+    ...     seen = []
+    ...     def __init_subclass__(cls, **kw):
+    ...         super().__init_subclass__(**kw)
+    ...         Base.seen.append(cls.__name__)
+    >>> class Block(Base):
+    ...     pass
+    >>> sub = quiet_subclass(Block, {"__qualname__": "Block"})
+    >>> issubclass(sub, Block), Base.seen
+    (True, ['Block'])
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+from lightning_replay.core.mechanisms.module_globals import _library
+
+
+def quiet_subclass(cls: type, namespace: dict[str, Any]) -> type:
+    """``type(cls.__name__, (cls,), namespace)``, undoing what it wrote into ``cls``'s MRO and
+    their modules' globals (:class:`_Untouched`). Raises what the making raises (a class that
+    refuses subclasses), after the undoing."""
+    with _Untouched(cls):
+        return type(cls.__name__, (cls,), namespace)
+
+
+#: items of a container an _Untouched copies (larger: left alone)
+_MAX_UNDONE = 4096
+
+
+class _Untouched:
+    """Undoes, on exit, what the block wrote into the classes of ``cls``'s MRO and into the
+    globals of the user modules that define them: attributes added, rebound or deleted, and
+    the contents of the lists, dicts and sets there (put back in place, so that who holds
+    them sees the old contents)."""
+
+    def __init__(self, cls: type) -> None:
+        self.classes = [k for k in cls.__mro__ if k is not object]
+        mods = {getattr(k, "__module__", None) for k in self.classes}
+        self.dicts: list[tuple[Any, dict]] = [(k, dict(vars(k))) for k in self.classes]
+        for name in mods:
+            mod = sys.modules.get(name or "")
+            if mod is not None and not _library(name):
+                self.dicts.append((mod, dict(vars(mod))))
+        self.contents = [
+            (v, copy.copy(v))
+            for _, d in self.dicts
+            for v in d.values()
+            if type(v) in (list, dict, set) and len(v) <= _MAX_UNDONE
+        ]
+
+    def __enter__(self) -> "_Untouched":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, before in self.dicts:
+            now = vars(owner)
+            if len(now) == len(before) and all(now.get(k, _GONE) is v for k, v in before.items()):
+                continue
+            for k in [k for k in now if k not in before]:
+                delattr(owner, k)
+            for k, v in before.items():
+                if now.get(k, _GONE) is not v:
+                    setattr(owner, k, v)
+        for v, old in self.contents:
+            if _same_items(v, old):
+                continue
+            v.clear()
+            if type(v) is list:
+                v.extend(old)
+            else:
+                v.update(old)
+
+
+def _same_items(a: Any, b: Any) -> bool:
+    """Whether two lists, dicts or sets hold the same objects (by identity: items may be
+    tensors, whose ``==`` is elementwise)."""
+    if len(a) != len(b):
+        return False
+    if type(a) is dict:
+        return all(k in b and b[k] is v for k, v in a.items())
+    if type(a) is list:
+        return all(x is y for x, y in zip(a, b))
+    ids = {id(x) for x in b}
+    return all(id(x) in ids for x in a)
+
+
+_GONE = object()
