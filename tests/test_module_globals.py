@@ -14,10 +14,11 @@ from lightning_replay.module_globals import describe, globals_read
 SCHEDULE = {"lam": 1.0}
 TEMP = 0.5
 BIG = list(range(1000))  # copied every call if named: left out
-TENSORS = {"w": torch.zeros(2)}  # not a plain value: left out
+TENSORS = {"w": torch.zeros(2)}  # a small dict of a tensor: named (rebound between a forward
+# and its replay it gave wrong gradients, silently, while it was left out; test_adversary_loose_guard)
 settings = types.ModuleType("user_settings")
 settings.gain = 2.0
-settings.table = torch.ones(1)
+settings.table = torch.ones(1)  # a tensor: named (which one the attribute holds)
 
 
 class _Cfg:
@@ -54,7 +55,7 @@ def test_names_what_the_code_reads_and_leaves_out_what_cannot_change_unseen_or_i
     # (``d``: the closure cell of ``hidden``, a module-level function the forward calls)
     with pytest.warns(UserWarning, match=r"test_module_globals\.BIG \(1000 items\)"):
         names = _names([Reads(), nn.ReLU(), nn.Linear(2, 2)])
-    assert names == ["SCHEDULE", "TEMP", "d", "flag", "gain"]
+    assert names == ["SCHEDULE", "TEMP", "TENSORS", "d", "flag", "gain", "table"]
 
 
 def test_owners_are_the_dicts_the_code_reads_from():

@@ -403,8 +403,104 @@ def _contents(o: Any) -> Any:
     if c is not MISSING:
         return tuple(c.items()) if isinstance(c, dict) else c
     if isinstance(o, dict):
-        return tuple([(k, id(v)) for k, v in o.items()])
-    return frozenset(map(id, o)) if isinstance(o, (set, frozenset)) else tuple(map(id, o))
+        return tuple([(k, _token(v)) for k, v in o.items()])
+    return frozenset(map(_token, o)) if isinstance(o, (set, frozenset)) else tuple(map(_token, o))
+
+
+#: callables that hold what they call or close over: told apart by what they hold
+_WRAPPERS = (functools.partial, types.FunctionType, types.MethodType)
+
+
+def _token(v: Any, depth: int = 0) -> Any:
+    """An item or attribute as a value to compare: a plain value by value; a tuple, a
+    ``functools.partial``, a closure or a bound method by what it holds (a new one each
+    step, equal, is the same value; one the guard does not keep, freed and another at its
+    address, is told apart by what it holds); other objects by id (kept by the guard)."""
+    t = type(v)
+    if is_scalar(v):
+        return (t, v)
+    if depth < _TOKEN_DEPTH:
+        if t is tuple:
+            return (tuple, tuple([_token(x, depth + 1) for x in islice(v, _WATCH_LIMIT)]))
+        if t is functools.partial:
+            kw = tuple([(k, _token(x, depth + 1)) for k, x in v.keywords.items()])
+            return (t, _token(v.func, depth + 1), _token(v.args, depth + 1), kw)
+        if t is types.FunctionType and v.__closure__:
+            return (t, id(v.__code__), tuple([_token(c, depth + 1) for c in _cells(v)]))
+        if t is types.MethodType:
+            return (t, id(v.__func__), _token(v.__self__, depth + 1))
+    return id(v)
+
+
+_TOKEN_DEPTH = 4
+
+
+def _cells(fn: types.FunctionType) -> list:
+    out = []
+    for c in fn.__closure__ or ():
+        try:
+            out.append(c.cell_contents)
+        except ValueError:  # (an empty cell)
+            out.append(MISSING)
+    return out
+
+
+def _carries_tensor(v: Any, depth: int = 0) -> bool:
+    """Whether ``v`` holds a tensor (or a module with one that no installed model registers),
+    in its items, attributes, or what a partial, closure or bound method holds, to
+    ``_TOKEN_DEPTH`` levels down: kept by the guard, one that a step replaces would keep the
+    tensor alive until the next forward."""
+    t = type(v)
+    if issubclass(t, torch.Tensor):
+        return True
+    if issubclass(t, nn.Module):
+        return is_holder(v) and not _holds_no_tensor(v)
+    if depth >= _TOKEN_DEPTH or is_scalar(v):
+        return False
+    if issubclass(t, (list, tuple, set, frozenset)):
+        items: Any = v
+    elif issubclass(t, dict):
+        items = v.values()
+    elif t is functools.partial:
+        items = (v.func, *v.args, *v.keywords.values())
+    elif t is types.FunctionType:
+        items = _cells(v)
+    elif t is types.MethodType:
+        items = (v.__self__,)
+    elif t is SlotView:
+        items = v.values()
+    elif is_holder(v):
+        items = [x for store in holder_stores(v) for x in _attrs(store).values()]
+    else:
+        return False
+    return any(_carries_tensor(x, depth + 1) for x in islice(items, _WATCH_LIMIT))
+
+
+def _parts(v: Any, out: list, depth: int = 0) -> None:
+    """What a tuple, partial, closure or bound method that carries a tensor holds, into
+    ``out``, save the tensors and what carries them: the objects its :func:`_token` names by
+    id, which the guard keeps (modules by weak reference) where it does not keep ``v``. A
+    container or holder adds nothing: its items are its watched entry's."""
+    t = type(v)
+    if t is tuple:
+        items: Any = v
+    elif t is functools.partial:
+        items = (v.func, *v.args, *v.keywords.values())
+    elif t is types.FunctionType:
+        items = _cells(v)
+    elif t is types.MethodType:
+        items = (v.__func__, v.__self__)
+    else:
+        return
+    for x in islice(items, _WATCH_LIMIT):
+        if is_scalar(x) or issubclass(type(x), torch.Tensor):
+            continue
+        if issubclass(type(x), nn.Module):
+            out.append(x)  # (named by weak reference)
+        elif depth + 1 < _TOKEN_DEPTH and _carries_tensor(x, depth + 1):
+            _parts(x, out, depth + 1)
+        else:
+            out.append(x)
 
 
 def fingerprint(
@@ -512,7 +608,7 @@ def _value(v: Any) -> tuple:
         c = copy_plain(v)
         if c is not MISSING:
             return (tuple, c)
-    return (type(v), id(v))
+    return (type(v), _token(v))
 
 
 def _outside_token(v: Any) -> Any:
@@ -550,18 +646,6 @@ def is_flag(v: Any) -> bool:
     dtype): a discrete field. Numbers, numpy's too, are continuous (a step counter, a
     schedule's value)."""
     return is_scalar(v) and (type(v) is bool or not isinstance(v, numbers.Number))
-
-
-def _holds_no_tensor_item(v: Any) -> bool:
-    """An item of a watched container or holder that holds no tensor directly: a tensor, or a
-    module with a parameter or buffer that no installed model registers, is one that does
-    (a registered one lives with its model whoever else holds it)."""
-    t = type(v)
-    if issubclass(t, torch.Tensor):
-        return False
-    if issubclass(t, nn.Module):
-        return not is_holder(v) or _holds_no_tensor(v)
-    return True
 
 
 def _flag_death(flag: list, _ref: Any) -> None:
@@ -772,20 +856,32 @@ class Guard:
         alive += [d.get(n) for d, n, _ in self.outside]
         alive += [f for m in self.modules for h in _hooks(m) for f in h.values()]
         alive += [f for h in global_hooks()[0] if h for f in h.values()]
-        loose = False
+        own = [v for m in self.modules for k, v in m.__dict__.items() if k not in MODULE_INTERNALS]
+        own += [d.get(n) for d, n, _ in self.outside]
         for _, path, o, *_ in watched:
             items = list(o) if isinstance(o, (list, set)) else _attrs(o).values()
             alive += items
-            if not loose and path not in _SLOT_DICTS and type(o) is not ClassView:
-                loose = not all(map(_holds_no_tensor_item, items))
-        if loose:
-            # A container or holder holds a tensor (or a module with one): kept here, one that
-            # a step rebinds (``self.bank = {"w": new}``) would keep what it held alive until
-            # the next forward. None of them is kept; without them equal ids prove nothing,
-            # so every forward reads the fingerprint (by value and by the items' ids; the
-            # plain items stay kept, the tensors are the contract's, captured at each step).
+            if path not in _SLOT_DICTS and type(o) is not ClassView:
+                own += items
+        carriers = {
+            id(v): v
+            for v in own
+            if not issubclass(type(v), (torch.Tensor, nn.Module)) and _carries_tensor(v)
+        }
+        if carriers:
+            # An object the signatures name holds a tensor (a container or holder with one, a
+            # tuple, a partial or closure over one): kept here, one that a step rebinds
+            # (``self.bank = {"w": new}``) would keep what it held alive until the next
+            # forward. No container, holder or carrier is kept; without them equal ids prove
+            # nothing, so every forward reads the fingerprint (by value, and by what the
+            # carriers hold: _token); what they hold but tensors stays kept, and the tensors
+            # are the contract's, captured at each step.
             gone = {id(o.obj if type(o) is SlotView else o) for _, _, o, *_ in watched}
-            alive = [v for v in alive if id(v) not in gone]
+            gone.update(carriers)
+            parts: list = []
+            for v in carriers.values():
+                _parts(v, parts)
+            alive = [v for v in alive if id(v) not in gone] + parts
             self._watched, self._fast, self._exact = _Watched(), None, None
         else:
             if _watch_ids(watched) != _watch_ids(self._watched):

@@ -41,6 +41,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, Iterable
 
+import torch
 from torch import nn
 
 from lightning_replay.core.mechanisms.slots import (
@@ -232,11 +233,28 @@ def _class_owner(cls: type, name: str) -> ClassAttrs | None:
     return None
 
 
-def _plain(value: Any) -> bool:
+def _plain(value: Any, tensors: bool = True, depth: int = 0) -> bool:
+    """A value to watch and put back: a plain one, a tensor (which one the name holds), or a
+    small list, dict, set or tuple of them (``BANK = {"w": t, "scale": 0.5}``, rebound or
+    written between a forward and its replay), two levels down at most. Without ``tensors``,
+    plain values and containers of them only (a closure cell: watched, its owner would keep
+    the function's old tensor alive after the function was replaced)."""
     if is_scalar(value):
         return True
+    if isinstance(value, torch.Tensor):
+        return tensors
     if type(value) in (list, dict, set, tuple):
-        return len(value) <= _MAX_ITEMS and copy_plain(value) is not MISSING
+        if len(value) > _MAX_ITEMS:
+            return False
+        if copy_plain(value) is not MISSING:
+            return True
+        if depth >= 2 or not tensors:
+            return False
+        if type(value) is dict:
+            return all(map(is_scalar, value)) and all(
+                _plain(v, tensors, depth + 1) for v in value.values()
+            )
+        return all(_plain(v, tensors, depth + 1) for v in value)
     return False
 
 
@@ -419,7 +437,10 @@ class _CellDict:
         return v
 
 
-_CELLS: dict[int, tuple[Any, Cell]] = {}  # per cell (by id, the cell kept): its owner
+#: per cell (by id; checked against the owner's cell), its owner while someone holds it (a
+#: segment's outside reads): not kept here, a cell kept for good keeps what it holds (a
+#: function replaced each step: its tensor) for good
+_CELLS: "weakref.WeakValueDictionary[int, Cell]" = weakref.WeakValueDictionary()
 
 
 def _cell_owner(fn: types.FunctionType, name: str) -> Cell | None:
@@ -427,10 +448,10 @@ def _cell_owner(fn: types.FunctionType, name: str) -> Cell | None:
     cell = (fn.__closure__ or ())[i] if i < len(fn.__closure__ or ()) else None
     if cell is None:
         return None
-    held = _CELLS.get(id(cell))
-    if held is None or held[0] is not cell:
-        held = _CELLS[id(cell)] = (cell, Cell(name, cell, f"{fn.__qualname__}.<closure>"))
-    return held[1]
+    owner = _CELLS.get(id(cell))
+    if owner is None or owner.__dict__.cell is not cell:
+        owner = _CELLS[id(cell)] = Cell(name, cell, f"{fn.__qualname__}.<closure>")
+    return owner
 
 
 #: module-level values left unwatched because of a limit, already warned about (per label)
@@ -531,7 +552,7 @@ def globals_read(
             if isinstance(value, types.FunctionType):
                 if depth < _DEPTH:
                     todo.append((value, depth + 1))
-            elif _plain(value):
+            elif _plain(value, tensors=False):
                 add(cell, name)
         for chain in n.chains:
             found = _follow(roots, chain)

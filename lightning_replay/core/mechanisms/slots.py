@@ -949,13 +949,19 @@ def _shareable(s: ModuleSlots) -> bool:
     put back (``plain``), or only containers of objects (shallow copies: a replay is given a
     fresh copy of one, never the capture's own) and holder objects, re-checked at each share.
     Copies of plain values and of sparse tensors are made afresh at every capture, and so are
-    containers holding tensors, containers or modules with tensors: a capture shared past its
+    containers holding tensors, containers or modules with tensors, and modules with a tuple,
+    partial or closure holding one: a capture shared past its
     step would keep what they held then alive after the step replaced it, until the next
     capture."""
     if s.layout is not None or s.copies is not None:
         return False
     if s.holder_entries and any(_entry_holds_tensor(e) for e in s.holder_entries):
         return False
+    for k, v in s.attrs.items():  # a tuple, partial or closure holding a tensor (its slot's
+        # identity covers it, no copy is made of it)
+        t = type(v)
+        if (t is tuple or t in _WRAPPERS) and k not in MODULE_INTERNALS and _may_hold_tensor(v):
+            return False
     return not s.shallow or all(
         _holds_no_tensor(x) for v in s.shallow.values() for _, x in _items(v)
     )
@@ -989,6 +995,18 @@ def _may_hold_tensor(x: Any, depth: int = 0) -> bool:
         if depth >= 2 or len(x) > _CONTAINER_LIMIT:
             return True
         return any(_may_hold_tensor(i, depth + 1) for i in _items_values(x))
+    elif t is functools.partial or t is types.MethodType or t is types.FunctionType:
+        # (what it calls with, is bound to, or closes over: ``partial(f, w=w)``, a lambda
+        # over ``w``)
+        if depth >= 2:
+            return True
+        if t is functools.partial:
+            parts: Any = (x.func, *x.args, *x.keywords.values())
+        elif t is types.MethodType:
+            parts = (x.__self__,)
+        else:
+            parts = [c.cell_contents for c in x.__closure__ or () if _filled(c)]
+        return any(_may_hold_tensor(i, depth + 1) for i in parts)
     elif not is_holder(x):
         return False
     if depth >= 2:
@@ -1003,9 +1021,20 @@ def _may_hold_tensor(x: Any, depth: int = 0) -> bool:
     return False
 
 
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # (an empty cell)
+        return False
+    return True
+
+
 def _holds_no_tensor(x: Any) -> bool:
     if isinstance(x, torch.Tensor) or issubclass(type(x), _CONTAINERS):
         return False
+    t = type(x)
+    if t is tuple or t in _WRAPPERS:  # (a tuple, partial or closure over a tensor)
+        return not _may_hold_tensor(x)
     if isinstance(x, nn.Module):  # (transformers' kernel function modules hold none)
         return not _module_tensors(x)
     return True
