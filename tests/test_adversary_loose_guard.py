@@ -81,6 +81,9 @@ class Reads(nn.Module):
             return dict(zip(("w", "scale", "drop"), d["bank"]["pair"]))
         if lay == "global":
             return dict(GLOBAL)
+        if lay in ("holder nested", "global nested"):
+            b = d["cfg"].bank if lay == "holder nested" else GLOBAL
+            return {"w": b["ws"][0] if b["ws"] else None, **b["opts"]}
         raise AssertionError(lay)
 
     def set(self, rebind: bool = False, **kw: Any) -> None:
@@ -114,6 +117,11 @@ class Reads(nn.Module):
                 else:
                     d["cfg"].scale, d["cfg"].drop = new["scale"], new["drop"]
             return
+        if lay in ("holder nested", "global nested") and not rebind:
+            b = d["cfg"].bank if lay == "holder nested" else GLOBAL
+            b["ws"][:] = [] if new["w"] is None else [new["w"]]
+            b["opts"].update(scale=new["scale"], drop=new["drop"])
+            return
         if "cfg" in d and not rebind and lay in ("holder", "dataclass"):
             d["cfg"].w, d["cfg"].scale, d["cfg"].drop = new["w"], new["scale"], new["drop"]
             return
@@ -139,6 +147,12 @@ class Reads(nn.Module):
             d["bank"] = {"pair": (w, s, dr)}
         elif lay == "global":
             globals()["GLOBAL"] = {**wd, "scale": s, "drop": dr}
+        elif lay in ("holder nested", "global nested"):
+            bank = {"ws": [] if w is None else [w], "opts": {"scale": s, "drop": dr}}
+            if lay == "holder nested":
+                d["cfg"] = types.SimpleNamespace(bank=bank)
+            else:
+                globals()["GLOBAL"] = bank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         st = self._state()
@@ -232,22 +246,13 @@ def _flag_late(rebind: bool) -> Callable:
     return schedule
 
 
-#: measured at f0eefbb and at f0eefbb~1: a flag turned in a module-level dict that holds a
-#: tensor (read by the forward) re-probes nothing (contract v1, mode "recompute" to the end);
-#: with no tensor in that dict it re-probes (v2, mode "whole", the buffer changing). The
-#: gradients and the state stay bit-identical all the same (the test's first half passes)
-_GLOBAL_FLAG_MISSED = pytest.mark.xfail(
-    strict=True,
-    reason="measured: the guard misses a flag turned in a global dict holding a tensor (no "
-    "re-probe; gradients still exact); fails at f0eefbb~1 too (older than f0eefbb)",
-)
-
-
 @pytest.mark.parametrize(
     "layout, rebind",
     [(lay, False) for lay in LAYOUTS if lay not in ("global", "dataclass", "list")]
     + [("dict", True), ("nested", True)]
-    + [("global", False)],
+    # (a strict xfail at 8e2c117 and before: the flag turned in a module-level dict holding a
+    # tensor re-probed nothing, the dict not being watched)
+    + [("global", False), ("holder nested", False), ("global nested", False)],
 )
 def test_a_flag_beside_a_tensor_turned_late(layout, rebind):
     summary = check(lambda: Model(layout), _flag_late(rebind))
@@ -312,38 +317,28 @@ def _after_tensor_in_place(model: Model, step: int) -> None:
             b._state()["w"].add_(1.0)
 
 
-#: measured at f0eefbb and f0eefbb~1 (older): silent wrong gradients from step 1 on, every
-#: parameter; the same model with no tensor in the global dict is exact, and so is the tensor
-#: dict written in place (not rebound)
-_GLOBAL_REBOUND = pytest.mark.xfail(
-    strict=True,
-    reason="measured: a module-level dict holding a tensor, rebound between the forward and "
-    "the replay: the replayed gradients differ silently at every step from "
-    "step 1; exact without the tensor; fails at f0eefbb~1 too (older than f0eefbb)",
-)
-#: measured at f0eefbb and f0eefbb~1 (older): ReplayError at step 2, loud
-_NESTED_IN_PLACE = pytest.mark.xfail(
-    strict=True,
-    reason="measured: a dict {'ws': [tensor], 'opts': {scale, drop}}, 'opts' written in place "
-    "between the forward and the replay: ReplayError 'took "
-    "another path than its forward' (loud); exact with ws=[] (no tensor); fails at f0eefbb~1 "
-    "too (older than f0eefbb)",
-)
-
-
 @pytest.mark.parametrize(
     "layout, after",
     [
         ("dict", _after_rebind),
         ("dict", _after_in_place),
         ("dict", _after_tensor_in_place),
-        pytest.param("nested", _after_in_place, marks=_NESTED_IN_PLACE),
+        # (("nested", _after_in_place) was a strict xfail at 8e2c117 and before: a ReplayError,
+        # "took another path than its forward": a container of objects was copied shallowly,
+        # and the dict of flags in it written in place reached the replay; copy_items now)
+        ("nested", _after_in_place),
         ("nested", _after_rebind),
+        ("holder nested", _after_in_place),
+        ("holder nested", _after_rebind),
+        ("global nested", _after_in_place),
+        ("global nested", _after_rebind),
         ("holder", _after_in_place),
         ("holder", _after_rebind),
         ("siblings", _after_in_place),
         ("list", _after_tensor_in_place),
         ("global", _after_in_place),
+        # (a strict xfail at 8e2c117 and before: silent wrong gradients at every step from
+        # step 1; a module-level dict holding a tensor was not watched, module_globals._plain)
         ("global", _after_rebind),
     ],
     ids=lambda v: v if isinstance(v, str) else v.__name__,

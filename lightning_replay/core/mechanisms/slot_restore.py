@@ -27,6 +27,7 @@ from lightning_replay.core.mechanisms.slots import (
     _at_forward,
     _attrs_of,
     _holder_same,
+    copy_items,
     HolderGroup,
     _hooks_of,
     global_hooks,
@@ -212,7 +213,7 @@ def swap_slots(slots: list[ModuleSlots]) -> list[tuple[Any, dict]]:
                 cur = d.get(k, MISSING)
                 if type(cur) is type(saved) and not same_value(cur, saved):
                     out.append((d, {k: cur}))
-                    d[k] = copy.copy(saved)  # the objects each item held at forward
+                    d[k] = copy_items(saved)  # the objects each item held at forward
         if s.holder_entries:
             for entry in s.holder_entries:
                 _swap_holder(entry, out)

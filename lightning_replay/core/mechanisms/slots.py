@@ -870,7 +870,7 @@ class ModuleSlots:
                     elif not isinstance(v, set):  # objects, or a subclass: which object each held
                         if shallow is None:
                             shallow = {}
-                        shallow[k] = copy.copy(v)
+                        shallow[k] = copy_items(v)
                 if isinstance(v, (list, tuple)):
                     g = _generators_in(v)
                     if g:
@@ -1174,15 +1174,31 @@ def _items(c: Any) -> Any:
     return c.items() if isinstance(c, dict) else enumerate(c)
 
 
+def copy_items(v: Any, depth: int = 0) -> Any:
+    """A shallow copy of a list or dict of objects (which object each item held), with the
+    lists and dicts among its items copied too: those of plain values by value, the others the
+    same way, three levels down. A dict of flags beside a tensor (``{"ws": [t], "opts": {...}}``)
+    written in place between a forward and its replay: the replay reads the forward's."""
+    c = copy.copy(v)
+    if depth >= 3:
+        return c
+    for k, x in list(c.items() if isinstance(c, dict) else enumerate(c)):
+        if type(x) is list or type(x) is dict:
+            p = copy_plain(x)
+            c[k] = p if p is not MISSING else copy_items(x, depth + 1)
+    return c
+
+
 def _at_forward(v: Any) -> Any:
     """What a value must be put back as: a copy of a container of plain values, a shallow
-    copy of a list or dict of objects (which object each item held), else the object."""
+    copy of a list or dict of objects (which object each item held, the lists and dicts among
+    them copied too: :func:`copy_items`), else the object."""
     if issubclass(type(v), _CONTAINERS):
         c = copy_plain(v)
         if c is not MISSING:
             return c
         if not isinstance(v, set):
-            return copy.copy(v)
+            return copy_items(v)
     return v
 
 
