@@ -476,6 +476,31 @@ def _carries_tensor(v: Any, depth: int = 0) -> bool:
     return any(_carries_tensor(x, depth + 1) for x in islice(items, _WATCH_LIMIT))
 
 
+#: types whose values hold nothing: a container of only these is passed over at C speed
+_PLAIN_TYPES = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
+def _carrier_items(items: Any, carriers: dict) -> bool:
+    """Whether ``items`` (a watched container's or holder's) include a tensor or an unregistered
+    module with one; the tuples, partials and closures among them that carry one go into
+    ``carriers`` (by id). Containers and holders among them are watched entries of their own."""
+    if set(map(type, items)) <= _PLAIN_TYPES:
+        return False
+    found = False
+    for v in items:
+        t = type(v)
+        if t in _PLAIN_TYPES:
+            continue
+        if issubclass(t, torch.Tensor):
+            found = True
+        elif issubclass(t, nn.Module):
+            found = found or (is_holder(v) and not _holds_no_tensor(v))
+        elif (t is tuple or t in _WRAPPERS) and _carries_tensor(v):
+            carriers[id(v)] = v
+            found = True
+    return found
+
+
 def _parts(v: Any, out: list, depth: int = 0) -> None:
     """What a tuple, partial, closure or bound method that carries a tensor holds, into
     ``out``, save the tensors and what carries them: the objects its :func:`_token` names by
@@ -856,19 +881,19 @@ class Guard:
         alive += [d.get(n) for d, n, _ in self.outside]
         alive += [f for m in self.modules for h in _hooks(m) for f in h.values()]
         alive += [f for h in global_hooks()[0] if h for f in h.values()]
-        own = [v for m in self.modules for k, v in m.__dict__.items() if k not in MODULE_INTERNALS]
-        own += [d.get(n) for d, n, _ in self.outside]
+        carriers: dict[int, Any] = {}
+        loose = False
         for _, path, o, *_ in watched:
             items = list(o) if isinstance(o, (list, set)) else _attrs(o).values()
             alive += items
             if path not in _SLOT_DICTS and type(o) is not ClassView:
-                own += items
-        carriers = {
-            id(v): v
-            for v in own
-            if not issubclass(type(v), (torch.Tensor, nn.Module)) and _carries_tensor(v)
-        }
-        if carriers:
+                loose = _carrier_items(items, carriers) or loose
+        for m in self.modules:  # (a tuple, partial or closure the module holds directly)
+            _carrier_items(
+                [v for k, v in m.__dict__.items() if k not in MODULE_INTERNALS], carriers
+            )
+        _carrier_items([d.get(n) for d, n, _ in self.outside], carriers)
+        if loose or carriers:
             # An object the signatures name holds a tensor (a container or holder with one, a
             # tuple, a partial or closure over one): kept here, one that a step rebinds
             # (``self.bank = {"w": new}``) would keep what it held alive until the next

@@ -1177,10 +1177,14 @@ def _items(c: Any) -> Any:
 def copy_items(v: Any, depth: int = 0) -> Any:
     """A shallow copy of a list or dict of objects (which object each item held), with the
     lists and dicts among its items copied too: those of plain values by value, the others the
-    same way, three levels down. A dict of flags beside a tensor (``{"ws": [t], "opts": {...}}``)
-    written in place between a forward and its replay: the replay reads the forward's."""
+    same way, three levels down (not in a container of more than ``_CONTAINER_LIMIT`` items).
+    A dict of flags beside a tensor (``{"ws": [t], "opts": {...}}``) written in place between a
+    forward and its replay: the replay reads the forward's."""
     c = copy.copy(v)
-    if depth >= 3:
+    if depth >= 3 or len(c) > _CONTAINER_LIMIT:  # (larger: which object each item held only)
+        return c
+    kinds = set(map(type, c.values() if isinstance(c, dict) else c))
+    if list not in kinds and dict not in kinds:
         return c
     for k, x in list(c.items() if isinstance(c, dict) else enumerate(c)):
         if type(x) is list or type(x) is dict:
