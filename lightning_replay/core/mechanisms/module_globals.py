@@ -233,10 +233,15 @@ def _class_owner(cls: type, name: str) -> ClassAttrs | None:
     return None
 
 
+def _plain_key(k: Any) -> bool:
+    """A dict key a plain value is kept under: a plain value, or a tuple of them (``G["s", 0]``)."""
+    return is_scalar(k) or (type(k) is tuple and all(map(is_scalar, k)))
+
+
 def _plain(value: Any, tensors: bool = True, depth: int = 0) -> bool:
     """A value to watch and put back: a plain one, a tensor (which one the name holds), or a
     small list, dict, set or tuple of them (``BANK = {"w": t, "scale": 0.5}``, rebound or
-    written between a forward and its replay), two levels down at most. Without ``tensors``,
+    written between a forward and its replay), four levels down at most. Without ``tensors``,
     plain values and containers of them only (a closure cell: watched, its owner would keep
     the function's old tensor alive after the function was replaced)."""
     if is_scalar(value):
@@ -248,10 +253,10 @@ def _plain(value: Any, tensors: bool = True, depth: int = 0) -> bool:
             return False
         if copy_plain(value) is not MISSING:
             return True
-        if depth >= 2 or not tensors:
+        if depth >= 4 or not tensors:
             return False
         if type(value) is dict:
-            return all(map(is_scalar, value)) and all(
+            return all(map(_plain_key, value)) and all(
                 _plain(v, tensors, depth + 1) for v in value.values()
             )
         return all(_plain(v, tensors, depth + 1) for v in value)
@@ -287,7 +292,8 @@ def _hook_functions(modules: list[nn.Module]) -> Iterable[types.FunctionType]:
 
 def held_functions(modules: Iterable[nn.Module]) -> list[tuple[types.FunctionType, Any]]:
     """The Python functions ``modules`` hold in plain attributes and in the lists, tuples and
-    dicts there (``self.fn = Config.scale_of``, ``self.acts = {"gain": Gain.apply}``), each
+    dicts there, three levels down (``self.fn = Config.scale_of``, ``self.acts = {"gain":
+    Gain.apply}``), each
     with the object its first argument is: a bound method's object or class (a classmethod),
     None for a plain or static function; ``functools.partial`` unwrapped (up to 6 deep). The
     segment's forward calls them: a class attribute or module-level value they read is the
@@ -298,9 +304,12 @@ def held_functions(modules: Iterable[nn.Module]) -> list[tuple[types.FunctionTyp
         for k, v in vars(m).items():
             if k in MODULE_INTERNALS:
                 continue
-            items = [v]
-            if type(v) in (list, tuple, dict) and len(v) <= _MAX_ITEMS:
-                items += list(v.values()) if type(v) is dict else list(v)
+            items, todo = [], [(v, 0)]
+            while todo:  # (the lists, tuples and dicts there, three levels down)
+                x, depth = todo.pop()
+                items.append(x)
+                if type(x) in (list, tuple, dict) and len(x) <= _MAX_ITEMS and depth < 3:
+                    todo += [(i, depth + 1) for i in (x.values() if type(x) is dict else x)]
             for x in items:
                 obj = None
                 for _ in range(6):
@@ -575,7 +584,10 @@ def globals_read(
     # loop may anneal (Block.temp *= 0.9) with no guard seeing it; type(self).temp always,
     # and cls.temp in a classmethod (its first argument is the class)
     for m in instances:
-        inst = vars(m)
+        try:
+            inst = vars(m)
+        except TypeError:  # (an object with __slots__ only: its reads are its slots')
+            inst = {}
         for name in read_from_self | class_reads:
             if name.startswith("__"):
                 continue

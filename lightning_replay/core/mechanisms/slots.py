@@ -1177,20 +1177,24 @@ def _items(c: Any) -> Any:
 def copy_items(v: Any, depth: int = 0) -> Any:
     """A shallow copy of a list or dict of objects (which object each item held), with the
     lists and dicts among its items copied too: those of plain values by value, the others the
-    same way, three levels down (not in a container of more than ``_CONTAINER_LIMIT`` items).
+    same way, ``_COPY_DEPTH`` levels down (not in a container of more than ``_CONTAINER_LIMIT``
+    items).
     A dict of flags beside a tensor (``{"ws": [t], "opts": {...}}``) written in place between a
     forward and its replay: the replay reads the forward's."""
     c = copy.copy(v)
-    if depth >= 3 or len(c) > _CONTAINER_LIMIT:  # (larger: which object each item held only)
+    if depth >= _COPY_DEPTH or len(c) > _CONTAINER_LIMIT:  # (larger: which object each held)
         return c
     kinds = set(map(type, c.values() if isinstance(c, dict) else c))
-    if list not in kinds and dict not in kinds:
+    if not any(issubclass(t, (list, dict)) for t in kinds):
         return c
     for k, x in list(c.items() if isinstance(c, dict) else enumerate(c)):
-        if type(x) is list or type(x) is dict:
+        if isinstance(x, (list, dict)):  # (an OrderedDict, a defaultdict, a dict subclass too)
             p = copy_plain(x)
-            c[k] = p if p is not MISSING else copy_items(x, depth + 1)
+            c[k] = p if p is not MISSING and type(p) is type(x) else copy_items(x, depth + 1)
     return c
+
+
+_COPY_DEPTH = 6  # levels of lists and dicts copy_items copies
 
 
 def _at_forward(v: Any) -> Any:
@@ -1214,7 +1218,9 @@ def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, 
     out: list[tuple[Any, Any, Any]] = []
     for m, name in reads:
         d = m.__dict__
-        if isinstance(name, tuple):  # a registered buffer: which tensor the slot held
+        if isinstance(name, tuple) and isinstance(m, nn.Module):
+            # a registered buffer: which tensor the slot held (a tuple key of a mapping an
+            # Items owner stands for, ``G["s", 0]``, is a name like any other)
             d, name = d[name[0]], name[1]
         v = d.get(name, MISSING)
         out.append((d, name, _at_forward(v)))

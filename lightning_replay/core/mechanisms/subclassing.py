@@ -2,12 +2,16 @@
 
 The engine routes a segment's forward through a subclass of its class (``attach``), a probe
 traces reads through one (``outside_reads``), a rebuilt argument can get one (``arguments``).
-Making a subclass runs the ``__init_subclass__`` of the class's bases, and user code can write
-there: a plugin registry keyed by class name (``REGISTRY[cls.__name__] = cls``) would map the
-user's name to this package's subclass, for good; a counter of subclasses would count it.
-:func:`quiet_subclass` undoes what the making wrote into the bases themselves and into the
-globals of the user modules that define them. What ``__init_subclass__`` does to the new class
-itself stays (transformers wraps a layer's ``forward`` there).
+Making a subclass runs the ``__init_subclass__`` of the class's bases, and user code does
+things there that are meant for the user's own subclasses: a plugin registry keyed by class
+name (``REGISTRY[cls.__name__] = cls``) would map the user's name to this package's subclass
+for good; a counter would count it; a per-class id (``cls.type_id = next(ids)``) read by the
+forward would give the swapped module another one; a wrapper of ``cls.forward`` (transformers'
+checkpointing layers, a user's scaling) would run twice, once around this package's forward
+and once inside it. :func:`quiet_subclass` makes the subclass without calling
+``__init_subclass__`` (the subclass adds nothing but this package's namespace: what the
+user's classes set up for themselves is inherited), and undoes what the making (a
+metaclass) wrote into the bases and into the globals of the user modules that define them.
 
 Example:
     >>> import torch
@@ -21,6 +25,8 @@ Example:
     >>> sub = quiet_subclass(Block, {"__qualname__": "Block"})
     >>> issubclass(sub, Block), Base.seen
     (True, ['Block'])
+    >>> Base.__dict__["__init_subclass__"] is not None and "__init_subclass__" in Block.__dict__
+    False
 """
 
 from __future__ import annotations
@@ -33,11 +39,22 @@ from lightning_replay.core.mechanisms.module_globals import _library
 
 
 def quiet_subclass(cls: type, namespace: dict[str, Any]) -> type:
-    """``type(cls.__name__, (cls,), namespace)``, undoing what it wrote into ``cls``'s MRO and
-    their modules' globals (:class:`_Untouched`). Raises what the making raises (a class that
-    refuses subclasses), after the undoing."""
+    """``type(cls.__name__, (cls,), namespace)`` with no ``__init_subclass__`` called, undoing
+    what the making wrote into ``cls``'s MRO and their modules' globals (:class:`_Untouched`).
+    Raises what the making raises (a metaclass that refuses subclasses), after the undoing."""
     with _Untouched(cls):
+        try:  # (put back by _Untouched: the class's own, or none)
+            type.__setattr__(cls, "__init_subclass__", _QUIET)
+        except (TypeError, AttributeError):  # (a class that takes no attribute: called)
+            pass
         return type(cls.__name__, (cls,), namespace)
+
+
+def _no_init_subclass(cls: type, **kwargs: Any) -> None:
+    """Stands for ``__init_subclass__`` while :func:`quiet_subclass` makes its subclass."""
+
+
+_QUIET = classmethod(_no_init_subclass)
 
 
 #: items of a container an _Untouched copies (larger: left alone)
@@ -73,11 +90,14 @@ class _Untouched:
             now = vars(owner)
             if len(now) == len(before) and all(now.get(k, _GONE) is v for k, v in before.items()):
                 continue
+            # (a class's own setattr, not its metaclass's: one may refuse, a final class)
+            put = type.__setattr__ if isinstance(owner, type) else setattr
+            drop = type.__delattr__ if isinstance(owner, type) else delattr
             for k in [k for k in now if k not in before]:
-                delattr(owner, k)
+                drop(owner, k)
             for k, v in before.items():
                 if now.get(k, _GONE) is not v:
-                    setattr(owner, k, v)
+                    put(owner, k, v)
         for v, old in self.contents:
             if _same_items(v, old):
                 continue
