@@ -242,10 +242,8 @@ GLOBALS = {  # id: (block, after, resets)
 # gradients, silently, once the KeyError was mended: a dict with tuple keys was no plain value,
 # its item owner stale once the global was rebound; "dict four levels deep written in place":
 # _plain looked two levels down; both strict xfails at 0f22735)
-_G_XFAIL = {
-    "partial in a list rebound": "wrong gradients silently from step 0: a module-level list "
-    "of partials over a tensor is not _plain, so not watched; older",
-}
+# ("partial in a list rebound" too: a list of partials was not _plain, so not watched)
+_G_XFAIL: dict = {}
 
 
 @pytest.mark.parametrize(

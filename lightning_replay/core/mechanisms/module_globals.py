@@ -260,6 +260,12 @@ def _plain(value: Any, tensors: bool = True, depth: int = 0) -> bool:
                 _plain(v, tensors, depth + 1) for v in value.values()
             )
         return all(_plain(v, tensors, depth + 1) for v in value)
+    if type(value) is functools.partial and tensors and depth:
+        # (in a container: ``FNS = [partial(scale, w=t)]``, rebound or replaced; which partial
+        # each item is, and what it is bound to, is the container's value)
+        return _plain(value.args, tensors, depth) and all(
+            _plain(v, tensors, depth + 1) for v in value.keywords.values()
+        )
     return False
 
 
