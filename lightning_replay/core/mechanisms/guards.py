@@ -64,8 +64,10 @@ from lightning_replay.core.mechanisms.slots import (
     HOOK_DICTS,
     MISSING,
     MODULE_INTERNALS,
+    _WRAPPERS,
     SlotView,
     _holds_no_tensor,
+    closure_contents,
     copy_plain,
     global_hooks,
     hook_ids,
@@ -407,10 +409,6 @@ def _contents(o: Any) -> Any:
     return frozenset(map(_token, o)) if isinstance(o, (set, frozenset)) else tuple(map(_token, o))
 
 
-#: callables that hold what they call or close over: told apart by what they hold
-_WRAPPERS = (functools.partial, types.FunctionType, types.MethodType)
-
-
 def _token(v: Any, depth: int = 0) -> Any:
     """An item or attribute as a value to compare: a plain value by value; a tuple, a
     ``functools.partial``, a closure or a bound method by what it holds (a new one each
@@ -426,23 +424,13 @@ def _token(v: Any, depth: int = 0) -> Any:
             kw = tuple([(k, _token(x, depth + 1)) for k, x in v.keywords.items()])
             return (t, _token(v.func, depth + 1), _token(v.args, depth + 1), kw)
         if t is types.FunctionType and v.__closure__:
-            return (t, id(v.__code__), tuple([_token(c, depth + 1) for c in _cells(v)]))
+            return (t, id(v.__code__), tuple([_token(c, depth + 1) for c in closure_contents(v)]))
         if t is types.MethodType:
             return (t, id(v.__func__), _token(v.__self__, depth + 1))
     return id(v)
 
 
 _TOKEN_DEPTH = 4
-
-
-def _cells(fn: types.FunctionType) -> list:
-    out = []
-    for c in fn.__closure__ or ():
-        try:
-            out.append(c.cell_contents)
-        except ValueError:  # (an empty cell)
-            out.append(MISSING)
-    return out
 
 
 def _carries_tensor(v: Any, depth: int = 0) -> bool:
@@ -464,7 +452,7 @@ def _carries_tensor(v: Any, depth: int = 0) -> bool:
     elif t is functools.partial:
         items = (v.func, *v.args, *v.keywords.values())
     elif t is types.FunctionType:
-        items = _cells(v)
+        items = closure_contents(v)
     elif t is types.MethodType:
         items = (v.__self__,)
     elif t is SlotView:
@@ -512,7 +500,7 @@ def _parts(v: Any, out: list, depth: int = 0) -> None:
     elif t is functools.partial:
         items = (v.func, *v.args, *v.keywords.values())
     elif t is types.FunctionType:
-        items = _cells(v)
+        items = closure_contents(v)
     elif t is types.MethodType:
         items = (v.__func__, v.__self__)
     else:

@@ -1005,7 +1005,7 @@ def _may_hold_tensor(x: Any, depth: int = 0) -> bool:
         elif t is types.MethodType:
             parts = (x.__self__,)
         else:
-            parts = [c.cell_contents for c in x.__closure__ or () if _filled(c)]
+            parts = [c for c in closure_contents(x) if c is not MISSING]
         return any(_may_hold_tensor(i, depth + 1) for i in parts)
     elif not is_holder(x):
         return False
@@ -1021,12 +1021,15 @@ def _may_hold_tensor(x: Any, depth: int = 0) -> bool:
     return False
 
 
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # (an empty cell)
-        return False
-    return True
+def closure_contents(fn: types.FunctionType) -> list:
+    """What each closure cell of ``fn`` holds, in order (``MISSING`` for an empty one)."""
+    out = []
+    for c in fn.__closure__ or ():
+        try:
+            out.append(c.cell_contents)
+        except ValueError:  # (an empty cell)
+            out.append(MISSING)
+    return out
 
 
 def _holds_no_tensor(x: Any) -> bool:
