@@ -116,6 +116,8 @@ def _global_names(fn: types.FunctionType) -> "_Names":
                     ("CALL", 1),
                 ]:
                     out.cls_own.add(arg)  # type(self).temp, self.__class__.temp
+                elif r[-2:] == [("LOAD_GLOBAL", "super"), ("CALL", 0)]:
+                    out.super_own.add(arg)  # super().temp: a base's class attribute
             elif op == "LOAD_CONST" and chain is not None:
                 if key is MISSING:  # (a second constant: ``.get(key, default)``'s default)
                     key = arg  # BIG["bank"], settings["bank"], os.environ.get("FLAG")
@@ -138,8 +140,9 @@ class _Names:
     written; ``chains`` of attributes read from a global or a closure cell (``("g", "CFG"),
     "model", "use_bank"``); constant-key ``items`` read from one (``BIG["bank"]``,
     ``os.environ.get("FLAG")``); the closure ``cells`` it reads; the attributes it reads from
-    its first argument (``own``: ``self.temp``, a class attribute where the instance has none)
-    and from its first argument's class (``cls_own``: ``type(self).temp``)."""
+    its first argument (``own``: ``self.temp``, a class attribute where the instance has none),
+    from its first argument's class (``cls_own``: ``type(self).temp``) and from its bases
+    (``super_own``: ``super().temp``)."""
 
     def __init__(self) -> None:
         self.names: set[str] = set()
@@ -148,6 +151,7 @@ class _Names:
         self.cells: set[str] = set()
         self.own: set[str] = set()
         self.cls_own: set[str] = set()
+        self.super_own: set[str] = set()
 
 
 class Globals:
@@ -518,6 +522,7 @@ def globals_read(
                 instances.append(obj)
     read_from_self: set[str] = set()
     class_reads: set[str] = set()
+    super_reads: set[str] = set()
     budget = _MAX_FUNCTIONS
 
     def add(owner: Any, name: Any) -> None:
@@ -541,6 +546,7 @@ def globals_read(
         if depth == 0:
             read_from_self |= n.own
         class_reads |= n.cls_own
+        super_reads |= n.super_own
         roots = {}
         for name in n.names:
             value = fn.__globals__.get(name, MISSING)
@@ -611,6 +617,13 @@ def globals_read(
             cls_owner = _class_owner(m if isinstance(m, type) else type(m), name)
             if cls_owner is not None:
                 add(cls_owner, name)
+        for name in super_reads:  # (each base that defines it: which one super() finds
+            # depends on the class whose method reads it)
+            for klass in (m if isinstance(m, type) else type(m)).__mro__[1:]:
+                if name in vars(klass):
+                    cls_owner = _class_owner(klass, name)
+                    if cls_owner is not None:
+                        add(cls_owner, name)
     return sorted(out.values(), key=lambda p: (_label(p[0]), str(p[1])))
 
 

@@ -62,13 +62,15 @@ _MAX_UNDONE = 4096
 
 
 class _Untouched:
-    """Undoes, on exit, what the block wrote into the classes of ``cls``'s MRO and into the
-    globals of the user modules that define them: attributes added, rebound or deleted, and
+    """Undoes, on exit, what the block wrote into the classes of ``cls``'s MRO and its
+    metaclass's, and into the globals of the user modules that define them: attributes added, rebound or deleted, and
     the contents of the lists, dicts and sets there (put back in place, so that who holds
     them sees the old contents)."""
 
     def __init__(self, cls: type) -> None:
-        self.classes = [k for k in cls.__mro__ if k is not object]
+        # (and the metaclass's: a registry it keeps of the classes it makes)
+        meta = [k for k in type(cls).__mro__ if k is not type and k is not object]
+        self.classes = [k for k in cls.__mro__ if k is not object] + meta
         mods = {getattr(k, "__module__", None) for k in self.classes}
         self.dicts: list[tuple[Any, dict]] = [(k, dict(vars(k))) for k in self.classes]
         for name in mods:
