@@ -352,9 +352,15 @@ def unflatten_call(flat: list, spec: CallSpec) -> tuple[tuple, dict]:
                 # tensors the object reaches through its class: a subclass of its class made
                 # for this rebuild holds them as at the forward (no instance layout added)
                 cls = type(out)
-                sub = quiet_subclass(cls, {**on_class, "__slots__": ()})
-                sub.__qualname__ = cls.__qualname__
-                sub.__module__ = cls.__module__
+                sub = quiet_subclass(
+                    cls,
+                    {
+                        **on_class,
+                        "__slots__": (),
+                        "__qualname__": cls.__qualname__,
+                        "__module__": cls.__module__,
+                    },
+                )
                 out.__class__ = sub
             return out
         built[id(node)] = out

@@ -12,6 +12,11 @@ and once inside it. :func:`quiet_subclass` makes the subclass without calling
 ``__init_subclass__`` (the subclass adds nothing but this package's namespace: what the
 user's classes set up for themselves is inherited), and undoes what the making (a
 metaclass) wrote into the bases and into the globals of the user modules that define them.
+Not calling it, rather than calling it and undoing what it did, runs no user code whose
+effects cannot be undone (a registry in a nested container, a WeakSet, a file). What it would
+have set in the subclass's own ``__dict__`` is there only through the MRO: code that reads
+``type(self).__dict__[name]`` of such an entry finds none (attribute lookups find the user's
+class's, as they should: a copy would go stale when the user rebinds it).
 
 Example:
     >>> import torch
