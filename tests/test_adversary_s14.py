@@ -2056,19 +2056,6 @@ def _replays(engine) -> int:
     return sum(v.get("replays", 0) for v in engine.summary().values() if isinstance(v, dict))
 
 
-#: Fails in the full suite's collection only (not strict: it passes alone, with its own file,
-#: with 60 MiB of ballast, and when any one of several test files is left out of the
-#: collection: tests/real_models, test_adversary_unregistered2.py, test_adversary_s18.py,
-#: test_adversary_loose_guard.py). Measured at a85a041: grads of blocks.0 differ from step 2,
-#: no record. Not understood; suspected an id reused across objects. It passed in the full
-#: suite at 32c0c38, before those files. Reproduce: pytest tests lightning_replay
-#: --doctest-modules -k quantization_aware_training_observers
-ORDER_DEPENDENT = {
-    ("quantization_aware_training_observers", "min"): "measured at a85a041: wrong gradients "
-    "from step 2 in the full suite's collection only, not understood (see ORDER_DEPENDENT)",
-}
-
-
 @pytest.mark.parametrize(
     ("name", "mode"),
     [
@@ -2076,11 +2063,7 @@ ORDER_DEPENDENT = {
             n,
             m,
             id=f"{n}-{m}",
-            marks=[pytest.mark.xfail(strict=True, reason=XFAIL[n, m])]
-            if (n, m) in XFAIL
-            else [pytest.mark.xfail(strict=False, reason=ORDER_DEPENDENT[n, m])]
-            if (n, m) in ORDER_DEPENDENT
-            else [],
+            marks=[pytest.mark.xfail(strict=True, reason=XFAIL[n, m])] if (n, m) in XFAIL else [],
         )
         for n in CASES
         for m in MODES

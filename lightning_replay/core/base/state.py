@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import weakref
 import zlib
 from typing import Any, Iterator
 
@@ -266,6 +267,8 @@ class StateIndex:
 
     def __init__(self, model: nn.Module) -> None:
         self.by_storage: dict[StorageKey, list[StateRef]] = {}
+        #: the storage at each address when indexed (weakly): see :meth:`lookup`
+        self.storages: dict[StorageKey, weakref.ref] = {}
         for ref in iter_named_state(model):
             t = ref.get()
             key = storage_key(t) if t is not None else None
@@ -274,8 +277,16 @@ class StateIndex:
             refs = self.by_storage.setdefault(key, [])
             if all(r.name != ref.name for r in refs):
                 refs.append(ref)
+            self.storages.setdefault(key, weakref.ref(t.untyped_storage()))
 
-    def lookup(self, key: StorageKey) -> list[StateRef]:
+    def lookup(self, key: StorageKey, storage: Any = None) -> list[StateRef]:
+        """The names of the storage at ``key`` when indexed; given ``storage``, only if it is
+        that storage (a storage reallocated in place by ``resize_`` leaves its address to the
+        next one made, which the names of the first do not name)."""
+        if storage is not None:
+            held = self.storages.get(key)
+            if held is None or held() is not storage:
+                return []
         return self.by_storage.get(key, [])
 
 

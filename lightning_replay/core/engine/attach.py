@@ -165,12 +165,13 @@ def copy_held_activations(engine: Any, outputs: Any) -> None:
         return
     with torch.no_grad():
         for p in probes:
-            for key, touch in p.mode.touched.items():
+            for touch in p.mode.touched.values():
+                key = touch.key
                 if (
                     touch.snapshot is None
                     and key in p.mode.uncopied
                     and key in held
-                    and not engine.log.since(key, touch.mark)
+                    and not touch.entries(engine.log)
                 ):
                     touch.snapshot = storage_bytes(touch.tensor).clone()
 

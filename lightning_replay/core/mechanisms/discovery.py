@@ -107,6 +107,14 @@ class Touch:
     #: the digest of its span's bytes at first touch (a digested storage, once its forward
     #: has returned); None: compared whole
     span_digest: int | None = None
+    #: the region-log length when its storage left ``key`` (reallocated in place by a growing
+    #: ``resize_``): the writes logged at that address since are another storage's
+    log_end: int | None = None
+
+    def entries(self, log: RegionLog) -> list:
+        """The writes logged to its storage since its first touch."""
+        entries = log.since(self.key, self.mark)
+        return entries if self.log_end is None else entries[: max(0, self.log_end - self.mark)]
 
 
 class DiscoveryMode(TorchDispatchMode):
@@ -136,7 +144,10 @@ class DiscoveryMode(TorchDispatchMode):
         # a write inside it is annotated and logged, and that is what they are compared by
         # (not their version counters: Lightning may swap parameters with their counters).
         self.params = params
-        self.produced: set[StorageKey] = set()
+        #: storages the segment's ops made, each with a weak reference to its storage: an
+        #: address is the segment's own only while that storage lives (a freed output's
+        #: address may be given to state next, see :meth:`_made_here`)
+        self.produced: dict[StorageKey, weakref.ref] = {}
         self.touched: dict[StorageKey, Touch] = {}
         #: storages of FSDP-managed parameters the segment read: parameter traffic, not state
         self.parameter_traffic: set[StorageKey] = set()
@@ -157,14 +168,14 @@ class DiscoveryMode(TorchDispatchMode):
 
     def _touch(self, t: torch.Tensor) -> Touch | None:
         key = storage_key(t)
-        if key is None or key in self.produced:
+        if key is None or self._made_here(key, t):
             return None
         # the bytes the op is given: a view the model holds (a buffer that is a view of a
         # bigger one, issue 31); a view the forward makes itself (``base[p : p + k]``) is
         # made from its base, whose bytes the op that makes it is given (its offset may
         # be another next step)
         span = byte_span(t)
-        touch = self.touched.get(key)
+        touch = self._touched_at(key, t)
         if touch is not None:
             if touch.span is not None:
                 touch.span = hull(touch.span, span or touch.span)
@@ -204,12 +215,25 @@ class DiscoveryMode(TorchDispatchMode):
             self.touched[key] = touch
         return touch
 
+    def _touched_at(self, key: StorageKey, t: torch.Tensor) -> Touch | None:
+        """The touch of ``t``'s storage. A touch found at its address may be of another
+        storage: one a growing ``resize_`` reallocated in place (an observer's ``scale`` sized
+        to its channels) leaves its old address to the allocator, and the next storage made
+        (the next observer's ``min_val``) may get it. That touch is kept apart then, under a key
+        no address has, and ``t``'s storage is touched anew."""
+        touch = self.touched.get(key)
+        if touch is None or touch.tensor.untyped_storage() is t.untyped_storage():
+            return touch
+        touch.log_end = len(self.log.logs.get(key, ()))
+        self.touched[(f"{key[0]}:moved", id(touch))] = self.touched.pop(key)
+        return None
+
     def copy_now(self, touch: Touch) -> None:
         """Take a digested storage's first-touch copy now, before a write no log sees: its
         live bytes with the writes logged since first touch undone (then redone)."""
         if touch.first_digest is None:
             return
-        entries = self.log.since(touch.key, touch.mark)
+        entries = touch.entries(self.log)
         self.log.paused += 1  # (these swaps are no write of the window's)
         try:
             with torch.no_grad():
@@ -239,8 +263,8 @@ class DiscoveryMode(TorchDispatchMode):
 
     def release(self) -> None:
         """Disarm the region log for a probe that will never be observed."""
-        for key, touch in self.touched.items():
-            self.log.release(key, copied=touch.arm_copied, extent=touch.arm_extent)
+        for touch in self.touched.values():
+            self.log.release(touch.key, copied=touch.arm_copied, extent=touch.arm_extent)
         self.touched = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -285,7 +309,7 @@ class DiscoveryMode(TorchDispatchMode):
             # the op was given: a replay points the tensor back at that shape, with no bytes
             # (a replayed kernel that finds state already sized for it reads it as other state).
             key = storage_key(t)
-            if key is not None and key not in self.touched and key not in self.produced:
+            if key is not None and self._touched_at(key, t) is None and not self._made_here(key, t):
                 self.touched[key] = Touch(
                     key,
                     before,
@@ -299,9 +323,24 @@ class DiscoveryMode(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 key = storage_key(t)
-                if key is not None and key not in self.touched:
-                    self.produced.add(key)
+                if key is not None and self._touched_at(key, t) is None:
+                    self.produced[key] = weakref.ref(t.untyped_storage())
         return out
+
+    def _made_here(self, key: StorageKey, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is one the segment's ops made. Its address alone does not
+        say: an output freed within the forward leaves its address to the allocator, and state
+        allocated later (an observer's empty ``min_val`` sized by its first op, a queue grown
+        by ``resize_``) may get it. Taken for the segment's own, that state went unwatched and
+        its replay saw the forward's writes: a per-channel fake-quantize crashed in its replay,
+        or computed other scales (wrong gradients), whenever the allocator reused an address."""
+        ref = self.produced.get(key)
+        if ref is None:
+            return False
+        if ref() is t.untyped_storage():
+            return True
+        del self.produced[key]  # (that output's storage is gone: its address is another's now)
+        return False
 
     def finish_segment(self) -> None:
         """Called when the segment's forward returns: which state did it change itself?"""
@@ -339,7 +378,7 @@ class DiscoveryMode(TorchDispatchMode):
             touch.span = None  # (all of it: logged and compared as it was)
             return
         if touch.first_digest is not None:
-            entries = self.log.since(touch.key, touch.mark)
+            entries = touch.entries(self.log)
             if not touch.changed_in_segment:
                 touch.span_digest = digest(live[span[0] : span[1]])
             elif entries and all(e.saved is not None for e in entries):
@@ -498,8 +537,9 @@ def observe_window(
     """
     out = []
     with torch.no_grad():
-        for key, touch in mode.touched.items():
-            entries = log.since(key, touch.mark)
+        for touch in mode.touched.values():
+            key = touch.key  # (the dict's key differs for a storage that left its address)
+            entries = touch.entries(log)
             if touch.first_digest is not None:
                 out.append(_observe_digested(touch, entries, keep_changed))
                 log.release(key, extent=touch.arm_extent)

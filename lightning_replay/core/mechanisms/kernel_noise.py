@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -65,6 +66,8 @@ class _Fresh:
     func: Any
     uninitialized: bool  # torch.empty and kin; otherwise made from host values
     token: Any  # digest_token of its storage's bytes when it was made
+    #: a weak reference to its storage: the entry speaks for that address while it lives
+    storage: Any = None
 
 
 @dataclasses.dataclass
@@ -82,6 +85,13 @@ class _Produced:
     #: grad mode as it ran (below autograd): some kernels read it (mkldnn_rnn_layer returns an
     #: empty workspace without it, so a run under no_grad compares nothing)
     grad: bool = False
+    #: a weak reference to its storage: the entry speaks for that address while it lives
+    #: (storage allocated by no op's output, a ``resize_``, may get a freed output's address)
+    storage: Any = None
+
+
+def _same_storage(entry: Any, t: torch.Tensor) -> bool:
+    return entry.storage is None or entry.storage() is t.untyped_storage()
 
 
 def _dropout(func: Any, args: tuple, kwargs: dict) -> float | None:
@@ -144,6 +154,7 @@ class ProducerLog(TorchDispatchMode):
                         i in rng,
                         rngs,
                         torch.is_grad_enabled(),
+                        weakref.ref(t.untyped_storage()),
                     )
         return out
 
@@ -192,7 +203,9 @@ class ProducerLog(TorchDispatchMode):
         # perhaps at a freed storage's address): whatever was known of that address is stale
         self.produced.pop(key, None)
         self.written.discard(key)
-        self.fresh[key] = _Fresh(func, uninitialized, digest_token(storage_bytes(t)))
+        self.fresh[key] = _Fresh(
+            func, uninitialized, digest_token(storage_bytes(t)), weakref.ref(t.untyped_storage())
+        )
 
     def _unreproduced_fresh(self, saved: torch.Tensor, key: StorageKey) -> str | None:
         f = self.fresh[key]
@@ -217,9 +230,11 @@ class ProducerLog(TorchDispatchMode):
         if key is None or key in self.written:
             return None  # written after it was produced: its producer no longer tells
         if key in self.fresh:
+            if not _same_storage(self.fresh[key], saved):
+                return None  # (that tensor's storage is gone: the address is another's now)
             return self._unreproduced_fresh(saved, key)
         p = self.produced.get(key)
-        if p is None:
+        if p is None or not _same_storage(p, saved):
             return None
         name = str(p.func)
         if p.rng_output and not saved.is_floating_point():

@@ -149,7 +149,7 @@ class _Probe:
         holds what later steps need (names, shapes, versions), never the probe's tensors."""
         mode = self.mode
         mode.touched = {}
-        mode.produced = set()
+        mode.produced = {}
         mode.generators = {}
         mode.generator_states = {}
         self.observations = []
@@ -1086,7 +1086,11 @@ class SegmentProbe:
                 # got a new storage in the window (resize_, set_, ``.data = ...``) is named by
                 # it, and after ``resize_`` (the old bytes freed in place) another state tensor
                 # may live at the old address now (a buffer rebound there)
-                start = p.start_index.lookup(t.key) if p.start_index is not None else []
+                start = (
+                    p.start_index.lookup(t.key, t.tensor.untyped_storage())
+                    if p.start_index is not None
+                    else []
+                )
                 refs = start or refs
                 entry, b = self._entry_for(t, refs, eng)
                 if entry.name in merged:
