@@ -37,6 +37,7 @@ from tests.helpers.compare import assert_same_grads, assert_same_state
 from tests.test_adversary_unregistered import PRES, Uses, _held, assert_exact_held
 from tests.test_exactness import SEGS2, D, Stack, _fresh, _observable, _train, assert_exact
 from tests.test_unregistered_modules import Gain
+from tests.test_unsubclassable import FinalMeta  # (refuses subclasses of a `__final__` class)
 
 
 def _apply(f, h: torch.Tensor) -> torch.Tensor:
@@ -817,16 +818,6 @@ def test_a_teacher_with_its_own_engine_inside_the_students_window(preservation):
 
 
 # ------------------------------------------------------------------------ 5. unsubclassable
-class FinalMeta(type):
-    """A metaclass that forbids subclasses of a class marked final."""
-
-    def __new__(mcs, name, bases, ns, **kw):
-        for b in bases:
-            if getattr(b, "__final__", False):
-                raise TypeError(f"{b.__name__} is final")
-        return super().__new__(mcs, name, bases, ns, **kw)
-
-
 class MetaFinal(nn.Module, metaclass=FinalMeta):
     __final__ = True
 
