@@ -150,7 +150,9 @@ class DiscoveryMode(TorchDispatchMode):
         self.produced: dict[StorageKey, weakref.ref] = {}
         self.touched: dict[StorageKey, Touch] = {}
         #: storages of FSDP-managed parameters the segment read: parameter traffic, not state
-        self.parameter_traffic: set[StorageKey] = set()
+        #: (each with a weak reference to its storage: FSDP frees it after the forward, and
+        #: state sized later in the forward may get its address, see :meth:`_traffic`)
+        self.parameter_traffic: dict[StorageKey, weakref.ref] = {}
         self.generators: dict[int, torch.Generator] = {}
         #: each generator's state when the segment first used it (a replayed probe's replay
         #: draws from there again)
@@ -180,13 +182,13 @@ class DiscoveryMode(TorchDispatchMode):
             if touch.span is not None:
                 touch.span = hull(touch.span, span or touch.span)
         else:
-            if key in self.parameter_traffic:
+            if self._traffic(key, t):
                 return None
             if _fsdp_managed(t):
                 # FSDP gathers the parameter before the forward and, after resharding, again
                 # before the backward (its storage freed and refilled with the same bytes):
                 # parameter traffic that FSDP keeps consistent, not state to preserve.
-                self.parameter_traffic.add(key)
+                self.parameter_traffic[key] = weakref.ref(t.untyped_storage())
                 return None
             snap = first = None
             is_input = key in self.input_keys
@@ -326,6 +328,19 @@ class DiscoveryMode(TorchDispatchMode):
                 if key is not None and self._touched_at(key, t) is None:
                     self.produced[key] = weakref.ref(t.untyped_storage())
         return out
+
+    def _traffic(self, key: StorageKey, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is an FSDP-managed parameter's the segment read. By its
+        storage, not its address alone: FSDP frees a gathered parameter once its unit's forward
+        is done (the storage object stays, for the regather), and state the segment sizes after
+        that (an observer's ``min_val``, a queue grown by ``resize_``) may get the address."""
+        ref = self.parameter_traffic.get(key)
+        if ref is None:
+            return False
+        if ref() is t.untyped_storage():
+            return True
+        del self.parameter_traffic[key]  # (its storage is gone or moved: the address is free)
+        return False
 
     def _made_here(self, key: StorageKey, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage is one the segment's ops made. Its address alone does not

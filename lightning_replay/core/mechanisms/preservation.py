@@ -756,13 +756,20 @@ class SharedWhole:
         """Whether ``t`` reads, now, the bytes this copy was taken of: the same storage at the
         same version, and the same bytes, compared (a write through ``.data`` between two
         calls bumps no version). The comparison reads what a copy would, without allocating;
-        on an accelerator it would wait for the device, so there every call takes its own."""
+        on an accelerator it would wait for the device, so there every call takes its own.
+
+        The same storage by identity, not by address alone: a storage that ``resize_`` grew
+        since (a memory bank) leaves its old address to the next storage made there (another
+        segment's buffer rebound to a tensor of the old size), and :attr:`view` still reads
+        the first one's bytes, so the comparison of bytes would not tell them apart either.
+        The view keeps its storage alive, so no other storage can have its ``_cdata``."""
         return (
             self.snap is not None
             and not self.spoiled
             and _state.host_reads_free(self.snap)
             and t._version == self.version
             and storage_key(t) == self.key
+            and t.untyped_storage()._cdata == self.view.untyped_storage()._cdata
             and t.untyped_storage().nbytes() == self.size
             and torch.equal(self.view, self.snap)
         )

@@ -687,8 +687,11 @@ class SegmentProbe:
         # the parameters it ran with, as aliases (its replay's: functional_call may have swapped
         # them in). Not their keys: FSDP2 frees a gathered parameter after the forward and
         # gathers it again elsewhere, and the replay's own activations may land where it was
-        if replayed:
-            probe.param_aliases = [p.detach() for p in eng.model.parameters()]
+        if replayed:  # (not a lazy module's uninitialized one: it refuses an alias, and its
+            # first forward gives it storage, the live parameter the replay compares then)
+            probe.param_aliases = [
+                p.detach() for p in eng.model.parameters() if not nn.parameter.is_lazy(p)
+            ]
         if replayed:  # where the replay draws from (generators the mode meets are added)
             probe.gens = capture_generators(slot_generators(slots))
         probe.start_index = start_index
@@ -698,16 +701,29 @@ class SegmentProbe:
         outer_pack, outer_unpack = top if top is not None else (None, None)
         unpack_fn = outer_unpack if outer_unpack is not None else Saved.unpack
 
+        # a lazy module's parameter has no storage yet: its first forward gives it one, and
+        # what autograd saves of it then is a parameter's (its replay leaves parameters out)
+        lazy = replayed and any(nn.parameter.is_lazy(p) for p in eng.model.parameters())
+
+        def is_param(key: Any) -> bool:
+            if key in params:
+                return True
+            return (
+                lazy
+                and key is not None
+                and any(storage_key(p) == key for p in eng.model.parameters())
+            )
+
         def pack(t: torch.Tensor) -> _ProbeHandle:
             key = storage_key(t)
             if key is not None:
                 saved[key] = t.untyped_storage().nbytes()
-            if replayed and key not in params:
+            if replayed and not is_param(key):
                 # what the replay must save again, byte for byte (a value that only the
                 # gradient reads leaves the outputs alike), and the version it was saved at
                 probe.saved_tokens.append(digest_token(t))
                 probe.saved_live.append(t)
-                if key not in probe.saved_state and start_index.lookup(key):
+                if key not in probe.saved_state and start_index.lookup(key, t.untyped_storage()):
                     # model state autograd saved: an alias that shares its version counter
                     # (its storage lives on anyway), to refuse a backward plain PyTorch refuses
                     probe.saved_state[key] = (t.detach(), t._version)
