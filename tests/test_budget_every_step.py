@@ -139,7 +139,13 @@ def _run(
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_step_holds_a_budget_halfway_between_checkpoint_and_plain(name, referee):
-    build = MODELS[name]
+    check_budget(name, MODELS[name], referee)
+
+
+def check_budget(name: str, build: Callable, referee: StepReferee) -> tuple[int, list]:
+    """The referee for ``build``'s model: each step's ``(peak, who)`` under a budget halfway
+    between checkpoint's and plain training's peaks, all within ``TOLERANCE``; returns the
+    budget and those peaks."""
     plain = max(p for p, _ in _run(build, "plain", 3, referee)[1:])
     ckpt = max(p for p, _ in _run(build, "checkpoint", 3, referee)[1:])
     assert ckpt < plain
@@ -153,3 +159,4 @@ def test_every_step_holds_a_budget_halfway_between_checkpoint_and_plain(name, re
     )
     over = [(s, p / budget) for s, (p, _) in enumerate(peaks) if p > TOLERANCE * budget]
     assert not over, f"{name}: steps over {TOLERANCE} x the budget {over}; {report}"
+    return budget, peaks

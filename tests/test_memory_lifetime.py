@@ -81,9 +81,13 @@ def _llama() -> tuple[nn.Module, list[str], Callable[[int], Any]]:
 MODELS = {"resnet50": _resnet50, "gpt2": _gpt2, "llama": _llama}
 
 
-def _build(name: str) -> tuple[nn.Module, list[str], Callable[[int], Any]]:
+Build = Callable[[], tuple[nn.Module, list[str], Callable[[int], Any]]]
+
+
+def _build(name: str, build: Build | None = None) -> tuple[nn.Module, list[str], Callable]:
+    """``MODELS[name]``'s model, or ``build``'s (another file's model, under its own name)."""
     torch.manual_seed(0)
-    return MODELS[name]()
+    return (build or MODELS[name])()
 
 
 def _loss(out: Any) -> torch.Tensor:
@@ -265,14 +269,14 @@ def _holders(t: torch.Tensor, skip: tuple = (), depth: int = 3) -> list[str]:
 
 
 @functools.cache
-def _run(name: str, arm: str) -> dict[str, Any]:
+def _run(name: str, arm: str, build: Build | None = None) -> dict[str, Any]:
     """Train a copy of the model for ``STEPS`` steps with AdamW under torch checkpoint
     (``arm="torch"``) or ``lr.install`` (``arm``: ``"none"`` for no budget, or ``"min"``),
     with the cyclic garbage collector off. Per step: the whole process's live tensor bytes
     after it (``held``) and the engine's preserved bytes then; the whole-process peak of the
     last ``PEAKS`` steps; then, after uninstall and ``del model, optimizer``: what is still
     alive of every tensor that was alive between steps. (Cached: each test reads one run.)"""
-    proto, names, batch = _build(name)
+    proto, names, batch = _build(name, build)
     steps = max(STEPS.values()) if arm == "torch" else STEPS[arm]
     batches = [batch(i) for i in range(steps)]
     model = copy.deepcopy(proto)
@@ -340,7 +344,12 @@ def test_held_between_steps_is_torch_checkpoints(name, arm):
     """(a) Every step after the first (probe, calibration, planned steps), the process holds
     what it holds under torch checkpoint, plus at most the engine's preserved bytes and 1 MiB:
     no probe's observations, first-touch copies, saved copies or caches."""
-    ref, rep = _run(name, "torch"), _run(name, arm)
+    check_held(name, arm)
+
+
+def check_held(name: str, arm: str, build: Build | None = None) -> None:
+    """(a)'s referee, for ``MODELS[name]`` or ``build``'s model."""
+    ref, rep = _run(name, "torch", build), _run(name, arm, build)
     over = [
         (i, (r - t) / MiB, p / MiB)
         for i, (r, t, p) in enumerate(zip(rep["held"], ref["held"], rep["preserved"]))
@@ -354,7 +363,12 @@ def test_uninstall_leaves_no_tensor_alive_without_the_cyclic_collector(name, arm
     """(b) After uninstall and ``del model, optimizer``, with the cyclic garbage collector off
     from install on, every tensor that was alive between steps (the engine's included) is
     dead: no reference cycle and nothing the engine still references keeps one."""
-    rep = _run(name, arm)
+    check_dead(name, arm)
+
+
+def check_dead(name: str, arm: str, build: Build | None = None) -> None:
+    """(b)'s referee, for ``MODELS[name]`` or ``build``'s model."""
+    rep = _run(name, arm, build)
     assert rep["watched"]
     alive = rep["alive"]
     assert not alive, (
@@ -370,7 +384,12 @@ def test_lowest_plan_peaks_as_torch_checkpoint(name):
     """(c) Under ``budget="min"``, a planned step's real whole-process peak (live storages at
     its start + the profiler's peak inside it) is at most 1.02 x torch checkpoint's plus the
     bytes the plan preserves."""
-    ref, rep = _run(name, "torch"), _run(name, "min")
+    check_lowest(name)
+
+
+def check_lowest(name: str, build: Build | None = None) -> None:
+    """(c)'s referee, for ``MODELS[name]`` or ``build``'s model."""
+    ref, rep = _run(name, "torch", build), _run(name, "min", build)
     assert rep["planned_at"] is not None and rep["planned_at"] <= STEPS["min"] - PEAKS
     preserved = rep["plan_preserved"]
     assert max(rep["peaks"]) <= 1.02 * max(ref["peaks"]) + preserved, (

@@ -244,6 +244,10 @@ class StepReferee:
         }
         try:
             fn()
+        except BaseException:
+            if st["prof"] is not None:  # a step that raised leaves no profiler running
+                st["prof"].__exit__(None, None, None)
+            raise
         finally:
             self._state = None
         if st["engine"]:

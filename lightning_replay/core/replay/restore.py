@@ -292,6 +292,8 @@ class _Invocation:
         eng._held_bytes -= self.preserved_bytes
         for (key, _), ext in zip(self.regions, self.region_extents):
             eng.log.release(key, extent=ext)
+        if self.whole is not None:
+            self.whole.release()
         self.whole = None
         acct = eng.accountant
         if acct is not None:
