@@ -191,39 +191,6 @@ def _objects(generation: int | None) -> list[torch.Tensor]:
         return [o for o in objs if issubclass(type(o), torch.Tensor)]
 
 
-#: budget="min": the probe, calibration (a warm-up and a timed step per phase: replay,
-#: regions), then planned steps; no budget: the probe, then steady steps
-STEPS = {"min": 6, "none": 4}
-PEAKS = 1  # the last steps' whole-process peaks are measured (budget="min")
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    if t.device.type != "cpu" or t.layout != torch.strided:
-        return 0
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return 0
-
-
-def _live_tensors(exclude: set[int]) -> tuple[int, list[weakref.ref]]:
-    """One walk of the garbage collector's objects: the process's live tensor bytes (each
-    storage once, as :func:`process_tensor_storages` counts them) and weak references to every
-    live tensor whose storage is not in ``exclude``."""
-    seen: dict[int, int] = {}
-    refs = []
-    with warnings.catch_warnings():  # isinstance on a deprecated lazy object warns
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if issubclass(type(obj), torch.Tensor):
-                ptr = _storage_ptr(obj)
-                if ptr:
-                    seen[ptr] = obj.untyped_storage().nbytes()
-                if ptr not in exclude:
-                    refs.append(weakref.ref(obj))
-    return sum(seen.values()), refs
-
-
 def _describe(obj: object) -> str:
     """A short name for an object that holds a tensor: its type, and what says where it is
     from (a function's or frame's code, a dict's keys, a module-level name)."""
