@@ -407,10 +407,9 @@ HELD = {  # id: (make the held function, nest it in a dict of lists, after)
 # ("bound method of a __slots__ object" was a strict xfail at 0f22735, a regression of 9e2bd1d:
 # TypeError from vars() of the held object; "classmethod in a dict of lists" too, held_functions
 # looked one level down; "classmethod reading super().gain" too: super() reads were not traced)
-_H_XFAIL = {
-    "classmethod reading cls.__mro__[1].gain": "wrong gradients silently from step 1: "
-    "dunder attribute chains are skipped; older",
-}
+# ("classmethod reading cls.__mro__[1].gain" was a strict xfail until 2026-12-06: wrong gradients
+# silently from step 1, dunder chains were skipped; now a class of the hierarchy read by index)
+_H_XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

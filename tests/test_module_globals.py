@@ -109,3 +109,27 @@ def test_enum_members_are_not_class_attributes_to_put_back():
     """An Enum's members cannot be reassigned (and never change): not in any contract. A class
     attribute that holds one (a mode a loop may switch) is."""
     assert [describe(*p) for p in globals_read([ReadsEnum()])] == ["ReadsEnum.kind"]
+
+
+class _GainBase(nn.Module):
+    gain = 1.0
+
+
+class _ByMro(_GainBase):
+    def forward(self, x):
+        return x * self.__class__.__mro__[1].gain
+
+
+class _ByBases(_GainBase):
+    def forward(self, x):
+        return x * type(self).__bases__[0].gain
+
+
+@pytest.mark.parametrize("cls", [_ByMro, _ByBases], ids=["__mro__", "__bases__"])
+def test_a_class_of_the_hierarchy_read_by_index_is_named(cls):
+    """``type(self).__bases__[0].gain``, ``self.__class__.__mro__[1].gain``: which class the
+    index reaches is known at run time only, so each class of the hierarchy that defines the
+    attribute is named (they were skipped as dunder chains: a base's ``gain`` annealed between
+    a forward and its replay gave wrong gradients, silently)."""
+    named = {describe(o, n) for o, n in globals_read([cls()])}
+    assert "_GainBase.gain" in named

@@ -118,6 +118,14 @@ def _global_names(fn: types.FunctionType) -> "_Names":
                     out.cls_own.add(arg)  # type(self).temp, self.__class__.temp
                 elif r[-2:] == [("LOAD_GLOBAL", "super"), ("CALL", 0)]:
                     out.super_own.add(arg)  # super().temp: a base's class attribute
+                elif r[-1:] == [("BINARY_SUBSCR", None)] and any(
+                    o == "LOAD_ATTR" and a in ("__mro__", "__bases__") for o, a in r[:-1]
+                ):
+                    # cls.__mro__[1].temp, type(self).__bases__[0].temp: some class of the
+                    # hierarchy's attribute (which one, the index says at run time): each
+                    # class that defines it is watched
+                    out.cls_own.add(arg)
+                    out.super_own.add(arg)
             elif op == "LOAD_CONST" and chain is not None:
                 if key is MISSING:  # (a second constant: ``.get(key, default)``'s default)
                     key = arg  # BIG["bank"], settings["bank"], os.environ.get("FLAG")
