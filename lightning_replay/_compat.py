@@ -35,6 +35,7 @@ __all__ = [
     "in_reentrant_checkpoint_backward",
     "logger_connector",
     "op_arguments",
+    "parametrization_cache",
     "precision_plugin",
     "set_versions",
     "start_method",
@@ -48,6 +49,18 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------ torch
+def parametrization_cache() -> dict | None:
+    """torch's parametrization cache (``{(id(module), name): tensor}``) while a
+    ``torch.nn.utils.parametrize.cached()`` context is active, else None (also where torch
+    keeps it elsewhere)."""
+    from torch.nn.utils import parametrize
+
+    if not getattr(parametrize, "_cache_enabled", 0):
+        return None
+    cache = getattr(parametrize, "_cache", None)
+    return cache if isinstance(cache, dict) else None
+
+
 def version(t: torch.Tensor) -> int:
     """The tensor's version counter (bumped by each in-place write through autograd)."""
     return t._version

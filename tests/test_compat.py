@@ -164,3 +164,17 @@ def test_in_reentrant_checkpoint_backward_only_inside_its_recomputation():
     checkpoint(fn, x, use_reentrant=False).sum().backward()
     assert seen == [True, False]
     assert not _compat.in_reentrant_checkpoint_backward()
+
+
+def test_parametrization_cache_only_inside_cached():
+    from torch import nn
+    from torch.nn.utils import parametrize
+
+    lin = nn.Linear(2, 2)
+    parametrize.register_parametrization(lin, "weight", nn.Identity())
+    assert _compat.parametrization_cache() is None
+    with parametrize.cached():
+        assert _compat.parametrization_cache() == {}
+        w = lin.weight
+        assert list(_compat.parametrization_cache().values()) == [w]
+    assert _compat.parametrization_cache() is None

@@ -29,7 +29,7 @@ from lightning_replay._compat import (
     saved_tensors_hooks_disabled,
     under_functorch,
 )
-from lightning_replay.core.mechanisms import backend_flags
+from lightning_replay.core.mechanisms import backend_flags, param_cache
 from lightning_replay.core.mechanisms.accounting import checkpoint_rng_bytes
 from lightning_replay.core.mechanisms.arguments import (
     flatten_call,
@@ -603,6 +603,7 @@ class SegmentRuntime:
                 inner[1] = checkpoint_frame_forward()
                 t_in = _timed_clock(eng)
             inv.in_forward = True
+            cached = param_cache.cache_keys()
             try:
                 with (
                     sac.forward if sac is not None else contextlib.nullcontext(),
@@ -618,6 +619,7 @@ class SegmentRuntime:
             finally:
                 inv.in_forward = False
                 eng._segment_depth -= 1
+                inv.param_cache = param_cache.born_since(cached)
             if timed:
                 inner[0] = _timed_clock(eng) - t_in
                 if sampling:

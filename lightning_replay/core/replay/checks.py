@@ -44,7 +44,7 @@ from lightning_replay.core.mechanisms.kernel_noise import (  # noqa: F401 - NOIS
     max_abs_diff as _max_abs_diff,
     measure_noise,
 )
-from lightning_replay.core.mechanisms import backend_flags
+from lightning_replay.core.mechanisms import backend_flags, param_cache
 from lightning_replay.core.mechanisms.accounting import Saved
 from lightning_replay.errors import ReplayError
 from lightning_replay.core.base.contract import SELECTIVE
@@ -442,8 +442,11 @@ class SegmentChecks:
             if inv.option in SELECTIVE
             else None
         )
+        cached = param_cache.cache_keys()
         with sac.forward if sac is not None else contextlib.nullcontext():
             out = self._measured_call(args, kwargs, saved)
+        # the check's replay computes the parametrizations this forward cached again
+        inv.param_cache = param_cache.born_since(cached)
         outs = _grad_outputs(out)
         tapped = _tappable(outs, call_tensors(args, kwargs))
         if not tapped:

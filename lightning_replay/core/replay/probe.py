@@ -30,7 +30,7 @@ from lightning_replay._compat import (
     top_saved_tensors_hooks,
     tree_flatten,
 )
-from lightning_replay.core.mechanisms import backend_flags
+from lightning_replay.core.mechanisms import backend_flags, param_cache
 from lightning_replay.core.mechanisms.accounting import Saved
 from lightning_replay.core.mechanisms.arguments import (
     MAX_DEPTH,
@@ -888,7 +888,10 @@ class SegmentProbe:
         def fn(*_device: Any) -> Any:
             replay = box.get("replay")
             if replay is None:
+                cached = param_cache.cache_keys()
                 out = self._probe_forward(args, kwargs, replayed=True, box=box)
+                # parametrizations computed here under ``parametrize.cached()`` run again
+                box["param_cache"] = param_cache.born_since(cached)
                 box["digests"] = digests(tensor_leaves(out))
                 probe = box["probe"]
                 if probe.mode.writes_unreturned:
@@ -913,6 +916,8 @@ class SegmentProbe:
                 return pack_next(t if user is None else user[1](user[0](t)))
 
             eng._segment_depth += 1
+            born = box.get("param_cache")
+            taken = param_cache.take_out(born)
             try:
                 # the call as at the forward: its containers' and objects' fields then
                 a, kw = unflatten_call(flat_call, call_spec)
@@ -927,6 +932,7 @@ class SegmentProbe:
                     out = self.seg.orig_forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
+                param_cache.put_back(born, taken)
             replay.compare(out)
             return out
 

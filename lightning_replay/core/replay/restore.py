@@ -28,6 +28,7 @@ from lightning_replay.core.base.contract import SELECTIVE, StateEntry
 from lightning_replay.core.base.ports import ReplayHost, ReplaySegment
 from lightning_replay.core.base.clock import clock
 from lightning_replay.errors import ReplayError
+from lightning_replay.core.mechanisms import param_cache
 from lightning_replay.core.mechanisms.host_rng import fingerprints, moved
 from lightning_replay.core.base.records import REPLAY
 from lightning_replay.core.mechanisms.preservation import (
@@ -119,6 +120,7 @@ class _Invocation:
         "replaying",
         "in_forward",
         "changing",
+        "param_cache",
         "__weakref__",
     )
 
@@ -166,6 +168,8 @@ class _Invocation:
         whole: list[torch.Tensor] = []
         extents: list = []
         self.changing: list = []  # storages of the state whose bytes the window changes
+        # keys of torch's parametrization cache the forward created (param_cache.py)
+        self.param_cache: tuple | None = None
         tensors, versions, storages, prs = self.tensors, self.versions, self.storages, self.prs
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
@@ -400,6 +404,7 @@ class _ReplayContext:
         "_pushed",
         "_paused",
         "_keep",
+        "_cached",
     )
 
     def __init__(
@@ -413,6 +418,7 @@ class _ReplayContext:
         # the user's saved-tensor hooks (pack, unpack) active at the forward (see __enter__)
         self._user_hooks = user_hooks
         self._pushed = None
+        self._cached = None
         # checkpoint's recomputation (it checks saved tensors): None, else whether it stops
         # early (checkpoint reads that at the forward, when this context is made)
         self._recompute = _early_stop() if recompute else None
@@ -523,6 +529,8 @@ class _ReplayContext:
             self._pushed = _through_user_hooks(self._user_hooks)
             if self._pushed is not None:
                 self._pushed.__enter__()
+        # the parametrizations the forward computed under ``parametrize.cached()`` run again
+        self._cached = param_cache.take_out(inv.param_cache)
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
@@ -549,6 +557,8 @@ class _ReplayContext:
         inv = self.inv
         self._stage = 0
         if stage >= 4:
+            param_cache.put_back(inv.param_cache, self._cached)
+            self._cached = None
             if self._pushed is not None:
                 self._pushed.__exit__(None, None, None)
                 self._pushed = None
