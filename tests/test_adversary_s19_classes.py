@@ -30,10 +30,16 @@ for some of them: no divergence record, and matching checks.
 Found and fixed here: under ``parametrize.cached()`` around the step, a replay found the
 parametrized weight its own forward had computed still in torch's cache, skipped the
 parametrization and saved fewer tensors: ``ReplayError`` ("took another path") at step 2 under
-every setting, and false ``grad`` divergences on checked steps (plain PyTorch trains it). The
-replay now runs with the cache entries its forward created taken out, and puts them back
-(``core/mechanisms/param_cache.py``). Kept retained by design (warned, exact): an offload
-manager whose pack hook counts its packs.
+every setting, and false ``grad`` divergences on checked steps (plain PyTorch trains it); and
+with ``cached()`` around the forward only, the replay (outside it) computed a weight read twice
+twice, saved more tensors: the same error. The replay now runs with the cache entries its
+forward created taken out (put back after), or under a ``cached()`` of its own holding the
+entries cached before the forward (``core/mechanisms/param_cache.py``). Kept retained by design (warned, exact): an offload
+manager whose pack hook counts its packs. Also fixed: a global module forward hook
+(``register_module_forward_hook``) registered around each forward gave a new handle key each
+step, which the guard took for a new structure: a re-probe (retained) at every step, the
+segments never replayed (exact, no warning). The guard now counts global hooks as it counts a
+module's own (``guards.py``: ``fingerprint``); their functions are still fields.
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ def _x(s: int, batch: int = B) -> torch.Tensor:
 
 def _seq(s: int) -> torch.Tensor:
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(900 + s))
+
+
+def _seq4(s: int) -> torch.Tensor:
+    return torch.randn(B, 4, D, generator=torch.Generator().manual_seed(900 + s))
 
 
 def _tokens(s: int) -> torch.Tensor:
@@ -143,6 +153,9 @@ class SeqNet(Net):
             self._before(self)
         for b in self.blocks:
             x = b(x)
+        if self._after is not None:
+            with torch.no_grad():
+                self._after(self)
         self.t += 1
         return self.head(x)
 
@@ -359,6 +372,22 @@ def _save_on_cpu_ctx(model):
 
 def _cached_ctx(model):
     return parametrize.cached()
+
+
+def _cached_forward_ctx(model):
+    return parametrize.cached()
+
+
+_cached_forward_ctx.forward_only = True  # backward outside the cached() context
+
+
+class TiedParamNet(Net):
+    """Two segments share one parametrized Linear (its cache entry is born in the first and
+    read from the cache by the second)."""
+
+    def __init__(self) -> None:
+        super().__init__(ParamBlock)
+        self.blocks[1].lin = self.blocks[0].lin
 
 
 # ============================================================ torch.func inside blocks
@@ -665,6 +694,141 @@ def _toggle_bias_grad(m):
         b.lin.bias.requires_grad_((m.t + i) % 2 == 0)
 
 
+# ============================================================ more: chunks, foreach, masks
+class ChunkedTbptt(nn.Module):
+    """Truncated BPTT over two chunks per step: the hidden state is carried between the chunks
+    *with* its graph (``self.h = h``), detached only at the next step's start; one backward
+    per step runs through both calls of the segment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.GRUCell(D, D)
+        self.drop = nn.Dropout(0.2)
+        self.h = None
+
+    def forward(self, x):
+        h = self.h if self.h is not None else x.new_zeros(x.shape[0], D)
+        outs = []
+        for t in range(x.shape[1]):
+            h = self.cell(self.drop(x[:, t]), h)
+            outs.append(h)
+        self.h = h
+        return torch.stack(outs, 1)
+
+
+class ChunkNet(SeqNet):
+    def forward(self, x):
+        for b in self.blocks:
+            if b.h is not None:
+                b.h = b.h.detach()
+        ys = []
+        for chunk in x.split(2, dim=1):
+            h = chunk
+            for b in self.blocks:
+                h = b(h)
+            ys.append(h)
+        self.t += 1
+        return self.head(torch.cat(ys, 1))
+
+
+class SelfFreezing(nn.Module):
+    """The block freezes its own weight after three calls (``requires_grad_`` inside the
+    forward, steered by a call counter buffer it bumps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        self.lin.weight.requires_grad_(bool(self.calls <= 3))
+        return x + torch.tanh(self.lin(x))
+
+
+class ForeachEma(nn.Module):
+    """A timm-ModelEmaV3-style EMA of the block's parameters into buffers with
+    ``torch._foreach_lerp_`` inside the forward, read by the same block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("ew", self.lin.weight.detach().clone() * 0.5)
+        self.register_buffer("eb", self.lin.bias.detach().clone() * 0.5)
+
+    def forward(self, x):
+        with torch.no_grad():
+            torch._foreach_lerp_([self.ew, self.eb], [self.lin.weight, self.lin.bias], 0.3)
+        return x + torch.tanh(self.lin(x)) * torch.sigmoid(F.linear(x, self.ew, self.eb))
+
+
+class MaskedMha(nn.Module):
+    """Attention with a key padding mask kept as a buffer, rewritten in place by the root after
+    the blocks (the next batch's padding), and an additive float mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(D, 2, dropout=0.1, batch_first=True)
+        self.register_buffer("pad", torch.zeros(B, T, dtype=torch.bool))
+        self.register_buffer("bias", torch.zeros(T, T))
+
+    def forward(self, x):
+        y, _ = self.mha(x, x, x, key_padding_mask=self.pad, attn_mask=self.bias, need_weights=False)
+        return x + y
+
+
+def _repad(m):
+    for i, b in enumerate(m.blocks):
+        b.pad.zero_()
+        b.pad[(m.t + i) % B, -1] = True
+        b.bias.uniform_(-0.5, 0.5)
+
+
+# ============================================================ hooks on modules inside a segment
+class InnerHooked(nn.Module):
+    """Forward hooks on the block's *inner* modules (the replay calls them again): one keeps an
+    EMA of ``lin``'s output in a buffer of the block, read by the block's next call; one counts
+    ``act``'s calls in a plain attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.act = nn.GELU()
+        self.register_buffer("ema", torch.zeros(D))
+        self.lin.register_forward_hook(self._ema_hook)
+        self.act.register_forward_pre_hook(_count_act)
+        self.act.calls = 0
+
+    def _ema_hook(self, mod, args, out):
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(out.mean(0), alpha=0.1)
+
+    def forward(self, x):
+        return x + self.act(self.lin(x) + self.ema)
+
+
+def _count_act(mod, args):
+    mod.calls += 1
+
+
+class GlobalHookNet(Net):
+    """A global ``register_module_forward_hook`` (activation statistics for every module call,
+    written to the called module's own attribute), registered only while the model runs."""
+
+    def forward(self, x):
+        handle = nn.modules.module.register_module_forward_hook(_global_stats)
+        try:
+            return super().forward(x)
+        finally:
+            handle.remove()
+
+
+def _global_stats(mod, args, out):
+    if isinstance(out, torch.Tensor):
+        mod.stat_calls = getattr(mod, "stat_calls", 0) + 1
+        mod.stat_last = out.detach().abs().mean()
+
+
 # ============================================================ cases
 #: name -> (factory, step -> input, step context factory (model -> context manager) or None,
 #:          segments)
@@ -691,6 +855,12 @@ CASES: dict[str, tuple] = {
         _x,
         _cached_ctx,
     ),
+    "stateful_parametrization_cached_around_forward_only": (
+        lambda: Net(ParamBlock),
+        _x,
+        _cached_forward_ctx,
+    ),
+    "parametrized_linear_shared_by_two_segments_under_cached": (TiedParamNet, _x, _cached_ctx),
     "autograd_function_ctx_floats_from_written_buffer": (lambda: Net(ClipQuant), _x),
     "autograd_function_backward_reads_annealed_attr": (
         lambda: Net(BwdGain, after=_anneal_gain),
@@ -725,6 +895,15 @@ CASES: dict[str, tuple] = {
     "numpy_permutation_and_dict_of_floats": (lambda: Net(NumpyNoise), _x),
     "bf16_autocast_inside_block_bn": (lambda: Net(AutocastBN), _x),
     "inference_mode_island_writes_buffers": (lambda: Net(InferenceStats), _x),
+    "tbptt_two_chunks_per_step_hidden_with_graph": (lambda: ChunkNet(ChunkedTbptt), _seq4),
+    "requires_grad_toggled_inside_the_forward_by_a_counter": (lambda: Net(SelfFreezing), _x),
+    "foreach_lerp_ema_buffers_in_forward": (lambda: Net(ForeachEma), _x),
+    "mha_padding_and_float_masks_rewritten_after": (
+        lambda: SeqNet(MaskedMha, after=_repad),
+        _seq,
+    ),
+    "forward_hooks_on_inner_modules_write_block_state": (lambda: Net(InnerHooked), _x),
+    "global_module_forward_hook_writes_module_attributes": (lambda: GlobalHookNet(BNBlock), _x),
     "requires_grad_toggled_per_step": (lambda: Net(BNBlock, before=_toggle_bias_grad), _x),
 }
 
@@ -759,8 +938,12 @@ def _train(model: nn.Module, name: str, engine=None):
         if engine is not None:
             engine.request_check()  # a derivative check on every step
         opt.zero_grad(set_to_none=True)
+        fwd_only = getattr(ctx, "forward_only", False)
         with ctx(model) if ctx is not None else contextlib.nullcontext():
             out = model(make_x(s))
+            if not fwd_only:
+                out.float().pow(2).mean().backward()
+        if fwd_only:
             out.float().pow(2).mean().backward()
         grads.append(
             {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -779,6 +962,8 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
                     out[f"{name}.{k}[{i}](attr)"] = t.detach().clone()
             elif isinstance(v, list) and v and all(isinstance(f, float) for f in v):
                 out[f"{name}.{k}(floats)"] = torch.tensor(v, dtype=torch.float64)
+            elif type(v) in (int, float):  # plain numbers on modules (counters)
+                out[f"{name}.{k}(number)"] = torch.tensor(v, dtype=torch.float64)
             elif isinstance(v, dict) and v and all(isinstance(f, (int, float)) for f in v.values()):
                 out[f"{name}.{k}(dict)"] = torch.tensor(list(v.values()), dtype=torch.float64)
     return out
@@ -849,6 +1034,8 @@ CHECKED = [
     "functional_call_bn_writes_block_buffers",
     "byol_ema_target_buffers_momentum_annealed",
     "albert_shared_bn_block_called_three_times",
+    "parametrized_linear_shared_by_two_segments_under_cached",
+    "stateful_parametrization_cached_around_forward_only",
 ]
 
 

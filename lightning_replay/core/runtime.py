@@ -603,7 +603,7 @@ class SegmentRuntime:
                 inner[1] = checkpoint_frame_forward()
                 t_in = _timed_clock(eng)
             inv.in_forward = True
-            cached = param_cache.cache_keys()
+            cached = param_cache.forward_start()
             try:
                 with (
                     sac.forward if sac is not None else contextlib.nullcontext(),
@@ -619,7 +619,7 @@ class SegmentRuntime:
             finally:
                 inv.in_forward = False
                 eng._segment_depth -= 1
-                inv.param_cache = param_cache.born_since(cached)
+                inv.param_cache = param_cache.forward_end(cached)
             if timed:
                 inner[0] = _timed_clock(eng) - t_in
                 if sampling:

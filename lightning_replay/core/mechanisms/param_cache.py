@@ -1,52 +1,82 @@
-"""Entries of torch's parametrization cache that a segment's forward created.
+"""torch's parametrization cache (``parametrize.cached()``) as a segment's forward saw it.
 
 Under ``torch.nn.utils.parametrize.cached()`` the first read of a parametrized tensor computes
 it and caches the result (keyed by the module and the tensor's name); later reads return the
-cached tensor. When that first read happens inside a segment's forward, the parametrization's
-ops are part of the segment: a replay that found the forward's entry still cached would skip
-them, save fewer tensors than the forward (checkpoint refuses it) and leave the gradient to
-the original parameter to the forward's dropped graph. So a replay runs with the entries its
-forward created taken out of the cache (it computes them again, from the entry state the
-contract swapped in), and after it the forward's entries are put back, as plain training
-leaves the cache. Entries cached before the forward (by the root, or an earlier segment) are
-inputs of the segment and stay.
+cached tensor. A replay must read the cache as its forward did:
+
+* entries the forward itself created: their parametrization ran inside the segment. A replay
+  that found them still cached would skip it, save fewer tensors than the forward (checkpoint
+  refuses it) and leave the gradient to the parameter to the forward's dropped graph. The
+  replay runs with them taken out (it computes them again from the entry state the contract
+  swapped in), and they are put back after it, as plain training leaves the cache;
+* entries cached before the forward (by the root, or an earlier segment) are inputs of the
+  segment: they stay;
+* a forward under ``cached()`` whose backward runs outside it (the context around the forward
+  only): the replay runs under a ``cached()`` of its own holding the entries that were cached
+  before the forward, so that a tensor read twice is computed once, as in the forward.
+
+A forward outside ``cached()`` records nothing (a replay under a ``cached()`` around backward
+only is not handled).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from torch.nn.utils import parametrize
+
 from lightning_replay._compat import parametrization_cache as _cache
 
+#: what a forward left for its replay: (keys it cached, entries cached before it)
+Record = tuple
 
-def cache_keys() -> set | None:
-    """The keys cached now (None: no ``cached()`` context is active: nothing to do)."""
+
+def forward_start() -> dict | None:
+    """At a forward's start: the entries cached now (None: no ``cached()`` is active)."""
     cache = _cache()
-    return set(cache) if cache is not None else None
+    return dict(cache) if cache is not None else None
 
 
-def born_since(before: set | None) -> tuple | None:
-    """The keys cached since ``before`` (taken at the forward's start), or None."""
-    cache = _cache()
-    if before is None or cache is None or len(cache) == len(before):
+def forward_end(before: dict | None) -> Record | None:
+    """At the forward's end: its record (None where it ran outside ``cached()``)."""
+    if before is None:
         return None
-    born = tuple(k for k in cache if k not in before)
-    return born or None
-
-
-def take_out(born: tuple | None) -> dict | None:
-    """Before a replay: take the forward's entries out of the cache (returned, to put back)."""
     cache = _cache()
-    if not born or cache is None:
+    born = tuple(k for k in cache if k not in before) if cache is not None else ()
+    return (born, before)
+
+
+def replay_enter(rec: Record | None) -> Any:
+    """Before a replay: the cache as the forward saw it (returned: what ``replay_exit`` undoes)."""
+    if rec is None:
         return None
-    return {k: cache.pop(k) for k in born if k in cache}
+    born, before = rec
+    cache = _cache()
+    if cache is not None:  # still active: take the forward's own entries out
+        return ("taken", {k: cache.pop(k) for k in born if k in cache})
+    ctx = parametrize.cached()
+    ctx.__enter__()
+    try:
+        cache = _cache()
+        if cache is not None:
+            cache.update(before)
+    except BaseException:
+        ctx.__exit__(None, None, None)
+        raise
+    return ("ctx", ctx)
 
 
-def put_back(born: tuple | None, taken: dict | None) -> None:
-    """After a replay: drop what the replay cached under the forward's keys, and put the
-    forward's entries back (those still cached when the replay began)."""
-    cache = _cache()  # (None: the context ended in between and cleared it: nothing to undo)
-    if not born or cache is None:
+def replay_exit(rec: Record | None, token: Any) -> None:
+    """After a replay: the cache as plain training leaves it."""
+    if token is None or rec is None:
         return
-    for k in born:
+    kind, value = token
+    if kind == "ctx":
+        value.__exit__(None, None, None)  # (clears the replay's cache)
+        return
+    cache = _cache()  # (None: the context ended in between and cleared it: nothing to undo)
+    if cache is None:
+        return
+    for k in rec[0]:
         cache.pop(k, None)
-    if taken:
-        cache.update(taken)
+    cache.update(value)

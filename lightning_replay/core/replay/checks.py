@@ -442,11 +442,11 @@ class SegmentChecks:
             if inv.option in SELECTIVE
             else None
         )
-        cached = param_cache.cache_keys()
+        cached = param_cache.forward_start()
         with sac.forward if sac is not None else contextlib.nullcontext():
             out = self._measured_call(args, kwargs, saved)
         # the check's replay computes the parametrizations this forward cached again
-        inv.param_cache = param_cache.born_since(cached)
+        inv.param_cache = param_cache.forward_end(cached)
         outs = _grad_outputs(out)
         tapped = _tappable(outs, call_tensors(args, kwargs))
         if not tapped:

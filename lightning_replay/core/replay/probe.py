@@ -888,10 +888,10 @@ class SegmentProbe:
         def fn(*_device: Any) -> Any:
             replay = box.get("replay")
             if replay is None:
-                cached = param_cache.cache_keys()
+                cached = param_cache.forward_start()
                 out = self._probe_forward(args, kwargs, replayed=True, box=box)
                 # parametrizations computed here under ``parametrize.cached()`` run again
-                box["param_cache"] = param_cache.born_since(cached)
+                box["param_cache"] = param_cache.forward_end(cached)
                 box["digests"] = digests(tensor_leaves(out))
                 probe = box["probe"]
                 if probe.mode.writes_unreturned:
@@ -917,7 +917,7 @@ class SegmentProbe:
 
             eng._segment_depth += 1
             born = box.get("param_cache")
-            taken = param_cache.take_out(born)
+            taken = param_cache.replay_enter(born)
             try:
                 # the call as at the forward: its containers' and objects' fields then
                 a, kw = unflatten_call(flat_call, call_spec)
@@ -932,7 +932,7 @@ class SegmentProbe:
                     out = self.seg.orig_forward(*a, **kw)
             finally:
                 eng._segment_depth -= 1
-                param_cache.put_back(born, taken)
+                param_cache.replay_exit(born, taken)
             replay.compare(out)
             return out
 

@@ -168,8 +168,8 @@ class _Invocation:
         whole: list[torch.Tensor] = []
         extents: list = []
         self.changing: list = []  # storages of the state whose bytes the window changes
-        # keys of torch's parametrization cache the forward created (param_cache.py)
-        self.param_cache: tuple | None = None
+        # torch's parametrization cache as the forward saw it (param_cache.py)
+        self.param_cache: tuple | None = None  # (param_cache.Record)
         tensors, versions, storages, prs = self.tensors, self.versions, self.storages, self.prs
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
@@ -530,7 +530,7 @@ class _ReplayContext:
             if self._pushed is not None:
                 self._pushed.__enter__()
         # the parametrizations the forward computed under ``parametrize.cached()`` run again
-        self._cached = param_cache.take_out(inv.param_cache)
+        self._cached = param_cache.replay_enter(inv.param_cache)
         rt.replays += 1
         eng._replays_this_step += 1
         if eng.accountant is not None:
@@ -557,7 +557,7 @@ class _ReplayContext:
         inv = self.inv
         self._stage = 0
         if stage >= 4:
-            param_cache.put_back(inv.param_cache, self._cached)
+            param_cache.replay_exit(inv.param_cache, self._cached)
             self._cached = None
             if self._pushed is not None:
                 self._pushed.__exit__(None, None, None)
