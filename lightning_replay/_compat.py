@@ -36,6 +36,7 @@ __all__ = [
     "logger_connector",
     "op_arguments",
     "parametrization_cache",
+    "set_parametrization_caching",
     "precision_plugin",
     "set_versions",
     "start_method",
@@ -59,6 +60,16 @@ def parametrization_cache() -> dict | None:
         return None
     cache = getattr(parametrize, "_cache", None)
     return cache if isinstance(cache, dict) else None
+
+
+def set_parametrization_caching(depth: int) -> int:
+    """Set how many ``parametrize.cached()`` contexts torch takes as active (0: none, reads
+    compute every time); returns the depth before."""
+    from torch.nn.utils import parametrize
+
+    old = getattr(parametrize, "_cache_enabled", 0)
+    parametrize._cache_enabled = depth
+    return old
 
 
 def version(t: torch.Tensor) -> int:

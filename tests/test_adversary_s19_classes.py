@@ -34,7 +34,8 @@ every setting, and false ``grad`` divergences on checked steps (plain PyTorch tr
 with ``cached()`` around the forward only, the replay (outside it) computed a weight read twice
 twice, saved more tensors: the same error. The replay now runs with the cache entries its
 forward created taken out (put back after), or under a ``cached()`` of its own holding the
-entries cached before the forward (``core/mechanisms/param_cache.py``). Kept retained by design (warned, exact): an offload
+entries cached before the forward; with ``cached()`` around backward only, with caching off
+(``core/mechanisms/param_cache.py``). Kept retained by design (warned, exact): an offload
 manager whose pack hook counts its packs. Also fixed: a global module forward hook
 (``register_module_forward_hook``) registered around each forward gave a new handle key each
 step, which the guard took for a new structure: a re-probe (retained) at every step, the
@@ -379,6 +380,22 @@ def _cached_forward_ctx(model):
 
 
 _cached_forward_ctx.forward_only = True  # backward outside the cached() context
+
+
+class _CachedBackward:
+    """``parametrize.cached()`` around the backward only (the forward outside it)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_CachedBackward.backward_cached = True
 
 
 class TiedParamNet(Net):
@@ -860,6 +877,11 @@ CASES: dict[str, tuple] = {
         _x,
         _cached_forward_ctx,
     ),
+    "stateful_parametrization_cached_around_backward_only": (
+        lambda: Net(ParamBlock),
+        _x,
+        _CachedBackward,
+    ),
     "parametrized_linear_shared_by_two_segments_under_cached": (TiedParamNet, _x, _cached_ctx),
     "autograd_function_ctx_floats_from_written_buffer": (lambda: Net(ClipQuant), _x),
     "autograd_function_backward_reads_annealed_attr": (
@@ -939,12 +961,16 @@ def _train(model: nn.Module, name: str, engine=None):
             engine.request_check()  # a derivative check on every step
         opt.zero_grad(set_to_none=True)
         fwd_only = getattr(ctx, "forward_only", False)
+        bwd_cached = getattr(ctx, "backward_cached", False)
         with ctx(model) if ctx is not None else contextlib.nullcontext():
             out = model(make_x(s))
-            if not fwd_only:
+            if not fwd_only and not bwd_cached:
                 out.float().pow(2).mean().backward()
         if fwd_only:
             out.float().pow(2).mean().backward()
+        elif getattr(ctx, "backward_cached", False):
+            with parametrize.cached():
+                out.float().pow(2).mean().backward()
         grads.append(
             {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         )
@@ -1036,6 +1062,7 @@ CHECKED = [
     "albert_shared_bn_block_called_three_times",
     "parametrized_linear_shared_by_two_segments_under_cached",
     "stateful_parametrization_cached_around_forward_only",
+    "stateful_parametrization_cached_around_backward_only",
 ]
 
 

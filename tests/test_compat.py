@@ -178,3 +178,13 @@ def test_parametrization_cache_only_inside_cached():
         w = lin.weight
         assert list(_compat.parametrization_cache().values()) == [w]
     assert _compat.parametrization_cache() is None
+
+
+def test_set_parametrization_caching_turns_cached_off_and_back():
+    from torch.nn.utils import parametrize
+
+    with parametrize.cached():
+        old = _compat.set_parametrization_caching(0)
+        assert old == 1 and _compat.parametrization_cache() is None
+        assert _compat.set_parametrization_caching(old) == 0
+        assert _compat.parametrization_cache() == {}

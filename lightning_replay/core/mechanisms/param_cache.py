@@ -15,8 +15,8 @@ cached tensor. A replay must read the cache as its forward did:
   only): the replay runs under a ``cached()`` of its own holding the entries that were cached
   before the forward, so that a tensor read twice is computed once, as in the forward.
 
-A forward outside ``cached()`` records nothing (a replay under a ``cached()`` around backward
-only is not handled).
+* a forward outside ``cached()`` whose replay runs inside one (the context around backward
+  only): the replay runs with caching off, so that it computes every read, as the forward did.
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ from typing import Any
 from torch.nn.utils import parametrize
 
 from lightning_replay._compat import parametrization_cache as _cache
+from lightning_replay._compat import set_parametrization_caching
 
 #: what a forward left for its replay: (keys it cached, entries cached before it)
 Record = tuple
+#: the record of a forward outside ``cached()``
+OFF: Record = ((), None)
 
 
 def forward_start() -> dict | None:
@@ -38,9 +41,9 @@ def forward_start() -> dict | None:
 
 
 def forward_end(before: dict | None) -> Record | None:
-    """At the forward's end: its record (None where it ran outside ``cached()``)."""
+    """At the forward's end: its record (:data:`OFF` where it ran outside ``cached()``)."""
     if before is None:
-        return None
+        return OFF
     cache = _cache()
     born = tuple(k for k in cache if k not in before) if cache is not None else ()
     return (born, before)
@@ -52,6 +55,8 @@ def replay_enter(rec: Record | None) -> Any:
         return None
     born, before = rec
     cache = _cache()
+    if before is None:  # the forward ran outside cached()
+        return ("off", set_parametrization_caching(0)) if cache is not None else None
     if cache is not None:  # still active: take the forward's own entries out
         return ("taken", {k: cache.pop(k) for k in born if k in cache})
     ctx = parametrize.cached()
@@ -71,6 +76,9 @@ def replay_exit(rec: Record | None, token: Any) -> None:
     if token is None or rec is None:
         return
     kind, value = token
+    if kind == "off":
+        set_parametrization_caching(value)
+        return
     if kind == "ctx":
         value.__exit__(None, None, None)  # (clears the replay's cache)
         return
