@@ -846,6 +846,63 @@ def _global_stats(mod, args, out):
         mod.stat_last = out.detach().abs().mean()
 
 
+# ============================================================ rotary cache, EMA swap for eval
+class Rotary(nn.Module):
+    """LLaMA-style rotary embedding: cos/sin caches as non-persistent buffers, rebuilt (rebound)
+    inside the forward when a longer sequence arrives; the sequence length changes per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("inv_freq", 1.0 / (100 ** (torch.arange(0, D, 2).float() / D)))
+        self.max_len = 0
+        self._build(2)
+
+    def _build(self, n: int) -> None:
+        self.max_len = n
+        f = torch.outer(torch.arange(n, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((f, f), -1)
+        self.register_buffer("cos_c", emb.cos(), persistent=False)
+        self.register_buffer("sin_c", emb.sin(), persistent=False)
+
+    def forward(self, x):
+        n = x.shape[1]
+        if n > self.max_len:
+            self._build(n)
+        h = self.lin(x)
+        rot = torch.cat((-h[..., D // 2 :], h[..., : D // 2]), -1)
+        return x + torch.tanh(h * self.cos_c[:n] + rot * self.sin_c[:n])
+
+
+def _var_seq(s: int) -> torch.Tensor:
+    n = (3, 5, 4, 6, 2)[s % 5]
+    return torch.randn(B, n, D, generator=torch.Generator().manual_seed(900 + s))
+
+
+class EmaSwap:
+    """torch_ema's ``average_parameters()`` between steps: the EMA weights copied into the
+    live parameters for a no-grad eval forward, then the training weights copied back."""
+
+    def __init__(self) -> None:
+        self.shadow: list[torch.Tensor] | None = None
+
+    def __call__(self, model: nn.Module, s: int) -> None:
+        params = list(model.parameters())
+        if self.shadow is None:
+            self.shadow = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for e, p in zip(self.shadow, params):
+                e.lerp_(p, 0.2)
+            stored = [p.detach().clone() for p in params]
+            for e, p in zip(self.shadow, params):
+                p.copy_(e)
+            model.eval()
+            model(_x(50 + s))
+            model.train()
+            for st, p in zip(stored, params):
+                p.copy_(st)
+
+
 # ============================================================ cases
 #: name -> (factory, step -> input, step context factory (model -> context manager) or None,
 #:          segments)
@@ -926,6 +983,14 @@ CASES: dict[str, tuple] = {
     ),
     "forward_hooks_on_inner_modules_write_block_state": (lambda: Net(InnerHooked), _x),
     "global_module_forward_hook_writes_module_attributes": (lambda: GlobalHookNet(BNBlock), _x),
+    "rotary_cache_rebuilt_for_longer_sequences": (lambda: SeqNet(Rotary), _var_seq),
+    "ema_weights_swapped_in_for_a_no_grad_eval_between_steps": (
+        lambda: Net(BNBlock),
+        _x,
+        None,
+        "blocks.*",
+        EmaSwap,
+    ),
     "requires_grad_toggled_per_step": (lambda: Net(BNBlock, before=_toggle_bias_grad), _x),
 }
 
@@ -954,6 +1019,7 @@ def _train(model: nn.Module, name: str, engine=None):
     make_x = CASES[name][1]
     ctx = CASES[name][2] if len(CASES[name]) > 2 and CASES[name][2] else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    post = CASES[name][4]() if len(CASES[name]) > 4 else None  # run after each step
     grads = []
     for s in range(STEPS):
         _seed(s)
@@ -975,6 +1041,8 @@ def _train(model: nn.Module, name: str, engine=None):
             {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         )
         opt.step()
+        if post is not None:
+            post(model, s)
     return grads, _state(model)
 
 
