@@ -54,6 +54,15 @@ def _train(engine_kw: dict | None, dim: int | None, steps: int = 4):
     torch.manual_seed(0)
     net = Net(dim)
     engine = lr.install(net, ["blocks.0", "blocks.1"], **engine_kw) if engine_kw else None
+    grads = _steps(net, steps, lr=0.1)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    if engine is not None:
+        engine.uninstall()
+    return grads, state
+
+
+def _steps(net: nn.Module, steps: int, lr: float) -> list[dict]:
+    """``steps`` SGD steps on seeded batches: each step's gradients."""
     grads = []
     for s in range(steps):
         x = torch.randn(B, D, generator=torch.Generator().manual_seed(s))
@@ -61,12 +70,9 @@ def _train(engine_kw: dict | None, dim: int | None, steps: int = 4):
         grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
         with torch.no_grad():
             for p in net.parameters():
-                p.sub_(0.1 * p.grad)
+                p.sub_(lr * p.grad)
                 p.grad = None
-    state = {k: v.clone() for k, v in net.state_dict().items()}
-    if engine is not None:
-        engine.uninstall()
-    return grads, state
+    return grads
 
 
 @pytest.mark.parametrize("dim", [None, 1], ids=["mean_per_feature", "amax_per_row"])
@@ -108,22 +114,13 @@ def _qat_run(net: nn.Module, engine_kw: dict | None, steps: int = 3) -> list[dic
     import warnings
 
     engine = lr.install(net, "*", **engine_kw) if engine_kw is not None else None
-    grads = []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (torch.ao's deprecation and observer warnings)
-            for s in range(steps):
-                x = torch.randn(B, D, generator=torch.Generator().manual_seed(s))
-                net(x).pow(2).mean().backward()
-                grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
-                with torch.no_grad():
-                    for p in net.parameters():
-                        p.sub_(0.05 * p.grad)
-                        p.grad = None
+            return _steps(net, steps, lr=0.05)
     finally:
         if engine is not None:
             engine.uninstall()
-    return grads
 
 
 @pytest.mark.parametrize("kw", [{}, {"budget": "min"}], ids=["auto", "min"])
