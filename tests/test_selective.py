@@ -217,7 +217,7 @@ def test_a_kernel_that_draws_random_numbers_is_never_kept():
 
 
 def test_policies_and_lists():
-    assert POLICIES == ("matmul", "every_other_matmul")
+    assert POLICIES == ("matmul", "every_other_matmul", "flops")
     assert torch.ops.aten.mm.default in SAVED_OPS
     assert torch.ops.aten.convolution.default in SAVED_OPS
     assert torch.ops.aten.tanh.default not in SAVED_OPS

@@ -198,6 +198,8 @@ class SegmentRuntime:
         self.reactions = 0
         # (op, call) pairs of a selective forward found written after their op: not kept
         self.sac_skip: set[tuple[str, int]] = set()
+        # flops per byte of activations of the last selective forward (policy "flops")
+        self.sac_density: float | None = None
         self.last_preserved_bytes = 0
         self.order = -1
         self.planned_option: str | None = None
@@ -550,16 +552,12 @@ class SegmentRuntime:
         # checkpoint modes run around the segment's own forward and, at backward, around its
         # replay inside the contract's replay context, so the ops that run again see the entry
         # state the contract swapped in (the engine's own work around them is not cached).
-        sac = (
-            SelectiveFrame(eng.config.selective_policy, verify=eng._check_bytes, skip=self.sac_skip)
-            if inv.option in SELECTIVE
-            else None
-        )
+        sac = self.selective_frame(verify=eng._check_bytes) if inv.option in SELECTIVE else None
         if sac is None and self._measures_kept():
             # an untimed warm-up step of a full replay measures what a selective forward
             # would keep, so that the calibration of the selective options is fitted to the
             # budget with it (the frame is dropped after the forward: the replay is a full one)
-            sac = SelectiveFrame(eng.config.selective_policy)
+            sac = self.selective_frame()
             sac_full = True
         else:
             sac_full = False
@@ -659,8 +657,10 @@ class SegmentRuntime:
                 out = checkpoint(
                     fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
                 )
-            if sac is not None and (eng.accountant is not None or eng.measure_costs):
-                self._charge_kept(inv, sac, held=not sac_full)
+            if sac is not None:
+                self.settle_frame(sac)
+                if eng.accountant is not None or eng.measure_costs:
+                    self._charge_kept(inv, sac, held=not sac_full)
             return out
         t0 = _timed_clock(eng)
         with plain_inputs:
@@ -669,6 +669,7 @@ class SegmentRuntime:
             )
         inv.t_prep += _timed_clock(eng) - t0 - inner[0]
         if sac is not None:
+            self.settle_frame(sac)
             self._charge_kept(inv, sac, held=not sac_full)
         frame, inner[1] = inner[1], None  # (fn, which the frame keeps, must not keep it)
         if frame is not None:
@@ -683,6 +684,24 @@ class SegmentRuntime:
 
             frame.recompute_fn = stamped
         return out
+
+    def selective_frame(self, verify: bool = False) -> SelectiveFrame:
+        """A frame for one selective forward of this segment, under the engine's policy."""
+        return SelectiveFrame(
+            self.engine.config.selective_policy,
+            verify=verify,
+            skip=self.sac_skip,
+            density=self.sac_density,
+        )
+
+    def settle_frame(self, frame: SelectiveFrame) -> None:
+        """After a selective forward: the frame prunes what its policy drops once the forward's
+        flops are known (``"flops"``), and the segment keeps its density for the next."""
+        c = self.contract
+        act = self.engine.meter.activation_bytes.get(self.name, c.activation_bytes if c else 0)
+        density = frame.settle(act)
+        if density is not None:
+            self.sac_density = density
 
     def _measures_kept(self) -> bool:
         """Whether this call, a full replay on an untimed calibration step, measures what a

@@ -107,10 +107,10 @@ class ReplayStrategy(DDPStrategy):
             accounting joins the base. Measured on CPU in one process only, and on CUDA;
             on by default.
         selective: a selective policy (``"matmul"``: keep the outputs of matrix products,
-            attention and convolutions; ``"every_other_matmul"``), as in ``install()``: the
-            planner may also replay a segment selectively, with the same preservation as a
-            full replay. ``None``: only segments pinned to ``preservation="selective"`` are
-            (under ``"matmul"``).
+            attention and convolutions; ``"every_other_matmul"``; ``"flops"``), as in
+            ``install()``: the planner may also replay a segment selectively, with the same
+            preservation as a full replay. ``None``: only segments pinned to
+            ``preservation="selective"`` are (under ``"matmul"``).
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``start_method``, ``timeout``, ...) and what it hands on to
             ``DistributedDataParallel`` (``find_unused_parameters``, ``static_graph``, ...).

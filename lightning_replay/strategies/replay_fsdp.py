@@ -115,8 +115,8 @@ class ReplayFSDPStrategy(ModelParallelStrategy):
         on_violation: ``"record"`` or ``"raise"``.
         records: ``None``, a SQLite path or a :class:`~lightning_replay.RecordStore`.
         calibration_steps: steps each option is timed before the first plan.
-        selective: a selective policy (``"matmul"`` or ``"every_other_matmul"``), as for
-            :class:`ReplayStrategy`; ``None``: only segments pinned to
+        selective: a selective policy (``"matmul"``, ``"every_other_matmul"`` or
+            ``"flops"``), as for :class:`ReplayStrategy`; ``None``: only segments pinned to
             ``preservation="selective"`` replay selectively.
         start_method: ``"popen"`` (a script launches its ranks), ``"spawn"``, ``"fork"`` or
             ``"forkserver"`` (child processes of this one; notebooks and tests).

@@ -226,7 +226,8 @@ class CheckedSegment(Protocol):
     Written: the counters (``checks``, ``divergences``, ``reactions``) and the reaction to a
     divergence (``status``, ``demoted``, ``planned_option``). ``_prepare`` takes one call's
     entry state (restore's invocation), ``_derive`` refreshes the cached figures after the
-    contract changed."""
+    contract changed; ``selective_frame`` makes a selective forward's frame and
+    ``settle_frame`` settles it after that forward."""
 
     name: str
     module: Any
@@ -245,3 +246,7 @@ class CheckedSegment(Protocol):
     def _prepare(self, *args: Any, **kwargs: Any) -> Any: ...
 
     def _derive(self) -> None: ...
+
+    def selective_frame(self, verify: bool = False) -> Any: ...
+
+    def settle_frame(self, frame: Any) -> None: ...

@@ -104,7 +104,8 @@ def install(
             turn it on. Under ``Trainer(strategy="replay")``, ``ReplayCallback`` does this.
         replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
         selective: a selective policy (``"matmul"``: keep matrix product, attention and
-            convolution outputs; ``"every_other_matmul"``; see
+            convolution outputs; ``"every_other_matmul"``; ``"flops"``: of those, the ones
+            that save more compute per byte than retaining the segment; see
             :mod:`~lightning_replay.selective`): the planner may also replay a segment
             selectively, with the same preservation as a full replay. ``None`` (default): only
             segments pinned to ``preservation="selective"`` are, under ``"matmul"``.

@@ -17,6 +17,16 @@ Policies (:data:`POLICIES`):
   kernels for the CPU, flash, efficient and cuDNN ones) and convolutions.
 * ``"every_other_matmul"`` (torchtitan's option): the same, but of the matrix products only
   the 1st, 3rd, 5th, ... of a forward; attention and convolutions always.
+* ``"flops"``: of the same ops, only those whose output saves at least as much compute per byte
+  kept as retaining the whole segment does: an op's flops (torch's formulas,
+  :data:`torch.utils.flop_counter.flop_registry`) per byte of its output, against the
+  segment forward's flops per byte of activations it saves (``A(s)``). A selective option is
+  then a better use of memory than retaining the segment, op by op. An attention kernel's score
+  product (``q @ k^T``: its output grows with the square of the sequence, its cost with the
+  head width) is the op it usually drops; the projections it keeps. The segment's flops are
+  counted by the frames themselves: a segment's first frame keeps every candidate and prunes
+  at the forward's end (:meth:`SelectiveFrame.settle`); later ones decide as each op runs. An
+  op with no formula is kept, as under ``"matmul"``.
 
 Unlike torch's selective checkpoint with the same list, no policy here keeps the output of an
 op that draws random numbers (an attention kernel with ``dropout_p > 0``): a kept op is not
@@ -52,6 +62,11 @@ from torch.utils.checkpoint import (
 
 from lightning_replay.core.base.state import digests
 
+try:  # torch's flop formulas, per op packet (the ``flops`` policy)
+    from torch.utils.flop_counter import flop_registry as _FLOP_FORMULAS
+except ImportError:  # pragma: no cover - older torch: every candidate is kept
+    _FLOP_FORMULAS = {}
+
 try:  # the ops neither mode caches nor counts (torch's own list)
     from torch.utils.checkpoint import SAC_IGNORED_OPS as _IGNORED
 except ImportError:  # pragma: no cover - older torch
@@ -76,7 +91,7 @@ __all__ = [
 ]
 
 #: The policies a ``selective`` option can run under.
-POLICIES: tuple[str, ...] = ("matmul", "every_other_matmul")
+POLICIES: tuple[str, ...] = ("matmul", "every_other_matmul", "flops")
 
 _aten = torch.ops.aten
 
@@ -141,11 +156,34 @@ def _draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
     return bool(kwargs.get("dropout_p", args[i] if i < len(args) else default))
 
 
-def make_policy(name: str) -> Callable[..., CheckpointPolicy]:
+def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
+    """The flops of one call by torch's formula for its op, or ``None`` (no formula, or the
+    output is not known: torch before 2.9 calls a policy before the op runs)."""
+    formula = _FLOP_FORMULAS.get(func._overloadpacket)
+    if formula is None or out is None:
+        return None
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that does not take this overload's arguments
+        return None
+
+
+def _out_bytes(out: Any) -> int:
+    return sum(
+        t.untyped_storage().nbytes() if t._base is None else t.nbytes
+        for t in torch.utils._pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def make_policy(name: str, density: float | None = None) -> Callable[..., CheckpointPolicy]:
     """A fresh policy function for one checkpointed call (it may count ops, so one per call).
 
     Args:
         name: one of :data:`POLICIES`.
+        density: under ``"flops"``, the segment's flops per byte of activations: a candidate
+            op whose flops per output byte are below it is recomputed. ``None``: every
+            candidate is kept (as under ``"matmul"``).
 
     Raises:
         ValueError: on an unknown name.
@@ -159,6 +197,7 @@ def make_policy(name: str) -> Callable[..., CheckpointPolicy]:
     if name not in POLICIES:
         raise ValueError(f"selective policy {name!r} is not known; use one of {list(POLICIES)}")
     every_other = name == "every_other_matmul"
+    by_flops = name == "flops" and density is not None
     seen = [0]
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -167,6 +206,11 @@ def make_policy(name: str) -> Callable[..., CheckpointPolicy]:
         if every_other and func in _MATMUL:
             seen[0] += 1
             if seen[0] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        if by_flops:
+            out = getattr(ctx, "op_output", None)
+            flops = op_flops(func, args, kwargs, out)
+            if flops is not None and flops < density * _out_bytes(out):
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
 
@@ -331,21 +375,34 @@ class SelectiveFrame:
             steps: it costs a hash of every kept output).
         skip: ``(op name, call)`` pairs never to keep (calls found written in place before:
             keeping them costs memory for nothing).
+        density: under ``"flops"``, the segment's flops per byte of activations, as an
+            earlier frame's :meth:`settle` measured it; ``None``: keep every candidate, and
+            let :meth:`settle` prune at the forward's end.
     """
 
     __slots__ = (
         "_calls",
+        "_dense",
         "_digests",
         "_kept",
         "_kept_ops",
+        "density",
         "events",
+        "flops",
         "forward",
         "recompute",
         "saved",
         "verify",
     )
 
-    def __init__(self, policy: str, *, verify: bool = False, skip: Any = frozenset()) -> None:
+    def __init__(
+        self,
+        policy: str,
+        *,
+        verify: bool = False,
+        skip: Any = frozenset(),
+        density: float | None = None,
+    ) -> None:
         self.saved: set | None = None  # storages autograd saved in the forward, if watched
         self.verify = verify
         self.events: list[KeptEvent] = []
@@ -353,7 +410,12 @@ class SelectiveFrame:
         self._kept_ops: dict = defaultdict(int)  # key -> calls kept
         self._calls: dict = defaultdict(int)  # key -> calls seen in the forward (kept ops')
         self._digests: dict = {}
-        inner = make_policy(policy)
+        counting = policy == "flops"
+        #: the forward's flops by torch's formulas (``None`` unless the policy is ``"flops"``)
+        self.flops: int | None = 0 if counting else None
+        self.density = density
+        self._dense: dict = {}  # (key, call) -> flops per output byte, of kept calls
+        inner = make_policy("matmul" if counting else policy)
         save = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
         recompute = CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -363,14 +425,22 @@ class SelectiveFrame:
             key = _sac_storage_key(func, args)
             idx = self._calls[key]
             self._calls[key] += 1
+            out = getattr(ctx, "op_output", None)
+            flops = op_flops(func, args, kwargs, out) if counting else None
+            if flops is not None:
+                self.flops += flops
             p = inner(ctx, func, *args, **kwargs)
             if p not in save:
                 return p
             if skip and (str(func), idx) in skip:
                 return CheckpointPolicy.PREFER_RECOMPUTE
+            if flops is not None:
+                dense = flops / max(_out_bytes(out), 1)
+                if density is not None and dense < density:
+                    return recompute
+                self._dense[(key, idx)] = dense
             self._kept[(key, idx)] = (self._kept_ops[key], _signature(args))
             self._kept_ops[key] += 1
-            out = getattr(ctx, "op_output", None)
             if verify and out is not None:
                 self._digests[(key, idx)] = digests(
                     [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -381,6 +451,24 @@ class SelectiveFrame:
         self.recompute = _KeptReplay(self)
         if _CHECKPOINT_KWARGS:  # entered by the caller, not by checkpoint: say it here
             self.forward.respect_saved_tensors_hooks = False
+
+    def settle(self, activation_bytes: int) -> float | None:
+        """After the forward, under ``"flops"``: the segment's flops per byte of activations
+        (``activation_bytes``, its ``A(s)``), for the segment's next frames. A frame that ran
+        without a density drops, now, the kept outputs whose flops per byte fall below it.
+        ``None`` under other policies, or when the forward counted no flops."""
+        if not self.flops or activation_bytes <= 0:
+            return None
+        density = self.flops / activation_bytes
+        if self.density is None:
+            for (key, idx), dense in self._dense.items():
+                if dense >= density:
+                    continue
+                store = self.forward.storage.get(key)
+                if store is not None:  # the replay runs the op (an emptied entry)
+                    store[self._kept[(key, idx)][0] if isinstance(store, list) else idx] = None
+                self._digests.pop((key, idx), None)
+        return density
 
     def _note(self, kind: str, func: Any, call: int, seen: str) -> None:
         self.events.append(KeptEvent(kind, str(func), call, seen))
@@ -444,13 +532,16 @@ def torch_sac_op_list(policy: str = "matmul") -> list:
     return sorted(SAVED_OPS, key=str)
 
 
-def torch_sac_context_fn(policy: str = "matmul") -> Callable[[], tuple[Any, Any]]:
+def torch_sac_context_fn(
+    policy: str = "matmul", density: float | None = None
+) -> Callable[[], tuple[Any, Any]]:
     """``context_fn`` for plain ``torch.utils.checkpoint`` with torch's selective checkpoint
     under ``policy`` (the state-unaware baseline: nothing is preserved or restored beyond
-    torch's global RNG)."""
+    torch's global RNG). ``density``: under ``"flops"``, the segment's flops per byte of
+    activations (see :func:`make_policy`; torch's modes cannot prune after the forward)."""
     make_policy(policy)  # validates the name
 
     def context_fn() -> tuple[Any, Any]:
-        return create_selective_checkpoint_contexts(make_policy(policy))
+        return create_selective_checkpoint_contexts(make_policy(policy, density))
 
     return context_fn

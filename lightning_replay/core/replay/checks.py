@@ -437,14 +437,12 @@ class SegmentChecks:
         saved: list[torch.Tensor] = []
         # A selective option is checked as it replays: the forward keeps the outputs its
         # policy names (digested as each op runs), and the check's replay uses them
-        sac = (
-            SelectiveFrame(eng.config.selective_policy, verify=True, skip=self.seg.sac_skip)
-            if inv.option in SELECTIVE
-            else None
-        )
+        sac = self.seg.selective_frame(verify=True) if inv.option in SELECTIVE else None
         cached = param_cache.forward_start()
         with sac.forward if sac is not None else contextlib.nullcontext():
             out = self._measured_call(args, kwargs, saved)
+        if sac is not None:
+            self.seg.settle_frame(sac)
         # the check's replay computes the parametrizations this forward cached again
         inv.param_cache = param_cache.forward_end(cached)
         outs = _grad_outputs(out)
