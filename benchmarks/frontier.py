@@ -2,14 +2,17 @@
 
 For HF GPT-2 and a small HF Llama (built from configs, nothing downloaded), every block a
 segment. Costs are measured once, as ``install(budget=...)`` measures them, with the selective
-option offered (``selective="matmul"``). Budgets are swept in 6 steps from the lowest-memory
-plan's peak to plain training's (every activation kept); at each budget three arms:
+option offered (``selective=POLICY``: ``"flops"`` by default, else ``cfg["policy"]``). Budgets
+are swept in 6 steps from the lowest-memory plan's peak to plain training's (every activation
+kept); at each budget three arms:
 
 * ``joint_selective``: the joint plan over retain / recompute / selective (x preservation);
 * ``joint``: the joint plan without the selective options;
 * ``torch_sac``: ``torch.utils.checkpoint`` with torch's selective checkpoint under the same
   policy on every block, state-unaware: one configuration, feasible at a budget when its
-  measured peak is within it ("the same or lower peak").
+  measured peak is within it ("the same or lower peak"). Under ``"flops"`` each block's policy
+  gets the density (flops per byte of activations) the engine measured for it, so both keep
+  the same ops.
 
 Every distinct plan, the torch arm and a second torch arm built alike (the run's noise
 control: ``torch_vs_torch``) step side by side (:func:`bench_common.arms_side_by_side`, two
@@ -60,7 +63,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ARMS = ("joint_selective", "joint", "torch_sac")
-POLICY = "matmul"
+#: the policy of every selective arm, both ours and torch's (``cfg["policy"]`` overrides it):
+#: ``"flops"`` keeps the products whose output saves more compute per byte than retaining the
+#: block; ``"matmul"`` (torchtitan's) keeps them all, an eager attention's score matrix too
+POLICY = "flops"
 
 
 def _gpt2(size: dict) -> tuple[nn.Module, list[str]]:
@@ -115,22 +121,30 @@ def _step(model: nn.Module, ids: torch.Tensor, clock: Callable[[], float]) -> fl
     return clock() - t0
 
 
-def torch_sac(model: nn.Module, names: list[str], policy: str = POLICY) -> nn.Module:
+def torch_sac(
+    model: nn.Module,
+    names: list[str],
+    policy: str | None = None,
+    densities: dict[str, float | None] | None = None,
+) -> nn.Module:
     """Wrap the named blocks in ``torch.utils.checkpoint`` with torch's selective checkpoint
-    under ``policy`` (state-unaware: the baseline)."""
+    under ``policy`` (state-unaware: the baseline); ``densities``: per block, the flops per
+    byte of activations a ``"flops"`` policy compares each op with."""
+    policy = POLICY if policy is None else policy
     extra = checkpoint_kwargs()
     for name in names:
         mod = model.get_submodule(name)
         fwd = mod.forward
+        context_fn = torch_sac_context_fn(policy, (densities or {}).get(name))
 
-        def wrapped(*args, _fwd=fwd, **kwargs):
+        def wrapped(*args, _fwd=fwd, _context_fn=context_fn, **kwargs):
             if not torch.is_grad_enabled():
                 return _fwd(*args, **kwargs)
             return checkpoint(
                 _fwd,
                 *args,
                 use_reentrant=False,
-                context_fn=torch_sac_context_fn(policy),
+                context_fn=_context_fn,
                 **extra,
                 **kwargs,
             )
@@ -175,10 +189,12 @@ def _measure_costs(proto_bytes, names, batch, clock, calibration_steps: int):
     costs, base = list(engine.costs), engine.real_base_memory
     # the forward end's, each segment forward's, each replay's and the optimizer's measured phases
     phases = engine.phase_peak_args
+    # per block, the density its selective frames measured (policy "flops": torch's arm gets it)
+    densities = {n: engine.runtimes[n].sac_density for n in names}
     engine.uninstall()
     del model, engine
     gc.collect()
-    return costs, base, phases
+    return costs, base, phases, densities
 
 
 def segment_options(costs: list[SegmentCost]) -> dict[str, dict[str, dict]]:
@@ -219,7 +235,7 @@ def _peak(model: nn.Module, ids: torch.Tensor, dev: torch.device) -> int:
     return int(peak)
 
 
-def _alone_peak(proto_bytes, names, batch, dev, clock, choices) -> int:
+def _alone_peak(proto_bytes, names, batch, dev, clock, choices, densities=None) -> int:
     """One arm's whole-process peak with nothing else of the benchmark alive: ``choices`` a
     plan (lightning_replay with it in force), ``None`` torch SAC, ``"plain"`` plain training."""
     gc.collect()
@@ -228,7 +244,7 @@ def _alone_peak(proto_bytes, names, batch, dev, clock, choices) -> int:
     if choices == "plain":
         pass
     elif choices is None:
-        torch_sac(m, names)
+        torch_sac(m, names, densities=densities)
     else:
         engine = lr.install(m, names, selective=POLICY, track_memory=dev.type == "cpu")
         _step(m, batch(0), clock)  # the probe
@@ -261,7 +277,9 @@ def frontier(
     del proto
     make = _batches(size)
     batch = lambda s: make(s).to(dev)  # noqa: E731
-    costs, base, phases = _measure_costs(proto_bytes, names, batch, clock, calibration_steps)
+    costs, base, phases, densities = _measure_costs(
+        proto_bytes, names, batch, clock, calibration_steps
+    )
     options = segment_options(costs)
     for seg, opts in options.items():
         print(
@@ -316,7 +334,9 @@ def frontier(
             engines.append(engine)
         arms.append(copies_)
     for _ in range(2):
-        arms.append([torch_sac(_load(proto_bytes), names) for _ in range(copies)])
+        arms.append(
+            [torch_sac(_load(proto_bytes), names, densities=densities) for _ in range(copies)]
+        )
         for m in arms[-1]:
             for s in range(2):
                 _step(m, batch(s), clock)
@@ -330,7 +350,7 @@ def frontier(
     # (the loops' last copies too: three GPT-2 models, 39 MiB, were counted in every peak)
     engines = arms = copies_ = m = engine = None
     peaks = [_alone_peak(proto_bytes, names, batch, dev, clock, plans[key].choices) for key in keys]
-    peaks.append(_alone_peak(proto_bytes, names, batch, dev, clock, None))
+    peaks.append(_alone_peak(proto_bytes, names, batch, dev, clock, None, densities))
     peaks.append(peaks[-1])
     plain_peak = _alone_peak(proto_bytes, names, batch, dev, clock, "plain")
     step_s = [statistics.median(t) for t in times]
@@ -361,6 +381,7 @@ def frontier(
         "rounds": rounds,
         "copies": copies,
         "policy": POLICY,
+        "densities": densities,
         "base_bytes": base,
         "phases": phases,
         "segment_options": options,
@@ -383,10 +404,12 @@ def frontier(
 
 def run(cfg: dict) -> dict:
     """Both models (``cfg["models"]``: name -> size), ``points`` budgets each."""
+    global POLICY
     dev = device()
     threads = torch.get_num_threads()
     if dev.type == "cpu":
         torch.set_num_threads(1)
+    policy, POLICY = POLICY, cfg.get("policy", POLICY)
     try:
         out: dict[str, Any] = {}
         for name, size in cfg["models"].items():
@@ -409,8 +432,10 @@ def run(cfg: dict) -> dict:
             for p in out[n]["points"]
             if p["selective_vs_best_other"] is not None and p["selective_vs_best_other"] <= 0.95
         )
+        out["policy"] = POLICY
         return out
     finally:
+        POLICY = policy
         torch.set_num_threads(threads)
 
 

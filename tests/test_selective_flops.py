@@ -86,9 +86,7 @@ def _kept_shapes(frame: SelectiveFrame) -> list[tuple]:
 def _frame_forward(block, x, policy, density=None) -> tuple[SelectiveFrame, torch.Tensor]:
     frame = SelectiveFrame(policy, density=density)
     x = x.clone().requires_grad_()
-    y = checkpoint(
-        block, x, use_reentrant=False, context_fn=frame.contexts, **checkpoint_kwargs()
-    )
+    y = checkpoint(block, x, use_reentrant=False, context_fn=frame.contexts, **checkpoint_kwargs())
     return frame, y
 
 
