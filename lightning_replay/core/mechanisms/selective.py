@@ -156,16 +156,38 @@ def _draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
     return bool(kwargs.get("dropout_p", args[i] if i < len(args) else default))
 
 
+def _shape_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_shape_key(v) for v in x)
+    return x if isinstance(x, (int, float, bool, str, type(None))) else repr(x)
+
+
+#: (op, its arguments' shapes and values) -> flops. A formula walks its arguments with
+#: torch's pytree (about 0.3 ms a call, six calls a transformer block a step): the shapes of a
+#: segment's products rarely change, so each is computed once.
+_FLOPS_SEEN: dict = {}
+
+
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
     """The flops of one call by torch's formula for its op, or ``None`` (no formula, or the
     output is not known: torch before 2.9 calls a policy before the op runs)."""
     formula = _FLOP_FORMULAS.get(func._overloadpacket)
     if formula is None or out is None:
         return None
+    key = (func, _shape_key(args), _shape_key(tuple(sorted(kwargs.items()))))
+    flops = _FLOPS_SEEN.get(key, -1)
+    if flops != -1:
+        return flops
     try:
-        return int(formula(*args, **kwargs, out_val=out))
+        flops = int(formula(*args, **kwargs, out_val=out))
     except Exception:  # a formula that does not take this overload's arguments
-        return None
+        flops = None
+    if len(_FLOPS_SEEN) > 4096:  # shapes that keep changing: keep the table small
+        _FLOPS_SEEN.clear()
+    _FLOPS_SEEN[key] = flops
+    return flops
 
 
 def _out_bytes(out: Any) -> int:
@@ -274,20 +296,17 @@ def _wrapped(x: Any) -> bool:
 
 
 def _leaves(entry: Any) -> list:
-    """The wrapped tensors of a cache entry (none once consumed)."""
+    """The wrapped tensors of a cache entry (none once consumed, or for torch's marker of a
+    call it recomputes)."""
     if _wrapped(entry):  # an op with one output (most): no tree to walk
         return [entry] if isinstance(entry.val, torch.Tensor) else []
+    if not isinstance(entry, (tuple, list, dict)):  # a marker, or None
+        return []
     return [
         leaf
         for leaf in torch.utils._pytree.tree_leaves(entry)
         if _wrapped(leaf) and isinstance(leaf.val, torch.Tensor)
     ]
-
-
-def _store_items(store: Any) -> Any:
-    # torch >= 2.8 keeps each op's calls by index (a dict, ops it recomputes marked);
-    # older torch a list of the kept calls only
-    return store.values() if isinstance(store, dict) else store
 
 
 class _KeptReplay(TorchDispatchMode):
@@ -481,14 +500,21 @@ class SelectiveFrame:
         """The tensors the forward kept for the replay (each storage once)."""
         out: list[torch.Tensor] = []
         seen: set = set()
-        for store in self.forward.storage.values():
-            for entry in _store_items(store):
-                for leaf in _leaves(entry):
-                    t = leaf.val
-                    key = (str(t.device), t.untyped_storage().data_ptr())
-                    if key not in seen:
-                        seen.add(key)
-                        out.append(t)
+        storage = self.forward.storage
+        for (key, idx), (pos, _) in self._kept.items():  # torch marks every other call too
+            store = storage.get(key)
+            if store is None:
+                continue
+            try:
+                entry = store[pos if isinstance(store, list) else idx]
+            except (IndexError, KeyError):
+                continue
+            for leaf in _leaves(entry):
+                t = leaf.val
+                where = (str(t.device), t.untyped_storage().data_ptr())
+                if where not in seen:
+                    seen.add(where)
+                    out.append(t)
         return out
 
     def kept_bytes(self) -> int:
