@@ -20,6 +20,7 @@ import inspect
 from typing import Any, Callable
 
 import torch
+from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401
 
@@ -54,8 +55,6 @@ def parametrization_cache() -> dict | None:
     """torch's parametrization cache (``{(id(module), name): tensor}``) while a
     ``torch.nn.utils.parametrize.cached()`` context is active, else None (also where torch
     keeps it elsewhere)."""
-    from torch.nn.utils import parametrize
-
     if not getattr(parametrize, "_cache_enabled", 0):
         return None
     cache = getattr(parametrize, "_cache", None)
@@ -65,8 +64,6 @@ def parametrization_cache() -> dict | None:
 def set_parametrization_caching(depth: int) -> int:
     """Set how many ``parametrize.cached()`` contexts torch takes as active (0: none, reads
     compute every time); returns the depth before."""
-    from torch.nn.utils import parametrize
-
     old = getattr(parametrize, "_cache_enabled", 0)
     parametrize._cache_enabled = depth
     return old
