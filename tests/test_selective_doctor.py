@@ -39,8 +39,9 @@ def test_selective_runs_can_be_left_out_and_a_bad_policy_is_named():
         lr.diagnose(h.model, h.make_input, selective="mm")
 
 
-def test_every_other_matmul_is_diagnosed_too():
+@pytest.mark.parametrize("policy", ["every_other_matmul", "flops"])
+def test_the_other_policies_are_diagnosed_too(policy):
     h = HAZARDS["counter"]()
-    report = lr.diagnose(h.model, h.make_input, selective="every_other_matmul")
+    report = lr.diagnose(h.model, h.make_input, selective=policy)
     assert report.replay_selective.exact, report.table()
-    assert "('every_other_matmul')" in report.replay_selective.method
+    assert f"('{policy}')" in report.replay_selective.method
