@@ -184,9 +184,9 @@ class ReplayConfig:
         replan: when the engine re-plans by itself (a :class:`ReplanSettings`; off by
             default: ``ReplayCallback`` re-plans for the strategies).
         selective: a policy of :data:`lightning_replay.selective.POLICIES` (``"matmul"``,
-            ``"every_other_matmul"``, ``"flops"``): the planner may also replay segments selectively
-            (keeping the outputs of the ops the policy names). ``None``: it may not, unless a
-            segment's preservation is ``"selective"`` (then under ``"matmul"``).
+            ``"every_other_matmul"``, ``"flops"``): the planner may also replay segments
+            selectively (keeping the outputs of the ops the policy names). ``None``: it may
+            not, unless a segment's preservation is ``"selective"`` (then under ``"matmul"``).
         caller: the call the arguments were given to, for error messages only (``"install"``,
             ``"ReplayStrategy"``); not part of the value.
     """
