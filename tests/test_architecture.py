@@ -370,7 +370,7 @@ PORT_SIZES = {
     "ProbeHost": 12,
     "ProbedSegment": 22,
     "CheckHost": 13,
-    "CheckedSegment": 15,
+    "CheckedSegment": 17,
 }
 
 
