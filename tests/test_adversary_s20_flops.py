@@ -30,10 +30,20 @@ Classes here (tiny models, widths 8-64):
 Referee: plain PyTorch from the same seed, inputs and per-step seeds: every step's gradients
 and the final state (parameters, buffers, tensor attributes, generators) bit for bit, no
 ``ReplayError``, no divergence record on checked steps, no violation.
+
+Found here, fixed in ``selective.py``: the memo (``_FLOPS_SEEN``) keyed a variable-length
+flash/efficient attention call by its arguments' shapes, but torch's formula reads the
+cumulative sequence offsets' values (the sum of squared lengths): lengths 8+8 after 8+4+4
+(same shapes, same longest) got the first pack's 6144 flops instead of 8192; the offsets are now
+part of the key. And under ``torch.compile(dynamic=True)`` the policy (torch's own selective
+checkpoint with ``torch_sac_context_fn("flops", d)``) hashed symbolic sizes for the key:
+``TypeError: unhashable type: non-nested SymInt`` (``"matmul"`` compiled); such a call now has
+no flops (kept, as an op with no formula).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import threading
@@ -49,6 +59,7 @@ from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.contract import SELECTIVE
+from lightning_replay.selective import op_flops
 
 STEPS = 5
 D = 16
@@ -729,6 +740,50 @@ def test_flops_exact_against_plain_pytorch(name, setting):
             assert _selective_replays(summary) > 0 or setting == "checked", summary
     if setting == "checked":
         assert sum(s["checks"] for s in summary.values()) > 0, summary
+
+
+# ============================================================ the memo
+def test_the_memo_reads_varlen_offsets():
+    """A variable-length flash attention call: torch's formula reads the offsets' values.
+    Measured before the fix: lengths 8+8 after 8+4+4 (same shapes, same longest) were given
+    the first pack's 6144 flops instead of 8192."""
+    op = torch.ops.aten._flash_attention_forward.default
+    formula = torch.utils.flop_counter.flop_registry[op._overloadpacket]
+    q = torch.randn(16, 2, 8)
+    for cu in ([0, 8, 12, 16], [0, 8, 16, 16], [0, 4, 8, 16], [0, 8, 12, 16]):
+        c = torch.tensor(cu, dtype=torch.int32)
+        args = (q, q, q, c, c, 8, 8, 0.0, False, False)
+        assert op_flops(op, args, {}, (q,)) == formula(*args, out_val=(q,)), cu
+
+
+def test_the_flops_policy_under_compile_with_dynamic_shapes():
+    """torch's own selective checkpoint with the flops policy (``torch_sac_context_fn``, as
+    benchmarks/frontier.py uses it) inside ``torch.compile(dynamic=True)``: the policy sees
+    symbolic sizes. Measured before the fix: ``TypeError: unhashable type: non-nested SymInt``
+    from the memo's key (BackendCompilerFailed); ``"matmul"`` compiled. Such calls are kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_replay.selective import checkpoint_kwargs, torch_sac_context_fn
+
+    torch.manual_seed(0)
+    blk = EagerAttention()
+    ref = copy.deepcopy(blk)
+    ctx = torch_sac_context_fn("flops", 5.0)
+
+    def f(x):
+        return checkpoint(blk, x, use_reentrant=False, context_fn=ctx, **checkpoint_kwargs())
+
+    cf = torch.compile(f, backend="aot_eager", dynamic=True)
+    torch._dynamo.reset()
+    try:
+        for s in (8, 12):
+            x = _seq(2, s, seed=s)
+            cf(x).pow(2).mean().backward()
+            ref(x).pow(2).mean().backward()
+        for (n, p), q in zip(blk.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=n)  # compiled: not bit for bit
+    finally:
+        torch._dynamo.reset()
 
 
 # ============================================================ engines side by side

@@ -156,8 +156,18 @@ def _draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
     return bool(kwargs.get("dropout_p", args[i] if i < len(args) else default))
 
 
+_OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
 def _shape_key(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
+        if x.dtype in _OFFSET_DTYPES and x.dim() == 1:
+            # a variable-length attention's cumulative sequence offsets: torch's formula
+            # reads their values (the sum of squared lengths), not only their shape
+            try:
+                return (tuple(x.shape), x.dtype, tuple(x.tolist()))
+            except Exception:  # values not known (a fake tensor under torch.compile)
+                raise TypeError("offsets without values") from None
         return (tuple(x.shape), x.dtype)
     if isinstance(x, (list, tuple)):
         return tuple(_shape_key(v) for v in x)
@@ -171,13 +181,17 @@ _FLOPS_SEEN: dict = {}
 
 
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
-    """The flops of one call by torch's formula for its op, or ``None`` (no formula, or the
-    output is not known: torch before 2.9 calls a policy before the op runs)."""
+    """The flops of one call by torch's formula for its op, or ``None`` (no formula, the
+    output is not known: torch before 2.9 calls a policy before the op runs, or the sizes are
+    symbolic: torch.compile with dynamic shapes)."""
     formula = _FLOP_FORMULAS.get(func._overloadpacket)
     if formula is None or out is None:
         return None
-    key = (func, _shape_key(args), _shape_key(tuple(sorted(kwargs.items()))))
-    flops = _FLOPS_SEEN.get(key, -1)
+    try:
+        key = (func, _shape_key(args), _shape_key(tuple(sorted(kwargs.items()))))
+        flops = _FLOPS_SEEN.get(key, -1)
+    except TypeError:  # symbolic sizes (torch.compile, dynamic shapes): no number to compare
+        return None
     if flops != -1:
         return flops
     try:
