@@ -39,6 +39,14 @@ part of the key. And under ``torch.compile(dynamic=True)`` the policy (torch's o
 checkpoint with ``torch_sac_context_fn("flops", d)``) hashed symbolic sizes for the key:
 ``TypeError: unhashable type: non-nested SymInt`` (``"matmul"`` compiled); such a call now has
 no flops (kept, as an op with no formula).
+
+Found here, fixed in ``runtime.py`` (``settle_frame``): the density divided today's flops by
+``A(s)`` measured at the probe's inputs, never rescaled: a batch 8x the probe's gave a density
+8x the true one (71 against 8.9 flops per byte), a sequence 16x the probe's 30x (273 against
+8.5), and every candidate of the segment was recomputed; a segment re-probed at larger inputs
+took the other segments' old figures for new ones (256 against 16). ``A(s)`` is now scaled
+with the step's input elements over those it was measured at (the contract's: recorded when it
+is made), as the planner scales it; the ``S^2`` part of attention leaves it within 2x.
 """
 
 from __future__ import annotations
@@ -742,7 +750,37 @@ def test_flops_exact_against_plain_pytorch(name, setting):
         assert sum(s["checks"] for s in summary.values()) > 0, summary
 
 
-# ============================================================ the memo
+# ============================================================ the density and the memo
+def _densities(name: str, steps: int = 6) -> list[tuple[tuple, float]]:
+    """(input shape, density) of each selective forward of ``blocks.0``, pinned to flops."""
+    case = CASES[name]
+    model = _build(case)
+    engine = lr.install(model, case.segments, preservation="selective", selective="flops")
+    out = []
+    try:
+        for s in range(steps):
+            x = case.x(s)
+            _loss(model(x)).backward()
+            d = engine.runtimes["blocks.0"].sac_density
+            if d is not None:
+                out.append((tuple(x.shape), d))
+    finally:
+        engine.uninstall()
+    return out
+
+
+def test_the_density_follows_the_steps_inputs():
+    """A(s) is measured once (the probe's inputs), the frame's flops at every step: the
+    density must not scale with the input. Measured before the fix: a batch 8x the probe's
+    gave a density 8x the true one (71 against 8.9 flops per byte), a sequence 16x the
+    probe's 30x (273 against 8.5): every product of the segment was recomputed."""
+    batch = [d for _, d in _densities("batch")]
+    assert len(batch) >= 4 and max(batch) == pytest.approx(min(batch), rel=1e-6), batch
+    seq = _densities("seq_len")  # A(s) has an S^2 part (the softmax): within 2x
+    ds = [d for _, d in seq]
+    assert len(ds) >= 4 and max(ds) / min(ds) < 2.0, seq
+
+
 def test_the_memo_reads_varlen_offsets():
     """A variable-length flash attention call: torch's formula reads the offsets' values.
     Measured before the fix: lengths 8+8 after 8+4+4 (same shapes, same longest) were given

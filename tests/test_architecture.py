@@ -368,7 +368,7 @@ PORT_SIZES = {
     "CostSource": 4,
     "ReplaySegment": 19,
     "ProbeHost": 12,
-    "ProbedSegment": 22,
+    "ProbedSegment": 23,
     "CheckHost": 13,
     "CheckedSegment": 17,
 }

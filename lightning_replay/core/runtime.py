@@ -200,6 +200,8 @@ class SegmentRuntime:
         self.sac_skip: set[tuple[str, int]] = set()
         # flops per byte of activations of the last selective forward (policy "flops")
         self.sac_density: float | None = None
+        # elements of the step's inputs when the contract (its A(s)) was made: 0 not known
+        self.contract_size = 0
         self.last_preserved_bytes = 0
         self.order = -1
         self.planned_option: str | None = None
@@ -697,8 +699,17 @@ class SegmentRuntime:
     def settle_frame(self, frame: SelectiveFrame) -> None:
         """After a selective forward: the frame prunes what its policy drops once the forward's
         flops are known (``"flops"``), and the segment keeps its density for the next."""
-        c = self.contract
-        act = self.engine.meter.activation_bytes.get(self.name, c.activation_bytes if c else 0)
+        c, eng = self.contract, self.engine
+        if self.name in eng.meter.activation_bytes:
+            act = eng.meter.activation_bytes[self.name]
+            at = eng.meter.activation_size.get(self.name, 0)
+        else:
+            act, at = (c.activation_bytes, self.contract_size) if c else (0, 0)
+        # A(s) was measured at one step's inputs (the probe's, or a checked step's) and the
+        # frame's flops are today's: scaled with the input size as the planner scales it
+        # (unscaled, a batch 8x the probe's gave a density 8x too high: nothing kept)
+        if act > 0 and at > 0 and eng._window_size > 0:
+            act = act * eng._window_size / at
         density = frame.settle(act)
         if density is not None:
             self.sac_density = density

@@ -192,6 +192,7 @@ class ProbedSegment(Protocol):
     divergences: int
     input_bytes: int
     input_saved_bytes: int
+    contract_size: int  # elements of the step's inputs when its contract was made
     grad_reads: list  # weak references to the tensors whose .grad its forwards read
 
     def _derive(self) -> None: ...

@@ -1182,6 +1182,7 @@ class SegmentProbe:
                 p.release()  # (a replayed probe whose replay is to come: at its end)
         c.apply_option("retain" if self.seg.demoted else self._choose_option(c))
         self.seg.contract = c
+        self.seg.contract_size = getattr(eng, "_window_size", 0)
         self.seg._derive()
         self.seg.status = "retain" if c.option == "retain" else "active"
         eng._contracts_changed()
