@@ -67,7 +67,7 @@ from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.contract import SELECTIVE
-from lightning_replay.selective import op_flops
+from lightning_replay.selective import SelectiveFrame, op_flops
 
 STEPS = 5
 D = 16
@@ -779,6 +779,23 @@ def test_the_density_follows_the_steps_inputs():
     seq = _densities("seq_len")  # A(s) has an S^2 part (the softmax): within 2x
     ds = [d for _, d in seq]
     assert len(ds) >= 4 and max(ds) / min(ds) < 2.0, seq
+
+
+def test_the_kept_set_flips_with_the_sequence(monkeypatch):
+    """The value product (``softmax @ v``: ``S/2`` flops per byte at 4 bytes) is on the
+    boundary: kept at long sequences, recomputed at short ones, decided at op time with the
+    previous step's density; the referee run above trains this model exactly."""
+    kept: list[list[tuple]] = []  # per frame: the 3-d (batched) products it kept
+    orig = SelectiveFrame.settle
+
+    def spy(self, act):
+        d = orig(self, act)
+        kept.append([tuple(t.shape) for t in self.kept_tensors() if t.dim() == 3])
+        return d
+
+    monkeypatch.setattr(SelectiveFrame, "settle", spy)
+    _densities("seq_len")
+    assert any(kept) and not all(kept), kept  # (before the density fix: none ever kept)
 
 
 def test_the_memo_reads_varlen_offsets():
