@@ -248,3 +248,74 @@ def test_checked_steps_under_the_flops_policy_find_nothing_and_stay_exact():
     assert all(s["checks"] >= STEPS - 2 and s["divergences"] == 0 for s in summary.values())
     assert all(engine.runtimes[n].sac_density is not None for n in ("0", "1"))
     assert_same_state(snapshot_state(ref), snapshot_state(model), "eager attention")
+
+
+def test_a_pruned_output_is_freed_at_the_forwards_end():
+    """The score matrix the first frame kept until it knew the density is dropped by
+    ``settle``: nothing holds it after (a reference would hide it from the byte accounting)."""
+    import gc
+    import weakref
+
+    block = _model()[0]
+    x = _input(0)
+    act = _saved_bytes(block, x)
+    frame, y = _frame_forward(block, x, "flops")
+    scores = [weakref.ref(t) for t in frame.kept_tensors() if tuple(t.shape) == SCORES]
+    assert scores  # kept until the forward's end
+    frame.settle(act)
+    gc.disable()
+    try:
+        assert all(r() is None for r in scores)
+    finally:
+        gc.enable()
+    y.sum().backward()
+
+
+class _KeyMemoryAttention(_EagerAttention):
+    """Attention over its keys and a memory of past keys (a buffer rebound after every step,
+    outside the segment): only the score product reads the memory, and "flops" recomputes that
+    product at replay, where "matmul" kept it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.norm  # (no batch norm here: the memory is the state)
+        self.register_buffer("memory", torch.randn(B, H, 4, D // H))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(D, dim=-1)
+        q, k, v = (t.reshape(B, S, H, D // H).transpose(1, 2) for t in (q, k, v))
+        keys = torch.cat([k, self.memory], dim=2)
+        scores = q @ keys.transpose(-1, -2) / (D // H) ** 0.5
+        att = torch.softmax(scores, dim=-1)[..., :S] @ v
+        x = x + self.out(att.transpose(1, 2).reshape(B, S, D))
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def test_state_only_a_recomputed_product_reads_is_the_forwards_at_replay():
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(_KeyMemoryAttention(), _KeyMemoryAttention())
+
+    ref, model = build(), build()
+    engine = lr.install(model, ["0", "1"], preservation="selective", selective="flops")
+    for step in range(STEPS):
+        for m in (ref, model):
+            m(_input(step)).sum().backward()
+            for blk in m:  # rebound after the backward's replays... and before them, below
+                blk.memory = torch.randn(
+                    B, H, 4, D // H, generator=torch.Generator().manual_seed(step)
+                )
+        for n, p in ref.named_parameters():
+            assert torch.equal(p.grad, dict(model.named_parameters())[n].grad), (step, n)
+    # rebound between the forward and the backward: the replay must see the forward's memory
+    for step in range(STEPS, STEPS + 3):
+        losses = [m(_input(step)).sum() for m in (ref, model)]
+        for m in (ref, model):
+            for blk in m:
+                blk.memory = blk.memory * 2.0
+        for loss in losses:
+            loss.backward()
+        for n, p in ref.named_parameters():
+            assert torch.equal(p.grad, dict(model.named_parameters())[n].grad), (step, n)
+    assert all(engine.runtimes[n].sac_density is not None for n in ("0", "1"))
+    assert all(s["mode"] in SELECTIVE and s["replays"] > 0 for s in engine.summary().values())
