@@ -24,6 +24,7 @@ from lightning_replay.core.base.state import storage_bytes, storage_key
 from lightning_replay.core.engine.step_graph import watch_outputs
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.core.mechanisms.arguments import held_tensors
+from lightning_replay.core.mechanisms.outside_reads import PATCH_LOCK
 from lightning_replay.core.mechanisms.subclassing import quiet_subclass
 
 #: module_globals: this module's globals are machinery, never user state
@@ -234,7 +235,13 @@ def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
 def attach(engine: Any) -> type | None:
     """Route the forwards of ``engine``'s segments (and, with ``window="root"``, of its model)
     through it. Returns the root's own class (``None`` for manual windows), for
-    :func:`detach`."""
+    :func:`detach`. (Not while another thread's probe has these classes swapped for its
+    tracing ones: ``PATCH_LOCK``.)"""
+    with PATCH_LOCK:
+        return _attach(engine)
+
+
+def _attach(engine: Any) -> type | None:
     classes = {}
     for name, rt in engine.runtimes.items():  # (all made first: a refusal leaves no swap)
         try:
@@ -276,7 +283,13 @@ def attach(engine: Any) -> type | None:
 
 
 def detach(engine: Any, root_class: type | None) -> None:
-    """Undo :func:`attach`: every module gets its own class back."""
+    """Undo :func:`attach`: every module gets its own class back (not while another thread's
+    probe has them swapped: its end would put the engine's back)."""
+    with PATCH_LOCK:
+        _detach(engine, root_class)
+
+
+def _detach(engine: Any, root_class: type | None) -> None:
     if root_class is not None:
         if engine.model.__dict__.get(ENGINE_KEY) is engine:
             del engine.model.__dict__[ENGINE_KEY]

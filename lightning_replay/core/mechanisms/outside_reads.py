@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
+import threading
 import types
 import weakref
 from typing import Any
@@ -39,6 +40,16 @@ _TRACE_CLASSES: dict[type, type] = {}
 #: as ((the dict that holds it, its name), operator name, the other operand, the result, the
 #: number compared, (dict, name) of the other operand when it is such a number too, else None)
 _COMPARISONS: list | None = None
+
+#: Held while a probe's patches are in place (``torch.Tensor``'s host reads, Python's and
+#: numpy's generators, the classes of every installed model's modules, :data:`_COMPARISONS`,
+#: :data:`_LAZY`) and while an engine swaps its modules' classes in (install) or out
+#: (uninstall): every thread shares them. Two probes in two threads at once restored each
+#: other's patches out of order and left them in place for the rest of the process (a
+#: ``tolist`` watched forever, arithmetic on a number a probe read traced after it), and an
+#: uninstall during another thread's probe got its classes put back by that probe's end
+#: (CI, stop 42). Reentrant: a segment probed inside another.
+PATCH_LOCK = threading.RLock()
 
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 

@@ -15,6 +15,7 @@ import warnings
 import re
 import random
 import sys
+import threading
 import types
 import weakref
 from typing import Any, Callable
@@ -67,7 +68,12 @@ from lightning_replay.core.mechanisms.module_globals import describe, globals_re
 from lightning_replay.core.mechanisms.guards import _attrs as _guard_attrs
 from lightning_replay.core.mechanisms.guards import _contents as _guard_contents
 from lightning_replay.core.mechanisms.guards import _reachable, is_flag
-from lightning_replay.core.mechanisms.outside_reads import HolderReads, OutsideReads, comparisons
+from lightning_replay.core.mechanisms.outside_reads import (
+    PATCH_LOCK,
+    HolderReads,
+    OutsideReads,
+    comparisons,
+)
 from lightning_replay.core.mechanisms.slots import (
     MISSING,
     MODULE_INTERNALS,
@@ -177,6 +183,7 @@ class _HostReads:
     def __init__(self, mode: DiscoveryMode) -> None:
         self.mode = mode
         self._saved: list[tuple[str, Any]] = []
+        self._thread = threading.get_ident()  # (another thread's reads are not this forward's)
 
     def __enter__(self) -> "_HostReads":
         for name in self._NAMES:
@@ -189,7 +196,11 @@ class _HostReads:
     def _watch(self, fn: Callable, writable: bool) -> Callable:
         mode = self.mode
 
+        thread = self._thread
+
         def watched(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != thread:
+                return fn(t, *args, **kwargs)
             if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
                 # (a host view that can be written: no log sees a write through it)
                 mode.touch_all([t], copy=writable, host=True)
@@ -340,8 +351,11 @@ class _GlobalStateReads:
         return self
 
     def _watch(self, fn: Callable, rng_id: int) -> Callable:
+        thread = threading.get_ident()
+
         def watched(*args: Any, **kwargs: Any) -> Any:
-            self.read.add(rng_id)
+            if threading.get_ident() == thread:  # (another thread's draws are its own)
+                self.read.add(rng_id)
             return fn(*args, **kwargs)
 
         return watched
@@ -765,6 +779,7 @@ class SegmentProbe:
         probe.running = True
         try:
             with (
+                PATCH_LOCK,  # (one probe's patches at a time, across threads)
                 torch.autograd.graph.saved_tensors_hooks(pack, _ProbeHandle.unpack),
                 mode,
                 outside,
