@@ -227,6 +227,10 @@ class ReplayEngine:
         self._residual_size = 0  # ... of the step whose residual is in force
         self._residual_top = 0  # ... of the largest step measured
         self._residual_fixed = 0  # optimizer state's bytes in the residual (not input-sized)
+        # what the process held outside the model as measured steps began: the least that
+        # every figure in force includes, and the last step's (real_peak.forget_freed)
+        self._held_low: int | None = None
+        self._held_prev: int | None = None
         self._max_size = 0  # the largest seen
         self.probe_size = 0  # the largest before the first plan (the probes' inputs)
         self._over_budget_warned = -1  # the plan version last warned for a real overrun

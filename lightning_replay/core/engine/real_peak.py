@@ -72,6 +72,11 @@ def settle_real_peak(eng) -> None:
     # sizes that go up and down keep the largest step's figures)
     top = eng._residual_top
     eng._residual_top = max(top, size)
+    # memory the process held outside the model when earlier figures were measured, freed
+    # since: those figures lose it (the plan is made again below)
+    held = eng._truth_held if measured else eng._cuda_held - eng._static_bytes()
+    freed = forget_freed(eng, held, size, real)
+    before = _figures(eng)
     # the gradients missing as the step began (paired with the figures the plans credit)
     if measured:
         learn_grad_order(eng)
@@ -134,8 +139,12 @@ def settle_real_peak(eng) -> None:
         eng._floor = floor
         eng._floor_size = eng._truth_step_size if measured else eng._window_size
         eng._floor_inputs = eng._truth_inputs if measured else 0
+    if _figures(eng) != before:  # figures measured at this step's held bytes
+        eng._held_low = held if eng._held_low is None else min(eng._held_low, held)
     if eng.plan is None:
         return
+    if freed:
+        replan_smaller_base(eng)
     eng._refit_plan()
     if eng.budget is not None and real > eng.budget and eng._over_budget_warned != eng.plan_version:
         eng._over_budget_warned = eng.plan_version
@@ -149,6 +158,70 @@ def settle_real_peak(eng) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+#: the least drop in held memory that makes the figures forget it (smaller drops add up)
+_FREED_MIN = 1 << 16
+
+
+def _figures(eng) -> tuple:
+    """Every measured figure that includes what the process held as its step began."""
+    return (
+        eng._over_fwd,
+        dict(eng._over_replay),
+        eng._raw_fwd,
+        dict(eng._raw_replay),
+        dict(eng._over_seg_fwd),
+        dict(eng._raw_seg_fwd),
+        eng._floor,
+    )
+
+
+def forget_freed(eng, held: int, size: int, real: int) -> int:
+    """Memory the process held outside the model as measured steps began (optimizer state,
+    a cache, a model nobody uninstalled yet, objects in a reference cycle the collector had
+    not reached), freed since. Every figure a measured step gave (what it held beyond the
+    accountant's figures, its optimizer phase) includes what was held as it began, at least
+    :attr:`_held_low`; they never went down, so such memory stayed in every plan's base for
+    good (measured: a 1 MiB tensor in a cycle, collected after calibration, kept the
+    prediction at 2.5 x the real peak for the rest of the run). Where two measured steps in
+    a row, at the largest input measured, began holding less than that by at least
+    :data:`_FREED_MIN` (and 1 % of the step), every figure loses the difference: it was
+    measured holding at least that much more. One low step is not enough (a smaller last
+    batch's labels); after one, the next step is measured. Returns the bytes forgotten."""
+    low, prev = eng._held_low, eng._held_prev
+    eng._held_prev = held
+    if low is None or prev is None or size < eng._residual_top:
+        return 0
+    least = max(_FREED_MIN, real // 100)
+    drop = low - max(held, prev)
+    if drop < least:
+        if low - held >= least:  # a first step that began with less: the next one is measured
+            eng._measure_plan(gap=False)
+        return 0
+    eng._held_low = low - drop
+    if eng._over_fwd is not None:
+        eng._over_fwd -= drop
+    if eng._raw_fwd is not None:
+        eng._raw_fwd -= drop
+    for figures in (eng._over_replay, eng._raw_replay, eng._over_seg_fwd, eng._raw_seg_fwd):
+        for key in figures:
+            figures[key] -= drop
+    if eng._floor:
+        eng._floor = max(eng._floor - drop, 0)
+    if eng._over_fwd is not None:
+        eng._residual = max(min([eng._over_fwd, *eng._over_replay.values()]), 0)
+    eng._residual_fixed = max(eng._residual_fixed - drop, optimizer_bytes(eng), 0)
+    return drop
+
+
+def replan_smaller_base(eng) -> None:
+    """The plan in force was made with a base that held memory freed since: made again (a
+    budget the larger base could not meet may be met now; a plan that fit may be faster)."""
+    try:
+        eng.replan()
+    except _planner.InfeasibleBudget as exc:
+        eng._lowest_plan_instead(exc)
 
 
 def _formula_peak(eng, plan: _planner.Plan | None) -> int:
