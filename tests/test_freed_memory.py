@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,9 +58,16 @@ class _Junk:
         self.t = torch.zeros(nbytes // 4)
 
 
-def _train(steps: int, budget, junk_until: int | None = None, junk_again: int | None = None):
-    """Train ``Net`` with ``budget`` and ``real_peak``; a 1 MiB cycle alive from the start
-    until step ``junk_until`` (collected before it), made again before ``junk_again``.
+def _train(
+    steps: int,
+    budget,
+    junk_until: int | None = None,
+    junk_again: int | None = None,
+    junk: int = MiB,
+):
+    """Train ``Net`` with ``budget`` and ``real_peak``; a cycle of ``junk`` bytes alive from
+    the start until step ``junk_until`` (collected before it), made again before
+    ``junk_again``.
     Returns per step (the plan in force's predicted peak, the step's real peak where it was
     measured else None, that plan)."""
     torch.manual_seed(0)
@@ -70,7 +78,7 @@ def _train(steps: int, budget, junk_until: int | None = None, junk_again: int | 
     held = []
     try:
         if junk_until is not None:
-            _Junk(MiB)
+            _Junk(junk)
         engine = lr.install(model, "blocks.*", budget=budget, real_peak=True)
         engine.track_optimizer(opt)
         plans, labels, reals = [], [], {}
@@ -78,7 +86,7 @@ def _train(steps: int, budget, junk_until: int | None = None, junk_again: int | 
             if s == junk_until:
                 gc.collect()
             if s == junk_again:
-                held.append(_Junk(MiB))
+                held.append(_Junk(junk))
             opt.zero_grad(set_to_none=True)
             x = torch.randn(128, 64, generator=torch.Generator().manual_seed(s))
             loss = model(x).pow(2).mean()
@@ -104,16 +112,18 @@ def _measured_after_plan(run):
     return [(p, r) for p, r, _ in run if p is not None and r is not None]
 
 
-def test_memory_freed_after_calibration_leaves_the_plans_base():
-    """A 1 MiB cycle alive through calibration, collected at step 14: from the second step
-    measured after that, the plan predicts what a run that never had it predicts, and it
-    still bounds every measured step's real peak."""
+@pytest.mark.parametrize("junk", [MiB, 16 * 1024], ids=["1MiB", "16KiB"])
+def test_memory_freed_after_calibration_leaves_the_plans_base(junk):
+    """A cycle alive through calibration, collected at step 14: from the second step measured
+    after that, the plan predicts what a run that never had it predicts, and it still bounds
+    every measured step's real peak. 16 KiB: what ``gpu_check.py --smoke`` lost in CI (2 %
+    of its step; predicted 1.28 x the real peak)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         control = _train(30, "min")
-        run = _train(30, "min", junk_until=14)
+        run = _train(30, "min", junk_until=14, junk=junk)
     before = [p for p, _, _ in run[8:14] if p is not None]
-    assert before and min(before) > control[-1][0] + MiB // 2  # the cycle was in the base
+    assert before and min(before) > control[-1][0] + junk // 2  # the cycle was in the base
     assert run[-1][0] <= control[-1][0] * 1.01, (run[-1][0], control[-1][0])
     for predicted, real in _measured_after_plan(run):
         assert real <= predicted + SLACK, (real, predicted)

@@ -160,8 +160,9 @@ def settle_real_peak(eng) -> None:
         )
 
 
-#: the least drop in held memory that makes the figures forget it (smaller drops add up)
-_FREED_MIN = 1 << 16
+#: the least drop in held memory that makes the figures forget it (and 1 % of the step; smaller
+#: drops add up)
+_FREED_MIN = 4096
 
 
 def _figures(eng) -> tuple:
