@@ -219,6 +219,7 @@ class ReplayEngine:
         self.state_growth = StateGrowth()  # peak per byte of state grown (replan.StateGrowth)
         self._truth_opt = 0  # bytes the measured step began with beyond the model and batch
         self._truth_held = 0  # ... as the process walk found them when it began
+        self._truth_base = 0  # the process's live tensor bytes as the measured step began
         self._truth_checked = False  # whether the last step began was derivative-checked
         self._truth_inputs = 0  # bytes of the measured step's inputs, made before it began
         self._truth_size: int | None = None  # the largest input (elements) measured at
@@ -227,9 +228,9 @@ class ReplayEngine:
         self._residual_size = 0  # ... of the step whose residual is in force
         self._residual_top = 0  # ... of the largest step measured
         self._residual_fixed = 0  # optimizer state's bytes in the residual (not input-sized)
-        # what the process held outside the model as measured steps began: the least that
-        # every figure in force includes, and the last step's (real_peak.forget_freed)
-        self._held_low: int | None = None
+        # what the process held beside the model as measured steps began: what every figure
+        # in force includes at least, and the last step's (real_peak.rebase_held)
+        self._held_ref: int | None = None
         self._held_prev: int | None = None
         self._max_size = 0  # the largest seen
         self.probe_size = 0  # the largest before the first plan (the probes' inputs)

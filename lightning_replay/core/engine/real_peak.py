@@ -72,20 +72,24 @@ def settle_real_peak(eng) -> None:
     # sizes that go up and down keep the largest step's figures)
     top = eng._residual_top
     eng._residual_top = max(top, size)
-    # memory the process held outside the model when earlier figures were measured, freed
-    # since: those figures lose it (the plan is made again below)
-    held = eng._truth_held if measured else eng._cuda_held - eng._static_bytes()
-    freed = forget_freed(eng, held, size, real)
-    before = _figures(eng)
     # the gradients missing as the step began (paired with the figures the plans credit)
     if measured:
         learn_grad_order(eng)
         fresh = eng._truth_fresh
     else:
         fresh = eng._grad_now
+    # what the process held beside the model's own tensors as the step began: memory freed
+    # since earlier figures were measured leaves them (the plan is made again below); this
+    # step's figures are paired with the held bytes the others include
+    start = eng._truth_base if measured else eng._cuda_held
+    held = start - eng._static_bytes() + sum((fresh or {}).values())
+    pad, freed = rebase_held(eng, held, size, real, size > top)
+    real_f = real + pad
+    if pad:
+        phases = {label: peak + pad for label, peak in phases.items()}
     if size <= eng.probe_size or not eng.probe_size:
         released = eng._truth_released if measured else eng._replay_released
-        fwd, replays, floor = phase_residuals(eng, real, phases, segments, plan, released, fresh)
+        fwd, replays, floor = phase_residuals(eng, real_f, phases, segments, plan, released, fresh)
     else:
         # inputs larger than the costs were measured at: the formula's figures and the
         # replays' (re-materialized bytes from the costs) are stale, the accountant's whole
@@ -97,7 +101,7 @@ def settle_real_peak(eng) -> None:
         # added to the formula's moments, and against the accountant's lower figure it came
         # out that much high, 1.36 x an all-recompute plan's real peak at 4 x the input)
         accounted = max(accounted, eng.base_memory + _formula_peak(eng, plan))
-        fwd, replays, floor = real - accounted, {}, phases.get("optimizer", 0)
+        fwd, replays, floor = real_f - accounted, {}, phases.get("optimizer", 0)
         eng._grad_fresh, eng._phase_credit = {}, {}
         if size > top:  # figures at smaller inputs than any before are stale
             eng._over_fwd, eng._over_replay = None, {}
@@ -139,8 +143,6 @@ def settle_real_peak(eng) -> None:
         eng._floor = floor
         eng._floor_size = eng._truth_step_size if measured else eng._window_size
         eng._floor_inputs = eng._truth_inputs if measured else 0
-    if _figures(eng) != before:  # figures measured at this step's held bytes
-        eng._held_low = held if eng._held_low is None else min(eng._held_low, held)
     if eng.plan is None:
         return
     if freed:
@@ -165,42 +167,46 @@ def settle_real_peak(eng) -> None:
 _FREED_MIN = 4096
 
 
-def _figures(eng) -> tuple:
-    """Every measured figure that includes what the process held as its step began."""
-    return (
-        eng._over_fwd,
-        dict(eng._over_replay),
-        eng._raw_fwd,
-        dict(eng._raw_replay),
-        dict(eng._over_seg_fwd),
-        dict(eng._raw_seg_fwd),
-        eng._floor,
-    )
+def rebase_held(eng, held: int, size: int, real: int, larger: bool) -> tuple[int, int]:
+    """Memory the process held beside the model's own tensors as measured steps began
+    (optimizer state, the batch, a cache, a model nobody uninstalled yet, objects in a
+    reference cycle the collector had not reached), freed since. Every figure a measured step
+    gives (what it held beyond the accountant's figures, its optimizer phase) includes what
+    was held as it began; they never went down, so such memory stayed in every plan's base
+    for good (measured: a 1 MiB tensor in a cycle, collected after calibration, kept the
+    prediction at 2.5 x the real peak for the rest of the run; ``gpu_check --smoke`` lost
+    16 KiB, 2 % of its step, and predicted 1.28 x).
 
+    ``held``: the process's bytes as the step began (CPU: every live storage; CUDA: the
+    allocator's) less the model's parameters, buffers and the gradients that existed. Every
+    figure in force includes at least :attr:`_held_ref` of it: a step that began with less
+    has its own figures raised to it (returned: the pad), so what it held on top is kept.
+    Where two measured steps in a row, at the largest input measured, began holding less
+    than that by at least :data:`_FREED_MIN` (and 1 % of the step), every figure loses the
+    difference: it was measured holding at least that much more. One low step is not enough
+    (a dip that comes back); after one, the next step is measured. Steps on smaller inputs
+    (a last batch) leave the count alone; a larger input than any starts it again.
 
-def forget_freed(eng, held: int, size: int, real: int) -> int:
-    """Memory the process held outside the model as measured steps began (optimizer state,
-    a cache, a model nobody uninstalled yet, objects in a reference cycle the collector had
-    not reached), freed since. Every figure a measured step gave (what it held beyond the
-    accountant's figures, its optimizer phase) includes what was held as it began, at least
-    :attr:`_held_low`; they never went down, so such memory stayed in every plan's base for
-    good (measured: a 1 MiB tensor in a cycle, collected after calibration, kept the
-    prediction at 2.5 x the real peak for the rest of the run). Where two measured steps in
-    a row, at the largest input measured, began holding less than that by at least
-    :data:`_FREED_MIN` (and 1 % of the step), every figure loses the difference: it was
-    measured holding at least that much more. One low step is not enough (a smaller last
-    batch's labels); after one, the next step is measured. Returns the bytes forgotten."""
-    low, prev = eng._held_low, eng._held_prev
-    eng._held_prev = held
-    if low is None or prev is None or size < eng._residual_top:
-        return 0
+    Memory freed and later made again is charged again only in the phases measured after it
+    came back (as any memory that appears after calibration).
+
+    Returns (the pad for this step's figures, the bytes forgotten)."""
+    ref = eng._held_ref
+    if ref is None or larger:
+        eng._held_ref = eng._held_prev = held
+        return 0, 0
+    if size < eng._residual_top:
+        return max(ref - held, 0), 0
+    prev, eng._held_prev = eng._held_prev, held
+    if held >= ref:
+        return 0, 0
     least = max(_FREED_MIN, real // 100)
-    drop = low - max(held, prev)
+    drop = ref - max(held, prev if prev is not None else ref)
     if drop < least:
-        if low - held >= least:  # a first step that began with less: the next one is measured
+        if ref - held >= least:  # a first step that began with less: the next one is measured
             eng._measure_plan(gap=False)
-        return 0
-    eng._held_low = low - drop
+        return ref - held, 0
+    eng._held_ref = ref = ref - drop
     if eng._over_fwd is not None:
         eng._over_fwd -= drop
     if eng._raw_fwd is not None:
@@ -213,7 +219,7 @@ def forget_freed(eng, held: int, size: int, real: int) -> int:
     if eng._over_fwd is not None:
         eng._residual = max(min([eng._over_fwd, *eng._over_replay.values()]), 0)
     eng._residual_fixed = max(eng._residual_fixed - drop, optimizer_bytes(eng), 0)
-    return drop
+    return max(ref - held, 0), drop
 
 
 def replan_smaller_base(eng) -> None:
@@ -399,6 +405,7 @@ def start_truth(eng) -> None:
     # what the process held beyond the model's own tensors (gradients that exist now
     # included) and the batch: optimizer state and whatever anyone keeps between steps
     eng._truth_held = truth.base - live_model_bytes(eng.model) - eng._truth_inputs
+    eng._truth_base = truth.base
     # Stop right after the step's optimizer step (its temporaries and state included),
     # so the profiler does not span the caller's code between steps; else when the next
     # window begins. Not from inside backward: autograd restores the thread's profiler
