@@ -24,7 +24,7 @@ from lightning_replay.core.base.state import storage_bytes, storage_key
 from lightning_replay.core.engine.step_graph import watch_outputs
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.core.mechanisms.arguments import held_tensors
-from lightning_replay.core.mechanisms.outside_reads import PATCH_LOCK
+from lightning_replay.core.mechanisms.outside_reads import CLASS_LOCK
 from lightning_replay.core.mechanisms.subclassing import quiet_subclass
 
 #: module_globals: this module's globals are machinery, never user state
@@ -235,9 +235,8 @@ def _plain_reduce(cls: type, swapped: Callable[[], type]) -> Callable:
 def attach(engine: Any) -> type | None:
     """Route the forwards of ``engine``'s segments (and, with ``window="root"``, of its model)
     through it. Returns the root's own class (``None`` for manual windows), for
-    :func:`detach`. (Not while another thread's probe has these classes swapped for its
-    tracing ones: ``PATCH_LOCK``.)"""
-    with PATCH_LOCK:
+    :func:`detach`."""
+    with CLASS_LOCK:  # (not while a probe in another thread reads or swaps these classes)
         return _attach(engine)
 
 
@@ -283,9 +282,9 @@ def _attach(engine: Any) -> type | None:
 
 
 def detach(engine: Any, root_class: type | None) -> None:
-    """Undo :func:`attach`: every module gets its own class back (not while another thread's
-    probe has them swapped: its end would put the engine's back)."""
-    with PATCH_LOCK:
+    """Undo :func:`attach`: every module gets its own class back (a probe running meanwhile,
+    in another thread or around this call, then leaves it: ``OutsideReads``)."""
+    with CLASS_LOCK:
         _detach(engine, root_class)
 
 

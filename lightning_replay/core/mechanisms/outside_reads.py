@@ -43,13 +43,20 @@ _COMPARISONS: list | None = None
 
 #: Held while a probe's patches are in place (``torch.Tensor``'s host reads, Python's and
 #: numpy's generators, the classes of every installed model's modules, :data:`_COMPARISONS`,
-#: :data:`_LAZY`) and while an engine swaps its modules' classes in (install) or out
-#: (uninstall): every thread shares them. Two probes in two threads at once restored each
+#: :data:`_LAZY`): every thread shares them. Two probes in two threads at once restored each
 #: other's patches out of order and left them in place for the rest of the process (a
-#: ``tolist`` watched forever, arithmetic on a number a probe read traced after it), and an
-#: uninstall during another thread's probe got its classes put back by that probe's end
-#: (CI, stop 42). Reentrant: a segment probed inside another.
+#: ``tolist`` watched forever, arithmetic on a number a probe read traced after it; CI,
+#: stop 42). Reentrant: a segment probed inside another. Not taken by install/uninstall (a
+#: user's lock held across one and taken in a forward would deadlock): a probe's end puts
+#: back only the classes still its own (:class:`OutsideReads`).
 PATCH_LOCK = threading.RLock()
+
+#: Held only while a module's class is read and swapped (a probe tracing it or putting it
+#: back, an install or uninstall swapping it), never across user code: a probe's end in one
+#: thread checked the class was still its tracing one, an uninstall in another put the
+#: module's own class back, and the probe's end then put the engine's class back on an
+#: uninstalled model.
+CLASS_LOCK = threading.Lock()
 
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 
@@ -422,6 +429,7 @@ class OutsideReads:
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
         self.classes: list[type] = []
+        self.traced: dict[int, type] = {}  # index -> the tracing class it was given
 
     def __enter__(self) -> "OutsideReads":
         global _LAZY
@@ -429,25 +437,30 @@ class OutsideReads:
         if self._lazy:
             _LAZY = []
         for m in self.modules:
-            cls = type(m)
-            self.classes.append(cls)
-            try:
-                traced = _trace_class(cls)
-            except Exception:  # noqa: BLE001 - a class that forbids subclasses of it
-                # no read can be traced: every plain attribute counts as read, as it is now
-                # (before the forward), as ``vars(m)`` is read
-                d = m.__dict__
-                d["_lightning_replay_reads"] = {
-                    (None, k): _at_forward(v)
-                    for k, v in list(d.items())
-                    if k not in MODULE_INTERNALS
-                    and not k.startswith("_lightning_replay")
-                    and not _registered_module(v)
-                }
-                continue
-            m.__dict__["_lightning_replay_reads"] = {}
-            m.__class__ = traced
+            with CLASS_LOCK:
+                self._trace(m)
         return self
+
+    def _trace(self, m: nn.Module) -> None:
+        cls = type(m)
+        self.classes.append(cls)
+        try:
+            traced = _trace_class(cls)
+        except Exception:  # noqa: BLE001 - a class that forbids subclasses of it
+            # no read can be traced: every plain attribute counts as read, as it is now
+            # (before the forward), as ``vars(m)`` is read
+            d = m.__dict__
+            d["_lightning_replay_reads"] = {
+                (None, k): _at_forward(v)
+                for k, v in list(d.items())
+                if k not in MODULE_INTERNALS
+                and not k.startswith("_lightning_replay")
+                and not _registered_module(v)
+            }
+            return
+        m.__dict__["_lightning_replay_reads"] = {}
+        m.__class__ = traced
+        self.traced[len(self.classes) - 1] = traced
 
     def __exit__(self, *exc) -> None:
         global _LAZY
@@ -461,8 +474,12 @@ class OutsideReads:
         #: the code of methods and properties of these modules the forward called, with the
         #: module: its module-level reads join the contract (module_globals.globals_read)
         self.functions: list[tuple[Any, nn.Module]] = []
-        for m, cls in zip(self.modules, self.classes):
-            m.__class__ = cls
+        for i, (m, cls) in enumerate(zip(self.modules, self.classes)):
+            with CLASS_LOCK:
+                if type(m) is self.traced.get(i, cls):
+                    # (else its class changed meanwhile: an engine installed or uninstalled
+                    # on it, here or in another thread, put the class it wants)
+                    m.__class__ = cls
             reads = m.__dict__.pop("_lightning_replay_reads", {})
             for where, name in sorted(reads, key=lambda r: (r[0] or "", r[1])):
                 value = reads[where, name]

@@ -15,7 +15,6 @@ import warnings
 import re
 import random
 import sys
-import threading
 import types
 import weakref
 from typing import Any, Callable
@@ -183,7 +182,6 @@ class _HostReads:
     def __init__(self, mode: DiscoveryMode) -> None:
         self.mode = mode
         self._saved: list[tuple[str, Any]] = []
-        self._thread = threading.get_ident()  # (another thread's reads are not this forward's)
 
     def __enter__(self) -> "_HostReads":
         for name in self._NAMES:
@@ -196,11 +194,9 @@ class _HostReads:
     def _watch(self, fn: Callable, writable: bool) -> Callable:
         mode = self.mode
 
-        thread = self._thread
-
         def watched(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != thread:
-                return fn(t, *args, **kwargs)
+            # (any thread's: a worker thread the forward starts reads for it; another
+            # thread's reads only over-watch)
             if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
                 # (a host view that can be written: no log sees a write through it)
                 mode.touch_all([t], copy=writable, host=True)
@@ -351,11 +347,8 @@ class _GlobalStateReads:
         return self
 
     def _watch(self, fn: Callable, rng_id: int) -> Callable:
-        thread = threading.get_ident()
-
         def watched(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == thread:  # (another thread's draws are its own)
-                self.read.add(rng_id)
+            self.read.add(rng_id)  # (any thread's, as the host reads above)
             return fn(*args, **kwargs)
 
         return watched
