@@ -48,7 +48,8 @@ def settle_real_peak(eng) -> None:
     if acct is None or not eng.real_peak:
         return
     segments = dict(acct.phase_peaks)  # the accountant's figures per phase
-    accounted = eng._static_bytes() + acct.peak
+    static = eng._static_bytes()
+    accounted = static + acct.peak
     if eng._truth is not None:
         stop_truth(eng, eng._truth)
     measured = eng._truth_peak is not None
@@ -82,7 +83,7 @@ def settle_real_peak(eng) -> None:
     # since earlier figures were measured leaves them (the plan is made again below); this
     # step's figures are paired with the held bytes the others include
     start = eng._truth_base if measured else eng._cuda_held
-    held = start - eng._static_bytes() + sum((fresh or {}).values())
+    held = start - static + sum((fresh or {}).values())
     pad, freed = rebase_held(eng, held, size, real, size > top)
     real_f = real + pad
     if pad:
@@ -185,16 +186,20 @@ def rebase_held(eng, held: int, size: int, real: int, larger: bool) -> tuple[int
     than that by at least :data:`_FREED_MIN` (and 1 % of the step), every figure loses the
     difference: it was measured holding at least that much more. One low step is not enough
     (a dip that comes back); after one, the next step is measured. Steps on smaller inputs
-    (a last batch) leave the count alone; a larger input than any starts it again.
+    (a last batch) leave the count alone; a larger input than any starts it again (the
+    figures kept from smaller ones include no more than the reference).
 
     Memory freed and later made again is charged again only in the phases measured after it
     came back (as any memory that appears after calibration).
 
     Returns (the pad for this step's figures, the bytes forgotten)."""
     ref = eng._held_ref
-    if ref is None or larger:
+    if ref is None:
         eng._held_ref = eng._held_prev = held
         return 0, 0
+    if larger:  # a larger input than any (a larger batch held): the count starts again
+        eng._held_ref, eng._held_prev = min(ref, held), None
+        return max(ref - held, 0), 0
     if size < eng._residual_top:
         return max(ref - held, 0), 0
     prev, eng._held_prev = eng._held_prev, held
