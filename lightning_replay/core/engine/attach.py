@@ -24,7 +24,7 @@ from lightning_replay.core.base.state import storage_bytes, storage_key
 from lightning_replay.core.engine.step_graph import watch_outputs
 from lightning_replay.errors import ReplayConfigError
 from lightning_replay.core.mechanisms.arguments import held_tensors
-from lightning_replay.core.mechanisms.outside_reads import CLASS_LOCK
+from lightning_replay.core.mechanisms.outside_reads import CLASS_LOCK, engine_swapped
 from lightning_replay.core.mechanisms.subclassing import quiet_subclass
 
 #: module_globals: this module's globals are machinery, never user state
@@ -266,6 +266,7 @@ def _attach(engine: Any) -> type | None:
     for name, rt in engine.runtimes.items():
         rt.module.__dict__[RUNTIME_KEY] = rt
         rt.module.__class__ = classes[name]
+        engine_swapped(rt.module)
         become = getattr(rt.module, "cls_to_become", None)
         if isinstance(rt.module, LazyModuleMixin) and become is not None:
             # A lazy module turns into ``cls_to_become`` at its first forward: into the
@@ -278,6 +279,7 @@ def _attach(engine: Any) -> type | None:
     root_class = type(engine.model)
     engine.model.__dict__[ENGINE_KEY] = engine
     engine.model.__class__ = root_new
+    engine_swapped(engine.model)
     return root_class
 
 
@@ -293,11 +295,13 @@ def _detach(engine: Any, root_class: type | None) -> None:
         if engine.model.__dict__.get(ENGINE_KEY) is engine:
             del engine.model.__dict__[ENGINE_KEY]
         engine.model.__class__ = root_class
+        engine_swapped(engine.model)
     for rt in engine.runtimes.values():
         if rt.module.__dict__.get(RUNTIME_KEY) is rt:
             del rt.module.__dict__[RUNTIME_KEY]
         base = getattr(type(rt.module), "_lightning_replay_base", None)
         rt.module.__class__ = base if base is not None else rt.orig_class
+        engine_swapped(rt.module)
         become = getattr(rt.module, "cls_to_become", None)
         if become is not None and getattr(become, "_lightning_replay_base", None):
             if "cls_to_become" in rt.module.__dict__:

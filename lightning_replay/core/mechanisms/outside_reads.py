@@ -58,6 +58,27 @@ PATCH_LOCK = threading.RLock()
 #: uninstalled model.
 CLASS_LOCK = threading.Lock()
 
+#: how many times an engine swapped each module's class (install, uninstall), by id (a weak
+#: reference beside it: a module need not be hashable): a probe's end leaves a module whose
+#: class an engine changed meanwhile, and puts back the class it saw of every other (a lazy
+#: module that became its ``cls_to_become`` in the forward goes back too)
+_ENGINE_SWAPS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def engine_swaps(module: nn.Module) -> int:
+    """How many times an engine set ``module``'s class."""
+    ref, n = _ENGINE_SWAPS.get(id(module), (None, 0))
+    return n if ref is not None and ref() is module else 0
+
+
+def engine_swapped(module: nn.Module) -> None:
+    """An engine set ``module``'s class (under :data:`CLASS_LOCK`)."""
+    if len(_ENGINE_SWAPS) > 4096:  # (the dead ones go)
+        for k in [k for k, (r, _) in _ENGINE_SWAPS.items() if r() is None]:
+            del _ENGINE_SWAPS[k]
+    _ENGINE_SWAPS[id(module)] = (weakref.ref(module), engine_swaps(module) + 1)
+
+
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
 
 
@@ -430,6 +451,7 @@ class OutsideReads:
         self.modules = modules
         self.classes: list[type] = []
         self.traced: dict[int, type] = {}  # index -> the tracing class it was given
+        self.swaps: list[int] = []  # engine_swaps() of each as the probe began
 
     def __enter__(self) -> "OutsideReads":
         global _LAZY
@@ -444,6 +466,7 @@ class OutsideReads:
     def _trace(self, m: nn.Module) -> None:
         cls = type(m)
         self.classes.append(cls)
+        self.swaps.append(engine_swaps(m))
         try:
             traced = _trace_class(cls)
         except Exception:  # noqa: BLE001 - a class that forbids subclasses of it
@@ -476,9 +499,9 @@ class OutsideReads:
         self.functions: list[tuple[Any, nn.Module]] = []
         for i, (m, cls) in enumerate(zip(self.modules, self.classes)):
             with CLASS_LOCK:
-                if type(m) is self.traced.get(i, cls):
-                    # (else its class changed meanwhile: an engine installed or uninstalled
-                    # on it, here or in another thread, put the class it wants)
+                if type(m) is self.traced.get(i, cls) or engine_swaps(m) == self.swaps[i]:
+                    # (else an engine installed or uninstalled on it meanwhile, here or in
+                    # another thread, and put the class it wants)
                     m.__class__ = cls
             reads = m.__dict__.pop("_lightning_replay_reads", {})
             for where, name in sorted(reads, key=lambda r: (r[0] or "", r[1])):
