@@ -112,12 +112,13 @@ def _measured_after_plan(run):
     return [(p, r) for p, r, _ in run if p is not None and r is not None]
 
 
-@pytest.mark.parametrize("junk", [MiB, 16 * 1024], ids=["1MiB", "16KiB"])
+@pytest.mark.parametrize("junk", [MiB, 32 * 1024], ids=["1MiB", "32KiB"])
 def test_memory_freed_after_calibration_leaves_the_plans_base(junk):
     """A cycle alive through calibration, collected at step 14: from the second step measured
     after that, the plan predicts what a run that never had it predicts, and it still bounds
-    every measured step's real peak. 16 KiB: what ``gpu_check.py --smoke`` lost in CI (2 %
-    of its step; predicted 1.28 x the real peak)."""
+    every measured step's real peak. 32 KiB: the size of what ``gpu_check.py --smoke`` lost
+    in CI (16 KiB, 2 % of its step; predicted 1.28 x the real peak), under the 64 KiB the
+    first version needed, with room for the process's own noise in a full run."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         control = _train(30, "min")
