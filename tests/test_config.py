@@ -5,6 +5,7 @@ and budget change only through its own methods."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -103,6 +104,19 @@ def test_reconfigure_changes_what_the_next_plan_is_made_with():
 
 
 def test_adopt_plan_runs_and_records_another_rank_s_plan():
+    """(The collector off: another test's garbage collected during the first steps is memory
+    freed, and the engine makes its own plan again two measured steps later, which the
+    adoption's measured step is; CI stop 43 failed so. Under a strategy the next sync sends
+    rank 0's plan again.)"""
+    gc.collect()
+    gc.disable()
+    try:
+        _adopt_plan_runs_and_records_another_rank_s_plan()
+    finally:
+        gc.enable()
+
+
+def _adopt_plan_runs_and_records_another_rank_s_plan():
     model = _mlp()
     engine = lr.install(model, ["0", "1", "2"], budget="1GiB", calibration_steps=1)
     _train(model, 5)

@@ -112,26 +112,34 @@ def _measured_after_plan(run):
     return [(p, r) for p, r, _ in run if p is not None and r is not None]
 
 
+@pytest.mark.parametrize("other", [0, 4_000_000], ids=["alone", "4MB-other"])
 @pytest.mark.parametrize("junk", [MiB, 32 * 1024], ids=["1MiB", "32KiB"])
-def test_memory_freed_after_calibration_leaves_the_plans_base(junk):
+def test_memory_freed_after_calibration_leaves_the_plans_base(junk, other):
     """A cycle alive through calibration, collected at step 14: from the second step measured
     after that, the plan predicts what a run that never had it predicts, and it still bounds
     every measured step's real peak. 32 KiB: the size of what ``gpu_check.py --smoke`` lost
     in CI (16 KiB, 2 % of its step; predicted 1.28 x the real peak), under the 64 KiB the
-    first version needed, with room for the process's own noise in a full run."""
+    first version needed. ``other``: tensors alive in the process that are not the run's (a
+    full test run's leftovers, counted in every real peak): at stop 43 the least drop was
+    1 % of that whole real peak, so in CI's full run the 32 KiB were never forgotten."""
+    keep = torch.zeros(other // 4) if other else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         control = _train(30, "min")
         run = _train(30, "min", junk_until=14, junk=junk)
+    del keep
+    base = control[-1][0]
     before = [p for p, _, _ in run[8:14] if p is not None]
-    assert before and min(before) > control[-1][0] + junk // 2  # the cycle was in the base
-    assert run[-1][0] <= control[-1][0] * 1.01, (run[-1][0], control[-1][0])
+    assert before and min(before) > base + junk // 2  # the cycle was in the base
+    assert run[-1][0] <= base + 4096, (run[-1][0], base)
     for predicted, real in _measured_after_plan(run):
         assert real <= predicted + SLACK, (real, predicted)
     # the drop is forgotten at the second step measured after the collection: the next step
-    # runs a plan made without it
+    # runs a plan made without it (and every later one)
     measured = [s for s, (_, r, _) in enumerate(run) if s >= 14 and r is not None]
-    assert run[measured[1] + 1][0] <= control[-1][0] * 1.01, [p for p, _, _ in run[12:]]
+    assert len(measured) >= 2, measured
+    first = min(measured[1] + 1, len(run) - 1)
+    assert all(p <= base + 4096 for p, _, _ in run[first:]), [p for p, _, _ in run[12:]]
 
 
 def test_a_budget_the_freed_memory_leaves_room_in_is_planned_again():
