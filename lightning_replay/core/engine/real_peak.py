@@ -183,11 +183,11 @@ def rebase_held(eng, held: int, size: int, real: int, larger: bool) -> tuple[int
     figure in force includes at least :attr:`_held_ref` of it: a step that began with less
     has its own figures raised to it (returned: the pad), so what it held on top is kept.
     Where two measured steps in a row, at the largest input measured, began holding less
-    than that by at least :data:`_FREED_MIN` (and 1 % of the step's bytes beyond ``held``), every figure loses the
-    difference: it was measured holding at least that much more. One low step is not enough
-    (a dip that comes back); after one, the next step is measured. Steps on smaller inputs
-    (a last batch) leave the count alone; a larger input than any starts it again (the
-    figures kept from smaller ones include no more than the reference).
+    than that by at least :data:`_FREED_MIN` (and 1 % of the step's bytes beyond ``held``),
+    every figure loses the difference: it was measured holding at least that much more. One
+    low step is not enough (a dip that comes back); after one, the next step is measured.
+    Steps on smaller inputs (a last batch) leave the count alone; a larger input than any
+    starts it again (the figures kept from smaller ones include no more than the reference).
 
     Memory freed and later made again is charged again only in the phases measured after it
     came back (as any memory that appears after calibration).
