@@ -195,7 +195,7 @@ class _AttnDropBlock(nn.Module):
         return x + F.dropout(self.out(a), 0.3)
 
 
-def test_a_kernel_that_draws_random_numbers_is_never_kept():
+def test_a_block_that_draws_random_numbers_replays_exactly():
     torch.manual_seed(0)
     model = nn.Sequential(_AttnDropBlock(), _AttnDropBlock())
 
@@ -208,7 +208,8 @@ def test_a_kernel_that_draws_random_numbers_is_never_kept():
     lr.install(rep, ["0", "1"], preservation="selective")
     g_rep, _ = train_steps(rep, make, STEPS)
     assert_same_grads(g_ref, g_rep)
-    # its policy keeps the attention kernel only without dropout
+    # torch's policy (the baseline's) keeps the attention kernel only without dropout; the
+    # engine's frames keep it with its generator's state (tests/test_selective_draws.py)
     p = make_policy("matmul")
     sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     q = torch.zeros(1, 2, 4)

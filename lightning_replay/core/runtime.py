@@ -738,7 +738,7 @@ class SegmentRuntime:
             eng.meter.selective_bytes[self.name] = _unique_bytes(kept)
             eng.meter.selective_saved_bytes[self.name] = frame.kept_saved_bytes()
         if not held:
-            frame.forward.storage.clear()
+            frame.release()
             return
         acct = eng.accountant
         if acct is not None:

@@ -28,10 +28,19 @@ Policies (:data:`POLICIES`):
   at the forward's end (:meth:`SelectiveFrame.settle`); later ones decide as each op runs. An
   op with no formula is kept, as under ``"matmul"``.
 
-Unlike torch's selective checkpoint with the same list, no policy here keeps the output of an
-op that draws random numbers (an attention kernel with ``dropout_p > 0``): a kept op is not
-run again at replay, so the replay's random ops after it would draw from a generator that is
-no longer where the forward's were, and differ silently.
+Random draws. A kept op is not run again at replay, so the replay's random ops after it would
+draw from a generator that is no longer where the forward's were, and differ silently: torch's
+own selective checkpoint with the same list does that to an attention kernel with
+``dropout_p > 0``. Here a kept op that draws (from its device's default generator) keeps that
+generator's state after the draw too, and the replay sets it where the op stands in: every
+random op after it draws what the forward drew. Torch's policies (:func:`make_policy`, the
+baseline arm) recompute such ops instead. And under every policy a dropout mask drawn in place
+(``bernoulli_``: the decomposed dropout of the CPU, and of any code that draws a mask) is kept,
+one byte per element, with its generator's state: the replay copies it into its own mask
+instead of drawing it (on the CPU, drawing is a quarter of a GPT-2 block's pointwise work). A
+replay so ends with each generator where a full replay leaves it (checkpoint's
+``preserve_rng_state`` forks them around it). A draw from any other generator (a module's own)
+is not kept: it runs again, as in a full replay.
 
 Example:
     >>> import torch
@@ -156,6 +165,36 @@ def _draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
     return bool(kwargs.get("dropout_p", args[i] if i < len(args) else default))
 
 
+#: the in-place draws whose results a frame keeps (a dropout's mask: only 0 and 1, kept as bool)
+_MASK_DRAWS = frozenset(
+    getattr(_aten.bernoulli_, o) for o in _aten.bernoulli_.overloads() if o in ("float", "Tensor")
+)
+
+
+def _draw_generator(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.Generator | None:
+    """The generator this call of ``func`` drew from, where it is its output's device's
+    default one (the one checkpoint's ``preserve_rng_state`` forks around a replay); ``None``
+    for an explicit other generator, another device kind, or an output not known."""
+    leaf = next(
+        (t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None
+    )
+    if leaf is None:
+        return None
+    dev = leaf.device
+    if dev.type == "cpu":
+        default = torch.default_generator
+    elif dev.type == "cuda":
+        default = torch.cuda.default_generators[
+            dev.index if dev.index is not None else torch.cuda.current_device()
+        ]
+    else:
+        return None
+    given = kwargs.get("generator")
+    if given is not None and given is not default:
+        return None
+    return default
+
+
 _OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
@@ -212,7 +251,9 @@ def _out_bytes(out: Any) -> int:
     )
 
 
-def make_policy(name: str, density: float | None = None) -> Callable[..., CheckpointPolicy]:
+def make_policy(
+    name: str, density: float | None = None, *, draws: bool = False
+) -> Callable[..., CheckpointPolicy]:
     """A fresh policy function for one checkpointed call (it may count ops, so one per call).
 
     Args:
@@ -220,6 +261,10 @@ def make_policy(name: str, density: float | None = None) -> Callable[..., Checkp
         density: under ``"flops"``, the segment's flops per byte of activations: a candidate
             op whose flops per output byte are below it is recomputed. ``None``: every
             candidate is kept (as under ``"matmul"``).
+        draws: keep candidates that draw random numbers (an attention kernel with dropout) as
+            any other: only for a caller that sets the generator after the kept op at the
+            replay (:class:`SelectiveFrame`); torch's own modes cannot, so by default they are
+            recomputed.
 
     Raises:
         ValueError: on an unknown name.
@@ -237,7 +282,7 @@ def make_policy(name: str, density: float | None = None) -> Callable[..., Checkp
     seen = [0]
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if func not in SAVED_OPS or _draws_random(func, args, kwargs):
+        if func not in SAVED_OPS or (not draws and _draws_random(func, args, kwargs)):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if every_other and func in _MATMUL:
             seen[0] += 1
@@ -347,7 +392,7 @@ class _KeptReplay(TorchDispatchMode):
             # their kept outputs would live as long as the frame, past this segment's backward
             # (measured: 3.5 MiB over four Llama blocks at the peak). A later replay of the
             # same call (retain_graph) runs those ops again, as it does the consumed ones.
-            self.frame.forward.storage.clear()
+            self.frame.release()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = {} if kwargs is None else kwargs
@@ -357,6 +402,8 @@ class _KeptReplay(TorchDispatchMode):
         # torch's own selective checkpoint). Only the keys of kept ops are counted, here and in
         # the forward's policy, which is all the kept-call matching below needs.
         if func not in frame._kept_ops or func in _IGNORED:
+            if func in frame._drawn_ops:
+                return self._mask(func, args, kwargs)
             return func(*args, **kwargs)
         key = _sac_storage_key(func, args)
         idx = self.counter[key]
@@ -385,7 +432,29 @@ class _KeptReplay(TorchDispatchMode):
         if why is not None:
             frame._note(why[0], func, idx, why[1])
             return func(*args, **kwargs)
+        post = frame._post.get((key, idx))
+        if post is not None:  # a kept op that drew: the generator goes where the forward's was
+            post[0].set_state(post[1])
         return torch.utils._pytree.tree_map(lambda x: x.val if _wrapped(x) else x, entry)
+
+    def _mask(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A mask drawn in place: the forward's copied into the replay's own, and the
+        generator set to where the forward's draw left it."""
+        frame = self.frame
+        key = _sac_storage_key(func, args)
+        idx = self.counter[key]
+        self.counter[key] += 1
+        kept = frame._drawn.pop((key, idx), None)
+        if kept is None:  # not kept (another generator), or a call the forward never made
+            return func(*args, **kwargs)
+        mask, gen, state, sig = kept
+        if _signature(args) != sig:
+            seen = f"called with {_signature(args)}, at the forward with {sig}"
+            frame._note("arguments", func, idx, seen)
+            return func(*args, **kwargs)
+        args[0].copy_(mask)
+        gen.set_state(state)
+        return args[0]
 
 
 class SelectiveFrame:
@@ -417,8 +486,12 @@ class SelectiveFrame:
         "_calls",
         "_dense",
         "_digests",
+        "_draw_calls",
+        "_drawn",
+        "_drawn_ops",
         "_kept",
         "_kept_ops",
+        "_post",
         "density",
         "events",
         "flops",
@@ -443,17 +516,23 @@ class SelectiveFrame:
         self._kept_ops: dict = defaultdict(int)  # key -> calls kept
         self._calls: dict = defaultdict(int)  # key -> calls seen in the forward (kept ops')
         self._digests: dict = {}
+        self._post: dict = {}  # (key, call) of a kept op that drew -> (generator, state after)
+        self._drawn: dict = {}  # (key, call) of a mask drawn -> (mask, generator, state, args)
+        self._drawn_ops: set = set()  # keys of the masks drawn
+        self._draw_calls: dict = defaultdict(int)  # key -> masks drawn in the forward
         counting = policy == "flops"
         #: the forward's flops by torch's formulas (``None`` unless the policy is ``"flops"``)
         self.flops: int | None = 0 if counting else None
         self.density = density
         self._dense: dict = {}  # (key, call) -> flops per output byte, of kept calls
-        inner = make_policy("matmul" if counting else policy)
+        inner = make_policy("matmul" if counting else policy, draws=True)
         save = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
         recompute = CheckpointPolicy.PREFER_RECOMPUTE
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             if func not in SAVED_OPS:  # no policy keeps it: not counted (see _KeptReplay)
+                if func in _MASK_DRAWS:
+                    self._keep_mask(func, args, kwargs, getattr(ctx, "op_output", None))
                 return recompute
             key = _sac_storage_key(func, args)
             idx = self._calls[key]
@@ -472,6 +551,11 @@ class SelectiveFrame:
                 if density is not None and dense < density:
                     return recompute
                 self._dense[(key, idx)] = dense
+            if _draws_random(func, args, kwargs):  # (an attention kernel with dropout)
+                gen = _draw_generator(func, args, kwargs, out)
+                if gen is None:
+                    return recompute
+                self._post[(key, idx)] = (gen, gen.get_state())
             self._kept[(key, idx)] = (self._kept_ops[key], _signature(args))
             self._kept_ops[key] += 1
             if verify and out is not None:
@@ -501,7 +585,32 @@ class SelectiveFrame:
                 if store is not None:  # the replay runs the op (an emptied entry)
                     store[self._kept[(key, idx)][0] if isinstance(store, list) else idx] = None
                 self._digests.pop((key, idx), None)
+                self._post.pop((key, idx), None)
         return density
+
+    def _keep_mask(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """In the forward, after a mask was drawn in place: its values (only 0 and 1: one
+        byte each) and its generator's state after the draw, for the replay."""
+        key = _sac_storage_key(func, args)
+        idx = self._draw_calls[key]
+        self._draw_calls[key] += 1
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        gen = _draw_generator(func, args, kwargs, out) if target is not None else None
+        if gen is None:
+            return
+        self._drawn[(key, idx)] = (
+            target.to(torch.bool, copy=True),
+            gen,
+            gen.get_state(),
+            _signature(args),
+        )
+        self._drawn_ops.add(key)
+
+    def release(self) -> None:
+        """Drop what the forward kept (after the replay, or after a measurement)."""
+        self.forward.storage.clear()
+        self._drawn.clear()
+        self._post.clear()
 
     def _note(self, kind: str, func: Any, call: int, seen: str) -> None:
         self.events.append(KeptEvent(kind, str(func), call, seen))
@@ -529,6 +638,9 @@ class SelectiveFrame:
                 if where not in seen:
                     seen.add(where)
                     out.append(t)
+        for mask, _, state, _ in self._drawn.values():  # masks drawn, their generators' states
+            out += [mask, state]
+        out += [state for _, state in self._post.values()]
         return out
 
     def kept_bytes(self) -> int:
