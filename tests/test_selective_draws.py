@@ -94,7 +94,7 @@ MODELS = {
 
 
 def _x(step: int) -> torch.Tensor:
-    return torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(step))
+    return torch.randn(4, 96, 16, generator=torch.Generator().manual_seed(step))
 
 
 @pytest.mark.parametrize("policy", ["matmul", "flops", "every_other_matmul"])
@@ -137,9 +137,9 @@ def _frame_run(block: nn.Module, x: torch.Tensor, seed: int = 5):
 def test_a_mask_is_kept_as_bool_and_not_drawn_again():
     torch.manual_seed(0)
     block = DropBlock()
-    x = torch.randn(4, 6, 16, requires_grad=True)
+    x = torch.randn(4, 96, 16, requires_grad=True)
     _, kept, replayed = _frame_run(block, x)
-    assert (torch.bool, (4, 6, 16)) in kept  # the mask, one byte an element
+    assert (torch.bool, (4, 96, 16)) in kept  # the mask, one byte an element
     assert not [op for op in replayed if "bernoulli" in op], replayed
     # a plain checkpoint (no frame) draws it again: the counter sees draws
     draws = _Draws()
@@ -155,7 +155,7 @@ def test_the_generator_is_set_after_a_kept_mask(monkeypatch):
     ``set_state`` prevents; the referee sees it)."""
     torch.manual_seed(0)
     block = DropThenNoise()
-    x = torch.randn(4, 6, 16)
+    x = torch.randn(4, 96, 16)
 
     def grads(frame_ctx) -> list[torch.Tensor]:
         block.zero_grad()
@@ -239,7 +239,7 @@ def test_a_kept_op_that_draws_sets_the_generator_at_the_replay(monkeypatch):
         return g_rep
 
     frame = SelectiveFrame("matmul")
-    x = torch.randn(4, 6, 16, requires_grad=True)
+    x = torch.randn(4, 96, 16, requires_grad=True)
     checkpoint(model[0], x, use_reentrant=False, context_fn=frame.contexts, **checkpoint_kwargs())
     assert frame._post, "native_dropout was not kept with its generator's state"
     assert_same_grads(g_ref, run())

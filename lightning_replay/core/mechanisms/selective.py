@@ -36,7 +36,8 @@ generator's state after the draw too, and the replay sets it where the op stands
 random op after it draws what the forward drew. Torch's policies (:func:`make_policy`, the
 baseline arm) recompute such ops instead. And under every policy a dropout mask drawn in place
 (``bernoulli_``: the decomposed dropout of the CPU, and of any code that draws a mask) is kept,
-one byte per element, with its generator's state: the replay copies it into its own mask
+one byte per element, with its generator's state (where the mask is at least as large as the
+state: the CPU's is 5,056 bytes, CUDA's 16): the replay copies it into its own mask
 instead of drawing it (on the CPU, drawing is a quarter of a GPT-2 block's pointwise work). A
 replay so ends with each generator where a full replay leaves it (checkpoint's
 ``preserve_rng_state`` forks them around it). A draw from any other generator (a module's own)
@@ -598,12 +599,13 @@ class SelectiveFrame:
         gen = _draw_generator(func, args, kwargs, out) if target is not None else None
         if gen is None:
             return
-        self._drawn[(key, idx)] = (
-            target.to(torch.bool, copy=True),
-            gen,
-            gen.get_state(),
-            _signature(args),
-        )
+        state = gen.get_state()
+        if target.numel() < state.numel():
+            # a mask smaller than the generator's state (the CPU's: 5,056 bytes) costs more
+            # kept than it saves: drawn again at the replay, from where the kept ones before it
+            # left the generator (measured: 200 masks of 4 x 16 kept 1 MB of states for 12.8 KB)
+            return
+        self._drawn[(key, idx)] = (target.to(torch.bool, copy=True), gen, state, _signature(args))
         self._drawn_ops.add(key)
 
     def release(self) -> None:
