@@ -581,9 +581,8 @@ def test_adam_many_steps_flops():
     )
 
 
-@pytest.mark.parametrize("budget", ["min", 700_000, 1_000_000, 2_000_000])
-def test_budget_planned(budget):
-    _compare(
+def _planned(budget):
+    return _compare(
         seq(lambda: DropoutVariants("rand_after"), 3),
         ["0", "1", "2"],
         "flops",
@@ -591,6 +590,18 @@ def test_budget_planned(budget):
         steps=12,
         opt="adam",
     )
+
+
+@pytest.mark.parametrize("frac", [None, 0.25, 0.5, 1.0], ids=["min", "q1", "mid", "top"])
+def test_budget_planned(frac):
+    """Under ``"min"``, then byte budgets between the lowest plan's peak and retaining every
+    segment, measured in this process (the engine plans for the whole process's memory: fixed
+    byte budgets of 0.7-2 MB were infeasible in a full test run, whose leftovers hold 23 MB)."""
+    low = _planned("min").plan.peak_memory
+    if frac is None:
+        return
+    top = _planned(1 << 40).plan.peak_memory
+    _planned(int(low + frac * (top - low)) + (64 << 10))
 
 
 def test_eval_no_grad_between_steps():
