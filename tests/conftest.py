@@ -37,6 +37,19 @@ def _isolated_globals():
         yield
 
 
+@pytest.fixture
+def collector_off():
+    """The garbage collector off for one test, after a collection: a test whose claim holds
+    one plan over several steps (a collection in the middle frees memory, and the engine
+    plans again two measured steps later)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 @pytest.fixture(params=["tags", "identities"])
 def tokens(request, monkeypatch):
     """Run a test with the slot checks' dict version tags (this interpreter has trusted ones)

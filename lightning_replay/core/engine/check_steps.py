@@ -43,38 +43,69 @@ def select_checked(eng, requested: list[str] | None) -> frozenset:
         n: 2 * _unique_bytes([p for p in eng.runtimes[n].module.parameters() if p.requires_grad])
         for n in candidates
     }
-    chosen: list[str] = []
-    last = -1
+    # The segment whose turn it is is checked first: beside the plan in force with as many
+    # of the others as fit, else on a step planned around its check (more segments replayed
+    # for one step). Passed over only where neither fits the budget: a segment whose check
+    # never fits beside the plan is not left unchecked while the others take every turn
+    # (before, the ones that fit were checked and the cursor moved past it).
+    passed: list[str] = []
     for i, n in enumerate(order):
-        if checked_peak(eng, by_name, chosen + [n], grads) <= eng.budget:
-            chosen.append(n)
-            last = i
-    if not chosen:
-        # No room beside the plan in force: plan this one step around the check (more
-        # segments replayed for one step), so a tight budget still gets its replays checked.
-        for i, n in enumerate(order):
-            step_plan = check_step_plan(eng, by_name, n, grads)
-            if step_plan is not None:
-                eng._step_choices = dict(step_plan.choices)
-                eng.set_options({m: o for m, o in step_plan.choices.items()})
-                eng._check_cursor = k + i + 1
-                return frozenset([n])
+        if checked_peak(eng, by_name, [n], grads) <= eng.budget:
+            chosen = [n]
+            for m in order[i + 1 :]:
+                if checked_peak(eng, by_name, chosen + [m], grads) <= eng.budget:
+                    chosen.append(m)
+            # the next turn is the first segment after this one that was not checked
+            rest = [j for j in range(i + 1, len(order)) if order[j] not in chosen]
+            eng._check_cursor = k + (rest[0] if rest else len(order))
+            _passed_over(eng, passed)
+            return frozenset(chosen)
+        step_plan = check_step_plan(eng, by_name, n, grads)
+        if step_plan is not None:
+            eng._step_choices = dict(step_plan.choices)
+            eng.set_options({m: o for m, o in step_plan.choices.items()})
+            eng._check_cursor = k + i + 1
+            _passed_over(eng, passed)
+            return frozenset([n])
+        passed.append(n)
+    eng._check_cursor = k + 1
+    eng.checks_skipped += 1
+    eng.checks_skipped_reason = (
+        f"keeping one replayed segment's graph beside its replay needs more than the "
+        f"budget {format_bytes(eng.budget)}, even with every other segment replayed"
+    )
+    if "*" not in eng._checks_passed_over:
+        eng._checks_passed_over.add("*")
+        warnings.warn(
+            f"derivative check skipped at step {eng.step}: "
+            f"{eng.checks_skipped_reason}, by the measured costs. Raise the budget to "
+            "check under it, or name segments with request_check(segments=...).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return frozenset()
+
+
+def _passed_over(eng, passed: list[str]) -> None:
+    """Segments whose turn a checked step passed over (their check fits the budget neither
+    beside the plan nor on a step planned around it) while others were checked: counted as
+    skipped checks, and named once each."""
+    for n in passed:
         eng.checks_skipped += 1
         eng.checks_skipped_reason = (
-            f"keeping one replayed segment's graph beside its replay needs more than the "
-            f"budget {format_bytes(eng.budget)}, even with every other segment replayed"
+            f"keeping segment {n!r}'s graph beside its replay needs more than the budget "
+            f"{format_bytes(eng.budget)}, even with every other segment replayed"
         )
-        if eng.checks_skipped == 1:
+        if n not in eng._checks_passed_over:
+            eng._checks_passed_over.add(n)
             warnings.warn(
-                f"derivative check skipped at step {eng.step}: "
-                f"{eng.checks_skipped_reason}, by the measured costs. Raise the budget to "
-                "check under it, or name segments with request_check(segments=...).",
+                f"derivative check of segment {n!r} skipped at step {eng.step}: "
+                f"{eng.checks_skipped_reason}, by the measured costs (other segments are "
+                "checked). Raise the budget to check it under it, or name it with "
+                f"request_check(segments=[{n!r}]).",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        return frozenset()
-    eng._check_cursor = k + last + 1
-    return frozenset(chosen)
 
 
 def check_step_plan(

@@ -304,6 +304,7 @@ class ReplayEngine:
         self._check_cursor = 0
         self.checks_skipped = 0  # checked windows whose derivative check did not fit the budget
         self.checks_skipped_reason: str | None = None  # why the last one was skipped
+        self._checks_passed_over: set[str] = set()  # segments named in a skipped-check warning
         self._step_choices: dict[str, str] | None = None  # a checked step's own plan, if any
         self._check_bytes = False
         self._check_next: tuple[bool, bool] | None = None

@@ -1,0 +1,175 @@
+"""Under a budget, derivative checks take the replayed segments in turn: none is left unchecked
+while the others take every turn.
+
+Before, a checked step checked the segments whose graphs fit beside the plan in force, from
+the cursor on, and moved the cursor past the last one checked: a segment whose check never
+fit beside the plan (a larger segment than the others) was passed over at every turn, without
+a word, while a step planned around its check would have fit, or while nothing could. Now the
+segment whose turn it is goes first (beside the plan, else on a step planned around its check),
+and one whose check fits neither is named in a warning and counted in ``checks_skipped``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_replay as lr
+from lightning_replay.core.engine import check_steps
+from lightning_replay.planner import min_feasible_budget
+
+STEPS_TO_PLAN = 1 + 2 * 3 + 1  # probe, two calibration phases (warm-up + 2 steps), the plan
+
+
+def _stub_engine(names, fits_beside, step_plans):
+    """An engine as :func:`check_steps.select_checked` reads it, every segment replayed."""
+    cost = lambda n: types.SimpleNamespace(name=n, options={"recompute": None, "retain": None})
+    eng = types.SimpleNamespace(
+        plan=types.SimpleNamespace(choices={n: "recompute" for n in names}),
+        budget=100,
+        costs=[cost(n) for n in names],
+        segments=list(names),
+        runtimes={n: types.SimpleNamespace(module=nn.Linear(1, 1)) for n in names},
+        step=0,
+        _check_cursor=0,
+        checks_skipped=0,
+        checks_skipped_reason=None,
+        _checks_passed_over=set(),
+        _step_choices=None,
+        planned_around=[],
+    )
+    eng.set_options = lambda choices: eng.planned_around.append(dict(choices))
+    return eng
+
+
+@pytest.fixture
+def rule(monkeypatch):
+    """select_checked over a stub: ``fits`` names the segments whose check fits beside the
+    plan (any set of them together), ``planned`` those with a step planned around their check."""
+
+    def make(names, fits, planned):
+        eng = _stub_engine(names, fits, planned)
+        monkeypatch.setattr(
+            check_steps,
+            "checked_peak",
+            lambda e, by, chosen, grads=None: 0 if set(chosen) <= set(fits) else 10**9,
+        )
+        monkeypatch.setattr(
+            check_steps,
+            "check_step_plan",
+            lambda e, by, n, grads: (
+                types.SimpleNamespace(choices={m: "recompute" for m in names})
+                if n in planned
+                else None
+            ),
+        )
+        return eng
+
+    return make
+
+
+def test_a_segment_whose_check_fits_only_on_a_step_planned_around_it_gets_its_turn(rule):
+    names = ["a", "b", "c", "d"]
+    eng = rule(names, fits={"a", "b", "d"}, planned={"c"})
+    seen = [check_steps.select_checked(eng, None) for _ in range(2 * len(names))]
+    assert frozenset({"c"}) in seen  # (before: never; a, b and d took every turn)
+    assert set().union(*seen) == set(names)
+    assert eng.planned_around and eng.checks_skipped == 0
+
+
+def test_every_segment_is_checked_within_one_round(rule):
+    names = ["a", "b", "c", "d", "e"]
+    eng = rule(names, fits={"b", "e"}, planned={"a", "c", "d"})
+    for start in range(len(names)):
+        eng._check_cursor = start
+        seen = [check_steps.select_checked(eng, None) for _ in range(len(names))]
+        assert set().union(*seen) == set(names), (start, seen)
+
+
+def test_a_segment_whose_check_never_fits_is_named_and_counted(rule):
+    names = ["a", "b", "c"]
+    eng = rule(names, fits={"a", "c"}, planned=set())
+    with pytest.warns(RuntimeWarning, match="segment 'b' skipped") as got:
+        seen = [check_steps.select_checked(eng, None) for _ in range(3 * len(names))]
+    assert all(seen) and set().union(*seen) == {"a", "c"}
+    assert eng.checks_skipped >= 1 and "'b'" in eng.checks_skipped_reason
+    assert sum("segment 'b'" in str(w.message) for w in got) == 1  # named once
+
+
+def test_nothing_fits_skips_the_step_and_warns_once(rule):
+    eng = rule(["a", "b"], fits=set(), planned=set())
+    with pytest.warns(RuntimeWarning, match="derivative check skipped at step") as got:
+        seen = [check_steps.select_checked(eng, None) for _ in range(3)]
+    assert seen == [frozenset()] * 3 and eng.checks_skipped == 3
+    assert len(got) == 1
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, hidden), nn.Linear(hidden, 32)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class _Uneven(nn.Module):
+    """Five residual blocks, the third four times the others' width and the fourth sixteen:
+    the third's check needs more than the first two's."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(h) for h in (64, 64, 256, 1024, 64))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _steps(m, e, steps, start, check=False):
+    seen = []
+    for s in range(steps):
+        if check:
+            e.request_check()
+        x = torch.randn(256, 32, generator=torch.Generator().manual_seed(start + s))
+        m(x).pow(2).mean().backward()
+        m.zero_grad(set_to_none=True)  # every step begins and ends without gradients
+        seen.append(e.window_stats())
+    return seen
+
+
+def test_a_larger_segment_is_checked_or_named_under_a_budget_the_others_fit(collector_off):
+    """The plan replays segments of unequal size; the budget fits a check of any of the
+    smaller ones beside it, not the larger one's. Every replayed segment is checked within
+    two rounds, or named in a warning (before: the larger one was never checked, silently)."""
+    torch.manual_seed(0)
+    m = _Uneven()
+    names = [f"blocks.{i}" for i in range(5)]
+    e = lr.install(m, names, budget=10**12)
+    _steps(m, e, STEPS_TO_PLAN, 0)
+    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args))
+    _steps(m, e, 6, 50)
+    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args))
+    replayed = [n for n, o in e.plan.choices.items() if o != "retain"]
+    by_name = {c.name: c for c in e.costs}
+    peaks = {n: e._checked_peak(by_name, [n]) for n in replayed}
+    large = max(peaks, key=peaks.get)
+    small = max(p for n, p in peaks.items() if n != large)
+    assert len(replayed) >= 3 and peaks[large] > small, peaks
+    e.budget = (small + peaks[large]) // 2  # the plan keeps its choices
+    version = e.plan_version
+    with pytest.warns(RuntimeWarning) as got:
+        seen = _steps(m, e, 2 * len(replayed), 100, check=True)
+    assert e.plan_version == version
+    checked = set().union(*(s["checked"] for s in seen))
+    named = {n for n in replayed if any(f"segment {n!r} skipped" in str(w.message) for w in got)}
+    assert checked | named == set(replayed), (checked, named, peaks, e.budget)
+    assert set(replayed) - {large} <= checked
+    if large in named:
+        assert e.checks_skipped >= 1
+    for stats in seen:
+        assert stats["checked"] and stats["peak_bytes"] <= e.budget, (stats, e.budget)
