@@ -863,8 +863,10 @@ class ReplayEngine:
         A derivative check keeps the segment's graph from forward to backward. ``segments``
         names the segments to derivative-check; by default every replayed segment, or, under a
         budget, as many as the plan's headroom allows without the step exceeding the budget
-        (by the measured costs), in rotation so that every segment is checked in turn. Byte
-        checks are cheap and cover every replay.
+        (by the measured costs), in rotation so that every segment is checked in turn: the one
+        whose turn it is first, on a step planned around its check where it does not fit beside
+        the plan; one whose check fits no plan is counted in :attr:`checks_skipped` and named in
+        a warning. Byte checks are cheap and cover every replay.
         """
         if segments is not None:
             segments = list(segments)
