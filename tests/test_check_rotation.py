@@ -37,7 +37,11 @@ def _stub_engine(names, fits_beside, step_plans):
         _check_cursor=0,
         checks_skipped=0,
         checks_skipped_reason=None,
-        _checks_passed_over=set(),
+        _checks_named=(0, set()),
+        plan_version=1,
+        _check_turn=None,
+        _checked_ran=set(),
+        _check_missed={},
         _step_choices=None,
         planned_around=[],
     )
@@ -48,14 +52,17 @@ def _stub_engine(names, fits_beside, step_plans):
 @pytest.fixture
 def rule(monkeypatch):
     """select_checked over a stub: ``fits`` names the segments whose check fits beside the
-    plan (any set of them together), ``planned`` those with a step planned around their check."""
+    plan (any set of them together, or one at a time), ``planned`` those with a step planned
+    around their check."""
 
-    def make(names, fits, planned):
+    def make(names, fits, planned, together=True):
         eng = _stub_engine(names, fits, planned)
         monkeypatch.setattr(
             check_steps,
             "checked_peak",
-            lambda e, by, chosen, grads=None: 0 if set(chosen) <= set(fits) else 10**9,
+            lambda e, by, chosen, grads=None: (
+                0 if set(chosen) <= set(fits) and (together or len(chosen) == 1) else 10**9
+            ),
         )
         monkeypatch.setattr(
             check_steps,
@@ -71,10 +78,29 @@ def rule(monkeypatch):
     return make
 
 
+def _turn(eng, left_out=()):
+    """One checked window: the segments chosen run under their checks, but ``left_out``."""
+    chosen = check_steps.select_checked(eng, None)
+    eng._checked_ran = set(chosen) - set(left_out)
+    return chosen
+
+
+def test_a_segment_chosen_that_did_not_run_gets_the_next_turn_again(rule):
+    """A segment the model left out of the step of its turn (it did not run under its check)
+    is chosen again at the next checked step, up to two turns in a row; before, the cursor
+    had moved past it, and one left out on every one of its turns was never checked."""
+    eng = rule(["a", "b", "c"], fits={"a", "b", "c"}, planned=set(), together=False)
+    seen = [_turn(eng, left_out={"b"} if i == 1 else ()) for i in range(4)]
+    assert seen == [frozenset(x) for x in ("a", "b", "b", "c")]  # (before: a, b, c, a)
+    eng = rule(["a", "b", "c"], fits={"a", "b", "c"}, planned=set(), together=False)
+    seen = [_turn(eng, left_out={"b"}) for i in range(6)]
+    assert seen == [frozenset(x) for x in ("a", "b", "b", "b", "c", "a")]  # then moves on
+
+
 def test_a_segment_whose_check_fits_only_on_a_step_planned_around_it_gets_its_turn(rule):
     names = ["a", "b", "c", "d"]
     eng = rule(names, fits={"a", "b", "d"}, planned={"c"})
-    seen = [check_steps.select_checked(eng, None) for _ in range(2 * len(names))]
+    seen = [_turn(eng) for _ in range(2 * len(names))]
     assert frozenset({"c"}) in seen  # (before: never; a, b and d took every turn)
     assert set().union(*seen) == set(names)
     assert eng.planned_around and eng.checks_skipped == 0
@@ -85,7 +111,7 @@ def test_every_segment_is_checked_within_one_round(rule):
     eng = rule(names, fits={"b", "e"}, planned={"a", "c", "d"})
     for start in range(len(names)):
         eng._check_cursor = start
-        seen = [check_steps.select_checked(eng, None) for _ in range(len(names))]
+        seen = [_turn(eng) for _ in range(len(names))]
         assert set().union(*seen) == set(names), (start, seen)
 
 
@@ -93,7 +119,7 @@ def test_a_segment_whose_check_never_fits_is_named_and_counted(rule):
     names = ["a", "b", "c"]
     eng = rule(names, fits={"a", "c"}, planned=set())
     with pytest.warns(RuntimeWarning, match="segment 'b' skipped") as got:
-        seen = [check_steps.select_checked(eng, None) for _ in range(3 * len(names))]
+        seen = [_turn(eng) for _ in range(3 * len(names))]
     assert all(seen) and set().union(*seen) == {"a", "c"}
     assert eng.checks_skipped >= 1 and "'b'" in eng.checks_skipped_reason
     assert sum("segment 'b'" in str(w.message) for w in got) == 1  # named once
@@ -102,7 +128,7 @@ def test_a_segment_whose_check_never_fits_is_named_and_counted(rule):
 def test_nothing_fits_skips_the_step_and_warns_once(rule):
     eng = rule(["a", "b"], fits=set(), planned=set())
     with pytest.warns(RuntimeWarning, match="derivative check skipped at step") as got:
-        seen = [check_steps.select_checked(eng, None) for _ in range(3)]
+        seen = [_turn(eng) for _ in range(3)]
     assert seen == [frozenset()] * 3 and eng.checks_skipped == 3
     assert len(got) == 1
 

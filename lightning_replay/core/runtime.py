@@ -78,6 +78,7 @@ class RuntimeHost(ReplayHost, ProbeHost, CheckHost, CostSource, Protocol):
     _window_depth: int
     _check_grad: bool
     _checked: Any
+    _checked_ran: set[str]
     _warmup: bool
 
     def _next_order(self) -> int: ...
@@ -345,6 +346,7 @@ class SegmentRuntime:
                     return self.segment_checks._measured_call(args, kwargs)
                 return self._plain_call(args, kwargs)
             if eng._check_grad and self.name in eng._checked and not self.contract.written_inputs:
+                eng._checked_ran.add(self.name)
                 return self.segment_checks._checked_call(args, kwargs)
             return self._replay_call(args, kwargs)
 

@@ -24,6 +24,7 @@ from lightning_replay.core.engine.config import PIN_OPTIONS
 
 def select_checked(eng, requested: list[str] | None) -> frozenset:
     """The segments to derivative-check this window (see :meth:`request_check`)."""
+    missed_turn(eng)
     if requested is not None:
         return frozenset(requested)
     if eng.plan is None or not eng.budget:
@@ -34,7 +35,15 @@ def select_checked(eng, requested: list[str] | None) -> frozenset:
     by_name = {
         c.name: c for c in eng.costs or [] if c.name in choices and choices[c.name] in c.options
     }
-    candidates = [n for n in eng.segments if n in by_name and choices[n] != "retain"]
+    # (a segment whose inputs it writes is never derivative-checked: its replay is not
+    # compared, so it takes no turn)
+    candidates = [
+        n
+        for n in eng.segments
+        if n in by_name
+        and choices[n] != "retain"
+        and not getattr(getattr(eng.runtimes[n], "contract", None), "written_inputs", None)
+    ]
     if not candidates:
         return frozenset()
     k = eng._check_cursor % len(candidates)
@@ -59,6 +68,7 @@ def select_checked(eng, requested: list[str] | None) -> frozenset:
             rest = [j for j in range(i + 1, len(order)) if order[j] not in chosen]
             eng._check_cursor = k + (rest[0] if rest else len(order))
             _passed_over(eng, passed)
+            eng._check_turn = (frozenset(chosen), candidates)
             return frozenset(chosen)
         step_plan = check_step_plan(eng, by_name, n, grads)
         if step_plan is not None:
@@ -66,6 +76,7 @@ def select_checked(eng, requested: list[str] | None) -> frozenset:
             eng.set_options({m: o for m, o in step_plan.choices.items()})
             eng._check_cursor = k + i + 1
             _passed_over(eng, passed)
+            eng._check_turn = (frozenset([n]), candidates)
             return frozenset([n])
         passed.append(n)
     eng._check_cursor = k + 1
@@ -74,8 +85,7 @@ def select_checked(eng, requested: list[str] | None) -> frozenset:
         f"keeping one replayed segment's graph beside its replay needs more than the "
         f"budget {format_bytes(eng.budget)}, even with every other segment replayed"
     )
-    if "*" not in eng._checks_passed_over:
-        eng._checks_passed_over.add("*")
+    if _first_named(eng, "*"):
         warnings.warn(
             f"derivative check skipped at step {eng.step}: "
             f"{eng.checks_skipped_reason}, by the measured costs. Raise the budget to "
@@ -84,6 +94,44 @@ def select_checked(eng, requested: list[str] | None) -> frozenset:
             stacklevel=3,
         )
     return frozenset()
+
+
+def missed_turn(eng) -> None:
+    """A segment chosen at its turn that did not run under its check in that window (the
+    model left it out of that step, or its inputs are written: never checked) gets the next
+    turn again, up to :data:`_MISSED_TURNS` turns in a row; before, the cursor had moved past
+    it, and a segment left out of every other step, on its turns, was never checked."""
+    turn, eng._check_turn = eng._check_turn, None
+    if turn is None:
+        return
+    chosen, candidates = turn
+    for n in chosen & eng._checked_ran:
+        eng._check_missed.pop(n, None)
+    for n in candidates:
+        if n in chosen and n not in eng._checked_ran:
+            tries = eng._check_missed.get(n, 0) + 1
+            eng._check_missed[n] = tries
+            if tries <= _MISSED_TURNS:
+                eng._check_cursor = candidates.index(n)
+                return
+            eng._check_missed.pop(n, None)  # its turn comes round again in the next round
+
+
+#: turns in a row a chosen segment that did not run gets again
+_MISSED_TURNS = 2
+
+
+def _first_named(eng, key: str) -> bool:
+    """Whether a skipped-check warning names ``key`` for the first time under the plan in
+    force (a new plan version names again what it passes over)."""
+    version, named = eng._checks_named
+    if version != eng.plan_version:
+        named = set()
+        eng._checks_named = (eng.plan_version, named)
+    if key in named:
+        return False
+    named.add(key)
+    return True
 
 
 def _passed_over(eng, passed: list[str]) -> None:
@@ -96,8 +144,7 @@ def _passed_over(eng, passed: list[str]) -> None:
             f"keeping segment {n!r}'s graph beside its replay needs more than the budget "
             f"{format_bytes(eng.budget)}, even with every other segment replayed"
         )
-        if n not in eng._checks_passed_over:
-            eng._checks_passed_over.add(n)
+        if _first_named(eng, n):
             warnings.warn(
                 f"derivative check of segment {n!r} skipped at step {eng.step}: "
                 f"{eng.checks_skipped_reason}, by the measured costs (other segments are "

@@ -300,11 +300,17 @@ class ReplayEngine:
         self._forward_open = False  # a window's forward is open and its capture decided
         self._needs_capture = True
         self._check_grad = False
-        self._checked: frozenset = frozenset()  # segments derivative-checked this window
+        self._checked: frozenset = frozenset()  # segments chosen to be checked this window
+        self._checked_ran: set[str] = set()  # ... of which ran under their check
+        self._check_turn: tuple[frozenset, list[str]] | None = None  # (chosen, in turn order)
+        self._check_missed: dict[str, int] = {}  # turns in a row a chosen segment did not run
         self._check_cursor = 0
-        self.checks_skipped = 0  # checked windows whose derivative check did not fit the budget
+        # derivative checks that did not fit the budget: a checked window that checked nothing,
+        # and each turn of a segment passed over while others were checked
+        self.checks_skipped = 0
         self.checks_skipped_reason: str | None = None  # why the last one was skipped
-        self._checks_passed_over: set[str] = set()  # segments named in a skipped-check warning
+        # (plan version, what a skipped-check warning named: segments, "*" for a whole step)
+        self._checks_named: tuple[int, set[str]] = (0, set())
         self._step_choices: dict[str, str] | None = None  # a checked step's own plan, if any
         self._check_bytes = False
         self._check_next: tuple[bool, bool] | None = None
@@ -627,7 +633,7 @@ class ReplayEngine:
             "predicted_peak_bytes": self.plan.peak_memory if self.plan else None,
             "real_peak_bytes": real[1] if real else None,
             "real_peak_step": real[0] if real else None,
-            "checked": sorted(self._checked) if self._check_grad else [],
+            "checked": sorted(self._checked & self._checked_ran) if self._check_grad else [],
             "replays": self._replays_this_step,
             "preserved_bytes": sum(rt.last_preserved_bytes for rt in self.runtimes.values()),
             "plan_version": self.plan_version,
@@ -801,7 +807,12 @@ class ReplayEngine:
                     "violations": rt.violations,
                     "checks": rt.checks,
                     "divergences": rt.divergences,
-                    "planned_option": rt.planned_option,
+                    # (a step planned around a check runs options of its own: the plan's)
+                    "planned_option": (
+                        self.plan.choices.get(n, rt.planned_option)
+                        if self._step_choices is not None and self.plan is not None
+                        else rt.planned_option
+                    ),
                 }
                 for n, rt in self.runtimes.items()
             },
@@ -1065,6 +1076,7 @@ class ReplayEngine:
         self._check_grad, self._check_bytes = chk[:2] if chk else (False, False)
         self._truth_checked = self._check_grad  # a checked step holds more than the plan says
         self._checked = select_checked(self, chk[2]) if self._check_grad else frozenset()
+        self._checked_ran = set()
         self._cuda = _first_param_is_cuda(self.model)
         self._cuda_device = _model_cuda_device(self.model) if self._cuda else None
         self._sync = self._cuda and bool(self._calibration)
