@@ -24,7 +24,6 @@ from lightning_replay.core.engine.config import PIN_OPTIONS
 
 def select_checked(eng, requested: list[str] | None) -> frozenset:
     """The segments to derivative-check this window (see :meth:`request_check`)."""
-    missed_turn(eng)
     if requested is not None:
         return frozenset(requested)
     if eng.plan is None or not eng.budget:
@@ -98,9 +97,10 @@ def select_checked(eng, requested: list[str] | None) -> frozenset:
 
 def missed_turn(eng) -> None:
     """A segment chosen at its turn that did not run under its check in that window (the
-    model left it out of that step, or its inputs are written: never checked) gets the next
-    turn again, up to :data:`_MISSED_TURNS` turns in a row; before, the cursor had moved past
-    it, and a segment left out of every other step, on its turns, was never checked."""
+    model left it out of that step) gets the next turn again, up to :data:`_MISSED_TURNS`
+    turns in a row; before, the cursor had moved past it, and a segment left out of every
+    other step, on its turns, was never checked. Called as every window begins, before the
+    last window's record of what ran is reset (plain windows come between checked ones)."""
     turn, eng._check_turn = eng._check_turn, None
     if turn is None:
         return

@@ -65,7 +65,12 @@ from lightning_replay.core.engine.calibration import (
     fit_to,
     refuse_before_calibrating,
 )
-from lightning_replay.core.engine.check_steps import check_step_plan, checked_peak, select_checked
+from lightning_replay.core.engine.check_steps import (
+    check_step_plan,
+    checked_peak,
+    missed_turn,
+    select_checked,
+)
 from lightning_replay.core.engine.step_graph import StepGraph, give_back, previous_step
 from lightning_replay.core.engine.real_peak import (
     _REPLAY,
@@ -1075,6 +1080,7 @@ class ReplayEngine:
                 self.set_options(self.plan.choices)
         self._check_grad, self._check_bytes = chk[:2] if chk else (False, False)
         self._truth_checked = self._check_grad  # a checked step holds more than the plan says
+        missed_turn(self)  # (the last window's chosen segments that did not run)
         self._checked = select_checked(self, chk[2]) if self._check_grad else frozenset()
         self._checked_ran = set()
         self._cuda = _first_param_is_cuda(self.model)
