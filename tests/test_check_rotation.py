@@ -169,20 +169,25 @@ def _steps(m, e, steps, start, check=False):
     return seen
 
 
-def test_a_larger_segment_is_checked_or_named_under_a_budget_the_others_fit(collector_off):
-    """The plan replays segments of unequal size; the budget fits a check of any of the
-    smaller ones beside it, not the larger one's. Every replayed segment is checked within
-    two rounds, or named in a warning (before: the larger one was never checked, silently)."""
+def _planned_at_the_lowest():
+    """:class:`_Uneven` installed, calibrated and planned at its lowest feasible budget (after
+    six measured steps of a first such plan): (model, engine, replayed segments, costs)."""
     torch.manual_seed(0)
     m = _Uneven()
-    names = [f"blocks.{i}" for i in range(5)]
-    e = lr.install(m, names, budget=10**12)
+    e = lr.install(m, [f"blocks.{i}" for i in range(5)], budget=10**12)
     _steps(m, e, STEPS_TO_PLAN, 0)
     e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args))
     _steps(m, e, 6, 50)
     e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args))
     replayed = [n for n, o in e.plan.choices.items() if o != "retain"]
-    by_name = {c.name: c for c in e.costs}
+    return m, e, replayed, {c.name: c for c in e.costs}
+
+
+def test_a_larger_segment_is_checked_or_named_under_a_budget_the_others_fit(collector_off):
+    """The plan replays segments of unequal size; the budget fits a check of any of the
+    smaller ones beside it, not the larger one's. Every replayed segment is checked within
+    two rounds, or named in a warning (before: the larger one was never checked, silently)."""
+    m, e, replayed, by_name = _planned_at_the_lowest()
     peaks = {n: e._checked_peak(by_name, [n]) for n in replayed}
     large = max(peaks, key=peaks.get)
     small = max(p for n, p in peaks.items() if n != large)
@@ -207,16 +212,7 @@ def test_plain_steps_between_checked_ones_do_not_hold_the_rotation_back(collecto
     is checked within one round of checked steps. (A first version of the missed-turn rule
     read the plain step's empty record as the chosen segments not having run, and gave the
     same segments every turn.)"""
-    torch.manual_seed(0)
-    m = _Uneven()
-    names = [f"blocks.{i}" for i in range(5)]
-    e = lr.install(m, names, budget=10**12)
-    _steps(m, e, STEPS_TO_PLAN, 0)
-    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args))
-    _steps(m, e, 6, 50)
-    e.replan(budget=min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args))
-    replayed = [n for n, o in e.plan.choices.items() if o != "retain"]
-    by_name = {c.name: c for c in e.costs}
+    m, e, replayed, by_name = _planned_at_the_lowest()
     e.budget = max(e._checked_peak(by_name, [n]) for n in replayed)  # any one fits
     assert e._checked_peak(by_name, replayed) > e.budget  # not all at once
     version, seen = e.plan_version, []
