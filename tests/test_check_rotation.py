@@ -32,7 +32,7 @@ def _stub_engine(names, fits_beside, step_plans):
         budget=100,
         costs=[cost(n) for n in names],
         segments=list(names),
-        runtimes={n: types.SimpleNamespace(module=nn.Linear(1, 1)) for n in names},
+        runtimes={n: types.SimpleNamespace(module=nn.Linear(1, 1), contract=None) for n in names},
         step=0,
         _check_cursor=0,
         checks_skipped=0,

@@ -41,7 +41,7 @@ def select_checked(eng, requested: list[str] | None) -> frozenset:
         for n in eng.segments
         if n in by_name
         and choices[n] != "retain"
-        and not getattr(getattr(eng.runtimes[n], "contract", None), "written_inputs", None)
+        and not (eng.runtimes[n].contract and eng.runtimes[n].contract.written_inputs)
     ]
     if not candidates:
         return frozenset()
