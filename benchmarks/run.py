@@ -88,8 +88,8 @@ SUITES = {
         "checks": dict(steps=500, every=50),
         "frontier": dict(
             points=6,
-            rounds=16,  # 2 copies per arm
-            copies=2,
+            rounds=48,  # 3 copies per arm
+            copies=3,
             # a selective option's forward cost is a difference of two forward medians, each
             # over the phase's steps that time the forward alone (about half): at 5 steps that
             # is 2-3 forwards a side, and its noise (measured 2.0-5.6 ms on four identical Llama

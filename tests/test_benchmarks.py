@@ -323,6 +323,17 @@ def test_frontier_writes_every_documented_key(smoke, tmp_path):
                     # the budget is a whole-process promise: each plan's peak, measured with
                     # only its own model alive, is within it
                     assert p[arm]["within_budget"] and p[arm]["peak_bytes"] <= p["budget_bytes"]
+            # the ratio pairs joint with selective with the faster other arm round by round:
+            # against its own plan (joint picked the same choices) it is exactly 1
+            if p["selective_vs_best_other"] is not None:
+                assert p["best_other"] in ("joint", "torch_sac")
+                assert p["selective_vs_best_other"] > 0
+                assert p["selective_vs_best_other_medians"] > 0
+                same = p["joint"]["feasible"] and (
+                    p["joint"]["choices"] == p["joint_selective"]["choices"]
+                )
+                if same and p["best_other"] == "joint":
+                    assert p["selective_vs_best_other"] == 1.0
         assert m["plans_over_budget"] == 0
         # the selective option is offered and measured for every segment (costs are measured
         # with every option timed, not only those the lowest plan picks)
