@@ -45,7 +45,7 @@ def _stub_engine(names, fits_beside, step_plans):
         _step_choices=None,
         planned_around=[],
     )
-    eng.set_options = lambda choices: eng.planned_around.append(dict(choices))
+    eng._set_options = lambda choices: eng.planned_around.append(dict(choices))
     return eng
 
 

@@ -447,12 +447,10 @@ def test_a_plan_adopted_after_the_window_began_logs_regions_in_that_step():
     engine.uninstall()
 
 
-def test_a_check_with_no_room_beside_the_plan_runs_under_a_plan_for_its_step(collector_off):
-    """Under a budget the plan fills (retaining some segments), keeping one replayed segment's
-    graph does not fit beside the plan; the checked step replays more segments for that step
-    so the check fits, holds the budget, matches, and the plan is back the step after.
-    (Every step begins and ends without gradients, as the checked one: see
-    :func:`test_checks_under_a_budget_stay_within_it_and_rotate`.)"""
+def _no_room_beside_the_plan():
+    """The sparse model under a budget whose plan retains some segments and replays others,
+    where no replayed segment's check fits beside the plan but one fits a plan made for its
+    step: (model, engine, batches, segment costs by name, gradient bytes, replayed segments)."""
     m, make = _sparse()
     e = lr.install(m, m.segments, budget=10**12)
     _plain_steps(m, make, STEPS_TO_PLAN)
@@ -482,6 +480,16 @@ def test_a_check_with_no_room_beside_the_plan_runs_under_a_plan_for_its_step(col
             found = budget
             break
     assert found is not None, "no budget between lo and hi leaves a check room only by replanning"
+    return m, e, make, by_name, grads, replayed
+
+
+def test_a_check_with_no_room_beside_the_plan_runs_under_a_plan_for_its_step(collector_off):
+    """Under a budget the plan fills (retaining some segments), keeping one replayed segment's
+    graph does not fit beside the plan; the checked step replays more segments for that step
+    so the check fits, holds the budget, matches, and the plan is back the step after.
+    (Every step begins and ends without gradients, as the checked one: see
+    :func:`test_checks_under_a_budget_stay_within_it_and_rotate`.)"""
+    m, e, make, by_name, grads, replayed = _no_room_beside_the_plan()
     version, choices = e.plan_version, dict(e.plan.choices)
     # the first replayed segment (in turn) whose check a step planned around it fits is
     # checked; those before it, whose checks fit no plan, are passed over: counted and named
@@ -501,3 +509,21 @@ def test_a_check_with_no_room_beside_the_plan_runs_under_a_plan_for_its_step(col
     _plain_steps(m, make, 1, start=200)  # the plan in force again
     assert e.plan_version == version, (e.plan.choices, choices)
     assert {n: e.runtimes[n].planned_option for n in choices} == choices
+
+
+def test_options_set_by_hand_after_a_step_planned_around_its_check_stay(collector_off):
+    """``set_options`` called between a step planned around its check and the next step is
+    the user's: the next step runs those choices, and the plan's are not put back over them
+    (they were: the engine restored its plan's choices as the next window began)."""
+    m, e, make, by_name, grads, replayed = _no_room_beside_the_plan()
+    version = e.plan_version
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        seen = _checked_steps(m, e, make, 1)
+    assert seen[0]["checked"] and e._step_choices is not None, seen  # under a plan of its own
+    mine = {n: "recompute" for n in e.plan.choices}
+    assert mine != e.plan.choices
+    e.set_options(mine)
+    _plain_steps(m, make, 2, start=200)
+    assert {n: e.runtimes[n].planned_option for n in mine} == mine
+    assert e.plan_version == version

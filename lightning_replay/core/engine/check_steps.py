@@ -72,7 +72,7 @@ def select_checked(eng, requested: list[str] | None) -> frozenset:
         step_plan = check_step_plan(eng, by_name, n, grads)
         if step_plan is not None:
             eng._step_choices = dict(step_plan.choices)
-            eng.set_options({m: o for m, o in step_plan.choices.items()})
+            eng._set_options(step_plan.choices)
             eng._check_cursor = k + i + 1
             _passed_over(eng, passed)
             eng._check_turn = (frozenset([n]), candidates)

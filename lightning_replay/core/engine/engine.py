@@ -754,7 +754,7 @@ class ReplayEngine:
         """Run ``plan``, made by rank ``from_rank``, as plan ``version`` (a strategy makes every
         rank run rank 0's plan), and record it."""
         if self.plan is None or self.plan.choices != plan.choices:
-            self.set_options(plan.choices)
+            self._set_options(plan.choices)
             self._measure_plan()
         self.plan = plan
         self.plan_version = version
@@ -771,7 +771,7 @@ class ReplayEngine:
         if self.plan is not None and p.choices == self.plan.choices:
             self.plan = p  # same choices: no new plan version, no re-plan record
             return
-        self.set_options(p.choices)
+        self._set_options(p.choices)
         self.plan = p
         self._measure_plan()
         self.plan_version += 1
@@ -895,7 +895,15 @@ class ReplayEngine:
         self._check_next = (bool(grad), bool(bytes), segments)
 
     def set_options(self, choices: Mapping[str, str]) -> None:
-        """Apply a plan: one option per segment (``retain``/``recompute``/``whole``/``regions``)."""
+        """Apply a plan by hand: one option per segment (``retain``/``recompute``/``whole``/
+        ``regions``, or a selective option). The choices stay in force until the next plan is
+        made: after a step planned around its derivative check (more segments replayed for
+        that step), the plan's choices are not put back over them."""
+        self._step_choices = None
+        self._set_options(choices)
+
+    def _set_options(self, choices: Mapping[str, str]) -> None:
+        """Apply one option per segment: the engine's own (a plan, a checked step's plan)."""
         for name, opt in choices.items():
             if name not in self.runtimes:
                 raise ReplayConfigError(
@@ -1077,7 +1085,7 @@ class ReplayEngine:
         if self._step_choices is not None:  # the last checked step ran a plan of its own
             self._step_choices = None
             if self.plan is not None:
-                self.set_options(self.plan.choices)
+                self._set_options(self.plan.choices)
         self._check_grad, self._check_bytes = chk[:2] if chk else (False, False)
         self._truth_checked = self._check_grad  # a checked step holds more than the plan says
         missed_turn(self)  # (the last window's chosen segments that did not run)
