@@ -47,6 +47,7 @@ from lightning_replay._compat import logger_connector
 from lightning_replay.core.engine import planner as _planner
 from lightning_replay.core.base.budget import format_bytes
 from lightning_replay.core.engine.config import (
+    DEFAULT_REPLAN_ON,
     REPLAN_ON,
     ReplanSettings,
     check_choices,
@@ -101,7 +102,10 @@ class ReplayCallback(Callback):
         replan_on: what re-plans: ``"memory"`` (measured peak above the budget, or far below
             what the plan predicted), ``"violations"`` (a rejection or a check's divergence:
             once no segment is being probed again), ``"shapes"`` (input shapes changed and
-            stayed changed).
+            stayed changed); by default these three. ``"times"`` (asked for by name): once per
+            plan, after it ran ``time_patience`` steps, the time its replays add per step by
+            the medians now is off what it was planned with by more than ``time_drift`` of the
+            larger (calibration times each option on a few steps only).
         records_path: the SQLite records file; default
             ``<trainer.default_root_dir>/replay/records.sqlite``. Rows are appended across
             resumes under one run id.
@@ -112,6 +116,8 @@ class ReplayCallback(Callback):
         replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
         shape_patience: steps the new input shapes must persist before ``"shapes"`` re-plans
             (a short last batch does not re-plan).
+        time_drift: for ``"times"``: the fraction the plan's added time may move by.
+        time_patience: for ``"times"``: the steps a plan runs before its times are judged.
         progress_bar: show, in the progress bar, ``replay/real_peak_MiB`` (the last real peak
             measured: the allocator's on GPU, this step's), ``replay/predicted_MiB`` (the
             plan's predicted peak) and ``replay/saved_MiB`` (how far that prediction is below
@@ -145,12 +151,14 @@ class ReplayCallback(Callback):
         self,
         check_every_n_steps: int | None = 50,
         checks: Sequence[str] | str = CHECKS,
-        replan_on: Sequence[str] | str = REPLAN_ON,
+        replan_on: Sequence[str] | str = DEFAULT_REPLAN_ON,
         records_path: str | os.PathLike | None = None,
         log_records: bool = True,
         memory_headroom: float = 0.25,
         replan_cooldown_steps: int = 10,
         shape_patience: int = 2,
+        time_drift: float = 0.25,
+        time_patience: int = 8,
         progress_bar: bool = False,
         summary: bool = True,
     ) -> None:
@@ -172,6 +180,8 @@ class ReplayCallback(Callback):
             replan_cooldown_steps=replan_cooldown_steps,
             memory_headroom=memory_headroom,
             shape_patience=shape_patience,
+            time_drift=time_drift,
+            time_patience=time_patience,
             caller=call,
         )
         self._policy = ReplanPolicy(self.replan_settings)
@@ -212,6 +222,8 @@ class ReplayCallback(Callback):
     memory_headroom = property(lambda self: self.replan_settings.memory_headroom)
     replan_cooldown_steps = property(lambda self: self.replan_settings.replan_cooldown_steps)
     shape_patience = property(lambda self: self.replan_settings.shape_patience)
+    time_drift = property(lambda self: self.replan_settings.time_drift)
+    time_patience = property(lambda self: self.replan_settings.time_patience)
 
     @property
     def replans(self) -> int:

@@ -562,3 +562,45 @@ def test_checks_under_mixed_precision_report_no_divergence(tmp_path):
     records = t.strategy.engine.records.read()
     assert any(r.check == "grad" for r in records)  # derivative checks ran under autocast
     assert [r for r in records if r.outcome == "divergence"] == []
+
+
+def test_times_replan_votes_through_the_callback_until_its_plan_was_timed(tmp_path, monkeypatch):
+    """``replan_on=("times",)`` under the strategy: the replays timed under the first plan
+    (made 10 x slower here, whatever the clock reads) are off what it was planned with, so the
+    callback re-plans after ``time_patience`` steps of it, and stops once its plan was timed."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_replay.core.mechanisms.costs import CostMeter
+
+    planned = {"now": False}
+    add = CostMeter.add_time
+    monkeypatch.setattr(
+        CostMeter,
+        "add_time",
+        lambda self, seg, opt, s: add(self, seg, opt, s * (10 if planned["now"] else 1)),
+    )
+
+    class Watch(Callback):
+        def on_train_batch_start(self, trainer, *args):
+            planned["now"] = trainer.strategy.engine.plan is not None
+
+    cb = ReplayCallback(check_every_n_steps=None, replan_on=("times",), time_patience=3)
+    t = trainer(
+        tmp_path,
+        strategy=ReplayStrategy(calibration_steps=1),
+        max_steps=40,
+        callbacks=[Watch(), cb],
+    )
+    t.fit(HazardNet(), loader(40, batch=WIDE))
+    engine = t.strategy.engine
+    assert engine.plan is not None and planned["now"]
+    assert any(o != "retain" for o in engine.plan.choices.values())  # replays to time
+    # each re-plan brings in options timed by calibration only (1 x), which the steps under
+    # the new plan then time at 10 x: it re-plans until the chosen options were all timed
+    # under a plan, then stays (the last plan ran more than time_patience steps unchanged)
+    policy = cb._policy
+    assert 1 <= cb.replans <= 4 and engine.plan_version <= 1 + cb.replans, cb.replans
+    assert engine.step - policy.last_replan_step > cb.time_patience + 1, (
+        engine.step,
+        policy.last_replan_step,
+    )

@@ -46,7 +46,10 @@ ON_VIOLATION = ("raise", "record")
 #: What ``window=`` accepts.
 WINDOWS = ("root", "manual")
 #: What can trigger a re-plan (:class:`ReplanSettings`).
-REPLAN_ON = ("memory", "violations", "shapes")
+REPLAN_ON = ("memory", "violations", "shapes", "times")
+#: What :class:`~lightning_replay.callbacks.ReplayCallback` re-plans on by default (``"times"``
+#: is asked for by name).
+DEFAULT_REPLAN_ON = ("memory", "violations", "shapes")
 
 
 def check_count(
@@ -114,10 +117,18 @@ class ReplanSettings:
         replan_on: what re-plans: ``"memory"`` (the measured peak above the budget, or off the
             plan's prediction by more than ``memory_headroom`` of the budget), ``"violations"``
             (a rejection or a check's divergence: once the segment's new contract is in force),
-            ``"shapes"`` (input shapes changed and stayed changed). Empty: never.
+            ``"shapes"`` (input shapes changed and stayed changed), ``"times"`` (the time the
+            plan adds per step, by the replays timed since it was made, moved from what it was
+            planned with by more than ``time_drift``: calibration times each option on a few
+            steps only). Empty: never.
         replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
         memory_headroom: the fraction of the budget the peak may miss the prediction by.
         shape_patience: steps new input shapes must persist before ``"shapes"`` re-plans.
+        time_drift: for ``"times"``, the fraction of the larger of the two figures by which
+            the plan's added time may move before it re-plans.
+        time_patience: for ``"times"``, the steps a plan runs before its times are judged,
+            once per plan (each replay timed adds to its option's median; the medians keep
+            the last 16 figures).
         caller: the call the arguments were given to, for error messages only.
 
     Example:
@@ -129,6 +140,8 @@ class ReplanSettings:
     replan_cooldown_steps: int = 10
     memory_headroom: float = 0.25
     shape_patience: int = 2
+    time_drift: float = 0.25
+    time_patience: int = 8
     caller: str = field(default="ReplanSettings", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -148,8 +161,15 @@ class ReplanSettings:
                 f"{call}(memory_headroom={headroom!r}) must be a fraction strictly between 0 and 1"
             )
         object.__setattr__(self, "memory_headroom", float(headroom))
+        drift = self.time_drift
+        if isinstance(drift, bool) or not isinstance(drift, (int, float)) or not 0 < drift < 1:
+            raise ReplayConfigError(
+                f"{call}(time_drift={drift!r}) must be a fraction strictly between 0 and 1"
+            )
+        object.__setattr__(self, "time_drift", float(drift))
         check_count(call, "replan_cooldown_steps", self.replan_cooldown_steps)
         check_count(call, "shape_patience", self.shape_patience)
+        check_count(call, "time_patience", self.time_patience)
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,9 @@ def install(
             rejection or a check's divergence, once the segment's new contract is in force),
             ``"memory"`` (the last step's peak above the budget or off the plan's prediction),
             ``"shapes"`` (the root's input shapes changed and stayed changed; ``window="root"``
-            only). Off (``()``) by default; pass e.g. ``replan_on=("violations", "memory")`` to
+            only), ``"times"`` (once per plan, after 8 steps of it: the time its replays add
+            by the medians now is more than 25 % off what it was planned with; calibration
+            times each option on a few steps only). Off (``()``) by default; pass e.g. ``replan_on=("violations", "memory")`` to
             turn it on. Under ``Trainer(strategy="replay")``, ``ReplayCallback`` does this.
         replan_cooldown_steps: steps between two re-plans for ``"memory"`` or ``"shapes"``.
         selective: a selective policy (``"matmul"``: keep matrix product, attention and

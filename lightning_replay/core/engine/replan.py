@@ -11,6 +11,11 @@ stale, and each is a reason to plan again (:data:`~lightning_replay.config.REPLA
   replays, so its peak is not the plan's and is not judged. A re-plan that gives the same
   choices for memory alone settles the question until something else changes the plan.
 * ``"shapes"``: the input shapes changed and stayed changed for ``shape_patience`` steps.
+* ``"times"``: the plan was made from calibration's few timings of each option; once it has
+  run ``time_patience`` steps (each replay timed adds to its option's median), the time its
+  choices add per step, by the medians now, is off what it was planned with by more than
+  ``time_drift``. Judged once per plan: a plan made again from steady figures is judged by
+  its own steps.
 
 ``"memory"`` and ``"shapes"`` wait ``replan_cooldown_steps`` after the last re-plan. The
 policy only decides; its owner measures and re-plans: the engine itself for ``install(...,
@@ -34,7 +39,7 @@ import torch
 
 from lightning_replay._compat import tree_leaves
 from lightning_replay.core.engine.config import REPLAN_ON, ReplanSettings
-from lightning_replay.core.engine.planner import InfeasibleBudget, Plan
+from lightning_replay.core.engine.planner import CostTable, InfeasibleBudget, Plan
 
 
 class ReplanOutcome(NamedTuple):
@@ -70,6 +75,33 @@ def costs_ready(engine: Any) -> bool:
         if replayable and not any(o != "retain" for o in c.options):
             return False
     return True
+
+
+def choices_time(costs: Any, choices: dict) -> float | None:
+    """The seconds per step ``choices`` add by the cost table ``costs``, as the planner sums
+    them (:attr:`Plan.extra_time`: each chosen option's time, the capture mode's once if any
+    option needs it); ``None`` where a chosen option is not in the table.
+
+    Example:
+        >>> from lightning_replay.planner import Option, SegmentCost
+        >>> costs = [SegmentCost("a", 10, {"retain": Option(10, 0.0),
+        ...                               "recompute": Option(0, 0.5)})]
+        >>> choices_time(costs, {"a": "recompute"}), choices_time(costs, {"a": "whole"})
+        (0.5, None)
+    """
+    total, capture = 0.0, False
+    for c in costs:
+        o = choices.get(c.name)
+        if o is None:
+            continue
+        opt = c.options.get(o)
+        if opt is None:
+            return None
+        total += opt.time
+        capture = capture or opt.capture
+    if capture and isinstance(costs, CostTable):
+        total += costs.capture_time
+    return total
 
 
 def settled(engine: Any) -> bool:
@@ -151,6 +183,8 @@ class ReplanPolicy:
         self._memory_settled = False
         self._violation_pending = False
         self._events = 0
+        self._times_since: tuple[int, int] | None = None  # (plan version, its first step)
+        self._times_judged = -1  # the plan version whose times were judged last
 
     @property
     def enabled(self) -> bool:
@@ -223,9 +257,29 @@ class ReplanPolicy:
             and self._shape_streak >= s.shape_patience
         ):
             out.add("shapes")
+        if "times" in s.replan_on and not checked and self._times_drifted(engine):
+            out.add("times")
         if self._plan_shapes is None:
             self._plan_shapes = self._batch_shapes
         return [r for r in REPLAN_ON if r in out]
+
+    def _times_drifted(self, engine: Any) -> bool:
+        """The plan in force has run ``time_patience`` steps and its choices' time by the
+        medians now is off its planned :attr:`Plan.extra_time` by more than ``time_drift`` of
+        the larger (judged once per plan version)."""
+        s, version = self.settings, engine.plan_version
+        if self._times_since is None or self._times_since[0] != version:
+            self._times_since = (version, engine.step)
+            return False
+        if self._times_judged == version or engine.step - self._times_since[1] < s.time_patience:
+            return False
+        self._times_judged = version
+        plan = engine.plan
+        now = choices_time(engine.costs or [], plan.choices)
+        if now is None:
+            return False
+        then = plan.extra_time
+        return abs(now - then) > s.time_drift * max(now, then)
 
     def replan(
         self, engine: Any, reasons: list[str], replan: Callable[[], Plan | None] | None = None
