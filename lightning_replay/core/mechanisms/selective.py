@@ -244,6 +244,47 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int | None:
     return flops
 
 
+#: op -> the positions and keyword names of the arguments it writes (``None``: it writes none)
+_WRITES: dict = {}
+
+
+def _written_arguments(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """Where ``func`` writes its arguments (an in-place op, an ``out=`` variant), by its
+    schema's alias annotations (``Tensor(a!)``); ``None`` for an op that writes none."""
+    try:
+        return _WRITES[func]
+    except KeyError:
+        pass
+    schema = getattr(func, "_schema", None)
+    spots = None
+    if schema is not None and schema.is_mutable:
+        args = schema.arguments
+        written = [
+            (i, a.name, a.kwarg_only)
+            for i, a in enumerate(args)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
+        spots = (
+            tuple(i for i, _, kw in written if not kw),
+            tuple(n for _, n, _ in written),
+        )
+    _WRITES[func] = spots
+    return spots
+
+
+def _storages(x: Any) -> list[tuple[str, int]]:
+    """Where the tensors in ``x`` (a tensor, or a list of them) keep their bytes (a tensor
+    without a storage of its own to ask, a wrapper subclass's, is left out)."""
+    out = []
+    for t in x if isinstance(x, (list, tuple)) else [x]:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            try:
+                out.append((str(t.device), t.untyped_storage().data_ptr()))
+            except (RuntimeError, NotImplementedError):
+                continue
+    return out
+
+
 def _out_bytes(out: Any) -> int:
     return sum(
         t.untyped_storage().nbytes() if t._base is None else t.nbytes
@@ -487,6 +528,7 @@ class SelectiveFrame:
         "_calls",
         "_dense",
         "_digests",
+        "_kept_at",
         "_draw_calls",
         "_drawn",
         "_drawn_ops",
@@ -514,6 +556,7 @@ class SelectiveFrame:
         self.verify = verify
         self.events: list[KeptEvent] = []
         self._kept: dict = {}  # (key, call) -> (position among the op's kept calls, arguments)
+        self._kept_at: dict = {}  # (device, storage) -> the kept calls whose output it holds
         self._kept_ops: dict = defaultdict(int)  # key -> calls kept
         self._calls: dict = defaultdict(int)  # key -> calls seen in the forward (kept ops')
         self._digests: dict = {}
@@ -531,6 +574,10 @@ class SelectiveFrame:
         recompute = CheckpointPolicy.PREFER_RECOMPUTE
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if self._kept_at:
+                spots = _written_arguments(func)
+                if spots is not None:  # (after the op ran: it wrote)
+                    self._written(func, spots, args, kwargs)
             if func not in SAVED_OPS:  # no policy keeps it: not counted (see _KeptReplay)
                 if func in _MASK_DRAWS:
                     self._keep_mask(func, args, kwargs, getattr(ctx, "op_output", None))
@@ -559,6 +606,9 @@ class SelectiveFrame:
                 self._post[(key, idx)] = (gen, gen.get_state())
             self._kept[(key, idx)] = (self._kept_ops[key], _signature(args))
             self._kept_ops[key] += 1
+            if out is not None:
+                for where in _storages(torch.utils._pytree.tree_leaves(out)):
+                    self._kept_at.setdefault(where, []).append((key, idx, str(func)))
             if verify and out is not None:
                 self._digests[(key, idx)] = digests(
                     [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -588,6 +638,36 @@ class SelectiveFrame:
                 self._digests.pop((key, idx), None)
                 self._post.pop((key, idx), None)
         return density
+
+    def _written(self, func: Any, spots: tuple, args: tuple, kwargs: dict) -> None:
+        """In the forward, after an op that writes some of its arguments: a kept output whose
+        bytes it wrote is not kept (the replay runs its op again, and later frames keep no
+        such call: a ``"written"`` event). Its version counter need not move: ``matmul`` of a
+        3-d input returns its product through ``_unsafe_view`` and GRU cells split theirs
+        with ``unsafe_chunk``, aliases with counters of their own, so a ``mul_`` through one
+        changes the kept bytes with no version bump (the replay, handed those bytes, ran the
+        write a second time: wrong gradients, nothing recorded)."""
+        positions, names = spots
+        hit: list = []
+        for i in positions:
+            if i < len(args):
+                hit += _storages(args[i])
+        for n in names:
+            if n in kwargs:
+                hit += _storages(kwargs[n])
+        for where in hit:
+            for key, idx, op in self._kept_at.pop(where, ()):
+                kept = self._kept.pop((key, idx), None)
+                if kept is None:
+                    continue
+                store = self.forward.storage.get(key)
+                if store is not None:  # the replay runs the op (an emptied entry)
+                    store[kept[0] if isinstance(store, list) else idx] = None
+                self._digests.pop((key, idx), None)
+                self._post.pop((key, idx), None)
+                self._dense.pop((key, idx), None)
+                seen = f"written in place in the forward by {func} (through an alias)"
+                self.events.append(KeptEvent("written", op, idx, seen))
 
     def _keep_mask(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """In the forward, after a mask was drawn in place: its values (only 0 and 1: one
