@@ -926,3 +926,39 @@ def test_planner_min_budget_gradient_penalty():
         lambda: Net(MLP), _seq, SEGS, "matmul", steps=16, step_fn=_penalty_step, budget="min"
     )
     assert summary
+
+
+class _ReturnsItsProduct(nn.Module):
+    """A bias-free Linear on a 3-d input (``matmul``: the product through ``_unsafe_view``),
+    returned as it is and also read inside the segment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        k = self.a(x)
+        return k, torch.tanh(k)
+
+
+class _WritesWhatTheSegmentReturned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seg = _ReturnsItsProduct()
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x):
+        k, t = self.seg(x)
+        k.mul_(2.0)  # the caller writes the returned product: the kept bytes change
+        return self.head(t + k)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_caller_writes_a_returned_kept_product(policy):
+    """After the segment returned it, the caller writes its product in place through the
+    returned alias (its own version counter, not the kept tensor's): the replay must not use
+    the written bytes (before: 5.2e-2 max abs gradient difference from step 1, no record)."""
+    _, records = _compare(_WritesWhatTheSegmentReturned, _seq, ["seg"], policy)
+    if policy == "matmul":  # (the others may keep no product this small)
+        rejected = [r for r in records if r.check == "selective" and r.outcome == "rejection"]
+        assert rejected and "after the segment returned it" in rejected[0].detail, records

@@ -618,6 +618,8 @@ class SegmentRuntime:
                     else:
                         with sample:
                             out = forward(*a, **kw)
+                if sac is not None:
+                    sac.watch_outputs(out)
             finally:
                 inv.in_forward = False
                 eng._segment_depth -= 1

@@ -423,6 +423,8 @@ class _KeptReplay(TorchDispatchMode):
 
     def __enter__(self) -> Any:
         self.counter.clear()  # a second replay (retain_graph) counts from the start again
+        if self.frame._returned:
+            self.frame.outputs_written()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
@@ -529,6 +531,7 @@ class SelectiveFrame:
         "_dense",
         "_digests",
         "_kept_at",
+        "_returned",
         "_draw_calls",
         "_drawn",
         "_drawn_ops",
@@ -557,6 +560,7 @@ class SelectiveFrame:
         self.events: list[KeptEvent] = []
         self._kept: dict = {}  # (key, call) -> (position among the op's kept calls, arguments)
         self._kept_at: dict = {}  # (device, storage) -> the kept calls whose output it holds
+        self._returned: list = []  # outputs holding kept bytes: (alias, version, storage)
         self._kept_ops: dict = defaultdict(int)  # key -> calls kept
         self._calls: dict = defaultdict(int)  # key -> calls seen in the forward (kept ops')
         self._digests: dict = {}
@@ -637,6 +641,10 @@ class SelectiveFrame:
                     store[self._kept[(key, idx)][0] if isinstance(store, list) else idx] = None
                 self._digests.pop((key, idx), None)
                 self._post.pop((key, idx), None)
+                for calls in self._kept_at.values():
+                    calls[:] = [c for c in calls if (c[0], c[1]) != (key, idx)]
+            if self._returned:  # (an output whose kept calls all went holds nothing kept)
+                self._returned = [r for r in self._returned if self._kept_at.get(r[2])]
         return density
 
     def _written(self, func: Any, spots: tuple, args: tuple, kwargs: dict) -> None:
@@ -656,18 +664,47 @@ class SelectiveFrame:
             if n in kwargs:
                 hit += _storages(kwargs[n])
         for where in hit:
-            for key, idx, op in self._kept_at.pop(where, ()):
-                kept = self._kept.pop((key, idx), None)
-                if kept is None:
-                    continue
-                store = self.forward.storage.get(key)
-                if store is not None:  # the replay runs the op (an emptied entry)
-                    store[kept[0] if isinstance(store, list) else idx] = None
-                self._digests.pop((key, idx), None)
-                self._post.pop((key, idx), None)
-                self._dense.pop((key, idx), None)
-                seen = f"written in place in the forward by {func} (through an alias)"
-                self.events.append(KeptEvent("written", op, idx, seen))
+            self._drop_written(where, f"written in place in the forward by {func}")
+
+    def _drop_written(self, where: tuple[str, int], seen: str) -> None:
+        """The kept outputs whose bytes are in storage ``where`` were written: not kept (the
+        replay runs their ops again), each a ``"written"`` event."""
+        for key, idx, op in self._kept_at.pop(where, ()):
+            kept = self._kept.pop((key, idx), None)
+            if kept is None:
+                continue
+            store = self.forward.storage.get(key)
+            if store is not None:  # the replay runs the op (an emptied entry)
+                store[kept[0] if isinstance(store, list) else idx] = None
+            self._digests.pop((key, idx), None)
+            self._post.pop((key, idx), None)
+            self._dense.pop((key, idx), None)
+            self.events.append(KeptEvent("written", op, idx, seen))
+
+    def watch_outputs(self, out: Any) -> None:
+        """At the forward's end: the segment's outputs that hold a kept output's bytes (a
+        bias-free ``Linear`` returned as it is). The caller may write them in place, through
+        a view that shares their version counter and not the kept tensor's (``matmul``
+        returns a 3-d product through ``_unsafe_view``); the replay then runs those ops
+        again (:meth:`outputs_written`). Each is held as a detached alias: its version
+        counter, no graph, no bytes of its own."""
+        if not self._kept_at:
+            return
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                for where in _storages(t):
+                    if where in self._kept_at:
+                        self._returned.append((t.detach(), t._version, where))
+
+    def outputs_written(self) -> None:
+        """At the replay's start: an output :meth:`watch_outputs` held was written since the
+        forward (its version moved): the kept outputs in its storage are not used. The
+        aliases go now (a kept output the replay consumes is freed as it is used, as
+        before)."""
+        returned, self._returned = self._returned, []
+        for alias, version, where in returned:
+            if alias._version != version:
+                self._drop_written(where, "written in place after the segment returned it")
 
     def _keep_mask(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """In the forward, after a mask was drawn in place: its values (only 0 and 1: one
@@ -691,6 +728,7 @@ class SelectiveFrame:
     def release(self) -> None:
         """Drop what the forward kept (after the replay, or after a measurement)."""
         self.forward.storage.clear()
+        self._returned.clear()
         self._drawn.clear()
         self._post.clear()
 
