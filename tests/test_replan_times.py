@@ -77,27 +77,39 @@ def _one_replay_budget(e) -> int:
     return one
 
 
-def test_a_plan_whose_replays_time_off_calibration_is_made_again(collector_off):
+#: calibration's replay seconds per segment: blocks.0's reads as the cheapest
+CAL = {"blocks.0": 0.001, "blocks.1": 0.005, "blocks.2": 0.006, "blocks.3": 0.007}
+
+
+def _planned_one_replay(replan_on: tuple, steady_b0: float):
+    """Four blocks calibrated with :data:`CAL`'s figures, then planned for a budget that
+    replays one block (calibration: blocks.0); the steps under the plan time blocks.0's
+    replay at ``steady_b0`` seconds. Returns the model, the engine and its plan version."""
     torch.manual_seed(0)
     m = _Blocks()
-    e = lr.install(m, m.segments, budget=10**12, replan_on=("times",))
-    cal = {"blocks.0": 0.001, "blocks.1": 0.005, "blocks.2": 0.006, "blocks.3": 0.007}
-    steady = {**cal, "blocks.0": 0.020}  # blocks.0 is the dearest replay in steady steps
-    _timed_by(e, cal, steady)
+    e = lr.install(m, m.segments, budget=10**12, replan_on=replan_on)
+    _timed_by(e, CAL, {**CAL, "blocks.0": steady_b0})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _steps(m, 0, e.steps_to_first_plan + 2)
         assert e.plan is not None
         e.replan(budget=_one_replay_budget(e))
-        # calibration: blocks.0's replay is the cheapest, so it is the one replayed
-        assert e.plan.choices == {
-            "blocks.0": "recompute",
-            "blocks.1": "retain",
-            "blocks.2": "retain",
-            "blocks.3": "retain",
-        }
-        v = e.plan_version
-        patience = e.replan_policy.settings.time_patience
+    return m, e, e.plan_version
+
+
+def test_a_plan_whose_replays_time_off_calibration_is_made_again(collector_off):
+    # blocks.0 is the dearest replay in steady steps
+    m, e, v = _planned_one_replay(("times",), 0.020)
+    # calibration: blocks.0's replay is the cheapest, so it is the one replayed
+    assert e.plan.choices == {
+        "blocks.0": "recompute",
+        "blocks.1": "retain",
+        "blocks.2": "retain",
+        "blocks.3": "retain",
+    }
+    patience = e.replan_policy.settings.time_patience
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         _steps(m, 100, patience)
         assert e.plan_version == v  # judged only once the plan ran time_patience steps
         _steps(m, 200, 2)
@@ -115,17 +127,10 @@ def test_a_plan_whose_replays_time_off_calibration_is_made_again(collector_off):
 
 
 def test_a_plan_whose_replays_time_as_planned_stays(collector_off):
-    torch.manual_seed(0)
-    m = _Blocks()
-    e = lr.install(m, m.segments, budget=10**12, replan_on=("times",))
-    cal = {"blocks.0": 0.001, "blocks.1": 0.005, "blocks.2": 0.006, "blocks.3": 0.007}
     # within time_drift (25 %) of the plan's figure: no re-plan
-    _timed_by(e, cal, {**cal, "blocks.0": 0.0012})
+    m, e, v = _planned_one_replay(("times",), 0.0012)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _steps(m, 0, e.steps_to_first_plan + 2)
-        e.replan(budget=_one_replay_budget(e))
-        v = e.plan_version
         _steps(m, 100, 3 * e.replan_policy.settings.time_patience)
     assert e.plan_version == v and e.plan.choices["blocks.0"] == "recompute"
     e.uninstall()
@@ -133,16 +138,9 @@ def test_a_plan_whose_replays_time_as_planned_stays(collector_off):
 
 def test_without_times_a_plan_is_not_made_again_for_them(collector_off):
     """The same drift with ``"times"`` not asked for: the calibration's plan stays."""
-    torch.manual_seed(0)
-    m = _Blocks()
-    e = lr.install(m, m.segments, budget=10**12, replan_on=("violations",))
-    cal = {"blocks.0": 0.001, "blocks.1": 0.005, "blocks.2": 0.006, "blocks.3": 0.007}
-    _timed_by(e, cal, {**cal, "blocks.0": 0.020})
+    m, e, v = _planned_one_replay(("violations",), 0.020)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _steps(m, 0, e.steps_to_first_plan + 2)
-        e.replan(budget=_one_replay_budget(e))
-        v = e.plan_version
         _steps(m, 100, 20)
     assert e.plan_version == v and e.plan.choices["blocks.0"] == "recompute"
     e.uninstall()
