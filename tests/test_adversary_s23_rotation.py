@@ -206,7 +206,8 @@ def _plans(e):
 def _find(e, want):
     """Re-plan and set ``e.budget`` (the plan keeps its choices) to the first measured budget
     whose classes ``want`` accepts: budgets from the plan's peak to its largest single check's
-    peak, in twentieths. Returns the classes, or None (the engine is left as it was found)."""
+    peak, in twentieths. Returns the classes, or None (the engine is re-planned at the budget it
+    had, or at the lowest feasible one where that is higher)."""
     start = e.plan.choices, e.budget
     for b in _plans(e):
         e.replan(budget=b)
@@ -221,7 +222,10 @@ def _find(e, want):
             cls = _classes(e)
             if want(cls):
                 return cls
-    e.replan(budget=start[1])
+    # the base is re-measured on every step, so the budget found in _measured may now be a few
+    # bytes short of the lowest plan (seen in CI: 4 bytes)
+    lowest = min_feasible_budget(e.costs, e.real_base_memory, **e.phase_peak_args)
+    e.replan(budget=max(start[1], lowest))
     return None
 
 
