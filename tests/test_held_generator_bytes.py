@@ -55,7 +55,10 @@ def _states_held() -> int:
     seen = set()
     for o in gc.get_objects():
         if isinstance(o, torch.Tensor) and o.dtype == torch.uint8 and o.numel() == STATE:
-            seen.add(o.untyped_storage().data_ptr())
+            try:
+                seen.add(o.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # another test's fake tensor: no bytes
+                continue
     return len(seen)
 
 

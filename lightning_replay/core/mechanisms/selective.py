@@ -59,6 +59,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -542,9 +543,9 @@ class SelectiveFrame:
         "events",
         "flops",
         "forward",
-        "recompute",
         "saved",
         "verify",
+        "__weakref__",
     )
 
     def __init__(
@@ -577,7 +578,15 @@ class SelectiveFrame:
         save = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
         recompute = CheckpointPolicy.PREFER_RECOMPUTE
 
+        # The forward's mode holds this function and the frame holds the mode: the function
+        # reaches the frame weakly, so that a frame whose graph is dropped before backward goes
+        # with it, kept outputs included (a cycle would leave them to the cyclic collector).
+        frame = weakref.ref(self)
+
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            self = frame()
+            if self is None:  # (the forward's mode outlived its frame: nothing is kept)
+                return recompute
             if self._kept_at:
                 spots = _written_arguments(func)
                 if spots is not None:  # (after the op ran: it wrote)
@@ -620,9 +629,14 @@ class SelectiveFrame:
             return p
 
         self.forward, _ = create_selective_checkpoint_contexts(policy_fn)
-        self.recompute = _KeptReplay(self)
         if _CHECKPOINT_KWARGS:  # entered by the caller, not by checkpoint: say it here
             self.forward.respect_saved_tensors_hooks = False
+
+    @property
+    def recompute(self) -> _KeptReplay:
+        """The replay's mode: a new one for each replay (it holds the frame; the frame does not
+        hold it, so no cycle keeps the kept outputs past the graph that holds the frame)."""
+        return _KeptReplay(self)
 
     def settle(self, activation_bytes: int) -> float | None:
         """After the forward, under ``"flops"``: the segment's flops per byte of activations
