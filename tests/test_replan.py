@@ -4,6 +4,7 @@ changed input shapes), and not at all by default."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -38,6 +39,10 @@ def _table_model():
 
 def _plans(engine):
     return [r for r in engine.records.read() if r.check == "plan" and r.outcome == "match"]
+
+
+def _reasons(record) -> list[str]:
+    return json.loads(record.detail)["reasons"]
 
 
 def _contracts(engine, segment="0"):
@@ -89,6 +94,8 @@ def test_a_violation_replans_once_the_new_contract_is_in_force():
     plans = _plans(engine)
     assert [r.contract_version for r in plans] == [1, 2]  # plan versions
     assert plans[1].step > contracts[1].step  # planned after the new contract, not before
+    # each plan record says why it was made: the calibration's end, then the policy's reason
+    assert [_reasons(r) for r in plans] == [["calibrated"], ["violations"]]
     assert engine.replan_policy.replans == 1 and engine.plan_version == 2
     # the re-plan changed options, not numbers: after the rejected step the replayed
     # segment's gradients are a plain model's
@@ -146,6 +153,7 @@ def test_a_memory_misfit_replans_and_the_new_plan_holds_the_budget():
             engine.reconfigure(budget=lowered)
             at = stats["step"]
     assert engine.replan_policy.replans == 1 and engine.plan_version == 2
+    assert _reasons(_plans(engine)[-1]) == ["memory"]
     assert engine.plan.budget == lowered
     assert any(o != "retain" for o in engine.plan.choices.values())
     after = [peaks[s] for s in peaks if s > at + 1]
@@ -175,6 +183,24 @@ def test_changed_input_shapes_replan_once_they_persist(sizes, replans):
     for i, n in enumerate(sizes):
         model(torch.randn(n, 16, generator=torch.Generator().manual_seed(i))).sum().backward()
     assert engine.replan_policy.replans == replans
+    if replans:  # (a re-plan to the same choices writes no record)
+        assert {"shapes"} >= {x for r in _plans(engine)[1:] for x in _reasons(r)}
+
+
+def test_a_plan_made_by_hand_says_it_was_requested():
+    """``engine.replan(...)`` by the caller: its record says ``requested``; a plan the engine
+    makes itself names its own reason (the first: ``calibrated``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 16)) for _ in range(3)]
+    )
+    engine = lr.install(model, ["0", "1", "2"], budget="1GiB", calibration_steps=1)
+    for i in range(4):
+        model(torch.randn(32, 16, generator=torch.Generator().manual_seed(i))).sum().backward()
+    engine.replan(budget=None)  # the lowest-memory plan: other choices than all-retain
+    plans = _plans(engine)
+    assert [_reasons(r) for r in plans] == [["calibrated"], ["requested"]], plans
+    assert engine._why == ()  # (nothing left in force after the calls)
 
 
 def test_the_policy_waits_while_a_segment_is_probed_and_honours_the_cooldown():

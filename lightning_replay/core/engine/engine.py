@@ -180,6 +180,7 @@ class ReplayEngine:
         self._check_budget_floor()
         self.plan: _planner.Plan | None = None
         self.plan_version = 0
+        self._why: tuple[str, ...] = ()  # why a plan is being made (see _because)
         self.plan_transform: Callable[[_planner.Plan], _planner.Plan] | None = None
         self.meter = CostMeter()
         self.measure_costs = (
@@ -716,6 +717,22 @@ class ReplayEngine:
         self._apply_plan(p)
         return p
 
+    @contextlib.contextmanager
+    def _because(self, *reasons: str) -> Iterator[None]:
+        """Plans made inside name ``reasons`` in their record (after those of an enclosing
+        call: a re-plan for memory that falls back to the lowest plan names both)."""
+        outer = self._why
+        self._why = outer + tuple(r for r in reasons if r not in outer)
+        try:
+            yield
+        finally:
+            self._why = outer
+
+    def _plan_reasons(self) -> list[str]:
+        """Why the plan being recorded was made: the reasons of :meth:`_because`, or
+        ``["requested"]`` (a caller's :meth:`replan`)."""
+        return list(self._why) or ["requested"]
+
     def reconfigure(
         self, *, budget: int | str | None | object = _UNCHANGED, planner: str | None = None
     ) -> None:
@@ -764,7 +781,12 @@ class ReplayEngine:
             contract_version=version,
             check="plan",
             outcome="match",
-            detail={"plan_version": version, "adopted_from_rank": from_rank, **plan.to_dict()},
+            detail={
+                "plan_version": version,
+                "adopted_from_rank": from_rank,
+                "reasons": self._plan_reasons(),
+                **plan.to_dict(),
+            },
         )
 
     def _apply_plan(self, p: _planner.Plan) -> None:
@@ -781,7 +803,11 @@ class ReplayEngine:
             contract_version=self.plan_version,
             check="plan",
             outcome="match",
-            detail={"plan_version": self.plan_version, **p.to_dict()},
+            detail={
+                "plan_version": self.plan_version,
+                "reasons": self._plan_reasons(),
+                **p.to_dict(),
+            },
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -1000,10 +1026,11 @@ class ReplayEngine:
             # the step on inputs larger than any measured ran the lowest plan, measured: the
             # plan for the budget is made with its real figure
             self._low_until_measured = False
-            try:
-                self.replan()
-            except InfeasibleBudget as exc:
-                self._lowest_plan_instead(exc)
+            with self._because("larger_inputs_measured"):
+                try:
+                    self.replan()
+                except InfeasibleBudget as exc:
+                    self._lowest_plan_instead(exc)
         policy = self.replan_policy
         if policy is not None:  # install(replan_on=...): judge the step just trained
             if self.step > 0:
@@ -1220,7 +1247,8 @@ class ReplayEngine:
             # prediction is the formula's with the measured figure. Under the lowest-memory
             # plan ("min"), another plan may now be lower: make it again.
             if self.budget is None and self._lower_plan_known(predicted):
-                self.replan()
+                with self._because("lower_plan_measured"):
+                    self.replan()
                 return
             self.plan = dataclasses.replace(plan, peak_memory=predicted)
             self._plan_extras = (self.plan, extras)
@@ -1228,10 +1256,11 @@ class ReplayEngine:
         if predicted <= plan.peak_memory:
             return
         if self.budget is not None and predicted > self.budget:
-            try:
-                self.replan()  # the plan no longer fits once the real figure is known
-            except InfeasibleBudget as exc:
-                self._lowest_plan_instead(exc)
+            with self._because("measured_over_budget"):
+                try:
+                    self.replan()  # the plan no longer fits once the real figure is known
+                except InfeasibleBudget as exc:
+                    self._lowest_plan_instead(exc)
         else:  # it still fits: only its prediction changes
             self.plan = dataclasses.replace(
                 plan,
@@ -1253,7 +1282,8 @@ class ReplayEngine:
             return
         budget = self.config.budget
         try:
-            self.replan(budget=None)
+            with self._because("larger_inputs_lowest_until_measured"):
+                self.replan(budget=None)
         finally:
             self.reconfigure(budget=budget)
         self._low_until_measured = True
@@ -1357,10 +1387,11 @@ class ReplayEngine:
             **self.phase_peak_args,
         )
         if self.budget is not None and predicted > self.budget:
-            try:
-                self.replan()
-            except InfeasibleBudget as exc:
-                self._lowest_plan_instead(exc)
+            with self._because("larger_inputs"):
+                try:
+                    self.replan()
+                except InfeasibleBudget as exc:
+                    self._lowest_plan_instead(exc)
         elif predicted > plan.peak_memory:
             self.plan = dataclasses.replace(plan, peak_memory=predicted)
 
@@ -1370,7 +1401,8 @@ class ReplayEngine:
         The budget stays the user's: a later re-plan aims for it again."""
         budget = self.config.budget
         try:
-            self.replan(budget=exc.min_feasible)
+            with self._because("budget_unreachable_lowest_plan"):
+                self.replan(budget=exc.min_feasible)
         finally:
             self.reconfigure(budget=budget)
         warnings.warn(
@@ -1443,7 +1475,8 @@ class ReplayEngine:
             return
         phase = self._phase_taken = self._calibration.pop(0)
         if phase == "plan":
-            self.replan()
+            with self._because("calibrated"):
+                self.replan()
             return
         phase, _, warm = phase.partition(":")
         self._warmup = bool(warm)
@@ -1536,15 +1569,17 @@ class ReplayEngine:
             # yet, so no prediction bounds a plan that keeps more
             budget = self.config.budget
             try:
-                self.replan(budget=None)
+                with self._because("late_segments_lowest_until_measured"):
+                    self.replan(budget=None)
             finally:
                 self.reconfigure(budget=budget)
             self._measure_plan()
             return
-        try:
-            self.replan()
-        except InfeasibleBudget as exc:
-            self._lowest_plan_instead(exc)
+        with self._because("stand_ins_measured"):
+            try:
+                self.replan()
+            except InfeasibleBudget as exc:
+                self._lowest_plan_instead(exc)
 
     def _calibration_base(self) -> int:
         """The base a calibration step is predicted with: the real base, or, where larger (no

@@ -233,10 +233,11 @@ def rebase_held(eng, held: int, size: int, real: int, larger: bool) -> tuple[int
 def replan_smaller_base(eng) -> None:
     """The plan in force was made with a base that held memory freed since: made again (a
     budget the larger base could not meet may be met now; a plan that fit may be faster)."""
-    try:
-        eng.replan()
-    except _planner.InfeasibleBudget as exc:
-        eng._lowest_plan_instead(exc)
+    with eng._because("smaller_base"):
+        try:
+            eng.replan()
+        except _planner.InfeasibleBudget as exc:
+            eng._lowest_plan_instead(exc)
 
 
 def _formula_peak(eng, plan: _planner.Plan | None) -> int:

@@ -289,7 +289,8 @@ class ReplanPolicy:
         recorded (a failed ``plan`` record naming the reasons) and the plan in force kept."""
         before = dict(engine.plan.choices) if engine.plan is not None else None
         try:
-            plan = (replan or engine.replan)()
+            with engine._because(*reasons):  # (the plan record names them)
+                plan = (replan or engine.replan)()
         except InfeasibleBudget as exc:
             engine.records.record_plan(
                 step=engine.step,
