@@ -127,7 +127,7 @@ def digest(t: torch.Tensor) -> int:
     changes with any single flipped bit; digests are compared on the device they came from.
     """
     with torch.no_grad():
-        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        b = _bytes_of(t)
         n = b.numel()
         if n == 0:
             return 0
@@ -148,7 +148,7 @@ def digests(tensors: list[torch.Tensor]) -> list[int]:
     pending: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
     with torch.no_grad():
         for i, t in enumerate(tensors):
-            b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            b = _bytes_of(t)
             if b.numel() == 0:
                 out[i] = 0
             elif _on_host(b):
@@ -167,12 +167,29 @@ def digest_token(t: torch.Tensor) -> Any:
     tensor on an accelerator; :func:`resolve_tokens` turns a list of them into digests with
     one read back per device."""
     with torch.no_grad():
-        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        b = _bytes_of(t)
         if b.numel() == 0:
             return 0
         if _on_host(b):
             return zlib.crc32(_host_view(b)) ^ (b.numel() << 32)
         return (b.numel(), _word_sums(b))
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The bytes a digest reads, as a flat ``uint8`` tensor: a strided tensor's own (no copy
+    where contiguous); a sparse one's parts in order (its indices, values and shape: a copy, as
+    small as its non-zeros)."""
+    t = t.detach()
+    if t.layout == torch.strided:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+    if t.layout == torch.sparse_coo:
+        parts = [t._indices(), t._values()]
+    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = [t.crow_indices(), t.col_indices(), t.values()]
+    else:  # sparse_csc, sparse_bsc
+        parts = [t.ccol_indices(), t.row_indices(), t.values()]
+    parts.append(torch.tensor(t.shape, dtype=torch.int64, device=t.device))
+    return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
 
 
 def resolve_tokens(tokens: list) -> list[int]:

@@ -273,6 +273,38 @@ def _written_arguments(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]] | N
     return spots
 
 
+#: per op: whether it returns an alias of an input that its schema does not call a view
+#: (``_unsafe_view``, ``unsafe_chunk``, ``unsafe_split``: torch names them so): an alias with
+#: a version counter of its own.
+_UNSAFE_ALIAS: dict = {}
+
+
+def _unsafe_alias(func: Any) -> bool:
+    try:
+        return _UNSAFE_ALIAS[func]
+    except KeyError:
+        pass
+    schema = getattr(func, "_schema", None)
+    out = (
+        schema is not None
+        and "unsafe" in schema.name
+        and all(r.alias_info is None for r in schema.returns)
+    )
+    _UNSAFE_ALIAS[func] = out
+    return out
+
+
+def _counted_alias(t: torch.Tensor) -> torch.Tensor:
+    """A detached alias of ``t`` that shares its version counter, also inside a dispatch mode
+    (beneath autograd a plain ``detach`` makes a counter of its own: a write through ``t``
+    would not show). As torch's selective checkpoint detaches what it caches."""
+    guard = getattr(torch._C, "_SetExcludeDispatchKeyGuard", None)
+    if guard is None:  # pragma: no cover - older torch
+        return t.detach()
+    with guard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
 def _storages(x: Any) -> list[tuple[str, int]]:
     """Where the tensors in ``x`` (a tensor, or a list of them) keep their bytes (a tensor
     without a storage of its own to ask, a wrapper subclass's, is left out)."""
@@ -287,8 +319,19 @@ def _storages(x: Any) -> list[tuple[str, int]]:
 
 
 def _out_bytes(out: Any) -> int:
+    """Bytes of an op's strided outputs (a sparse one has no storage to ask: not counted)."""
     return sum(
         t.untyped_storage().nbytes() if t._base is None else t.nbytes
+        for t in torch.utils._pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided
+    )
+
+
+def _keepable(out: Any) -> bool:
+    """Whether an op's output can be kept: strided tensors only (a sparse or other layout has no
+    storage to charge, watch or digest: the op runs again at the replay)."""
+    return all(
+        t.layout == torch.strided
         for t in torch.utils._pytree.tree_leaves(out)
         if isinstance(t, torch.Tensor)
     )
@@ -591,6 +634,8 @@ class SelectiveFrame:
                 spots = _written_arguments(func)
                 if spots is not None:  # (after the op ran: it wrote)
                     self._written(func, spots, args, kwargs)
+                elif _unsafe_alias(func):
+                    self._watch_aliases(getattr(ctx, "op_output", None))
             if func not in SAVED_OPS:  # no policy keeps it: not counted (see _KeptReplay)
                 if func in _MASK_DRAWS:
                     self._keep_mask(func, args, kwargs, getattr(ctx, "op_output", None))
@@ -605,6 +650,10 @@ class SelectiveFrame:
             p = inner(ctx, func, *args, **kwargs)
             if p not in save:
                 return p
+            if torch.is_inference_mode_enabled() or not _keepable(out):
+                # an inference tensor has no version counter to check at the replay, a sparse
+                # output no storage: the op runs again (counted above, as the replay counts it)
+                return recompute
             if skip and (str(func), idx) in skip:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if flops is not None:
@@ -683,6 +732,7 @@ class SelectiveFrame:
     def _drop_written(self, where: tuple[str, int], seen: str) -> None:
         """The kept outputs whose bytes are in storage ``where`` were written: not kept (the
         replay runs their ops again), each a ``"written"`` event."""
+        self._returned = [r for r in self._returned if r[2] != where]  # (nothing kept there)
         for key, idx, op in self._kept_at.pop(where, ()):
             kept = self._kept.pop((key, idx), None)
             if kept is None:
@@ -696,19 +746,27 @@ class SelectiveFrame:
             self.events.append(KeptEvent("written", op, idx, seen))
 
     def watch_outputs(self, out: Any) -> None:
-        """At the forward's end: the segment's outputs that hold a kept output's bytes (a
-        bias-free ``Linear`` returned as it is). The caller may write them in place, through
-        a view that shares their version counter and not the kept tensor's (``matmul``
-        returns a 3-d product through ``_unsafe_view``); the replay then runs those ops
-        again (:meth:`outputs_written`). Each is held as a detached alias: its version
-        counter, no graph, no bytes of its own."""
-        if not self._kept_at:
+        """At the forward's end: the segment's outputs that hold a kept output's bytes are
+        watched as :meth:`_watch_aliases` watches the aliases the forward's ops made (an output
+        made without an op, ``.data`` of a product, has a counter of its own too)."""
+        if self._kept_at:
+            self._watch_aliases(out)
+
+    def _watch_aliases(self, out: Any) -> None:
+        """In the forward, after an op that returns an alias its schema does not call a view:
+        one that shares a kept output's bytes (``matmul`` of a 3-d input returns its ``mm``
+        product through ``_unsafe_view``; GRU cells split theirs with ``unsafe_chunk``) has a
+        version counter of its own. Wherever it goes (returned in any container, kept
+        as an attribute, appended to a list, written by the segment's next call), a write
+        through it moves that counter: each is held as a detached alias (its counter, no graph,
+        no bytes of its own) and read when the replay begins (:meth:`outputs_written`)."""
+        if out is None:
             return
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 for where in _storages(t):
                     if where in self._kept_at:
-                        self._returned.append((t.detach(), t._version, where))
+                        self._returned.append((_counted_alias(t), t._version, where))
 
     def outputs_written(self) -> None:
         """At the replay's start: an output :meth:`watch_outputs` held was written since the
@@ -789,7 +847,7 @@ class SelectiveFrame:
         saved = self.saved = set()
 
         def pack(t: torch.Tensor) -> Any:
-            saved.add((str(t.device), t.untyped_storage().data_ptr()))
+            saved.update(_storages(t))  # (a sparse tensor has none: no kept output is one)
             return outer[0](t) if outer is not None else t
 
         def unpack(x: Any) -> Any:

@@ -656,9 +656,14 @@ class SegmentChecks:
         changed without a version bump, other arguments, calls out of order) is a divergence:
         recorded here on a replay (``check="bytes"`` or ``"selective"``), returned to the
         derivative check's record where ``checked``, and the segment reacts as to any other.
+        A call whose bytes changed with no version bump (``.data`` or a NumPy view written: only
+        a checked step's digest sees it) is not kept from now on either: the steps after the
+        check are exact without waiting for the next one.
         """
         diverged: list[KeptEvent] = []
         for ev in events:
+            if ev.kind == "bytes":
+                self.seg.sac_skip.add((ev.op, ev.call))
             if ev.kind == "written":
                 self.seg.sac_skip.add((ev.op, ev.call))
                 self.records.append(

@@ -730,7 +730,11 @@ class SegmentProbe:
                 # gradient reads leaves the outputs alike), and the version it was saved at
                 probe.saved_tokens.append(digest_token(t))
                 probe.saved_live.append(t)
-                if key not in probe.saved_state and start_index.lookup(key, t.untyped_storage()):
+                if (
+                    key is not None
+                    and key not in probe.saved_state
+                    and start_index.lookup(key, t.untyped_storage())
+                ):
                     # model state autograd saved: an alias that shares its version counter
                     # (its storage lives on anyway), to refuse a backward plain PyTorch refuses
                     probe.saved_state[key] = (t.detach(), t._version)
