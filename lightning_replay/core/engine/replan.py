@@ -286,7 +286,8 @@ class ReplanPolicy:
     ) -> ReplanOutcome:
         """Plan again for ``reasons`` with ``replan`` (default ``engine.replan``; a strategy
         passes its own, which agrees on rank 0's plan). An :class:`InfeasibleBudget` is
-        recorded (a failed ``plan`` record naming the reasons) and the plan in force kept."""
+        recorded (a failed ``plan`` record naming the reasons) and the plan in force kept; the
+        cooldown counts from a failed try as from a re-plan."""
         before = dict(engine.plan.choices) if engine.plan is not None else None
         try:
             with engine._because(*reasons):  # (the plan record names them)
@@ -298,7 +299,12 @@ class ReplanPolicy:
                 detail={"reasons": list(reasons), "error": str(exc)},
                 failed=True,
             )
+            # a try all the same: the cooldown counts from it, and the same shapes or the same
+            # violation do not ask again (a failed try on every step, each recorded and warned)
             self._memory_settled = True
+            self._violation_pending = False
+            self.last_replan_step = engine.step
+            self._plan_shapes = self._batch_shapes
             return ReplanOutcome(engine.plan, False, exc)
         self.replans += 1
         self._violation_pending = False

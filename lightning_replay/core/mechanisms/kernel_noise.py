@@ -580,9 +580,24 @@ def _bounds(t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit: a NaN where the other has the same NaN is equal (a model that blew up is
     not a divergence of the replay)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
+    if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
         return False
+    if a.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): its parts
+        pa, pb = _sparse_parts(a), _sparse_parts(b)
+        return len(pa) == len(pb) and all(bitwise_equal(x, y) for x, y in zip(pa, pb))
     if torch.equal(a, b):
         return True
     a, b = a.detach().contiguous(), b.detach().contiguous()
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """A sparse tensor's indices and values, coalesced (COO: the same gradient may list its
+    entries in another order, or a row twice) or compressed (CSR, CSC, BSR, BSC)."""
+    t = t.detach()
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce()
+        return [t.indices(), t.values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    return [t.ccol_indices(), t.row_indices(), t.values()]
