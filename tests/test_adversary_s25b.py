@@ -46,16 +46,6 @@ def _one_thread():
     torch.set_num_threads(prev)
 
 
-@pytest.fixture
-def collector_off():
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def _seq(step: int, b: int = 2, s: int = 8, d: int = D) -> torch.Tensor:
     return torch.randn(b, s, d, generator=torch.Generator().manual_seed(1000 + step))
 
