@@ -182,14 +182,18 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.layout == torch.strided:
         return t.contiguous().reshape(-1).view(torch.uint8)
-    if t.layout == torch.sparse_coo:
-        parts = [t._indices(), t._values()]
-    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
-        parts = [t.crow_indices(), t.col_indices(), t.values()]
-    else:  # sparse_csc, sparse_bsc
-        parts = [t.ccol_indices(), t.row_indices(), t.values()]
-    parts.append(torch.tensor(t.shape, dtype=torch.int64, device=t.device))
+    parts = [*sparse_parts(t), torch.tensor(t.shape, dtype=torch.int64, device=t.device)]
     return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
+
+
+def sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """A sparse tensor's indices and values as stored: COO's (in its own order, coalesced or
+    not), or the compressed ones (CSR, CSC, BSR, BSC)."""
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    return [t.ccol_indices(), t.row_indices(), t.values()]
 
 
 def resolve_tokens(tokens: list) -> list[int]:

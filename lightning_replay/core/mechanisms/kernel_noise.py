@@ -38,6 +38,7 @@ from lightning_replay.core.base.state import (
     digest_token,
     digests,
     resolve_tokens,
+    sparse_parts,
     storage_bytes,
     storage_key,
 )
@@ -583,7 +584,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
         return False
     if a.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): its parts
-        pa, pb = _sparse_parts(a), _sparse_parts(b)
+        pa, pb = sparse_parts(_coalesced(a)), sparse_parts(_coalesced(b))
         return len(pa) == len(pb) and all(bitwise_equal(x, y) for x, y in zip(pa, pb))
     if torch.equal(a, b):
         return True
@@ -591,13 +592,8 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """A sparse tensor's indices and values, coalesced (COO: the same gradient may list its
-    entries in another order, or a row twice) or compressed (CSR, CSC, BSR, BSC)."""
+def _coalesced(t: torch.Tensor) -> torch.Tensor:
+    """COO coalesced (the same gradient may list its entries in another order, or a row
+    twice); other layouts as they are."""
     t = t.detach()
-    if t.layout == torch.sparse_coo:
-        t = t.coalesce()
-        return [t.indices(), t.values()]
-    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
-        return [t.crow_indices(), t.col_indices(), t.values()]
-    return [t.ccol_indices(), t.row_indices(), t.values()]
+    return t.coalesce() if t.layout == torch.sparse_coo else t
