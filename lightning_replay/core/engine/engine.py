@@ -75,6 +75,7 @@ from lightning_replay.core.engine.step_graph import StepGraph, give_back, previo
 from lightning_replay.core.engine.real_peak import (
     _REPLAY,
     drop_stale_hooks,
+    fold_optimizer_growth,
     forward_begins,
     forward_ends,
     grad_credits,
@@ -83,6 +84,8 @@ from lightning_replay.core.engine.real_peak import (
     settle_real_peak,
     start_truth,
     stop_truth,
+    unwatch_optimizers,
+    watch_optimizers,
 )
 from lightning_replay.core.replay.restore import _Invocation
 from lightning_replay.core.engine import attach as _attach
@@ -238,6 +241,11 @@ class ReplayEngine:
         # in force includes at least, and the last step's (real_peak.rebase_held)
         self._held_ref: int | None = None
         self._held_prev: int | None = None
+        # the optimizers' state bytes the figures include (the most any measured step began
+        # with; state made after it is added at the first plan: real_peak.fold_optimizer_growth)
+        self._held_opt = 0
+        self._opt_watch: Any = None  # until the first plan: adopts the optimizers that step
+        self._truth_opt_start = 0  # ... the measured step began with
         self._max_size = 0  # the largest seen
         self.probe_size = 0  # the largest before the first plan (the probes' inputs)
         self._over_budget_warned = -1  # the plan version last warned for a real overrun
@@ -1015,6 +1023,8 @@ class ReplayEngine:
         self._last_step = self.step
         self._preserved_last_step = sum(rt.last_preserved_bytes for rt in self.runtimes.values())
         grads_now = observe_fresh_grads(self)  # before a re-fit: the plan holds for this step
+        if self.plan is None and self._opt_watch is None and self.real_peak:
+            self._opt_watch = watch_optimizers(self)
         measured = self.last_real_peak
         settle_real_peak(self)
         if self.last_real_peak is not measured and self._truth_plan is not None:
@@ -1176,6 +1186,7 @@ class ReplayEngine:
             self.end_forward()
         if self._truth is not None:
             stop_truth(self, self._truth)
+        unwatch_optimizers(self)
         drop_stale_hooks()
         for h in self._hooks:
             h.remove()
@@ -1475,6 +1486,7 @@ class ReplayEngine:
             return
         phase = self._phase_taken = self._calibration.pop(0)
         if phase == "plan":
+            fold_optimizer_growth(self)
             with self._because("calibrated"):
                 self.replan()
             return

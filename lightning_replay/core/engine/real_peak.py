@@ -194,9 +194,21 @@ def rebase_held(eng, held: int, size: int, real: int, larger: bool) -> tuple[int
 
     Returns (the pad for this step's figures, the bytes forgotten)."""
     ref = eng._held_ref
+    opt = eng._truth_opt_start
     if ref is None:
         eng._held_ref = eng._held_prev = held
+        eng._held_opt = opt
         return 0, 0
+    eng._held_opt = max(eng._held_opt, opt)
+    if held > ref:
+        # Held at this step's start, so at every moment of the steps to come: the figures
+        # this step does not measure again (a phase only earlier steps had: a replay measured
+        # before the optimizer made its state) are raised to it, as a drop lowers them
+        # (measured: gradient accumulation calibrated its replays before AdamW's first step;
+        # the first plan's replays held 531 KB of optimizer state beyond their figures, and
+        # the first planned step went 3.3 % over the budget)
+        _shift_figures(eng, held - ref)
+        eng._held_ref = ref = held
     if larger:  # a larger input than any (a larger batch held): the count starts again
         eng._held_ref, eng._held_prev = min(ref, held), None
         return max(ref - held, 0), 0
@@ -215,19 +227,25 @@ def rebase_held(eng, held: int, size: int, real: int, larger: bool) -> tuple[int
             eng._measure_plan(gap=False)
         return ref - held, 0
     eng._held_ref = ref = ref - drop
+    _shift_figures(eng, -drop)
+    return max(ref - held, 0), drop
+
+
+def _shift_figures(eng, delta: int) -> None:
+    """Every measured figure (each phase's excess, the optimizer phase, the residual) moves by
+    ``delta`` bytes: memory the process holds as steps begin came (> 0) or went (< 0)."""
     if eng._over_fwd is not None:
-        eng._over_fwd -= drop
+        eng._over_fwd += delta
     if eng._raw_fwd is not None:
-        eng._raw_fwd -= drop
+        eng._raw_fwd += delta
     for figures in (eng._over_replay, eng._raw_replay, eng._over_seg_fwd, eng._raw_seg_fwd):
         for key in figures:
-            figures[key] -= drop
+            figures[key] += delta
     if eng._floor:
-        eng._floor = max(eng._floor - drop, 0)
+        eng._floor = max(eng._floor + delta, 0)
     if eng._over_fwd is not None:
         eng._residual = max(min([eng._over_fwd, *eng._over_replay.values()]), 0)
-    eng._residual_fixed = max(eng._residual_fixed - drop, optimizer_bytes(eng), 0)
-    return max(ref - held, 0), drop
+    eng._residual_fixed = max(eng._residual_fixed + delta, optimizer_bytes(eng), 0)
 
 
 def replan_smaller_base(eng) -> None:
@@ -410,6 +428,7 @@ def start_truth(eng) -> None:
     eng._replay_released = {}
     eng._truth_forward = {}
     eng._truth_fresh = fresh_grads(eng.model)  # the gradients this step has yet to make
+    eng._truth_opt_start = optimizer_bytes(eng)  # (+ an optimizer first seen in its step: pre)
     eng._grad_seen, eng._grad_end_hooked = [], False
     # what the process held beyond the model's own tensors (gradients that exist now
     # included) and the batch: optimizer state and whatever anyone keeps between steps
@@ -433,10 +452,13 @@ def start_truth(eng) -> None:
             return
         stop_truth(e, t, opt)
 
-    def pre(*_: Any) -> None:
+    def pre(opt: Any, *_: Any) -> None:
         e, t = eng_ref(), truth_ref()
         if e is not None and t is not None and e._truth is t:
             t.mark("optimizer")  # the optimizer step is a phase of its own: no activation
+            if not any(o is opt for o in e._optimizers) and _steps_model(e, opt):
+                # not tracked yet: the state it held as the step began (before this step)
+                e._truth_opt_start += live_model_bytes(nn.Module(), [opt])
 
     eng._truth_hook = register_optimizer_step_post_hook(post)
     eng._truth_pre_hook = register_optimizer_step_pre_hook(pre)
@@ -468,14 +490,60 @@ def stop_truth(eng, truth: StepPeak, optimizer: Any = None) -> None:
 def adopt_optimizer(eng, optimizer: Any) -> bool:
     """Track an optimizer seen stepping this model's parameters (one ``track_optimizer``
     was not told about): its state is part of every step's real memory."""
-    if any(o is optimizer for o in eng._optimizers):
-        return False
-    ours = {id(p) for p in eng.model.parameters()}
-    groups = getattr(optimizer, "param_groups", ())
-    if not any(id(p) in ours for g in groups for p in g.get("params", ())):
+    if any(o is optimizer for o in eng._optimizers) or not _steps_model(eng, optimizer):
         return False
     eng._optimizers.append(optimizer)
     return True
+
+
+def _steps_model(eng, optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps any of the model's parameters."""
+    ours = {id(p) for p in eng.model.parameters()}
+    groups = getattr(optimizer, "param_groups", ())
+    return any(id(p) in ours for g in groups for p in g.get("params", ()))
+
+
+def watch_optimizers(eng) -> Any:
+    """Until the first plan: a hook on every optimizer's step that tracks those stepping the
+    model (:func:`fold_optimizer_growth` needs them; a measured step's hook adopts only the
+    optimizers that stepped inside it, and the warm-up steps of a gradient accumulation may
+    hold no optimizer step). Returns the handle; the hook holds the engine weakly."""
+    eng_ref = weakref.ref(eng)
+    handles: list = []
+
+    def post(opt: Any, *_: Any) -> None:
+        e = eng_ref()
+        if e is None or e.model is None:
+            _STALE_HOOKS.extend(handles)
+            handles.clear()
+            return
+        adopt_optimizer(e, opt)
+
+    handles.append(register_optimizer_step_post_hook(post))
+    return handles[0]
+
+
+def unwatch_optimizers(eng) -> None:
+    """Remove :func:`watch_optimizers`' hook (later, outside any optimizer step)."""
+    if eng._opt_watch is not None:
+        _STALE_HOOKS.append(eng._opt_watch)
+        eng._opt_watch = None
+
+
+def fold_optimizer_growth(eng) -> None:
+    """Before the first plan: optimizer state made after every measured step began (AdamW's
+    moments, made at its first step, where the measured warm-up steps ran before it: a
+    gradient accumulation's first micro-batches) is held at every moment of the steps to
+    come; every figure is raised by it, as by memory a measured step began with
+    (:func:`rebase_held`)."""
+    unwatch_optimizers(eng)
+    if eng._held_ref is None or eng._over_fwd is None:
+        return
+    grow = optimizer_bytes(eng) - eng._held_opt
+    if grow > 0:
+        _shift_figures(eng, grow)
+        eng._held_ref += grow
+        eng._held_opt += grow
 
 
 def optimizer_bytes(eng) -> int:
