@@ -283,6 +283,9 @@ def _run_mem(case: str, arm: str, budget=None) -> dict[str, Any]:
             for obj in gc.get_objects():
                 if issubclass(type(obj), torch.Tensor):
                     refs.append(weakref.ref(obj))
+            # (the loop's variable holds the walk's last object, which may be one of the run's,
+            # a StateRef holding a module: alive through this frame, not through the engine)
+            obj = None
         engine.uninstall()
         del model, opts
         alive = [r() for r in refs]
