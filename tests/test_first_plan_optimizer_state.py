@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import itertools
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.core.engine.peak import predicted_peak
+from tests.helpers.budget_runner import ResidualMlp
 from tests.helpers.torch_memory import StepReferee
 
 W, N = 64, 512
@@ -36,20 +38,10 @@ LOOSE = 1.10  # the most a prediction may exceed the real peak by here
 STEPS = 6
 
 
-class Blk(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(W, 2 * W)
-        self.b = nn.Linear(2 * W, W)
-
-    def forward(self, x):
-        return x + self.b(torch.tanh(self.a(x)))
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Blk() for _ in range(4))
+        self.blocks = nn.ModuleList(ResidualMlp(W, 2 * W) for _ in range(4))
         self.head = nn.Linear(W, 1)
 
     def forward(self, x):
@@ -170,3 +162,32 @@ def test_first_plan_predictions_bound_every_plan(optimizer, micro, referee):
     # a measured step began with, is not added again at the plan)
     under = [(c, round(q, 3)) for c, _, _, q in rows if q < 1 / LOOSE]
     assert not under, f"{optimizer}, {micro}: predicted over {LOOSE} x the real peak: {under}"
+
+
+def test_the_optimizer_watch_holds_nothing_after_uninstall():
+    """The hook that tracks optimizers until the first plan is gone with the engine: no hook
+    left on every optimizer's step, and the model's optimizer dies with its last reference
+    (the cyclic collector off)."""
+    from torch.optim import optimizer as _opt
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    hooks = len(_opt._global_optimizer_post_hooks)
+    engine = lr.install(model, NAMES, budget="min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for unit in _units(model, opt, 0, 2):
+            unit()
+    unit = None  # (its closure holds the model and the optimizer)
+    assert engine.plan is None and engine.tracked_optimizers == [opt]
+    gc.collect()
+    gc.disable()
+    try:
+        engine.uninstall()
+        ref = weakref.ref(opt)
+        model = opt = None
+        assert ref() is None, "the optimizer outlived uninstall"
+    finally:
+        gc.enable()
+    assert len(_opt._global_optimizer_post_hooks) == hooks
