@@ -50,6 +50,7 @@ from lightning_replay.core.mechanisms.host_rng import HostWatch
 from lightning_replay.core.mechanisms.memory import (
     StepPeak,
     live_model_bytes,
+    model_tensors,
     process_tensor_bytes,
     profiler_busy,
 )
@@ -1604,7 +1605,7 @@ class ReplayEngine:
             dev = _model_cuda_device(self.model)
             held = int(torch.cuda.memory_allocated(dev))
         else:
-            held = process_tensor_bytes()
+            held = process_tensor_bytes(also=model_tensors(self.model, self._optimizers))
         # (less the gradients the phases charge at their own moments, as the real base)
         credit = grad_credits(self)[0]
         return max(self.real_base_memory, held + grads + self._base_saved - credit)

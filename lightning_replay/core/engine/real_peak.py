@@ -412,7 +412,7 @@ def drop_stale_hooks() -> None:
 
 def start_truth(eng) -> None:
     drop_stale_hooks()
-    truth = StepPeak(eng.model)
+    truth = StepPeak(eng.model, optimizers=eng._optimizers)
     try:
         truth.start()
     except RuntimeError as exc:  # another profiler got there first: measure nothing

@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -35,39 +35,41 @@ from lightning_replay.core.base.state import storage_key
 _HELD_ITEMS = 4096  # items of a module's list or dict attribute looked at
 
 
-def live_model_bytes(model: nn.Module, optimizers: list[Any] = (), grads: bool = True) -> int:
-    """Bytes of the parameters, buffers, gradients, the tensors modules hold as attributes
-    (directly or in a list, tuple or dict) and optimizer state live right now, each storage
-    once. ``grads=False``: without the gradients (which come and go within a step)."""
-    seen: dict = {}
+def model_tensors(
+    model: nn.Module, optimizers: Iterable[Any] = (), grads: bool = True
+) -> Iterator[Any]:
+    """The tensors a model and its optimizers hold between steps: parameters, buffers, their
+    gradients (``grads=True``), the tensors modules hold as attributes (directly or in a list,
+    tuple or dict: a cache dict, a queue kept as a plain attribute) and optimizer state."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        yield t
+        if grads and t.grad is not None:
+            yield t.grad
+    for m in model.modules():
+        for k, v in vars(m).items():
+            if k in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(v, torch.Tensor):
+                yield v
+            elif type(v) in (list, tuple):
+                yield from v[:_HELD_ITEMS]
+            elif type(v) is dict:
+                yield from list(v.values())[:_HELD_ITEMS]
+    for opt in optimizers:
+        for state in getattr(opt, "state", {}).values():
+            yield from state.values()
 
-    def add(t: Any) -> None:
+
+def live_model_bytes(model: nn.Module, optimizers: Iterable[Any] = (), grads: bool = True) -> int:
+    """Bytes of :func:`model_tensors` live right now, each storage once. ``grads=False``:
+    without the gradients (which come and go within a step)."""
+    seen: dict = {}
+    for t in model_tensors(model, optimizers, grads):
         if isinstance(t, torch.Tensor):
             t = getattr(t, "_local_tensor", t)  # an FSDP2 shard: this rank's bytes
             key = storage_key(t)
             if key is not None:
                 seen[key] = t.untyped_storage().nbytes()
-
-    for t in list(model.parameters()) + list(model.buffers()):
-        add(t)
-        if grads:
-            add(t.grad)
-    for m in model.modules():  # tensors modules hold outside parameters and buffers: a cache
-        for k, v in vars(m).items():  # dict, a queue kept as a plain attribute
-            if k in ("_parameters", "_buffers", "_modules"):
-                continue
-            if isinstance(v, torch.Tensor):
-                add(v)
-            elif type(v) in (list, tuple):
-                for x in v[:_HELD_ITEMS]:
-                    add(x)
-            elif type(v) is dict:
-                for x in list(v.values())[:_HELD_ITEMS]:
-                    add(x)
-    for opt in optimizers:
-        for state in getattr(opt, "state", {}).values():
-            for v in state.values():
-                add(v)
     return sum(seen.values())
 
 
@@ -85,13 +87,21 @@ def _storage_of(obj: Any) -> Any:
         return None
 
 
-def process_tensor_bytes(device: str = "cpu") -> int:
+def process_tensor_bytes(device: str = "cpu", also: Iterable[Any] = ()) -> int:
     """Bytes of every tensor storage on ``device`` that a Python object keeps alive right now:
-    a walk of the garbage collector's objects, each storage once (by its address).
+    a walk of the garbage collector's objects, each storage once (by its address), together
+    with the storages of ``also`` (the model's and optimizers' tensors: :func:`model_tensors`).
 
     This is the process's view, not the engine's: a tensor anyone keeps (a probe's leftovers, a
-    cache, the caller's batch) counts. A walk costs tens of milliseconds with a large library
-    loaded, so the engine takes it only at the start of a step it measures.
+    cache, the caller's batch) counts. A walk touches every object the collector tracks (0.3 s
+    with half a million, transformers and Lightning loaded), so the engine takes it only at the
+    start of a step it measures.
+
+    The walk sees only the objects in the collector's generations: what a caller moved out of
+    its sight with ``gc.freeze()`` (a process that forks its data workers does, to keep their
+    pages shared) is invisible to it, the tensors among them included. ``also`` is what must
+    count whatever the collector sees: a model frozen with the rest is still memory each step
+    holds.
 
     Example:
         >>> import torch
@@ -104,31 +114,36 @@ def process_tensor_bytes(device: str = "cpu") -> int:
     import warnings
 
     seen: dict[int, int] = {}
+
+    def add(obj: Any) -> None:
+        try:
+            on = obj.device.type == device
+        except (RuntimeError, AttributeError):
+            return
+        if on:
+            s = _storage_of(obj)
+            if s is not None:
+                seen[s.data_ptr()] = s.nbytes()
+
     with warnings.catch_warnings():  # reading a deprecated lazy object's device warns
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
             # the type, not isinstance: isinstance reads __class__, which a dead weakref.proxy
             # raises on and a lazy proxy resolves (a tensor's proxy is no tensor storage)
             if issubclass(type(obj), torch.Tensor):
+                add(obj)
+                # a leaf's gradient lives in C++ until Python reads it: no object of the
+                # walk holds it (a micro-batch's window begins with the gradients of the
+                # ones before: 6 MiB unseen in test_adversary_memory's grad_accumulation)
                 try:
-                    on = obj.device.type == device
-                except (RuntimeError, AttributeError):
-                    continue
-                if on:
-                    s = _storage_of(obj)
-                    if s is not None:
-                        seen[s.data_ptr()] = s.nbytes()
-                    # a leaf's gradient lives in C++ until Python reads it: no object of the
-                    # walk holds it (a micro-batch's window begins with the gradients of the
-                    # ones before: 6 MiB unseen in test_adversary_memory's grad_accumulation)
-                    try:
-                        g = obj.grad if obj.is_leaf and obj.requires_grad else None
-                    except (RuntimeError, AttributeError):  # a wrapper subclass without one
-                        g = None
-                    if g is not None and g.device.type == device:
-                        s = _storage_of(g)
-                        if s is not None:
-                            seen[s.data_ptr()] = s.nbytes()
+                    g = obj.grad if obj.is_leaf and obj.requires_grad else None
+                except (RuntimeError, AttributeError):  # a wrapper subclass without one
+                    g = None
+                if g is not None:
+                    add(g)
+        for obj in also:
+            if issubclass(type(obj), torch.Tensor):
+                add(obj)
     return sum(seen.values())
 
 
@@ -154,9 +169,13 @@ class StepPeak:
         True
     """
 
-    def __init__(self, model: nn.Module, device: torch.device | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device | None = None, optimizers: Iterable[Any] = ()
+    ) -> None:
         self.model = model
         self.device = device
+        #: their state counts in :attr:`base` even where the collector cannot see it
+        self.optimizers = list(optimizers)
         self._prof: Any = None
         #: the bytes live when the step began (CPU: the process's tensor storages)
         self.base = 0
@@ -172,7 +191,7 @@ class StepPeak:
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        self.base = process_tensor_bytes()
+        self.base = process_tensor_bytes(also=model_tensors(self.model, self.optimizers))
         # kineto's own log lines (a CUDA build probing for GPUs) are noise to the user
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self._prof = torch.profiler.profile(
