@@ -31,6 +31,25 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 BASELINE = torch_switches()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _earlier_objects_frozen():
+    """Every object alive when a module starts (torch, Lightning, transformers, the collected
+    test modules, what earlier modules left) moved out of the garbage collector's sight
+    (``gc.freeze``) before the module's first test: each ``gc.collect()`` and each walk of
+    live tensor storages (the engine's and the referees' alike) then scans only what the
+    module makes. In a full run's process of over half a million objects a collection took
+    0.4 s and a walk 0.3 s, about half of a budget test's time.
+
+    What a module makes stays in sight: its models, engines, steps and leftovers, whatever its
+    fixtures build. A tensor alive before is constant to every arm of a comparison, and the
+    engine counts what its model and optimizers hold whether frozen or not
+    (:func:`lightning_replay.core.mechanisms.memory.process_tensor_bytes`). Never unfrozen:
+    ``gc.unfreeze`` would put every earlier module's objects back in sight."""
+    gc.collect()
+    gc.freeze()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _isolated_globals():
     with isolated_globals(BASELINE):
@@ -69,26 +88,9 @@ def tokens(request, monkeypatch):
 def referee():
     """One whole-process memory referee (:class:`tests.helpers.torch_memory.StepReferee`) for a
     module's budget tests, started after a collection of what earlier tests left behind and
-    closed after the module's last test. A module that needs what earlier tests left kept out
-    of the collector's way takes :func:`frozen_referee` under this name."""
+    closed after the module's last test (what earlier modules left is out of the walks' sight:
+    :func:`_earlier_objects_frozen`)."""
     gc.collect()
     r = StepReferee()
     yield r
     r.close()
-
-
-@pytest.fixture(scope="module")
-def frozen_referee():
-    """:func:`referee` with every object alive before the module's tests moved out of the
-    garbage collector's sight (``gc.freeze``) until its last test: each step's ``gc.collect()``
-    and the walks of live storages (the referee's and the engine's alike) then look only at
-    what the runs create, in milliseconds instead of a second each in a process of half a
-    million objects. Tensors alive before are left out of every arm's figure alike."""
-    gc.collect()
-    gc.freeze()
-    r = StepReferee()
-    try:
-        yield r
-    finally:
-        r.close()
-        gc.unfreeze()

@@ -574,16 +574,6 @@ CASES = [
 
 
 # --------------------------------------------------------------------------- the harness
-@pytest.fixture(scope="module", autouse=True)
-def _cheap_collections():
-    """gc.collect() before each step costs 0.5 s with every object of torch and Lightning to
-    scan; frozen, those are skipped (young objects, the models' and the engine's, are not)."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
 def _step_fn(case: Case, model: nn.Module, opt: torch.optim.Optimizer, xs: list) -> Callable:
     def step() -> None:
         for x in xs:

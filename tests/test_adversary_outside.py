@@ -1157,11 +1157,12 @@ def _median_step(kind: str, n: int) -> float:
     times = []
     try:
         for _ in range(6):
-            t = time.perf_counter()
+            # this process's CPU time: the suite's other worker does not count in it
+            t = time.process_time()
             opt.zero_grad()
             model(x).pow(2).mean().backward()
             opt.step()
-            times.append(time.perf_counter() - t)
+            times.append(time.process_time() - t)
     finally:
         engine.uninstall()
     return sorted(times[3:])[1]

@@ -322,11 +322,6 @@ XFAIL: dict[tuple[str, str], str] = {
 }
 
 
-@pytest.fixture(scope="module")
-def referee(frozen_referee):
-    return frozen_referee
-
-
 def _run(shape: str, arm: str, referee, budget=None, steps: int = 3):
     make, names, width = SHAPES[shape]
     return run_arm(

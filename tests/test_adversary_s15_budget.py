@@ -240,11 +240,6 @@ SHAPES: dict[str, tuple] = {
 XFAIL: dict[tuple[str, str], str] = {}
 
 
-@pytest.fixture(scope="module")
-def referee(frozen_referee):
-    return frozen_referee
-
-
 def _run(shape: str, arm: str, referee, budget=None, steps: int = 3):
     make, names, batch = SHAPES[shape]
     return run_arm(make, names, arm, referee, batch, budget=budget, steps=steps, keep_refusal=True)

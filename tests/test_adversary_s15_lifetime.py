@@ -372,7 +372,9 @@ def _ckpt_call(f, *a, **k):
 def _gc_off():
     """The cyclic collector off, and everything alive before moved out of its sight
     (``gc.freeze``): the walks then see only what the run makes, in milliseconds instead of
-    half a second each in a full suite's process (a tensor alive before is no run's)."""
+    half a second each in a full suite's process (a tensor alive before is no run's). They
+    stay frozen (tests/conftest.py's ``_earlier_objects_frozen``: unfrozen, every earlier
+    module's objects would be back in the walks' way)."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
@@ -381,7 +383,6 @@ def _gc_off():
         yield
     finally:
         gc.collect()  # (the run's own cycles: the frozen objects are out of its sight)
-        gc.unfreeze()
         if enabled:
             gc.enable()
 

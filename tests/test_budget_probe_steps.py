@@ -176,11 +176,6 @@ def _run(shape: str, arm: str, referee: StepReferee | None, budget=None, steps: 
     return run.peaks, run.state, run.preserved, run.refused, run.planned
 
 
-@pytest.fixture(scope="module")
-def referee(frozen_referee):
-    return frozen_referee
-
-
 #: each shape's plain and checkpoint peaks, measured once for both budgets
 _REFERENCE: dict[str, tuple[int, int]] = {}
 

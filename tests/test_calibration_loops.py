@@ -244,11 +244,6 @@ def _snames():
     return [f"blocks.{i}" for i in range(3)]
 
 
-@pytest.fixture(scope="module")
-def referee(frozen_referee):
-    return frozen_referee
-
-
 @pytest.mark.parametrize("name", sorted(SIZES))
 def test_changing_batch_sizes_hold_a_halfway_budget(name, referee):
     plain, ckpt = _size_refs(name, referee)

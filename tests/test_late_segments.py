@@ -70,11 +70,6 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def referee(frozen_referee):
-    return frozen_referee
-
-
 def _run(name: str, arm: str, referee, budget=None, steps: int = 4):
     make = MODELS[name]
     names = [f"blocks.{i}" for i in range(len(make().blocks))]

@@ -297,12 +297,6 @@ def test_lowest_plan_peaks_as_torch_checkpoint(name):
     lifetime.check_lowest(name, _lifetime_build(name))
 
 
-@pytest.fixture(scope="module")
-def referee(frozen_referee):
-    """The whole-process referee with what earlier tests left out of the walks' way."""
-    return frozen_referee
-
-
 @pytest.mark.parametrize("name", _cases())
 def test_every_step_holds_a_budget_halfway_between_checkpoint_and_plain(name, referee):
     budget, peaks = budget_referee.check_budget(name, _budget_build(name), referee)

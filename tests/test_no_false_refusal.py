@@ -73,11 +73,6 @@ KINDS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def referee(frozen_referee):
-    return frozen_referee
-
-
 @pytest.mark.parametrize(
     "kind",
     [

@@ -83,11 +83,6 @@ def _model(kind: str) -> nn.Module:
     return nn.Sequential(nn.Sequential(*MODELS[kind]()), nn.Linear(W, 1))
 
 
-@pytest.fixture(scope="module")
-def referee(frozen_referee):
-    return frozen_referee
-
-
 def _run(kind, arm, referee, budget=None, steps=3):
     blocks = len(MODELS[kind]())
     return run_arm(
