@@ -21,10 +21,12 @@ $(STAMP): setup.cfg pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
+# One worker per core (pytest-xdist), each test file whole on one worker: a file's module-scoped
+# fixtures, referees and frozen objects (tests/conftest.py) stay its own.
 test: $(STAMP)
 	$(BIN)/ruff check lightning_replay benchmarks examples tests
 	$(BIN)/ruff format --check lightning_replay benchmarks examples tests
-	$(BIN)/python -m pytest -q tests lightning_replay --doctest-modules
+	$(BIN)/python -m pytest -q -n auto --dist loadfile tests lightning_replay --doctest-modules
 
 demo: $(STAMP)
 	$(BIN)/python -m lightning_replay.demos.demo
