@@ -3,6 +3,9 @@ and the "replay_notebook" launcher trains two ranks like plain "ddp_notebook".""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import lightning as L
 import torch
 
@@ -47,3 +50,41 @@ def test_notebook_launcher_matches_plain_ddp_notebook(tmp_path):
     untrained = state(HazardNet())
     assert "head.weight" in differing(untrained, state(ref))  # rank 0's weights came back
     assert differing(state(ref), state(model)) == []
+
+
+def _parent_exit_handler(path: str) -> None:
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+
+
+def test_forked_ranks_leave_the_parents_exit_handlers_and_temporary_directories(tmp_path):
+    """A forked rank inherits its parent's ``atexit`` handlers and finalizers; they are the
+    parent's. Run at each rank's end (RankExitLauncher), they deleted what the parent still
+    used: wandb's staging directory (a ``TemporaryDirectory`` made at import), so the
+    parent's next ``wandb.Table`` failed with ``FileNotFoundError`` (tests/loggers/test_wandb.py,
+    run by a parallel worker after a forked test in the same process)."""
+    import atexit
+
+    import wandb
+    from wandb.sdk.data_types._private import MEDIA_TMP
+
+    held = tempfile.TemporaryDirectory("held-by-the-parent")
+    marks = tmp_path / "exit_handlers_run"
+    atexit.register(_parent_exit_handler, str(marks))
+    try:
+        t = trainer(tmp_path, strategy="replay_fork", devices=2, max_steps=2)
+        t.fit(HazardNet(), loader(4))
+        assert t.strategy._start_method == "fork"
+        assert not marks.exists(), (
+            f"the parent's exit handler ran in rank processes {marks.read_text().split()}"
+        )
+        assert os.path.isdir(held.name), "a rank's exit deleted the parent's TemporaryDirectory"
+        assert os.path.isdir(MEDIA_TMP.name), "a rank's exit deleted wandb's staging directory"
+        run = wandb.init(mode="offline", dir=str(tmp_path), project="launchers")
+        try:
+            run.log({"table": wandb.Table(columns=["a"], data=[[1]])})
+        finally:
+            run.finish()
+    finally:
+        atexit.unregister(_parent_exit_handler)
+        held.cleanup()
