@@ -24,11 +24,10 @@ import weakref
 
 import pytest
 import torch
-from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.core.engine.peak import predicted_peak
-from tests.helpers.budget_runner import ResidualMlp
+from tests.helpers.budget_runner import ResidualStack
 from tests.helpers.torch_memory import StepReferee
 
 W, N = 64, 512
@@ -36,18 +35,6 @@ NAMES = [f"blocks.{i}" for i in range(4)]
 TOLERANCE = 1.02
 LOOSE = 1.10  # the most a prediction may exceed the real peak by here
 STEPS = 6
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(ResidualMlp(W, 2 * W) for _ in range(4))
-        self.head = nn.Linear(W, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 #: optimizers whose state appears at their first step (and one whose state exists from the start)
@@ -80,7 +67,7 @@ def _first_plan_predictions(optimizer: str, micro: int) -> dict[tuple, int]:
     """Train under the engine until its first plan; return each plan's prediction from the
     figures the first plan was made with."""
     torch.manual_seed(0)
-    model = Net()
+    model = ResidualStack(W)
     opt = OPTIMIZERS[optimizer](model.parameters())
     engine = lr.install(model, NAMES, budget="min")
     out: dict[tuple, int] = {}
@@ -106,7 +93,7 @@ def _real_peaks(optimizer: str, micro: int, combos, referee) -> dict[tuple, int]
     out = {}
     for combo in combos:
         torch.manual_seed(0)
-        model = Net()
+        model = ResidualStack(W)
         opt = OPTIMIZERS[optimizer](model.parameters())
         engine = lr.install(model, NAMES, budget="min")
         peaks = []
@@ -171,7 +158,7 @@ def test_the_optimizer_watch_holds_nothing_after_uninstall():
     from torch.optim import optimizer as _opt
 
     torch.manual_seed(0)
-    model = Net()
+    model = ResidualStack(W)
     opt = OPTIMIZERS["adamw"](model.parameters())
     hooks = len(_opt._global_optimizer_post_hooks)
     engine = lr.install(model, NAMES, budget="min")

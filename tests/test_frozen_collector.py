@@ -16,7 +16,6 @@ import gc
 import warnings
 
 import torch
-from torch import nn
 
 import lightning_replay as lr
 from lightning_replay.core.mechanisms.memory import (
@@ -25,22 +24,10 @@ from lightning_replay.core.mechanisms.memory import (
     model_tensors,
     process_tensor_bytes,
 )
-from tests.helpers.budget_runner import ResidualMlp
+from tests.helpers.budget_runner import ResidualStack
 
 W, N = 64, 256
 NAMES = [f"blocks.{i}" for i in range(4)]
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(ResidualMlp(W, 2 * W) for _ in range(4))
-        self.head = nn.Linear(W, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 def _step(model, opt, s: int) -> None:
@@ -52,7 +39,7 @@ def _step(model, opt, s: int) -> None:
 
 def test_a_frozen_model_counts_in_a_meters_base():
     torch.manual_seed(0)
-    model = Net()
+    model = ResidualStack(W)
     opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)  # state from the start
     held = live_model_bytes(model, [opt])
     gc.collect()
@@ -72,7 +59,7 @@ def _first_plan(frozen: bool) -> tuple[int, int]:
     """Train under a lowest-plan engine until its first plan: its real base and held bytes
     then, with the model and its optimizer frozen before install or not."""
     torch.manual_seed(0)
-    model = Net()
+    model = ResidualStack(W)
     opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)
     if frozen:
         gc.collect()

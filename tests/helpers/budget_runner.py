@@ -35,6 +35,21 @@ class ResidualMlp(nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
+class ResidualStack(nn.Module):
+    """``blocks``: ``n`` :class:`ResidualMlp` blocks of width ``d`` (hidden ``2 d``), then a
+    linear head to one output."""
+
+    def __init__(self, d: int, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ResidualMlp(d, 2 * d) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
 @dataclasses.dataclass
 class ArmRun:
     """What one run measured."""
