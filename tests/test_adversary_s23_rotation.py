@@ -203,11 +203,44 @@ def _plans(e):
     return out
 
 
+def _classes_at(e, budget):
+    b = e.budget
+    try:
+        e.budget = budget
+        return _classes(e)
+    finally:
+        e.budget = b
+
+
+def _edge(e, cls, inside, outside):
+    """The budget nearest ``outside`` (where the classes are not ``cls``) at which they still
+    are (at ``inside`` they are): the classes only change one way as the budget grows."""
+    while abs(outside - inside) > 1:
+        mid = (inside + outside) // 2
+        if _classes_at(e, mid) == cls:
+            inside = mid
+        else:
+            outside = mid
+    return inside
+
+
+def _centred(e, cls, b, top):
+    """Set the budget to the middle of the budgets around ``b`` that give the classes ``cls``
+    (up to twice ``top`` above): the real base is re-measured on every step and moves by a few
+    bytes, and a class found on its boundary flips with it (seen in CI: a segment classed ``B``
+    at a budget equal to its check's peak was planned around on the next step)."""
+    lo = _edge(e, cls, b, e.plan.peak_memory - 1)  # never below the plan's own peak
+    hi = 2 * top if _classes_at(e, 2 * top) == cls else _edge(e, cls, b, 2 * top)
+    e.budget = (lo + hi) // 2
+    assert _classes(e) == cls
+
+
 def _find(e, want):
     """Re-plan and set ``e.budget`` (the plan keeps its choices) to the first measured budget
-    whose classes ``want`` accepts: budgets from the plan's peak to its largest single check's
-    peak, in twentieths. Returns the classes, or None (the engine is re-planned at the budget it
-    had, or at the lowest feasible one where that is higher)."""
+    whose classes ``want`` accepts (budgets from the plan's peak to its largest single check's
+    peak, in twentieths), moved to the middle of the budgets giving those classes. Returns the
+    classes, or None (the engine is re-planned at the budget it had, or at the lowest feasible
+    one where that is higher)."""
     start = e.plan.choices, e.budget
     for b in _plans(e):
         e.replan(budget=b)
@@ -221,6 +254,7 @@ def _find(e, want):
             e.budget = low + (top - low) * j // 20
             cls = _classes(e)
             if want(cls):
+                _centred(e, cls, e.budget, top)
                 return cls
     # the base is re-measured on every step, so the budget found in _measured may now be a few
     # bytes short of the lowest plan (seen in CI: 4 bytes)
