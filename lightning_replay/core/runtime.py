@@ -56,7 +56,7 @@ from lightning_replay.core.replay.restore import (
     _ReplayContext,
     user_saved_hooks,
 )
-from lightning_replay.core.mechanisms.selective import SelectiveFrame
+from lightning_replay.core.mechanisms.selective import SelectiveFrame, replaying
 from lightning_replay.core.mechanisms.slots import capture_generators
 from lightning_replay.core.base.state import byte_span, storage_key, strided_copy
 from lightning_replay.core.base.state import unique_bytes as _unique_bytes
@@ -577,7 +577,8 @@ class SegmentRuntime:
                 finally:  # (checkpoint's early stop leaves by an exception)
                     if sac.events:  # kept outputs it could not use (see checks.py)
                         self.segment_checks._kept_events(inv, sac.events, checked=False)
-            return forward(*a, **kw)
+            with replaying():  # (not a selective forward's own ops, if one runs around it)
+                return forward(*a, **kw)
 
         def fn(*flat: Any) -> Any:
             if inv.subs:

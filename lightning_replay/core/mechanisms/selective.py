@@ -58,13 +58,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -279,6 +280,25 @@ def _written_arguments(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]] | N
 _UNSAFE_ALIAS: dict = {}
 
 
+#: replays in progress (any segment's, any option's). A segment's forward may start another
+#: segment's replay (``torch.autograd.grad`` of its output, an input-gradient feature): the
+#: ops that replay issues pass through the forward's mode beneath it, but are not the
+#: forward's own (at the segment's own replay they may run differently or not at all: the
+#: other segment's kept outputs are gone by then). A frame counts and keeps only its own.
+_REPLAYS = [0]
+
+
+@contextlib.contextmanager
+def replaying() -> Iterator[None]:
+    """Around any segment's replay: ops in it are not those of a forward or replay the replay
+    runs inside (see :data:`_REPLAYS`)."""
+    _REPLAYS[0] += 1
+    try:
+        yield
+    finally:
+        _REPLAYS[0] -= 1
+
+
 def _unsafe_alias(func: Any) -> bool:
     try:
         return _UNSAFE_ALIAS[func]
@@ -310,11 +330,10 @@ def _storages(x: Any) -> list[tuple[str, int]]:
     without a storage of its own to ask, a wrapper subclass's, is left out)."""
     out = []
     for t in x if isinstance(x, (list, tuple)) else [x]:
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-            try:
-                out.append((str(t.device), t.untyped_storage().data_ptr()))
-            except (RuntimeError, NotImplementedError):
-                continue
+        if isinstance(t, torch.Tensor):
+            where = _where(t)
+            if where is not None:
+                out.append(where)
     return out
 
 
@@ -327,11 +346,24 @@ def _out_bytes(out: Any) -> int:
     )
 
 
+def _where(t: torch.Tensor) -> tuple[str, int] | None:
+    """Where ``t`` keeps its bytes, or ``None`` for a tensor with no storage of its own to ask
+    (a sparse tensor, a wrapper subclass: DTensor, TwoTensor, a float8 or NF4 wrapper)."""
+    if t.layout != torch.strided or is_traceable_wrapper_subclass(t):
+        return None
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _keepable(out: Any) -> bool:
-    """Whether an op's output can be kept: strided tensors only (a sparse or other layout has no
-    storage to charge, watch or digest: the op runs again at the replay)."""
+    """Whether an op's output can be kept: tensors with a storage of their own only. A sparse
+    or other layout has no storage to charge, watch or digest, nor has a wrapper subclass
+    (its bytes are its inner tensors': a write through an alias of one moves no counter the
+    frame could watch): the op runs again at the replay."""
     return all(
-        t.layout == torch.strided
+        _where(t) is not None
         for t in torch.utils._pytree.tree_leaves(out)
         if isinstance(t, torch.Tensor)
     )
@@ -464,17 +496,21 @@ class _KeptReplay(TorchDispatchMode):
         super().__init__()
         self.frame = frame
         self.counter: dict = defaultdict(int)
+        self.depth = 0  # replays in progress as this one runs (its own included)
 
     def __enter__(self) -> Any:
         self.counter.clear()  # a second replay (retain_graph) counts from the start again
         if self.frame._returned:
             self.frame.outputs_written()
+        _REPLAYS[0] += 1
+        self.depth = _REPLAYS[0]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
         try:
             return super().__exit__(*exc)
         finally:
+            _REPLAYS[0] -= 1
             # The replay is the kept outputs' only reader. One that stopped early (checkpoint
             # stops once backward has what it saves) never reached the ops after that point:
             # their kept outputs would live as long as the frame, past this segment's backward
@@ -484,6 +520,8 @@ class _KeptReplay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = {} if kwargs is None else kwargs
+        if _REPLAYS[0] > self.depth:  # another segment's replay, run inside this one
+            return func(*args, **kwargs)
         frame = self.frame
         # Most ops of a replay are ones the forward kept no call of: they run, uncounted (this
         # mode sits on every op of the replay: its cost per op is the option's overhead over
@@ -600,11 +638,12 @@ class SelectiveFrame:
         density: float | None = None,
     ) -> None:
         self.saved: set | None = None  # storages autograd saved in the forward, if watched
+        depth = _REPLAYS[0]  # replays in progress as the forward begins (made just before it)
         self.verify = verify
         self.events: list[KeptEvent] = []
         self._kept: dict = {}  # (key, call) -> (position among the op's kept calls, arguments)
         self._kept_at: dict = {}  # (device, storage) -> the kept calls whose output it holds
-        self._returned: list = []  # outputs holding kept bytes: (alias, version, storage)
+        self._returned: list = []  # aliases of kept bytes: (alias, version, storage)
         self._kept_ops: dict = defaultdict(int)  # key -> calls kept
         self._calls: dict = defaultdict(int)  # key -> calls seen in the forward (kept ops')
         self._digests: dict = {}
@@ -629,6 +668,8 @@ class SelectiveFrame:
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             self = frame()
             if self is None:  # (the forward's mode outlived its frame: nothing is kept)
+                return recompute
+            if _REPLAYS[0] > depth:  # another segment's replay, run inside this forward
                 return recompute
             if self._kept_at:
                 spots = _written_arguments(func)
@@ -732,6 +773,13 @@ class SelectiveFrame:
     def _drop_written(self, where: tuple[str, int], seen: str) -> None:
         """The kept outputs whose bytes are in storage ``where`` were written: not kept (the
         replay runs their ops again), each a ``"written"`` event."""
+        for op, idx in self._drop(where):
+            self.events.append(KeptEvent("written", op, idx, seen))
+
+    def _drop(self, where: tuple[str, int]) -> list[tuple[str, int]]:
+        """Keep nothing in storage ``where`` (the replay runs those ops again). Returns the
+        calls no longer kept, as (op, call)."""
+        dropped = []
         self._returned = [r for r in self._returned if r[2] != where]  # (nothing kept there)
         for key, idx, op in self._kept_at.pop(where, ()):
             kept = self._kept.pop((key, idx), None)
@@ -743,23 +791,34 @@ class SelectiveFrame:
             self._digests.pop((key, idx), None)
             self._post.pop((key, idx), None)
             self._dense.pop((key, idx), None)
-            self.events.append(KeptEvent("written", op, idx, seen))
+            dropped.append((op, idx))
+        return dropped
 
     def watch_outputs(self, out: Any) -> None:
-        """At the forward's end: the segment's outputs that hold a kept output's bytes are
-        watched as :meth:`_watch_aliases` watches the aliases the forward's ops made (an output
-        made without an op, ``.data`` of a product, has a counter of its own too)."""
-        if self._kept_at:
-            self._watch_aliases(out)
+        """At the forward's end: a kept output whose bytes the segment returns (the output
+        itself, a view or an alias of it, in any container the pytree walks) is not kept. The
+        caller holds it and may write it by ways no counter the frame holds sees (its own
+        ``unsafe_split`` of it, ``set_`` onto its storage, ``.data``): the replay runs its op
+        again, as a full replay does. It costs no recompute where nothing in the segment
+        reads the product (checkpoint stops before the last op), and no memory: the caller
+        holds those bytes anyway, and they are no longer held past the caller's use."""
+        if not self._kept_at or out is None:
+            return
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                for where in _storages(t):
+                    if where in self._kept_at:
+                        self._drop(where)
 
     def _watch_aliases(self, out: Any) -> None:
         """In the forward, after an op that returns an alias its schema does not call a view:
         one that shares a kept output's bytes (``matmul`` of a 3-d input returns its ``mm``
         product through ``_unsafe_view``; GRU cells split theirs with ``unsafe_chunk``) has a
-        version counter of its own. Wherever it goes (returned in any container, kept
-        as an attribute, appended to a list, written by the segment's next call), a write
-        through it moves that counter: each is held as a detached alias (its counter, no graph,
-        no bytes of its own) and read when the replay begins (:meth:`outputs_written`)."""
+        version counter of its own. Wherever it goes (kept as an attribute, appended to a list,
+        returned in an object the pytree does not walk), a write through it moves that
+        counter: each is held as a detached alias (its counter, no graph, no bytes of its own)
+        and read when the replay begins (:meth:`outputs_written`). (Returned where the pytree
+        walks, the kept output is not kept at all: :meth:`watch_outputs`.)"""
         if out is None:
             return
         for t in torch.utils._pytree.tree_leaves(out):
@@ -769,14 +828,14 @@ class SelectiveFrame:
                         self._returned.append((_counted_alias(t), t._version, where))
 
     def outputs_written(self) -> None:
-        """At the replay's start: an output :meth:`watch_outputs` held was written since the
+        """At the replay's start: an alias :meth:`_watch_aliases` held was written since the
         forward (its version moved): the kept outputs in its storage are not used. The
         aliases go now (a kept output the replay consumes is freed as it is used, as
         before)."""
         returned, self._returned = self._returned, []
         for alias, version, where in returned:
             if alias._version != version:
-                self._drop_written(where, "written in place after the segment returned it")
+                self._drop_written(where, "written in place through an alias the segment made")
 
     def _keep_mask(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """In the forward, after a mask was drawn in place: its values (only 0 and 1: one
@@ -826,8 +885,8 @@ class SelectiveFrame:
                 continue
             for leaf in _leaves(entry):
                 t = leaf.val
-                where = (str(t.device), t.untyped_storage().data_ptr())
-                if where not in seen:
+                where = _where(t)  # (every kept output has one: see _keepable)
+                if where is not None and where not in seen:
                     seen.add(where)
                     out.append(t)
         for mask, _, state, _ in self._drawn.values():  # masks drawn, their generators' states
@@ -862,9 +921,7 @@ class SelectiveFrame:
         if not self.saved:
             return 0
         return sum(
-            t.untyped_storage().nbytes()
-            for t in self.kept_tensors()
-            if (str(t.device), t.untyped_storage().data_ptr()) in self.saved
+            t.untyped_storage().nbytes() for t in self.kept_tensors() if _where(t) in self.saved
         )
 
 

@@ -54,7 +54,7 @@ from lightning_replay.core.replay.restore import (
     _ReplayContext,
     state_view,
 )
-from lightning_replay.core.mechanisms.selective import KeptEvent, SelectiveFrame
+from lightning_replay.core.mechanisms.selective import KeptEvent, SelectiveFrame, replaying
 from lightning_replay.core.mechanisms.slots import (
     capture_slots,
     slot_tensors,
@@ -536,6 +536,7 @@ class SegmentChecks:
                             torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache)
                         )
                     ac.enter_context(pairing.hooks())
+                    ac.enter_context(replaying())  # (see selective._REPLAYS)
                     if box.sac is not None:
                         ac.enter_context(box.sac.recompute)
                     # what the forward saw on its tensors: attributes, gradients it read

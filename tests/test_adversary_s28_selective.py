@@ -1,0 +1,190 @@
+"""Adversary session 28: the selective option against wrapper subclasses, replays run inside
+another segment's forward, and returned products written by ways no version counter shows.
+
+Harness: ``tests/test_adversary_s25b.py``'s ``_compare`` (plain copy and installed copy from the
+same seed, same inputs, one thread; every step's gradients and the final state bit for bit; no
+divergence record). Each test's docstring gives what failed before this session's fixes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.testing._internal.two_tensor import TwoTensor
+
+from tests.test_adversary_s25b import POLICIES, D, _compare, _one_thread  # noqa: F401
+
+
+# ----------------------------------------------------------- 1. wrapper tensor subclasses
+class _WrapperBlock(nn.Module):
+    """A bias-free Linear on a 3-d wrapper-subclass input (``mm`` + ``_unsafe_view`` under the
+    wrapper's dispatch), its product scaled in place when ``write``."""
+
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(D, D, bias=False), nn.Linear(D, D)
+        self.write = write
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.write:
+            h.mul_(2.0)
+        return x + self.c(torch.tanh(h))
+
+
+def _wrapper_net(write: bool):
+    class WrapperNet(nn.Module):
+        """Activations carried as a ``__torch_dispatch__`` wrapper subclass (torch's
+        TwoTensor: the kind DTensor and float8/NF4 wrappers are) through the head too (the
+        loss unwrapped at the head instead hid the wrong gradients, before the fix)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(_WrapperBlock(write) for _ in range(2))
+            self.head = nn.Linear(D, D)
+
+        def forward(self, x):
+            t = TwoTensor(x, x * 0.5)
+            for b in self.blocks:
+                t = b(t)
+            return self.head(t)
+
+    return WrapperNet
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_wrapper_subclass_product_written_in_place(policy):
+    """Before: wrong gradients from step 1 under every policy, no record (max abs 3.1e-2 on
+    blocks.1.a.weight, 21 (step, parameter) pairs off): a wrapper has no storage of its own,
+    so the kept product's writes were never matched to it (``_storages`` skipped it) while
+    ``_keepable`` still kept it. A wrapper's outputs are not kept now: their ops run again."""
+    _compare(_wrapper_net(write=True), policy=policy)
+
+
+def test_wrapper_subclass_under_the_planner():
+    """Before: ``RuntimeError: Attempted to access the data pointer on an invalid python
+    storage`` from ``SelectiveFrame.kept_tensors`` at step 1 of ``budget="min",
+    selective="matmul"`` (the kept wrapper output's storage asked for its address)."""
+    _compare(_wrapper_net(write=False), budget="min", policy="matmul", steps=6)
+
+
+# ------------------------------------------- 2. a replay run inside another segment's forward
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc(x)))
+
+
+class _Differentiates(nn.Module):
+    """Differentiates the first segment's output with respect to the model's input inside its
+    own forward (an input-gradient feature, a PDE residual): the first segment replays inside
+    this segment's forward, and again inside its replay."""
+
+    def __init__(self, create_graph: bool) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(D, D), nn.Linear(D, D)
+        self.create_graph = create_graph
+
+    def forward(self, h, x):
+        (g,) = torch.autograd.grad(
+            h.pow(2).sum(), x, create_graph=self.create_graph, retain_graph=True
+        )
+        return self.fc2(torch.tanh(self.fc(g))) + self.fc(h)
+
+
+def _pinn(create_graph: bool):
+    class Pinn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = _Inner(), _Differentiates(create_graph)
+            self.head = nn.Linear(D, D)
+
+        def forward(self, x):
+            x = x.detach().requires_grad_(True)
+            return self.head(self.b(self.a(x), x))
+
+    return Pinn
+
+
+@pytest.mark.parametrize("create_graph", [True, False], ids=["create_graph", "no_graph"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_segment_replays_inside_another_segments_forward(policy, create_graph):
+    """Before (matmul, every_other_matmul): wrong gradients from step 1, no record (1.1e-2 on
+    b.fc2.weight, 27 (step, parameter) pairs off over 4 steps): ``a``'s replay ran inside
+    ``b``'s forward mode, which counted the ops it let through as ``b``'s own; at ``b``'s
+    replay ``a`` replayed again with its kept outputs gone, so more ops reached ``b``'s replay
+    mode, its per-op call counts shifted and ``b``'s kept ``addmm`` #0 stood in for another
+    call of the same shape. A frame now counts only the ops of its own forward and replay
+    (``selective._REPLAYS``)."""
+    _compare(_pinn(create_graph), segments=["a", "b"], policy=policy)
+
+
+def test_a_segment_replays_inside_another_segments_forward_under_the_planner():
+    """Before: 117 (step, parameter) pairs off from step 4 with ``budget="min"``, every
+    segment selective (``planner="selective_all"``)."""
+    _compare(
+        _pinn(True), segments=["a", "b"], budget="min", policy="matmul", planner="selective_all"
+    )
+
+
+# ------------------------------------ 3. a returned product written through an unsafe alias
+class _ReturnsProduct(nn.Module):
+    """Returns its ``addmm`` product and a gate it computed from it (sigmoid saves its own
+    output: the product is what a selective replay reads to rebuild it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.s = nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, torch.sigmoid(h) * self.s
+
+
+class _SplitsItsInput(nn.Module):
+    """The next segment writes half of its input through ``unsafe_chunk`` (an alias with a
+    version counter of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, h, g):
+        q, _ = h.unsafe_chunk(2, -1)
+        q.mul_(2.0)
+        return self.fc(g + h)
+
+
+def _writes_returned(by: str):
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = _ReturnsProduct(), _SplitsItsInput()
+            self.head = nn.Linear(D, D)
+
+        def forward(self, x):
+            h, g = self.a(x)
+            if by == "caller":
+                q, _ = h.unsafe_split(D // 2, -1)
+                q.mul_(0.5)
+                return self.head(g + h)
+            return self.head(self.b(h, g))
+
+    return Net
+
+
+@pytest.mark.parametrize("by", ["caller", "next_segment"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_returned_product_written_through_an_unsafe_alias(policy, by):
+    """Before: wrong gradients from step 1 under every policy, no record (1.9e-3 on a.s by the
+    caller, 2.1e-3 by the next segment): the alias ``unsafe_split``/``unsafe_chunk`` made
+    outside the segment moved no counter the frame held. A product the segment returns is not
+    kept now (``SelectiveFrame.watch_outputs``)."""
+    _compare(
+        _writes_returned(by), segments=["a", "b"] if by == "next_segment" else ["a"], policy=policy
+    )
