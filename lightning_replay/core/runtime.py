@@ -57,7 +57,7 @@ from lightning_replay.core.replay.restore import (
     user_saved_hooks,
 )
 from lightning_replay.core.mechanisms.selective import SelectiveFrame, replaying
-from lightning_replay.core.mechanisms.slots import capture_generators
+from lightning_replay.core.mechanisms.slots import capture_generators, generators_in
 from lightning_replay.core.base.state import byte_span, storage_key, strided_copy
 from lightning_replay.core.base.state import unique_bytes as _unique_bytes
 
@@ -460,9 +460,24 @@ class SegmentRuntime:
         else:
             # tensors inside argument objects (a dataclass batch) too: see arguments.py
             flat, spec = flatten_call(args, kwargs)
-            hosts = [as_host_rng(x) for x in flat if is_host_rng(x)]
-            if hosts:  # a generator outside torch passed in: its state at this call
-                inv.gens = inv.gens + capture_generators(hosts)
+            # a generator passed in (torch's, or one outside torch): its state at this call,
+            # put back for the replay (a generator made per step and passed to the segments
+            # is no object the probe could have seen: the replay drew where the step's later
+            # draws left it, wrong gradients with no record)
+            held = {id(getattr(g, "obj", g)) for g, _ in inv.gens}
+            passed = [
+                x if isinstance(x, torch.Generator) else as_host_rng(x)
+                for x in _passed_generators(flat)
+                if id(x) not in held
+            ]
+            if passed:
+                states = capture_generators(
+                    list({id(getattr(g, "obj", g)): g for g in passed}.values())
+                )
+                inv.gens = inv.gens + states
+                inv.preserved_bytes += sum(
+                    t.untyped_storage().nbytes() for _, t in states if isinstance(t, torch.Tensor)
+                )
         # Python attributes on argument tensors (``x.gain``), shallow-copied as the contract
         # copies module attributes: the replay reads them as the forward did
         inv.tensor_attrs = tensor_attributes(flat)
@@ -822,6 +837,18 @@ class SegmentRuntime:
             "changing_state": [s.name for s in c.changing] if c else [],
             "options": c.available_options() if c else [],
         }
+
+
+def _passed_generators(flat: list) -> list:
+    """The generators among a call's leaves, and among the items of the lists, tuples and
+    dicts of them that hold no tensor (which the argument walk passes whole)."""
+    out = []
+    for x in flat:
+        if isinstance(x, torch.Generator) or is_host_rng(x):
+            out.append(x)
+        elif type(x) in (list, tuple, dict):
+            out += generators_in(x.values() if type(x) is dict else x)
+    return out
 
 
 def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:
