@@ -13,6 +13,9 @@ import torch
 from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
 
+import lightning_replay as lr
+from lightning_replay.errors import ReplayConfigError
+
 from tests.test_adversary_s25b import POLICIES, D, _compare, _one_thread  # noqa: F401
 
 
@@ -238,3 +241,42 @@ def test_a_generator_passed_to_the_segments(install, how):
     drew from where the step's later draws left the generator. Its state at each call is
     put back for the replay now, as a generator outside torch passed in already was."""
     _compare(_passes_a_generator(how), install=install)
+
+
+# ------------------------------------------ 5. a torch.func transform inside a segment's forward
+class _FuncGrad(nn.Module):
+    """Descends the gradient of an energy it computes with ``torch.func.grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, 1)
+
+    def forward(self, x):
+        def energy(t):
+            return self.fc2(torch.tanh(self.fc(t))).sum()
+
+        return x - 0.1 * torch.func.grad(energy)(x) + self.fc2(torch.tanh(self.fc(x)))
+
+
+class _Holds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _FuncGrad()
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["own_forward", "inner_module"])
+def test_a_torch_func_transform_inside_a_segment_is_named(nested):
+    """Before: torch's ``RuntimeError: torch.func.{grad, vjp, jacrev, hessian} don't yet
+    support saved tensor hooks`` from deep in functorch at the first step. Now a
+    ``ReplayConfigError`` naming the segment whose hooks the transform refused (the outer
+    one where the transform runs in a module inside it) and what to do."""
+    model = nn.Sequential(_Holds() if nested else _FuncGrad(), nn.Linear(D, D))
+    engine = lr.install(model, ["0"])
+    try:
+        with pytest.raises(ReplayConfigError, match=r"segment '0' runs a torch.func transform"):
+            model(torch.randn(4, D)).sum().backward()
+    finally:
+        engine.uninstall()

@@ -46,7 +46,7 @@ from lightning_replay.core.base.clock import clock
 from lightning_replay.core.base.nesting import segments_running
 from lightning_replay.core.base.ports import CheckHost, CostSource, ProbeHost, ReplayHost
 from lightning_replay.core.mechanisms.costs import saved_tensor_overhead
-from lightning_replay.errors import ContractViolation, ReplayConfigError
+from lightning_replay.errors import ContractViolation, ReplayConfigError, ReplayError
 from lightning_replay.core.mechanisms.guards import OUTSIDE, Guard
 from lightning_replay.core.mechanisms.host_rng import as_host_rng, is_host_rng
 from lightning_replay.core.replay.probe import SegmentProbe, _Probe
@@ -125,6 +125,15 @@ def idle_message(rt: "SegmentRuntime") -> str:
         f"{rt.engine.step} windows: it records nothing for backward, so there is nothing to "
         "replay and it runs plain, as in plain PyTorch. The other segments are planned without "
         "it; should it run with autograd later, it is probed then"
+    )
+
+
+def _transform_inside(name: str) -> ReplayConfigError:
+    return ReplayConfigError(
+        f"segment {name!r} runs a torch.func transform (grad, vjp, jacrev, hessian) inside its "
+        "forward, and torch.func refuses the saved-tensor hooks that a replay needs (so does "
+        "torch.utils.checkpoint): the segment cannot be replayed. Leave it out of the "
+        "segments: it keeps its activations (segments called inside a transform run plain)."
     )
 
 
@@ -328,6 +337,17 @@ class SegmentRuntime:
             changed = self.guard.changed()
             if changed:
                 self._reprobe(changed)
+        try:
+            return self._hooked_call(args, kwargs)
+        except RuntimeError as err:
+            if "support saved tensor hooks" in str(err) and not isinstance(err, ReplayError):
+                raise _transform_inside(self.name) from err
+            raise
+
+    def _hooked_call(self, args: tuple, kwargs: dict) -> Any:
+        """The call under the engine's saved-tensor hooks: probed, retained, checked or
+        replayed, by the segment's status and option."""
+        eng = self.engine
         if (
             eng._window_depth
             and eng.accountant is None
