@@ -98,3 +98,61 @@ def test_copies_of_an_installed_model_are_plain_and_reinstall_is_refused():
     engine.uninstall()
     assert type(model.blocks[0]) is Blk
     lr.install(model, "blocks.*").uninstall()
+
+
+class _Counts(nn.Module):
+    """Reads a load counter buffer, then writes it in place within its own forward (a
+    mixture-of-experts balancing counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.register_buffer("load", torch.zeros(16))
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x - 0.01 * self.load)))
+        self.load.add_(h.detach().abs().mean(0))
+        return h
+
+
+class _CountsNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Counts() for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    "install",
+    [
+        {"preservation": "regions"},
+        {"budget": "min", "selective": "matmul", "planner": "selective_all"},
+    ],
+    ids=["regions", "selective_regions"],
+)
+def test_uninstall_between_forward_and_backward_with_a_logged_write(install):
+    """Uninstalled after a forward whose segments wrote a buffer they read (logged in the
+    forward's window), before its backward: the replays still undo those writes, match plain
+    PyTorch, and give the log back as they release. Before: ``ContractViolation: state
+    'blocks.1.load' was written outside the logged window`` (uninstall cleared the log the
+    pending replays undo from)."""
+    torch.manual_seed(0)
+    ref = _CountsNet()
+    rep = copy.deepcopy(ref)
+    engine = lr.install(rep, ["blocks.0", "blocks.1"], **install)
+    for m in (ref, rep):
+        _steps(m, 4)
+    outs = [m(torch.randn(8, 16, generator=torch.Generator().manual_seed(9))) for m in (ref, rep)]
+    engine.uninstall()
+    for o in outs:
+        o.pow(2).mean().backward()
+    for (n, p), q in zip(ref.named_parameters(), rep.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    assert torch.equal(ref.blocks[1].load, rep.blocks[1].load)
+    del outs
+    assert not engine.log.logs and not engine.log.armed  # (given back by the replays)
