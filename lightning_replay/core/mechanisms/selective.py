@@ -502,9 +502,10 @@ class _KeptReplay(TorchDispatchMode):
         self.counter.clear()  # a second replay (retain_graph) counts from the start again
         if self.frame._returned:
             self.frame.outputs_written()
+        entered = super().__enter__()
         _REPLAYS[0] += 1
         self.depth = _REPLAYS[0]
-        return super().__enter__()
+        return entered
 
     def __exit__(self, *exc: Any) -> Any:
         try:
