@@ -280,3 +280,54 @@ def test_a_torch_func_transform_inside_a_segment_is_named(nested):
             model(torch.randn(4, D)).sum().backward()
     finally:
         engine.uninstall()
+
+
+# ------------------------- 6. a segment called inside another that differentiates its output
+class _Tanh(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class _CallsAndDifferentiates(nn.Module):
+    """Calls segment ``a`` again inside its own forward (held in a plain list: ``a`` runs as
+    part of this segment there) and differentiates that output with respect to the model's
+    input: the gradient reaches tensors this segment's forward saved so far, so checkpoint
+    replays this segment while its forward still runs."""
+
+    def __init__(self, a: nn.Module, create_graph: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.sib = [a]
+        self.create_graph = create_graph
+
+    def forward(self, h, x):
+        s = self.sib[0](h)
+        (g,) = torch.autograd.grad(s.sum(), x, create_graph=self.create_graph, retain_graph=True)
+        return self.fc(s) + g
+
+
+def _calls_and_differentiates(create_graph: bool):
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = _Tanh()
+            self.b = _CallsAndDifferentiates(self.a, create_graph)
+
+        def forward(self, x):
+            x = x.detach().requires_grad_(True)
+            return self.b(self.a(x), x)
+
+    return Net
+
+
+@pytest.mark.parametrize("create_graph", [True, False], ids=["create_graph", "no_graph"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_segment_replayed_while_its_own_forward_runs(policy, create_graph):
+    """Before (matmul, flops): ``KeyError: 0`` from deep in the selective replay mode at the
+    first replayed step: the replay run inside the forward consumed and released what the
+    frame had kept so far. Such a replay is a full one now (the frame keeps on)."""
+    _compare(_calls_and_differentiates(create_graph), segments=["a", "b"], policy=policy)

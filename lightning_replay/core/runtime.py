@@ -605,7 +605,10 @@ class SegmentRuntime:
         def replay(flat: Any) -> Any:
             # the call as at the forward: argument objects rebuilt with their fields then
             a, kw = (flat, {}) if spec is None else unflatten_call(list(flat), spec)
-            if sac is not None and not sac_full:  # the kept outputs stand in for their ops
+            # the kept outputs stand in for their ops; not in a replay run while the forward
+            # itself still runs (its own autograd.grad reaching what it saved so far: the
+            # frame is still keeping, and its replay mode would consume and release that)
+            if sac is not None and not sac_full and not inv.in_forward:
                 try:
                     with sac.recompute:
                         return forward(*a, **kw)

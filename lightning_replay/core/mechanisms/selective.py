@@ -540,14 +540,14 @@ class _KeptReplay(TorchDispatchMode):
             if frame._calls.get(key, 0) <= idx:
                 frame._note("unmatched", func, idx, "the forward made fewer calls of this op")
             return func(*args, **kwargs)
-        pos, sig = kept
+        slot, sig = kept
         store = frame.forward.storage.get(key)
-        entry = store[pos if isinstance(store, list) else idx] if store is not None else None
+        entry = store[slot] if store is not None else None
         leaves = _leaves(entry)
         if not leaves:  # consumed by an earlier replay of this call
             return func(*args, **kwargs)
         # consumed: the kept tensors go as the replay uses them (as in torch's own mode)
-        store[pos if isinstance(store, list) else idx] = None
+        store[slot] = None
         why = None
         if _signature(args) != sig:
             why = ("arguments", f"called with {_signature(args)}, at the forward with {sig}")
@@ -708,7 +708,13 @@ class SelectiveFrame:
                 if gen is None:
                     return recompute
                 self._post[(key, idx)] = (gen, gen.get_state())
-            self._kept[(key, idx)] = (self._kept_ops[key], _signature(args))
+            # where torch's forward mode stores this call's output: by torch's own count of
+            # the op's calls (every call its mode saw: another segment's replay inside this
+            # forward included, which this frame does not count), or by position among the
+            # kept ones where torch appends to a list (older torch)
+            counter = getattr(self.forward, "func_counter", None)
+            slot = self._kept_ops[key] if counter is None else counter[key] - 1
+            self._kept[(key, idx)] = (slot, _signature(args))
             self._kept_ops[key] += 1
             if out is not None:
                 for where in _storages(torch.utils._pytree.tree_leaves(out)):
@@ -743,7 +749,7 @@ class SelectiveFrame:
                     continue
                 store = self.forward.storage.get(key)
                 if store is not None:  # the replay runs the op (an emptied entry)
-                    store[self._kept[(key, idx)][0] if isinstance(store, list) else idx] = None
+                    store[self._kept[(key, idx)][0]] = None
                 self._digests.pop((key, idx), None)
                 self._post.pop((key, idx), None)
                 for calls in self._kept_at.values():
@@ -788,7 +794,7 @@ class SelectiveFrame:
                 continue
             store = self.forward.storage.get(key)
             if store is not None:  # the replay runs the op (an emptied entry)
-                store[kept[0] if isinstance(store, list) else idx] = None
+                store[kept[0]] = None
             self._digests.pop((key, idx), None)
             self._post.pop((key, idx), None)
             self._dense.pop((key, idx), None)
@@ -876,12 +882,12 @@ class SelectiveFrame:
         out: list[torch.Tensor] = []
         seen: set = set()
         storage = self.forward.storage
-        for (key, idx), (pos, _) in self._kept.items():  # torch marks every other call too
+        for (key, _), (slot, _) in self._kept.items():  # torch marks every other call too
             store = storage.get(key)
             if store is None:
                 continue
             try:
-                entry = store[pos if isinstance(store, list) else idx]
+                entry = store[slot]
             except (IndexError, KeyError):
                 continue
             for leaf in _leaves(entry):
