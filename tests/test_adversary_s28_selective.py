@@ -331,3 +331,47 @@ def test_a_segment_replayed_while_its_own_forward_runs(policy, create_graph):
     first replayed step: the replay run inside the forward consumed and released what the
     frame had kept so far. Such a replay is a full one now (the frame keeps on)."""
     _compare(_calls_and_differentiates(create_graph), segments=["a", "b"], policy=policy)
+
+
+class _Counted(_Tanh):
+    """``_Tanh`` that counts its calls in a buffer (written under no_grad) and scales by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cnt", torch.zeros(()))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.cnt.add_(1)
+        return super().forward(x) * (1 + 0.1 * self.cnt)
+
+
+class _CountedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _Counted()
+        self.b = _CallsAndDifferentiates(self.a, True)
+
+    def forward(self, x):
+        x = x.detach().requires_grad_(True)
+        return self.b(self.a(x), x)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=lr.ContractViolation,
+    reason="session 28, not fixed: under preservation='regions', segment a's counter written by "
+    "its call inside b and by b's replay run inside b's forward: a's replay raises 'a.cnt was "
+    "written outside the logged window (version 4 at forward, 7 at replay, expected 6)'. A "
+    "clear error naming the segment, but a false one: whole and the default train it exactly. "
+    "Guess: a version bump of a replay run while the log is paused (restore.py "
+    "_ReplayContext) is not reflected in the log's expected version (RegionLog.after)",
+)
+def test_regions_counter_of_a_segment_called_inside_a_self_replaying_one():
+    _compare(_CountedNet, segments=["a", "b"], install={"preservation": "regions"})
+
+
+def test_whole_counter_of_a_segment_called_inside_a_self_replaying_one():
+    """The same model under ``whole`` (and the default): exact."""
+
+    _compare(_CountedNet, segments=["a", "b"], install={"preservation": "whole"})
