@@ -364,8 +364,11 @@ class _CountedNet(nn.Module):
     "its call inside b and by b's replay run inside b's forward: a's replay raises 'a.cnt was "
     "written outside the logged window (version 4 at forward, 7 at replay, expected 6)'. A "
     "clear error naming the segment, but a false one: whole and the default train it exactly. "
-    "Guess: a version bump of a replay run while the log is paused (restore.py "
-    "_ReplayContext) is not reflected in the log's expected version (RegionLog.after)",
+    "Traced: a's replay runs inside b's backward replay (b's autograd.grad), after b's replay "
+    "wrote a.cnt (a's call inside b: v6 -> v7, unlogged while a replay runs, undone and its "
+    "version reset only when b's replay ends); a's version check (restore.py _check_versions) "
+    "sees that in-progress write. A nested replay would need the versions as the enclosing "
+    "replay began",
 )
 def test_regions_counter_of_a_segment_called_inside_a_self_replaying_one():
     _compare(_CountedNet, segments=["a", "b"], install={"preservation": "regions"})
