@@ -357,20 +357,13 @@ class _CountedNet(nn.Module):
         return self.b(self.a(x), x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=lr.ContractViolation,
-    reason="session 28, not fixed: under preservation='regions', segment a's counter written by "
-    "its call inside b and by b's replay run inside b's forward: a's replay raises 'a.cnt was "
-    "written outside the logged window (version 4 at forward, 7 at replay, expected 6)'. A "
-    "clear error naming the segment, but a false one: whole and the default train it exactly. "
-    "Traced: a's replay runs inside b's backward replay (b's autograd.grad), after b's replay "
-    "wrote a.cnt (a's call inside b: v6 -> v7, unlogged while a replay runs, undone and its "
-    "version reset only when b's replay ends); a's version check (restore.py _check_versions) "
-    "sees that in-progress write. A nested replay would need the versions as the enclosing "
-    "replay began",
-)
 def test_regions_counter_of_a_segment_called_inside_a_self_replaying_one():
+    """Before: under ``preservation="regions"``, ``ContractViolation: state 'a.cnt' was written
+    outside the logged window (version 4 at forward, 7 at replay, expected 6)``, a false one
+    (``whole`` trains it exactly): ``a``'s replay runs inside ``b``'s backward replay (``b``'s
+    autograd.grad), after that replay wrote ``a.cnt`` (``a``'s call inside ``b``: unlogged
+    while a replay runs, undone and its version reset only as ``b``'s replay ends). A replay
+    nested in another reads the enclosing replay's state at the versions it began with."""
     _compare(_CountedNet, segments=["a", "b"], install={"preservation": "regions"})
 
 

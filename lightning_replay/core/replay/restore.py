@@ -470,6 +470,7 @@ class _ReplayContext:
                 )
         self._versions = now
         self._stage = 1
+        _OPEN.append(self)
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
@@ -597,6 +598,8 @@ class _ReplayContext:
             tensors = [t for _, t in inv.tensors]
             if [t._version for t in tensors] != self._versions:
                 _reset_versions(tensors, self._versions)
+            if self in _OPEN:
+                _OPEN.remove(self)
             if not self._keep:
                 inv.release()
             # else kept for the next backward's replay, and given back when it releases, or
@@ -624,6 +627,13 @@ class _ReplayContext:
         rt = inv.rt
         log = rt.engine.log
         marks = dict(inv.regions)
+        # a replay run inside another's (a backward inside a segment's replay: its
+        # autograd.grad): the enclosing replay's own writes are in progress, unlogged, and it
+        # puts their bytes and versions back as it ends; its state reads as it began
+        began: dict[int, int] = {}
+        for ctx in _OPEN:
+            for (_, t), v in zip(ctx.inv.tensors, ctx._versions):
+                began.setdefault(id(t), v)
         for (entry, t), p, v0 in zip(inv.tensors, inv.prs, inv.versions):
             if p == "whole":
                 continue
@@ -636,7 +646,8 @@ class _ReplayContext:
                     continue
             else:
                 expected = v0
-            if t._version != expected:
+            version = began.get(id(t), t._version)
+            if version != expected:
                 what = (
                     "was written outside the logged window"
                     if p in ("regions", "guard")
@@ -644,8 +655,7 @@ class _ReplayContext:
                 )
                 rt._violation(
                     entry.name,
-                    f"{what} (version {v0} at forward, {t._version} at "
-                    f"replay, expected {expected})",
+                    f"{what} (version {v0} at forward, {version} at replay, expected {expected})",
                     inv,
                 )
 
@@ -818,6 +828,10 @@ def departed_error(
         "argument of the segment, or keep this segment's "
         f"activations (preservation={{{rt.name!r}: 'retain'}}). Recorded as a divergence."
     )
+
+
+#: the replay contexts entered and not yet ended, outermost first (see _check_versions)
+_OPEN: list[_ReplayContext] = []
 
 
 def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
