@@ -33,6 +33,7 @@ from lightning_replay.core.mechanisms import backend_flags, param_cache
 from lightning_replay.core.mechanisms.accounting import checkpoint_rng_bytes
 from lightning_replay.core.mechanisms.arguments import (
     flatten_call,
+    passed_generators,
     forward_attributes,
     state_attributes,
     tensor_attributes,
@@ -48,7 +49,7 @@ from lightning_replay.core.base.ports import CheckHost, CostSource, ProbeHost, R
 from lightning_replay.core.mechanisms.costs import saved_tensor_overhead
 from lightning_replay.errors import ContractViolation, ReplayConfigError, ReplayError
 from lightning_replay.core.mechanisms.guards import OUTSIDE, Guard
-from lightning_replay.core.mechanisms.host_rng import as_host_rng, is_host_rng
+from lightning_replay.core.mechanisms.host_rng import as_host_rng
 from lightning_replay.core.replay.probe import SegmentProbe, _Probe
 from lightning_replay.core.replay.restore import (
     _Bound,
@@ -57,7 +58,7 @@ from lightning_replay.core.replay.restore import (
     user_saved_hooks,
 )
 from lightning_replay.core.mechanisms.selective import SelectiveFrame, replaying
-from lightning_replay.core.mechanisms.slots import capture_generators, generators_in
+from lightning_replay.core.mechanisms.slots import capture_generators
 from lightning_replay.core.base.state import byte_span, storage_key, strided_copy
 from lightning_replay.core.base.state import unique_bytes as _unique_bytes
 
@@ -487,7 +488,7 @@ class SegmentRuntime:
             held = {id(getattr(g, "obj", g)) for g, _ in inv.gens}
             passed = [
                 x if isinstance(x, torch.Generator) else as_host_rng(x)
-                for x in _passed_generators(flat)
+                for x in passed_generators(flat)
                 if id(x) not in held
             ]
             if passed:
@@ -860,18 +861,6 @@ class SegmentRuntime:
             "changing_state": [s.name for s in c.changing] if c else [],
             "options": c.available_options() if c else [],
         }
-
-
-def _passed_generators(flat: list) -> list:
-    """The generators among a call's leaves, and among the items of the lists, tuples and
-    dicts of them that hold no tensor (which the argument walk passes whole)."""
-    out = []
-    for x in flat:
-        if isinstance(x, torch.Generator) or is_host_rng(x):
-            out.append(x)
-        elif type(x) in (list, tuple, dict):
-            out += generators_in(x.values() if type(x) is dict else x)
-    return out
 
 
 def _needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> bool:

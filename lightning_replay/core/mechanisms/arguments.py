@@ -46,6 +46,7 @@ import torch.utils._pytree as _pytree
 from torch import nn
 
 from lightning_replay._compat import dict_version
+from lightning_replay.core.mechanisms.host_rng import is_host_rng
 from lightning_replay.core.mechanisms.subclassing import quiet_subclass
 
 #: how deep :func:`flatten_call` walks into argument objects
@@ -170,6 +171,45 @@ def _callable_parts(obj: Any) -> list | None:
             return None
         return cells + list(obj.__defaults__ or ())
     return None
+
+
+#: how deep :func:`passed_generators` looks into the call's leaves, and how many objects
+GENERATOR_DEPTH = 4
+GENERATOR_NODES = 256
+
+
+def passed_generators(flat: list) -> list[Any]:
+    """The generators (``torch.Generator``, and those outside torch: :func:`is_host_rng`) a
+    call passes, among its leaves and inside the leaves :func:`flatten_call` passes whole
+    (an object, a partial or a container that holds no tensor: ``SimpleNamespace(g=gen)``,
+    ``[[gen]]``, ``partial(torch.rand, generator=gen)``), ``GENERATOR_DEPTH`` levels down,
+    each once."""
+    out: list[Any] = []
+    seen: set[int] = set()
+    todo = [(x, 0) for x in flat if not isinstance(x, torch.Tensor)]
+    while todo and len(seen) < GENERATOR_NODES:
+        x, depth = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Generator) or is_host_rng(x):
+            out.append(x)
+            continue
+        if depth >= GENERATOR_DEPTH:
+            continue
+        parts = _callable_parts(x)  # (a partial, a closure: what it carries)
+        if parts is not None:
+            items = parts
+        elif isinstance(x, _OPAQUE):
+            continue
+        elif isinstance(x, dict):
+            items = list(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            items = list(x)
+        else:
+            items = [v for _, v, _ in _fields(x)]
+        todo += [(v, depth + 1) for v in items if not isinstance(v, torch.Tensor)]
+    return out
 
 
 def _fields(obj: Any) -> list[tuple[str, Any, bool]]:

@@ -878,7 +878,7 @@ class ModuleSlots:
                             shallow = {}
                         shallow[k] = copy_items(v)
                 if isinstance(v, (list, tuple)):
-                    g = generators_in(v)
+                    g = _generators_in(v)
                     if g:
                         gens = g if gens is None else gens + g
                 if c is MISSING:
@@ -1097,11 +1097,11 @@ def _is_generator(x: Any) -> bool:
     return isinstance(x, torch.Generator) or is_host_rng(x)
 
 
-#: per item type: whether an item of it can be a generator (see :func:`generators_in`)
+#: per item type: whether an item of it can be a generator (see :func:`_generators_in`)
 _GENERATOR_TYPES: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
 
 
-def generators_in(items: Any) -> list[Any]:
+def _generators_in(items: Any) -> list[Any]:
     """The generators among ``items`` (a list, a tuple or a dict's values), told by their
     types first (a set of types at C speed: a list of 10,000 floats is one type to ask about,
     not 10,000 items)."""
@@ -1133,13 +1133,13 @@ def slot_generators(slots: list[ModuleSlots]) -> list[Any]:
         if found is None:  # a capture never changes: scanned once, however often it is shared
             found = list(s.gens or ())
             for v in (s.shallow or {}).values():
-                found += generators_in(v.values() if isinstance(v, dict) else v)
+                found += _generators_in(v.values() if isinstance(v, dict) else v)
             for _, v in s.holders or ():
                 for x in v.values():
                     if _is_generator(x):
                         found.append(x)
                     elif type(x) in (list, tuple, dict):  # a holder's list of generators
-                        found += generators_in(x.values() if type(x) is dict else x)
+                        found += _generators_in(x.values() if type(x) is dict else x)
             s.found = found
         for g in found:
             if id(g) not in seen:
