@@ -1195,10 +1195,7 @@ class ReplayEngine:
         _attach.detach(self, self._root_class)
         self._root_class = None
         self._registration.release()
-        if not self.log.armed:
-            self.log.clear()
-        # else a forward's replay is still to come (uninstalled between forward and
-        # backward): its undo entries go as it releases them (RegionLog arms count readers)
+        self.log.clear()
         self.installed = False
         self._release()
 
