@@ -247,31 +247,30 @@ class ProducerLog(TorchDispatchMode):
         # LSTM's) are whatever its allocation held, and a plain second run can get the very
         # bytes the replay's did (the same block, reused). Filled, they cannot equal both
         # patterns; bytes the kernel writes are the same in every run, whatever was there.
+        # Whether an allocation gets the freed block is the allocator's choice (CI once ran
+        # all three without it): a last run has torch fill every new allocation itself.
         for poison in POISONS:
             try:
-                again = _run_again(p, poison, saved.untyped_storage().nbytes())
+                view = _again_as(p, saved, poison)
             except Exception:  # noqa: BLE001 - an op that cannot run again proves nothing
                 return None
-            if again is None:
-                return None
-            if (
-                again.dtype != saved.dtype
-                or again.untyped_storage().nbytes() < saved.untyped_storage().nbytes()
-            ):
-                return None
-            try:
-                view = again.as_strided(
-                    saved.shape,
-                    saved.stride(),
-                    again.storage_offset() + saved.storage_offset() - p.offset,
-                )
-            except RuntimeError:
+            if view is None:
                 return None
             if digests([view]) != digests([saved]):
                 return (
                     f"an auxiliary output of {name} that differs between two runs on the same "
                     "arguments" + ("" if poison is None else " (bytes it leaves unwritten)")
                 )
+        try:
+            with _filling_new_memory():
+                view = _again_as(p, saved, None)
+        except Exception:  # noqa: BLE001
+            return None
+        if view is not None and _differs_only_in_fill(view, saved):
+            return (
+                f"an auxiliary output of {name} that differs between two runs on the same "
+                "arguments (bytes it leaves unwritten)"
+            )
         return None
 
     def clear(self) -> None:
@@ -361,6 +360,64 @@ def _run_again(p: _Produced, poison: int | None = None, nbytes: int = 0) -> torc
     outs = out if isinstance(out, (tuple, list)) else (out,)
     tensors = [t for t in outs if isinstance(t, torch.Tensor)]
     return tensors[p.index] if p.index < len(tensors) else None
+
+
+def _again_as(p: _Produced, saved: torch.Tensor, poison: int | None) -> torch.Tensor | None:
+    """``saved``'s view of a second run's output (see :func:`_run_again`), or None."""
+    again = _run_again(p, poison, saved.untyped_storage().nbytes())
+    if again is None:
+        return None
+    if again.dtype != saved.dtype or again.untyped_storage().nbytes() < (
+        saved.untyped_storage().nbytes()
+    ):
+        return None
+    try:
+        return again.as_strided(
+            saved.shape, saved.stride(), again.storage_offset() + saved.storage_offset() - p.offset
+        )
+    except RuntimeError:
+        return None
+
+
+@contextlib.contextmanager
+def _filling_new_memory() -> Iterator[None]:
+    """torch fills what ``empty`` allocates (NaN, or an integer type's largest value) while
+    deterministic algorithms are on: a kernel's unwritten output bytes then hold that fill,
+    whichever block the allocator gives. Only warned about, never raised, here."""
+    import warnings
+
+    was, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(was, warn_only=warn_only)
+            torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def _differs_only_in_fill(view: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether the run over filled memory differs from ``saved`` and holds the fill in every
+    element it differs in: those are elements the kernel left unwritten. A kernel that computes
+    them otherwise (another algorithm under deterministic mode) differs elsewhere too."""
+    if view.is_floating_point() or view.is_complex():
+        differ = view.ne(saved)  # NaN != NaN: a NaN in saved counts, and must be fill here too
+        filled = view.isnan()
+    elif view.dtype is torch.bool:
+        differ, filled = view.ne(saved), view
+    else:
+        try:
+            top = torch.iinfo(view.dtype).max
+        except TypeError:
+            return False
+        differ, filled = view.ne(saved), view.eq(top)
+    return bool(differ.any()) and bool(filled[differ].all())
 
 
 class _no_autocast:
