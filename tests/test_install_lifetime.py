@@ -127,16 +127,6 @@ class _CountsNet(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=lr.ContractViolation,
-    reason="session 28, not fixed: uninstall() clears the region log the pending replays undo "
-    "from, so a segment's own logged write reads as 'written outside the logged window' (a "
-    "clear error, not wrong gradients). Keeping the log while anything is armed fixed this "
-    "but kept a raising segment's buffer alive after uninstall with the collector off "
-    "(tests/test_raising_segments.py: a forward that raised never releases its arms). A fix "
-    "needs a forward that raises to give its arms back at once",
-)
 @pytest.mark.parametrize(
     "install",
     [
@@ -150,7 +140,8 @@ def test_uninstall_between_forward_and_backward_with_a_logged_write(install):
     forward's window), before its backward: the replays still undo those writes, match plain
     PyTorch, and give the log back as they release. Before: ``ContractViolation: state
     'blocks.1.load' was written outside the logged window`` (uninstall cleared the log the
-    pending replays undo from)."""
+    pending replays undo from; keeping it while armed then kept a raising segment's buffer
+    alive, since a forward that raised never gave its arms back)."""
     torch.manual_seed(0)
     ref = _CountsNet()
     rep = copy.deepcopy(ref)

@@ -15,7 +15,7 @@ import itertools
 import types
 import warnings
 import weakref
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -492,9 +492,7 @@ class SegmentRuntime:
                 if id(x) not in held
             ]
             if passed:
-                states = capture_generators(
-                    list({id(getattr(g, "obj", g)): g for g in passed}.values())
-                )
+                states = capture_generators(passed)  # (each object once: passed_generators)
                 inv.gens = inv.gens + states
                 inv.preserved_bytes += sum(
                     t.untyped_storage().nbytes() for _, t in states if isinstance(t, torch.Tensor)
@@ -699,7 +697,7 @@ class SegmentRuntime:
             # stopped before it writes it: the replay of such a segment runs to its end
             plain_inputs = _stacked(plain_inputs, set_checkpoint_early_stop(False))
         if not timed:
-            with plain_inputs:
+            with plain_inputs, _released_if_raised(inv, sac):
                 out = checkpoint(
                     fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
                 )
@@ -709,7 +707,7 @@ class SegmentRuntime:
                     self._charge_kept(inv, sac, held=not sac_full)
             return out
         t0 = _timed_clock(eng)
-        with plain_inputs:
+        with plain_inputs, _released_if_raised(inv, sac):
             out = checkpoint(
                 fn, *call, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn
             )
@@ -980,6 +978,21 @@ def _full_replay(inv: _Invocation, user: tuple | None = None):
     """``context_fn`` of a full replay: nothing around the forward, the contract's replay
     context around the recomputation."""
     return lambda: (contextlib.nullcontext(), _ReplayContext(inv, True, user))
+
+
+@contextlib.contextmanager
+def _released_if_raised(inv: _Invocation, frame: SelectiveFrame | None) -> Iterator[None]:
+    """A forward that raised will never be replayed: what its invocation holds (region-log
+    arms, copies, held bytes) and what its selective frame kept go at once. Left to the
+    invocation's finalizer, the traceback's frames kept them (until the cyclic collector
+    ran, if ever), and an arm kept logging its storage's writes every step."""
+    try:
+        yield
+    except BaseException:
+        inv.release()
+        if frame is not None:
+            frame.release()
+        raise
 
 
 def _timed_clock(eng: "RuntimeHost") -> float:

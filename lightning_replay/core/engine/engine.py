@@ -1195,7 +1195,11 @@ class ReplayEngine:
         _attach.detach(self, self._root_class)
         self._root_class = None
         self._registration.release()
-        self.log.clear()
+        if not self.log.armed:
+            self.log.clear()
+        # else a forward's replay is still to come (uninstalled between forward and
+        # backward): its undo entries go as it releases them (RegionLog arms count readers;
+        # a forward that raised gave its arms back as it raised)
         self.installed = False
         self._release()
 

@@ -798,6 +798,9 @@ class SegmentProbe:
             # the rest of the process. The probe lets go of every tensor the forward made.
             probe.saved_live = []
             probe.saved_state = {}
+            # ... and its region-log arms: no replay will undo from them, and an arm left
+            # behind kept logging the storage's writes for the rest of the process
+            mode.release()
             raise
         finally:
             eng._segment_depth -= 1
