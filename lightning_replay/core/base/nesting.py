@@ -6,6 +6,13 @@ segment of another engine (a teacher installed with an engine of its own, run in
 student's block) must see it too, or it takes the outer segment's checkpoint frame for the
 model's own checkpointing. Each engine's ``_segment_depth`` setter keeps this count.
 
+The count is per thread: a model trained in another thread (a second engine, its own
+segments) is not inside this thread's segment, and its segments ran plain while one of this
+thread's ran (silently keeping their activations; "planned without it" after two windows). A
+replay nested in a forward or in another replay runs on the thread that counts the outer one
+(the caller's on CPU; on CUDA the autograd engine's device thread, which runs the outer
+replay and every backward started inside it).
+
 Example:
     >>> from lightning_replay.core.base import nesting
     >>> before = nesting.segments_running()
@@ -17,14 +24,23 @@ Example:
 
 from __future__ import annotations
 
-_RUNNING = [0]
+import threading
+
+_LOCK = threading.Lock()
+_RUNNING: dict[int, int] = {}  # thread identifier -> segment forwards and replays running
 
 
 def segments_running() -> int:
-    """How many segment forwards or replays of any engine run now (0: none)."""
-    return _RUNNING[0]
+    """How many segment forwards or replays of any engine run now on this thread (0: none)."""
+    return _RUNNING.get(threading.get_ident(), 0)
 
 
-def moved(delta: int) -> None:
-    """An engine's segment depth moved by ``delta``."""
-    _RUNNING[0] += delta
+def moved(delta: int, thread: int | None = None) -> None:
+    """An engine's segment depth moved by ``delta`` on ``thread`` (None: this one)."""
+    t = threading.get_ident() if thread is None else thread
+    with _LOCK:
+        n = _RUNNING.get(t, 0) + delta
+        if n:
+            _RUNNING[t] = n
+        else:
+            _RUNNING.pop(t, None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -142,8 +143,10 @@ def _first_param_is_cuda(model: nn.Module) -> bool:
 
 
 def _drop_depth(cell: list) -> None:
-    _nesting.moved(-cell[0])
+    for thread, n in cell[1].items():  # (on whichever thread collects the engine)
+        _nesting.moved(-n, thread)
     cell[0] = 0
+    cell[1].clear()
 
 
 class ReplayEngine:
@@ -160,9 +163,15 @@ class ReplayEngine:
         cell = self.__dict__.get("_depth")
         if cell is None:  # (a cell the finalizer reads: an engine dropped mid-segment, as by
             # an error no frame caught, leaves no count behind for every later segment)
-            cell = self.__dict__["_depth"] = [0]
+            cell = self.__dict__["_depth"] = [0, {}]  # (its depth, and each thread's part)
             weakref.finalize(self, _drop_depth, cell).atexit = False
-        _nesting.moved(value - cell[0])
+        delta, thread = value - cell[0], threading.get_ident()
+        n = cell[1].get(thread, 0) + delta
+        if n:
+            cell[1][thread] = n
+        else:
+            cell[1].pop(thread, None)
+        _nesting.moved(delta)
         cell[0] = value
 
     def __init__(

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterator
@@ -285,18 +286,29 @@ _UNSAFE_ALIAS: dict = {}
 #: ops that replay issues pass through the forward's mode beneath it, but are not the
 #: forward's own (at the segment's own replay they may run differently or not at all: the
 #: other segment's kept outputs are gone by then). A frame counts and keeps only its own.
-_REPLAYS = [0]
+#: Per thread: two models trained in two threads replay side by side (a shared count made one
+#: thread's replay pass the other's ops through uncounted: kept outputs handed to the wrong
+#: calls). A replay run inside another, or inside a forward (``autograd.grad`` there), runs
+#: on the thread that started it (CPU), or on the autograd engine's device thread with the
+#: forward's modes carried over (CUDA), where its own count is the one the modes read.
+
+
+class _Replays(threading.local):
+    n = 0
+
+
+_REPLAYS = _Replays()
 
 
 @contextlib.contextmanager
 def replaying() -> Iterator[None]:
     """Around any segment's replay: ops in it are not those of a forward or replay the replay
     runs inside (see :data:`_REPLAYS`)."""
-    _REPLAYS[0] += 1
+    _REPLAYS.n += 1
     try:
         yield
     finally:
-        _REPLAYS[0] -= 1
+        _REPLAYS.n -= 1
 
 
 def _unsafe_alias(func: Any) -> bool:
@@ -503,15 +515,15 @@ class _KeptReplay(TorchDispatchMode):
         if self.frame._returned:
             self.frame.outputs_written()
         entered = super().__enter__()
-        _REPLAYS[0] += 1
-        self.depth = _REPLAYS[0]
+        _REPLAYS.n += 1
+        self.depth = _REPLAYS.n
         return entered
 
     def __exit__(self, *exc: Any) -> Any:
         try:
             return super().__exit__(*exc)
         finally:
-            _REPLAYS[0] -= 1
+            _REPLAYS.n -= 1
             # The replay is the kept outputs' only reader. One that stopped early (checkpoint
             # stops once backward has what it saves) never reached the ops after that point:
             # their kept outputs would live as long as the frame, past this segment's backward
@@ -521,7 +533,7 @@ class _KeptReplay(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = {} if kwargs is None else kwargs
-        if _REPLAYS[0] > self.depth:  # another segment's replay, run inside this one
+        if _REPLAYS.n > self.depth:  # another segment's replay, run inside this one
             return func(*args, **kwargs)
         frame = self.frame
         # Most ops of a replay are ones the forward kept no call of: they run, uncounted (this
@@ -639,7 +651,7 @@ class SelectiveFrame:
         density: float | None = None,
     ) -> None:
         self.saved: set | None = None  # storages autograd saved in the forward, if watched
-        depth = _REPLAYS[0]  # replays in progress as the forward begins (made just before it)
+        depth = _REPLAYS.n  # replays in progress as the forward begins (made just before it)
         self.verify = verify
         self.events: list[KeptEvent] = []
         self._kept: dict = {}  # (key, call) -> (position among the op's kept calls, arguments)
@@ -670,7 +682,7 @@ class SelectiveFrame:
             self = frame()
             if self is None:  # (the forward's mode outlived its frame: nothing is kept)
                 return recompute
-            if _REPLAYS[0] > depth:  # another segment's replay, run inside this forward
+            if _REPLAYS.n > depth:  # another segment's replay, run inside this forward
                 return recompute
             if self._kept_at:
                 spots = _written_arguments(func)

@@ -10,6 +10,7 @@ exactly what it did also when the replay stops early or fails.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 import weakref
 from typing import Any, Callable
@@ -470,7 +471,7 @@ class _ReplayContext:
                 )
         self._versions = now
         self._stage = 1
-        _OPEN.append(self)
+        _OPEN.stack.append(self)
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
@@ -598,8 +599,8 @@ class _ReplayContext:
             tensors = [t for _, t in inv.tensors]
             if [t._version for t in tensors] != self._versions:
                 _reset_versions(tensors, self._versions)
-            if self in _OPEN:
-                _OPEN.remove(self)
+            if self in _OPEN.stack:
+                _OPEN.stack.remove(self)
             if not self._keep:
                 inv.release()
             # else kept for the next backward's replay, and given back when it releases, or
@@ -631,7 +632,7 @@ class _ReplayContext:
         # autograd.grad): the enclosing replay's own writes are in progress, unlogged, and it
         # puts their bytes and versions back as it ends; its state reads as it began
         began: dict[int, int] = {}
-        for ctx in _OPEN:
+        for ctx in _OPEN.stack:
             for (_, t), v in zip(ctx.inv.tensors, ctx._versions):
                 began.setdefault(id(t), v)
         for (entry, t), p, v0 in zip(inv.tensors, inv.prs, inv.versions):
@@ -830,8 +831,14 @@ def departed_error(
     )
 
 
-#: the replay contexts entered and not yet ended, outermost first (see _check_versions)
-_OPEN: list[_ReplayContext] = []
+class _Open(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_ReplayContext] = []
+
+
+#: the replay contexts entered and not yet ended on this thread, outermost first (see
+#: _check_versions; a replay nested in another runs on the thread of the one around it)
+_OPEN = _Open()
 
 
 def _reset_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
