@@ -404,20 +404,34 @@ def _filling_new_memory() -> Iterator[None]:
 
 def _differs_only_in_fill(view: torch.Tensor, saved: torch.Tensor) -> bool:
     """Whether the run over filled memory differs from ``saved`` and holds the fill in every
-    element it differs in: those are elements the kernel left unwritten. A kernel that computes
-    them otherwise (another algorithm under deterministic mode) differs elsewhere too."""
-    if view.is_floating_point() or view.is_complex():
-        differ = view.ne(saved)  # NaN != NaN: a NaN in saved counts, and must be fill here too
-        filled = view.isnan()
-    elif view.dtype is torch.bool:
-        differ, filled = view.ne(saved), view
+    element it differs in: those are elements the kernel left unwritten. Compared bit for bit:
+    a NaN the kernel writes is the same in both runs (as values, NaN != NaN made every
+    element a kernel wrote NaN look unwritten: a state difference elsewhere in a tensor with
+    one NaN was called noise). A kernel that computes them otherwise (another algorithm under
+    deterministic mode) differs elsewhere too."""
+    with _filling_new_memory():
+        fill = torch.empty(1, dtype=view.dtype, device=view.device)
+    ours, theirs, fill = _bits(view), _bits(saved), _bits(fill)
+    if ours is None or theirs is None or fill is None:
+        return False
+    if view.is_complex():  # (a real and an imaginary part per element)
+        differ, filled = ours.ne(theirs).any(-1), ours.eq(fill.reshape(-1)).all(-1)
     else:
-        try:
-            top = torch.iinfo(view.dtype).max
-        except TypeError:
-            return False
-        differ, filled = view.ne(saved), view.eq(top)
+        differ, filled = ours.ne(theirs), ours.eq(fill.reshape(()))
     return bool(differ.any()) and bool(filled[differ].all())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s elements as integers of their size (complex: a pair per element), or None."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    if dtype is None:
+        return None
+    try:
+        return t if t.dtype == dtype else t.view(dtype)
+    except RuntimeError:
+        return None
 
 
 class _no_autocast:
