@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -83,3 +86,136 @@ def test_a_state_difference_beside_a_nan_the_kernel_writes_is_recorded():
     outcomes = [(r.check, r.outcome) for r in engine.records]
     engine.uninstall()
     assert ("probe", "divergence") in outcomes, outcomes
+
+
+# ------------------------------------------------- a hook's default-argument dict; calls shifted
+SELECTIVE_INSTALLS = [
+    {"preservation": "whole"},
+    {"preservation": "selective", "selective": "matmul"},
+    {"preservation": "selective", "selective": "every_other_matmul"},
+    {"budget": "min", "selective": "matmul", "planner": "selective_all"},
+]
+SELECTIVE_IDS = ["whole", "matmul", "every_other_matmul", "min_selective_all"]
+W = 16
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(W, W), nn.Linear(W, W)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc(x)))
+
+
+def _sampled_logger_model(holders: list) -> nn.Module:
+    """A pre-hook on each block's ``fc`` that, every third call, runs the layer's own product
+    (``addmm``, the same shapes) under ``no_grad`` to log its spread; its counter lives in a
+    dict bound as a default argument."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    m = nn.Sequential(_Pair(), _Pair(), nn.Linear(W, W))
+    for b in (m[0], m[1]):
+        holder = {"n": 0}
+        holders.append(holder)
+
+        def hook(mod, inp, holder=holder):
+            holder["n"] += 1
+            if holder["n"] % 3 == 0:
+                with torch.no_grad():
+                    holder["std"] = float(F.linear(inp[0] * 0.5, mod.weight, mod.bias).std())
+
+        b.fc.register_forward_pre_hook(hook)
+    return m
+
+
+def _grads(model: nn.Module, steps: int, length=lambda s: 8) -> list[dict]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for s in range(steps):
+        x = torch.randn(4, length(s), W, generator=torch.Generator().manual_seed(s))
+        model(x).pow(2).mean().backward()
+        out.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def _off(want: list[dict], got: list[dict]) -> list:
+    return [
+        (s, n, (a[n] - b[n]).abs().max().item())
+        for s, (a, b) in enumerate(zip(want, got))
+        for n in a
+        if not torch.equal(a[n], b[n])
+    ]
+
+
+@pytest.mark.parametrize("install", SELECTIVE_INSTALLS, ids=SELECTIVE_IDS)
+def test_a_hook_counter_bound_as_a_default_argument_is_state(install):
+    """The replay runs the hook again: its write through the default argument was not put
+    back (closure cells were), so the counter reached 11 where plain training's reached 6,
+    the forward and the replay disagreed on whether the hook computed, and the selective
+    replay handed each kept ``addmm`` to the call after it: 47 of 60 (step, parameter)
+    gradients off by up to 5.4e-2 under ``selective="matmul"``, no record. The defaults are
+    now put back as closure cells are: the counts and the gradients are plain training's,
+    with nothing to record."""
+    plain: list = []
+    want = _grads(_sampled_logger_model(plain), 6)
+    holders: list = []
+    model = _sampled_logger_model(holders)
+    engine = lr.install(model, ["0", "1"], on_violation="record", **install)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _grads(model, 6)
+    odd = [(r.step, r.check, r.outcome) for r in engine.records if r.outcome != "match"]
+    engine.uninstall()
+    assert [h["n"] for h in holders] == [h["n"] for h in plain]
+    assert not _off(want, got)
+    assert not odd, odd
+
+
+@functools.lru_cache(maxsize=16)
+def _pos_table(n: int) -> torch.Tensor:
+    pos = torch.arange(n, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(W, dtype=torch.float32) * -0.3)[None, :]
+    return torch.sin(torch.mm(pos, freq))  # an aten.mm the forward runs on a cache miss only
+
+
+class _Positional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.v, self.o = (nn.Linear(W, W, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        h = x + _pos_table(x.shape[1])
+        return x + self.o(torch.tanh(self.q(h)) * self.v(h))
+
+
+@pytest.mark.parametrize(
+    "install",
+    SELECTIVE_INSTALLS[1:] + [{"preservation": "selective", "selective": "flops"}],
+    ids=SELECTIVE_IDS[1:] + ["flops"],
+)
+def test_kept_calls_shifted_by_a_call_the_replay_does_not_make_are_not_used(install):
+    """A cached helper's ``mm`` runs at the forward of each new sequence length and not at its
+    replay (the cache holds it then): every later ``mm`` of the replay was matched with the
+    kept output of the call before it, shapes alike: 50 of 80 gradients off by up to 4.1e-2,
+    no record under ``"flops"``. Kept calls are now matched on the parameter each argument
+    is and the grad mode too, and once one does not match no later one is used in that
+    replay: exact, and the mismatch recorded."""
+    lengths = [8, 8, 8, 12, 8, 12, 16, 8, 20, 8]
+    torch.manual_seed(0)
+    base = nn.Sequential(_Positional(), _Positional(), nn.Linear(W, W))
+    _pos_table.cache_clear()
+    want = _grads(copy.deepcopy(base), 10, lengths.__getitem__)
+    _pos_table.cache_clear()
+    model = copy.deepcopy(base)
+    engine = lr.install(model, ["0", "1"], on_violation="record", **install)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _grads(model, 10, lengths.__getitem__)
+    odd = [(r.step, r.check, r.outcome) for r in engine.records if r.outcome == "divergence"]
+    engine.uninstall()
+    assert not _off(want, got), _off(want, got)[:3]
+    assert odd, "the shifted calls were recorded nowhere"

@@ -464,6 +464,85 @@ class _CellDict:
         return v
 
 
+class Defaults(Owner):
+    """Stands for the default arguments of a function a segment's code runs (``def hook(m,
+    inp, holder=holder)``, the usual way to bind a loop variable in a hook): its ``__dict__``
+    maps each parameter with a default to that default, and puts one back by rebinding the
+    function's ``__defaults__`` (or ``__kwdefaults__``). A container written through its
+    default (a call counter in a dict) is state the replay must see as the forward did, as a
+    closure cell is (before: the replay's calls counted again, and a hook that computes on
+    every third call computed at the replay where it had not at the forward)."""
+
+    __slots__ = ("_defaults", "label")
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        self._defaults = _DefaultsDict(fn)
+        self.label = f"{fn.__qualname__}.<defaults>"
+
+    @property
+    def __dict__(self) -> "_DefaultsDict":  # type: ignore[override]
+        return self._defaults
+
+
+class _DefaultsDict:
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: types.FunctionType) -> None:
+        self.fn = fn
+
+    def _positional(self) -> dict[str, int]:
+        code, defaults = self.fn.__code__, self.fn.__defaults__ or ()
+        names = code.co_varnames[: code.co_argcount]
+        first = len(names) - len(defaults)
+        return {n: i - first for i, n in enumerate(names) if i >= first}
+
+    def get(self, name: str, default: Any = None) -> Any:
+        i = self._positional().get(name)
+        if i is not None:
+            return self.fn.__defaults__[i]
+        return (self.fn.__kwdefaults__ or {}).get(name, default)
+
+    def __getitem__(self, name: str) -> Any:
+        v = self.get(name, MISSING)
+        if v is MISSING:
+            raise KeyError(name)
+        return v
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        i = self._positional().get(name)
+        if i is not None:
+            d = list(self.fn.__defaults__)
+            d[i] = value
+            self.fn.__defaults__ = tuple(d)
+        elif name in (self.fn.__kwdefaults__ or {}):
+            self.fn.__kwdefaults__ = {**self.fn.__kwdefaults__, name: value}
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        return self.get(name, default)  # (a default cannot be removed: left as it is)
+
+
+def _mutable_defaults(fn: types.FunctionType) -> list[tuple[str, Any]]:
+    """(name, value) of ``fn``'s default arguments that can be written in place (a dict, a
+    list, a set: not a plain value, which the code can only rebind locally)."""
+    code = fn.__code__
+    names = code.co_varnames[: code.co_argcount]
+    defaults = fn.__defaults__ or ()
+    pairs = list(zip(names[len(names) - len(defaults) :], defaults))
+    pairs += list((fn.__kwdefaults__ or {}).items())
+    return [(n, v) for n, v in pairs if type(v) in (list, dict, set)]
+
+
+#: per function (by id; checked against the owner's function), the owner of its defaults
+_DEFAULTS: "weakref.WeakValueDictionary[int, Defaults]" = weakref.WeakValueDictionary()
+
+
+def _defaults_owner(fn: types.FunctionType) -> Defaults:
+    owner = _DEFAULTS.get(id(fn))
+    if owner is None or owner.__dict__.fn is not fn:
+        owner = _DEFAULTS[id(fn)] = Defaults(fn)
+    return owner
+
+
 #: per cell (by id; checked against the owner's cell), its owner while someone holds it (a
 #: segment's outside reads): not kept here, a cell kept for good keeps what it holds (a
 #: function replaced each step: its tensor) for good
@@ -583,6 +662,9 @@ def globals_read(
                     todo.append((value, depth + 1))
             elif _plain(value, tensors=False):
                 add(cell, name)
+        for name, value in _mutable_defaults(fn):
+            if _plain(value, tensors=False):
+                add(_defaults_owner(fn), name)
         for chain in n.chains:
             found = _follow(roots, chain)
             if isinstance(found, types.FunctionType):

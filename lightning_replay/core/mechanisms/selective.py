@@ -476,7 +476,31 @@ class KeptEvent:
 
 
 def _signature(args: tuple) -> tuple:
-    return tuple((tuple(a.shape), a.dtype, a.device) for a in args if isinstance(a, torch.Tensor))
+    """What a kept call is matched on besides its op and its count: the grad mode, and per
+    tensor argument its shape, dtype and device, whether it requires grad, and the parameter
+    it is or views. A call the replay makes where the forward made another of the same op and
+    shapes (a hook's sampled ``F.linear`` under ``no_grad`` on the layer's own weight, a cached
+    helper's product run on a cache miss only) then differs: matched on shapes alone, every
+    later call of the op got the kept output of the one before it (wrong gradients)."""
+    out: list = [torch.is_grad_enabled()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            base = a._base if a._base is not None else a
+            owner = id(base) if isinstance(base, torch.nn.Parameter) else None
+            out.append((tuple(a.shape), a.dtype, a.device, a.requires_grad, owner))
+    return tuple(out)
+
+
+def _shown(sig: tuple) -> str:
+    """A signature as the user reads it (no object identities)."""
+    grad, *tensors = sig
+    parts = [
+        f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+        + (" requiring grad" if rg else "")
+        + (" (a parameter)" if owner is not None else "")
+        for shape, dtype, _, rg, owner in tensors
+    ]
+    return "(" + ", ".join(parts) + ")" + ("" if grad else " under no_grad")
 
 
 def _wrapped(x: Any) -> bool:
@@ -509,9 +533,13 @@ class _KeptReplay(TorchDispatchMode):
         self.frame = frame
         self.counter: dict = defaultdict(int)
         self.depth = 0  # replays in progress as this one runs (its own included)
+        #: a kept call did not match: the replay's calls may be shifted against the forward's
+        #: (one call more or fewer of an op), so no later kept output is used in this replay
+        self.shifted = False
 
     def __enter__(self) -> Any:
         self.counter.clear()  # a second replay (retain_graph) counts from the start again
+        self.shifted = False
         if self.frame._returned:
             self.frame.outputs_written()
         entered = super().__enter__()
@@ -551,8 +579,11 @@ class _KeptReplay(TorchDispatchMode):
         if kept is None:  # recomputed by the policy (or a call the forward never made)
             if frame._calls.get(key, 0) <= idx:
                 frame._note("unmatched", func, idx, "the forward made fewer calls of this op")
+                self.shifted = True
             return func(*args, **kwargs)
         slot, sig = kept
+        if self.shifted:  # (what it holds goes with the frame as the replay ends)
+            return func(*args, **kwargs)
         store = frame.forward.storage.get(key)
         entry = store[slot] if store is not None else None
         leaves = _leaves(entry)
@@ -561,8 +592,10 @@ class _KeptReplay(TorchDispatchMode):
         # consumed: the kept tensors go as the replay uses them (as in torch's own mode)
         store[slot] = None
         why = None
-        if _signature(args) != sig:
-            why = ("arguments", f"called with {_signature(args)}, at the forward with {sig}")
+        now = _signature(args)
+        if now != sig:
+            why = ("arguments", f"called with {_shown(now)}, at the forward with {_shown(sig)}")
+            self.shifted = True  # (the calls after it may be shifted too: none kept is used)
         elif any(w.version is not None and w.val._version != w.version for w in leaves):
             why = ("written", "written in place after its op (its version counter moved)")
         elif frame.verify and (key, idx) in frame._digests:
@@ -587,8 +620,9 @@ class _KeptReplay(TorchDispatchMode):
         if kept is None:  # not kept (another generator), or a call the forward never made
             return func(*args, **kwargs)
         mask, gen, state, sig = kept
-        if _signature(args) != sig:
-            seen = f"called with {_signature(args)}, at the forward with {sig}"
+        now = _signature(args)
+        if now != sig:
+            seen = f"called with {_shown(now)}, at the forward with {_shown(sig)}"
             frame._note("arguments", func, idx, seen)
             return func(*args, **kwargs)
         args[0].copy_(mask)
