@@ -219,3 +219,74 @@ def test_kept_calls_shifted_by_a_call_the_replay_does_not_make_are_not_used(inst
     engine.uninstall()
     assert not _off(want, got), _off(want, got)[:3]
     assert odd, "the shifted calls were recorded nowhere"
+
+
+# ------------------------------------------------------- activations that follow the data
+MOE_D, MOE_N, SHIFT = 64, 2048, 10  # (the periodic measurements: engine steps 2, 4, 8, 16)
+
+
+class _MoE(nn.Module):
+    """A fixed router (the sign of feature 0) to experts of unequal width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.Sequential(nn.Linear(MOE_D, 16), nn.Tanh(), nn.Linear(16, MOE_D))
+        self.big = nn.Sequential(nn.Linear(MOE_D, 1024), nn.Tanh(), nn.Linear(1024, MOE_D))
+
+    def forward(self, x):
+        route = x[:, 0] > 0
+        out = torch.zeros_like(x).index_put((route,), self.big(x[route]))
+        return x + out.index_put((~route,), self.small(x[~route]))
+
+
+def _routed(step: int, heavy: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(MOE_N, MOE_D, generator=g)
+    x[:, 0] = torch.rand(MOE_N, generator=g) - (0.05 if heavy else 0.95)
+    return x
+
+
+def _moe_peaks(budget, steps: int, shift: int) -> tuple[list[int], object]:
+    from tests.helpers.torch_memory import StepReferee
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_MoE(), _MoE(), _MoE(), nn.Linear(MOE_D, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = lr.install(model, ["0", "1", "2"], budget=budget) if budget is not None else None
+    referee = StepReferee()
+    peaks = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for s in range(steps):
+                x = _routed(s, heavy=s >= shift)
+                opt.zero_grad(set_to_none=True)
+
+                def step():
+                    model(x).pow(2).mean().backward()
+                    opt.step()
+
+                peaks.append(referee(step, engine)[0])
+    finally:
+        referee.close()
+    return peaks, engine
+
+
+def test_activations_that_follow_the_data_are_seen_the_step_after():
+    """The router sends 5 % of the tokens to the wide expert, then 95 % at the same input
+    shape: the plan made on the light routing held 16.8 % over the budget for 7 steps (until
+    the next periodic measurement), with no warning and no record, while the engine's own
+    accounting had tripled. The step after the shift is now measured and re-planned: a
+    record names it, and from the second step after the shift every step is within budget."""
+    plain, _ = _moe_peaks(None, 2, 0)
+    low, engine = _moe_peaks("min", 6, 0)
+    engine.uninstall()
+    budget = (max(plain) + max(low[3:])) // 2
+    peaks, engine = _moe_peaks(budget, SHIFT + 5, SHIFT)
+    records = [r for r in engine.records if r.check == "plan" and "follow the data" in r.detail]
+    engine.uninstall()
+    assert max(peaks[3:SHIFT]) <= budget  # (the light routing's plan fits)
+    assert peaks[SHIFT] > budget, "the shift does not overrun the plan: the test sees nothing"
+    assert records, "nothing said about the step that held more than its plan"
+    over = [(s, p - budget) for s, p in enumerate(peaks) if s >= SHIFT + 2 and p > budget]
+    assert not over, over
