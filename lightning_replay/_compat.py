@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any, Callable
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "dict_version",
     "distributed_is_initialized",
     "graph_task_keeps_graph",
+    "hooks_disabled_with",
     "in_reentrant_checkpoint_backward",
     "logger_connector",
     "op_arguments",
@@ -95,6 +97,44 @@ def saved_tensors_hooks_disabled() -> bool:
     and checkpoint need one. False where torch cannot tell."""
     read = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
     return read is not None and not read()
+
+
+_DISABLED = threading.local()  # .messages: this thread's latest disable_saved_tensors_hooks
+
+
+def _watch_hooks_disable() -> None:
+    """Note each message ``torch.autograd.graph.disable_saved_tensors_hooks`` is entered with,
+    per thread (the latest few): torch raises that message, and nothing else, when an op
+    saves a tensor while hooks are disabled and any are registered (a replay's are), so the
+    error alone cannot tell which segment's code switched them off (see
+    :func:`hooks_disabled_with`). Wraps torch's switch once per process."""
+    ag = torch._C._autograd
+    disable = getattr(ag, "_saved_tensors_hooks_disable", None)
+    if disable is None or getattr(disable, "_lightning_replay", False):
+        return
+
+    def noted(message: str, *args: Any, **kwargs: Any) -> Any:
+        seen = getattr(_DISABLED, "messages", None)
+        if seen is None:
+            seen = _DISABLED.messages = []
+        if message not in seen:
+            seen.append(message)
+            del seen[:-8]
+        return disable(message, *args, **kwargs)
+
+    noted._lightning_replay = True  # type: ignore[attr-defined]
+    try:
+        ag._saved_tensors_hooks_disable = noted
+    except (AttributeError, TypeError):  # a build that forbids it: messages go unnamed
+        pass
+
+
+def hooks_disabled_with(message: str) -> bool:
+    """Whether code on this thread recently disabled saved-tensor hooks with ``message``."""
+    return message in (getattr(_DISABLED, "messages", None) or ())
+
+
+_watch_hooks_disable()
 
 
 def graph_task_keeps_graph() -> bool:

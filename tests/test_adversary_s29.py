@@ -290,3 +290,37 @@ def test_activations_that_follow_the_data_are_seen_the_step_after():
     assert records, "nothing said about the step that held more than its plan"
     over = [(s, p - budget) for s, p in enumerate(peaks) if s >= SHIFT + 2 and p > budget]
     assert not over, over
+
+
+# ------------------------------------------------ saved-tensor hooks switched off inside a segment
+class _HooksOff(nn.Module):
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.fc, self.fc2, self.message = nn.Linear(W, W), nn.Linear(W, W), message
+
+    def forward(self, x):
+        with torch.autograd.graph.disable_saved_tensors_hooks(self.message):
+            h = torch.tanh(self.fc(x))
+        return x + self.fc2(h)
+
+
+@pytest.mark.parametrize(
+    "message",
+    ["fused kernel path: pack hooks unsupported", "this block does not support saved tensor hooks"],
+    ids=["own_words", "torch_func_like_words"],
+)
+@pytest.mark.parametrize("budget", [None, "min"], ids=["retained_probe", "replayed_probe"])
+def test_hooks_switched_off_inside_a_segment_name_the_segment(message, budget):
+    """Plain training runs it. Before: torch's RuntimeError carrying only the model's own
+    message (no segment named, nothing to do), or, where that message happened to contain
+    functorch's words, an error blaming a torch.func transform the model does not run."""
+    from lightning_replay.errors import ReplayConfigError
+
+    model = nn.Sequential(_HooksOff(message), _HooksOff(message), nn.Linear(W, W))
+    model(torch.randn(4, W)).sum().backward()
+    engine = lr.install(model, ["0", "1"], budget=budget)
+    try:
+        with pytest.raises(ReplayConfigError, match=r"segment '0' switches saved-tensor hooks off"):
+            model(torch.randn(4, W)).sum().backward()
+    finally:
+        engine.uninstall()

@@ -4,6 +4,7 @@ works on the installed versions: an upgrade that breaks one fails here, by name.
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 
 from lightning_replay import _compat
@@ -188,3 +189,16 @@ def test_set_parametrization_caching_turns_cached_off_and_back():
         assert old == 1 and _compat.parametrization_cache() is None
         assert _compat.set_parametrization_caching(old) == 0
         assert _compat.parametrization_cache() == {}
+
+
+def test_hooks_disabled_with_notes_the_message_torch_raises():
+    from lightning_replay._compat import hooks_disabled_with
+
+    message = "test_compat: hooks off here"
+    assert not hooks_disabled_with(message)
+    with torch.autograd.graph.disable_saved_tensors_hooks(message):
+        assert hooks_disabled_with(message)
+        with pytest.raises(RuntimeError, match=message):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                pass
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()

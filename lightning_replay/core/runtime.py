@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from lightning_replay._compat import (
     checkpoint_frame_forward,
     checkpoint_frame_recomputing,
+    hooks_disabled_with,
     in_reentrant_checkpoint_backward,
     tree_leaves,
     saved_tensors_hooks_disabled,
@@ -135,6 +136,17 @@ def _transform_inside(name: str) -> ReplayConfigError:
         "forward, and torch.func refuses the saved-tensor hooks that a replay needs (so does "
         "torch.utils.checkpoint): the segment cannot be replayed. Leave it out of the "
         "segments: it keeps its activations (segments called inside a transform run plain)."
+    )
+
+
+def _hooks_disabled_inside(name: str, message: str) -> ReplayConfigError:
+    return ReplayConfigError(
+        f"segment {name!r} switches saved-tensor hooks off inside its forward "
+        f"(torch.autograd.graph.disable_saved_tensors_hooks, whose message torch raised: "
+        f"{message!r}) while an op there saves a tensor for backward. A replay needs those "
+        "hooks on every op it covers (so does torch.utils.checkpoint): the segment cannot be "
+        "replayed. Leave it out of the segments (it keeps its activations), or choose "
+        "segments inside it that run outside that block."
     )
 
 
@@ -341,8 +353,13 @@ class SegmentRuntime:
         try:
             return self._hooked_call(args, kwargs)
         except RuntimeError as err:
-            if "support saved tensor hooks" in str(err) and not isinstance(err, ReplayError):
-                raise _transform_inside(self.name) from err
+            if isinstance(err, ReplayError):
+                raise
+            message = str(err)
+            if message.startswith("torch.func.") and "support saved tensor hooks" in message:
+                raise _transform_inside(self.name) from err  # (functorch's own message)
+            if hooks_disabled_with(message):
+                raise _hooks_disabled_inside(self.name, message) from err
             raise
 
     def _hooked_call(self, args: tuple, kwargs: dict) -> Any:
