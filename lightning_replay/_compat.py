@@ -32,6 +32,7 @@ __all__ = [
     "checkpoint_frame_forward",
     "checkpoint_frame_recomputing",
     "dict_version",
+    "dispatch_modes_on",
     "distributed_is_initialized",
     "graph_task_keeps_graph",
     "hooks_disabled_with",
@@ -135,6 +136,13 @@ def hooks_disabled_with(message: str) -> bool:
 
 
 _watch_hooks_disable()
+
+
+def dispatch_modes_on() -> bool:
+    """Whether a Python dispatch mode (``TorchDispatchMode``) is on: ATen's composite ops
+    take other paths under one (their tensor-subclass-safe paths: ``ctc_loss`` with tensor
+    lengths saves the lengths for backward then)."""
+    return torch._C._len_torch_dispatch_stack() > 0
 
 
 def graph_task_keeps_graph() -> bool:

@@ -202,3 +202,16 @@ def test_hooks_disabled_with_notes_the_message_torch_raises():
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 pass
     assert torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
+def test_dispatch_modes_on_sees_a_python_dispatch_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Through(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert not _compat.dispatch_modes_on()
+    with Through():
+        assert _compat.dispatch_modes_on()
+    assert not _compat.dispatch_modes_on()

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from lightning_replay._compat import (
     checkpoint_frame_forward,
     checkpoint_frame_recomputing,
+    dispatch_modes_on,
     hooks_disabled_with,
     in_reentrant_checkpoint_backward,
     tree_leaves,
@@ -631,7 +632,9 @@ class SegmentRuntime:
                 finally:  # (checkpoint's early stop leaves by an exception)
                     if sac.events:  # kept outputs it could not use (see checks.py)
                         self.segment_checks._kept_events(inv, sac.events, checked=False)
-            with replaying():  # (not a selective forward's own ops, if one runs around it)
+            # (not a selective forward's own ops, if one runs around it; ATen's paths as at
+            # the forward, which may have run under a dispatch mode)
+            with replaying(), backend_flags.dispatching_as(inv.moded):
                 return forward(*a, **kw)
 
         def fn(*flat: Any) -> Any:
@@ -669,9 +672,11 @@ class SegmentRuntime:
                     else contextlib.nullcontext(),
                 ):
                     if sample is None:
+                        inv.moded = dispatch_modes_on()
                         out = forward(*a, **kw)
                     else:
                         with sample:
+                            inv.moded = True
                             out = forward(*a, **kw)
                 if sac is not None:
                     sac.watch_outputs(out)

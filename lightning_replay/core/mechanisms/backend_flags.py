@@ -9,6 +9,8 @@ other saved tensors (a replay error) or other last bits (silently wrong gradient
 forward's switches are read (a few C getters) and a replay runs under them.
 
 >>> import torch
+
+from lightning_replay._compat import TorchDispatchMode, dispatch_modes_on
 >>> before = capture()
 >>> with torch.backends.mkldnn.flags(enabled=False):
 ...     inside = capture()
@@ -26,6 +28,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from lightning_replay._compat import TorchDispatchMode, dispatch_modes_on
 
 _C = torch._C
 
@@ -113,3 +117,25 @@ def entered(switches: tuple | None) -> Iterator[None]:
     finally:
         for i, was in reversed(changed):
             _SETTERS[i](was)
+
+
+class _SamePath(TorchDispatchMode):
+    """Runs every op as it is: its presence alone makes ATen's composite ops take the path
+    they took under the forward's modes."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def dispatching_as(at_forward: bool) -> Iterator[None]:
+    """Around a replay whose forward ran under a Python dispatch mode (the capture of logged
+    writes, a calibration step's sampled capture, a selective forward's cache): a pass-through
+    mode where none is on now. ATen's composite ops branch on whether any is on (``ctc_loss``
+    with tensor lengths saved two tensors more under one): the replay took another path than
+    its forward, a false "took another path" error in backward, or a false divergence."""
+    if at_forward and not dispatch_modes_on():
+        with _SamePath():
+            yield
+    else:
+        yield

@@ -1225,6 +1225,10 @@ def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, 
     attributes of the holder objects among them (a config on the root), as :func:`~lightning_replay.slot_restore.swap_outside`
     puts them back."""
     out: list[tuple[Any, Any, Any]] = []
+    # one copy per object: a container two places hold (a dict bound as the default of a
+    # pre-hook and of a forward hook, which share their state through it) is put back as one
+    # copy, which the replay's writes through one place and reads through the other share
+    copies: dict[int, Any] = {}
     for m, name in reads:
         d = m.__dict__
         if isinstance(name, tuple) and isinstance(m, nn.Module):
@@ -1232,7 +1236,9 @@ def capture_outside(reads: list[tuple[nn.Module, Any]]) -> list[tuple[Any, Any, 
             # Items owner stands for, ``G["s", 0]``, is a name like any other)
             d, name = d[name[0]], name[1]
         v = d.get(name, MISSING)
-        out.append((d, name, _at_forward(v)))
+        if id(v) not in copies:
+            copies[id(v)] = _at_forward(v)
+        out.append((d, name, copies[id(v)]))
         if is_scalar(v) or isinstance(v, torch.Tensor):
             continue
         if issubclass(type(v), (*_CONTAINERS, tuple)):

@@ -24,6 +24,7 @@ import torch
 
 from lightning_replay.core.base.ports import CheckedSegment, CheckHost, RecordSink, StepClock
 from lightning_replay._compat import (
+    dispatch_modes_on,
     graph_task_keeps_graph,
     top_saved_tensors_hooks,
     tree_map,
@@ -440,6 +441,7 @@ class SegmentChecks:
         sac = self.seg.selective_frame(verify=True) if inv.option in SELECTIVE else None
         cached = param_cache.forward_start()
         with sac.forward if sac is not None else contextlib.nullcontext():
+            inv.moded = dispatch_modes_on()
             out = self._measured_call(args, kwargs, saved)
         if sac is not None:
             self.seg.settle_frame(sac)
@@ -544,6 +546,7 @@ class SegmentChecks:
                     ac.enter_context(forward_attributes(flat, inv.tensor_attrs))
                     ac.enter_context(with_attributes(inv.state_attrs))
                     ac.enter_context(forward_grads(inv.grads))
+                    ac.enter_context(backend_flags.dispatching_as(inv.moded))
                     out2 = self.seg.orig_forward(*args, **kwargs)
                 t0 = self.clock() if timed else 0.0
                 outs2 = _grad_outputs(out2)

@@ -281,6 +281,19 @@ def _hook_state(hooks: tuple | None) -> list[tuple[str, Any]]:
     return out
 
 
+def _as_first(reads: list[tuple[Any, Any]], copies: dict[int, Any]) -> list[tuple]:
+    """(owner, name, value as the forward starts) of each read, one copy per object
+    (``copies``): a container two owners hold (a dict bound as the default of two hooks) is
+    put back as one, shared as the forward shared it."""
+    out = []
+    for mod, name in reads:
+        v = vars(mod).get(name, MISSING)
+        if id(v) not in copies:
+            copies[id(v)] = _at_forward(v)
+        out.append((mod, name, copies[id(v)]))
+    return out
+
+
 def _value_token(v: Any) -> Any:
     if isinstance(v, (bool, int, float, complex, str, bytes, type(None))):
         return ("value", repr(v))
@@ -763,12 +776,11 @@ class SegmentProbe:
         scripts = _ScriptCalls()
         grads = GradReads()  # .grad its forward reads (backward sets it before the replay)
         # module-level plain values the segment's code names, as before its forward
-        glob = [
-            (mod, name, _at_forward(vars(mod).get(name, MISSING)))
-            for mod, name in globals_read(
-                self.seg.modules, held_functions(self.seg.modules), self.seg.name
-            )
-        ]
+        copies: dict[int, Any] = {}  # (one copy per object: see slots.capture_outside)
+        glob = _as_first(
+            globals_read(self.seg.modules, held_functions(self.seg.modules), self.seg.name),
+            copies,
+        )
         # the user's own saved-tensor hooks, and the state they can rebind, as at its start
         hooks = (box or {}).get("user") if replayed else user_saved_hooks(eng)
         hook_state = _hook_state(hooks)
@@ -825,11 +837,14 @@ class SegmentProbe:
             probe.gens += drawn
         if outside.functions:  # methods and properties of modules outside it it called
             named = {(id(vars(m)), k) for m, k, _ in glob}
-            glob += [
-                (mod, name, _at_forward(vars(mod).get(name, MISSING)))
-                for mod, name in globals_read((), outside.functions, self.seg.name)
-                if (id(vars(mod)), name) not in named
-            ]
+            glob += _as_first(
+                [
+                    (mod, name)
+                    for mod, name in globals_read((), outside.functions, self.seg.name)
+                    if (id(vars(mod)), name) not in named
+                ],
+                copies,
+            )
         known = {(id(vars(m)), k) for m, k in self.seg.outside}  # a globals dict: one owner
         reads = outside.reads + [(mod, name) for mod, name, _ in glob]
         self.seg.outside += [(m, k) for m, k in reads if (id(vars(m)), k) not in known]

@@ -87,6 +87,7 @@ class _Invocation:
     __slots__ = (
         "rt",
         "version",
+        "moded",
         "option",
         "step",
         "checked",
@@ -157,6 +158,7 @@ class _Invocation:
         self.state_attrs: list[tuple[torch.Tensor, dict]] = []  # ... of its modules' tensors
         self.grads: list = []  # (tensor, its .grad at forward) of those the forward read
         self.backends: tuple | None = None  # the kernel switches at forward (backend_flags)
+        self.moded = False  # a Python dispatch mode was on as the forward ran (backend_flags)
         self.preserved_bytes = 0
         self.replays = 0
         self.done = False
