@@ -420,3 +420,52 @@ def test_a_replay_takes_the_aten_path_its_forward_took(install, checked):
         assert torch.equal(p, q)
     assert not odd, odd
     assert set(modes.values()) != {"retain"}, modes
+
+
+# -------------------------------------------------- a replan between a measured step and its end
+class _Up(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 512), nn.Linear(512, 64)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def test_a_replan_to_a_lower_budget_does_not_judge_the_step_before_by_it():
+    """``replan(budget=lower)`` right after a step the engine measured under the old, roomy
+    budget: that step's real peak was judged against the new budget, a false "step N held X
+    of real memory, over the budget" for a step that ran within the budget in force then."""
+    from tests.helpers.torch_memory import StepReferee
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Up() for _ in range(4)], nn.Linear(64, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = lr.install(model, ["0", "1", "2", "3"], budget="64MiB")
+    referee = StepReferee()
+    said, peaks, low = [], [], None
+    try:
+        for s in range(14):
+            x = torch.randn(512, 64, generator=torch.Generator().manual_seed(s))
+            opt.zero_grad(set_to_none=True)
+
+            def step():
+                model(x).pow(2).mean().backward()
+                opt.step()
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                peak, who = referee(step, engine)
+            said += [str(w.message) for w in caught if "over the budget" in str(w.message)]
+            if low is not None:
+                peaks.append(peak)
+            elif s >= 4 and who == "engine":  # measured by the engine: replan right after
+                # (the roomy plan retains every segment; recomputing two fits 0.83 of it)
+                low = int(0.83 * peak)
+                engine.replan(budget=low)
+    finally:
+        referee.close()
+        engine.uninstall()
+    assert low is not None, "no step measured by the engine: the test sees nothing"
+    assert max(peaks) <= low, (max(peaks), low)  # (the new plan keeps the new budget)
+    assert not said, said

@@ -241,6 +241,7 @@ class ReplayEngine:
         self._truth_base = 0  # the process's live tensor bytes as the measured step began
         self._truth_checked = False  # whether the last step began was derivative-checked
         self._window_plan = -1  # the plan version the last step began under
+        self._truth_budget: int | None = None  # the budget the measured step ran under
         self._past_plan_said = -1  # the plan version _held_past_plan last spoke of
         self._truth_inputs = 0  # bytes of the measured step's inputs, made before it began
         self._truth_size: int | None = None  # the largest input (elements) measured at
@@ -1116,6 +1117,7 @@ class ReplayEngine:
             self._truth_pending = False
             self._truth_rounds += 1
             self._truth_plan = self.plan
+            self._truth_budget = self.budget  # (a replan before it settles: judged by this)
             self._truth_state = self._state_now
             self._truth_inputs = _input_bytes(inputs)
             graph.truth_size = self._truth_size

@@ -149,11 +149,15 @@ def settle_real_peak(eng) -> None:
     if freed:
         replan_smaller_base(eng)
     eng._refit_plan()
-    if eng.budget is not None and real > eng.budget and eng._over_budget_warned != eng.plan_version:
+    # a measured step is judged by the budget it ran under: a replan to a lower budget made
+    # between it and this (at the step's end) is for the steps after it (before: a false
+    # "over the budget" naming a step that ran within the budget in force then)
+    budget = eng._truth_budget if measured else eng.budget
+    if budget is not None and real > budget and eng._over_budget_warned != eng.plan_version:
         eng._over_budget_warned = eng.plan_version
         warnings.warn(
             f"step {eng._last_step} held {format_bytes(real)} ({real} bytes) of real memory, "
-            f"over the budget ({format_bytes(eng.budget)}): "
+            f"over the budget ({format_bytes(budget)}): "
             f"{format_bytes(eng._residual)} beyond the engine's figures (backward "
             "temporaries, optimizer state, state that grew since the last measurement). "
             f"The plan in force (v{eng.plan_version}) now predicts "
