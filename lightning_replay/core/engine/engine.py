@@ -1332,6 +1332,7 @@ class ReplayEngine:
             "predicted_bytes": predicted,
             "budget": self.budget,
             "action": "the next step is measured and re-planned",
+            "reasons": ["held_past_plan"],
         }
         self.records.append(
             step=self.step,
