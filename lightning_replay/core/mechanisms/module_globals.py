@@ -515,7 +515,7 @@ class _DefaultsDict:
             d[i] = value
             self.fn.__defaults__ = tuple(d)
         elif name in (self.fn.__kwdefaults__ or {}):
-            self.fn.__kwdefaults__ = {**self.fn.__kwdefaults__, name: value}
+            self.fn.__kwdefaults__[name] = value  # (in place: whoever holds it sees it)
 
     def pop(self, name: str, default: Any = None) -> Any:
         return self.get(name, default)  # (a default cannot be removed: left as it is)

@@ -826,9 +826,11 @@ def departed_error(
         f"path than its forward of step {step} ({seen}), so this step's gradients cannot be "
         "computed from it. Its forward depends on something its contract does not restore: a "
         "value read from outside the model (held in a closure, an environment variable, the "
-        "clock, a file), or a random draw from a generator nobody passes to the segment. Make "
-        "that value an attribute of the model, a module-level value its code names, or an "
-        "argument of the segment, or keep this segment's "
+        "clock, a file), a random draw from a generator nobody passes to the segment, or a "
+        "parameter's requires_grad switched between the forward and its backward (freeze "
+        "layers between steps, not inside one). Make that value an attribute of the model, a "
+        "module-level value its code names, or an argument of the segment, or keep this "
+        "segment's "
         f"activations (preservation={{{rt.name!r}: 'retain'}}). Recorded as a divergence."
     )
 
